@@ -1,0 +1,29 @@
+# The two commands of the README. Each creates .venv and installs what it needs on its own.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned before the package so pip never picks a newer multi-GB build by itself: on machines
+# without a GPU pip's configuration here serves the CPU build of 2.13.0 from local disk; elsewhere the
+# same release comes from PyPI (the CUDA build on Linux).
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: serve test lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+serve: $(VENV)/.installed
+	$(BIN)/localserve serve $(ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .

@@ -1,0 +1,1 @@
+"""localserve: a single-GPU LLM server with a paged, quantizable KV cache."""

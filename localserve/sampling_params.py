@@ -1,0 +1,56 @@
+"""Sampling parameters of one request, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token, and when to stop.
+
+    `temperature == 0` is greedy decoding. `top_k=None`, `top_p=1.0` and `min_p=0.0` switch those
+    filters off. `n` sequences are sampled from one prompt (they share its KV blocks); with
+    `beam_search=True` they are the `n` beams of a beam search instead.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1
+    beam_search: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_k", self.top_k is None or self.top_k >= 1, "must be >= 1 (or None to disable)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is always the most likely one."""
+        return self.temperature == 0

@@ -1,0 +1,1 @@
+"""localserve.tui."""
