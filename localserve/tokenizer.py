@@ -1,0 +1,377 @@
+"""The tokenizer: the `tokenizers` library, the model's special tokens and its chat template.
+
+Two sources: a Hugging Face folder (`tokenizer.json`, `tokenizer_config.json`, optionally
+`chat_template.jinja`, `generation_config.json`, `config.json`), or the metadata of a GGUF file, from
+which an equivalent `tokenizers.Tokenizer` is rebuilt (byte-level BPE or SentencePiece-style BPE).
+
+Text that a user types which spells a special token (say "<|im_end|>" inside a message) stays plain
+text in `encode_chat`: only the special tokens the chat template itself writes become special ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+from localserve.chat_template import render_chat_template
+
+__all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                       "mask_token")
+
+GGUF_SPECIAL_IDS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+# GGUF token types (llama.cpp's llama_token_type).
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+
+# Pre-tokenizer split patterns of byte-level BPE vocabularies, by GGUF `tokenizer.ggml.pre`.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
+QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+GPT2_PRE = ("default", "gpt2", "gpt-2")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded; the message names the file and the problem."""
+
+
+class StreamDecoder:
+    """Incremental detokenizer: feed ids one at a time, get text that is safe to show.
+
+    Built on `tokenizers.decoders.DecodeStream`, so a character whose bytes are spread over several
+    tokens comes out whole, once complete; the chunks concatenate to `decode(all_ids)`.
+    """
+
+    def __init__(self, backend: BackendTokenizer, skip_special_tokens: bool = True) -> None:
+        self._backend = backend
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        """Add one token id; return the new text it completes ('' when none is complete yet)."""
+        return self._stream.step(self._backend, int(token_id)) or ""
+
+
+class Tokenizer:
+    """Encode, decode, stream-decode and apply the chat template of one model."""
+
+    def __init__(self, backend: BackendTokenizer, *, special_tokens: Mapping[str, str | None],
+                 eos_token_ids: Sequence[int] | None = None, chat_template: str | None = None,
+                 source: str = "<memory>") -> None:
+        self.backend = backend
+        self.source = source
+        self.chat_template = chat_template
+        self.special_tokens_map = {name: text for name, text in special_tokens.items() if text}
+        bos, eos = self.special_tokens_map.get("bos_token"), self.special_tokens_map.get("eos_token")
+        self.bos_token_id: int | None = backend.token_to_id(bos) if bos else None
+        if eos_token_ids is None:
+            eos_token_ids = [backend.token_to_id(eos)] if eos and backend.token_to_id(eos) is not None else []
+        self.eos_token_ids: list[int] = list(dict.fromkeys(int(i) for i in eos_token_ids))
+        added = backend.get_added_tokens_decoder().values()
+        self._special_added = {token.content: token for token in added if token.special}
+        longest_first = sorted(self._special_added, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        self._plain_backend: BackendTokenizer | None = None
+        self._plain_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_path(cls, path: str | Path) -> Tokenizer:
+        """A `.gguf` file or a Hugging Face folder."""
+        path = Path(path)
+        return cls.from_gguf(path) if path.suffix == ".gguf" else cls.from_hf_folder(path)
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` and its companions from a Hugging Face model folder."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"{tokenizer_file}: file not found (a model folder needs tokenizer.json)")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"{tokenizer_file}: not a valid tokenizer.json ({exc})") from None
+        config = {**_read_json(folder / "special_tokens_map.json"),
+                  **_read_json(folder / "tokenizer_config.json")}
+        special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = {entry.get("name"): entry.get("template") for entry in template}.get("default")
+        if (folder / "chat_template.jinja").is_file():  # as in transformers, the file wins
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        eos_ids = None
+        for name in ("generation_config.json", "config.json"):
+            eos = _read_json(folder / name).get("eos_token_id")
+            if eos is not None:
+                eos_ids = [eos] if isinstance(eos, int) else list(eos)
+                break
+        return cls(backend, special_tokens=special, eos_token_ids=eos_ids, chat_template=template,
+                   source=str(folder))
+
+    @classmethod
+    def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
+        """Rebuild the tokenizer described by a GGUF file's metadata (a path or a `gguf.GGUFReader`)."""
+        if hasattr(reader_or_path, "fields"):
+            reader = reader_or_path
+            name = str(getattr(getattr(reader, "data", None), "filename", None) or "<gguf>")
+        else:
+            import gguf
+
+            name = str(reader_or_path)
+            try:
+                reader = gguf.GGUFReader(name)
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"{name}: cannot read the GGUF file ({exc})") from None
+
+        def meta(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        model, tokens = meta("tokenizer.ggml.model"), meta("tokenizer.ggml.tokens")
+        if model is None or not tokens:
+            raise TokenizerError(f"{name}: no tokenizer in the GGUF metadata (tokenizer.ggml.model/tokens)")
+        types = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if model == "gpt2":
+            backend = _byte_level_bpe(tokens, types, meta("tokenizer.ggml.merges") or [],
+                                      meta("tokenizer.ggml.pre", "default"))
+        elif model == "llama":
+            backend = _sentencepiece_bpe(tokens, meta("tokenizer.ggml.scores"),
+                                         meta("tokenizer.ggml.unknown_token_id"),
+                                         bool(meta("tokenizer.ggml.add_space_prefix", True)))
+        else:
+            raise TokenizerError(f"{name}: unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model);"
+                                 " supported: 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+        # CONTROL tokens are special; USER_DEFINED ones (like <think>) are matched whole but are plain text.
+        kinds = dict(zip(tokens, types, strict=True))
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, kind in kinds.items() if kind in (UNKNOWN, CONTROL)])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, kind in kinds.items() if kind == USER_DEFINED])
+        ids = {name: meta(f"tokenizer.ggml.{key}_token_id") for name, key in GGUF_SPECIAL_IDS.items()}
+        special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+        add_bos = meta("tokenizer.ggml.add_bos_token", model == "llama")  # llama.cpp's default
+        _set_post_processor(backend, special.get("bos_token") if add_bos else None,
+                            special.get("eos_token") if meta("tokenizer.ggml.add_eos_token", False) else None)
+        # End of generation: EOS, and the end-of-turn / end-of-message tokens llama.cpp also stops at.
+        eos_ids = [i for i in (ids["eos_token"], meta("tokenizer.ggml.eot_token_id"),
+                               meta("tokenizer.ggml.eom_token_id")) if i is not None]
+        return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
+                   chat_template=meta("tokenizer.chat_template"), source=name)
+
+    # ---------------------------------------------------------------- encoding and decoding
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (see `eos_token_ids` for all of them)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """A fresh incremental detokenizer for one sequence."""
+        return StreamDecoder(self.backend, skip_special_tokens)
+
+    # ---------------------------------------------------------------- chat
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The prompt text for `messages`, rendered as transformers renders it."""
+        template = kwargs.pop("chat_template", None) or self.chat_template
+        if not template:
+            raise TokenizerError(f"{self.source}: the tokenizer has no chat template")
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, special_tokens=self.special_tokens_map, **kwargs)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat; special tokens typed in the inputs stay plain text.
+
+        Without such text this is `encode(apply_chat_template(...), add_special_tokens=False)`, exactly
+        as transformers tokenizes a chat. Otherwise each occurrence is swapped for a private-use
+        placeholder before rendering, so the special tokens left in the rendered text are the
+        template's own; the text between those is encoded with special-token matching turned off and
+        the placeholders turned back into the typed text.
+        """
+        template = kwargs.pop("chat_template", None) or self.chat_template
+        inputs = [list(messages), tools, kwargs]
+        if self._special_re is None or not any(self._special_re.search(s) for s in _strings(inputs)):
+            text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template=template,
+                                            **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        used = set("".join(_strings(inputs))) | set(template or "")
+        free = (chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in used)  # supplementary private use
+        placeholder = {token: next(free) for token in self._special_added}
+        restore = {char: token for token, char in placeholder.items()}
+
+        def mark(obj: Any) -> Any:
+            if isinstance(obj, str):
+                return self._special_re.sub(lambda m: placeholder[m.group()], obj)
+            if isinstance(obj, Mapping):
+                return {key: mark(value) for key, value in obj.items()}
+            return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
+
+        rendered = self.apply_chat_template(mark(list(messages)), add_generation_prompt, mark(tools),
+                                            chat_template=template, **mark(kwargs))
+        restore_re = re.compile("|".join(map(re.escape, restore)))
+        pieces = re.split(f"({self._special_re.pattern})", rendered)  # text, special, text, special, ...
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            if index % 2:
+                ids.append(self.backend.token_to_id(piece))
+                continue
+            before = self._special_added[pieces[index - 1]] if index else None
+            after = self._special_added[pieces[index + 1]] if index + 1 < len(pieces) else None
+            piece = piece.lstrip() if before is not None and before.rstrip else piece
+            piece = piece.rstrip() if after is not None and after.lstrip else piece
+            if piece:
+                ids += self._encode_plain(restore_re.sub(lambda m: restore[m.group()], piece), index > 0)
+        return ids
+
+    def _encode_plain(self, text: str, mid_sequence: bool) -> list[int]:
+        """Encode `text` with special-token strings as ordinary text, on a separate backend (thread safe)."""
+        with self._plain_lock:
+            if self._plain_backend is None:
+                self._plain_backend = BackendTokenizer.from_str(self.backend.to_str())
+                self._plain_backend.encode_special_tokens = True
+        encode = self._plain_backend.encode
+        if mid_sequence:
+            # Text in the middle of a sequence must not get the prefix space SentencePiece adds at the
+            # start of a string: encode it after a newline, then drop the newline (transformers' trick).
+            newline = encode("\n", add_special_tokens=False).ids
+            ids = encode("\n" + text, add_special_tokens=False).ids
+            if ids[:len(newline)] == newline:
+                return ids[len(newline):]
+        return encode(text, add_special_tokens=False).ids
+
+
+# -------------------------------------------------------------------- helpers
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _strings(obj: Any) -> Iterator[str]:
+    """Every string inside nested lists, tuples and dict values."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _strings(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _strings(value)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    mapping, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte], extra = chr(256 + extra), extra + 1
+    return mapping
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str) -> BackendTokenizer:
+    """Byte-level BPE (GPT-2 style) with the pre-tokenizer named by `tokenizer.ggml.pre`."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Ordinary tokens are stored in the byte alphabet; respell any that are not (a converter's slip).
+    vocab = {}
+    for i, (token, kind) in enumerate(zip(tokens, types, strict=True)):
+        plain = kind in (CONTROL, USER_DEFINED) or set(token) <= alphabet
+        vocab[token if plain else "".join(spelling[b] for b in token.encode("utf-8"))] = i
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in LLAMA3_PRE))  # as Llama 3's tokenizer.json
+    if pre == "smollm":  # SmolLM2's tokenizer.json: single digits, then GPT-2's byte-level regex
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    elif pre in LLAMA3_PRE or pre in QWEN2_PRE:
+        split = LLAMA3_SPLIT if pre in LLAMA3_PRE else QWEN2_SPLIT
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        if pre in QWEN2_PRE:
+            backend.normalizer = normalizers.NFC()
+    else:
+        if pre not in GPT2_PRE:
+            log.warning("unknown GGUF pre-tokenizer %r; using GPT-2's byte-level regex", pre)
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, unk_id: int | None,
+                       add_space_prefix: bool) -> BackendTokenizer:
+    """SentencePiece BPE (Llama 2, Mistral) with byte fallback; merges recovered from the token scores."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    scores = scores if scores is not None else [-float(i) for i in range(len(tokens))]
+    merges = []  # (left, right, score of the merged token), as transformers' generate_merges orders them
+    for token, score in zip(tokens, scores, strict=True):
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    unk = tokens[unk_id] if unk_id is not None else None
+    backend = BackendTokenizer(BPE(vocab, [(m[0], m[1]) for m in merges], unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True, dropout=None))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", split=False,
+                                                     prepend_scheme="first" if add_space_prefix else "never")
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _set_post_processor(backend: BackendTokenizer, bos: str | None, eos: str | None) -> None:
+    """Make `encode(..., add_special_tokens=True)` add BOS and/or EOS, as the GGUF metadata asks."""
+    if bos is None and eos is None:
+        return
+    head, tail = (f"{bos}:0 " if bos else ""), (f" {eos}:0" if eos else "")
+    pair_head, pair_tail = (f"{bos}:1 " if bos else ""), (f" {eos}:1" if eos else "")
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{head}$A:0{tail}", pair=f"{head}$A:0{tail} {pair_head}$B:1{pair_tail}",
+        special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)])
