@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,30 +30,27 @@ log = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                        "mask_token")
-
 GGUF_SPECIAL_IDS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
-# GGUF token types (llama.cpp's llama_token_type).
-UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types (llama.cpp's llama_token_type)
 
 # Pre-tokenizer split patterns of byte-level BPE vocabularies, by GGUF `tokenizer.ggml.pre`.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 GPT2_PRE = ("default", "gpt2", "gpt-2")
 
 
 class TokenizerError(ValueError):
-    """A tokenizer that cannot be loaded; the message names the file and the problem."""
+    """A tokenizer that cannot be loaded or used; the message names the file and the problem."""
 
 
 class StreamDecoder:
-    """Incremental detokenizer: feed ids one at a time, get text that is safe to show.
+    """Incremental detokenizer for one sequence: feed ids one at a time, get text safe to show.
 
-    Built on `tokenizers.decoders.DecodeStream`, so a character whose bytes are spread over several
-    tokens comes out whole, once complete; the chunks concatenate to `decode(all_ids)`.
+    Built on `tokenizers.decoders.DecodeStream`: a character whose bytes are spread over several
+    tokens comes out whole once complete, and the chunks concatenate to `decode(all_ids)`.
     """
 
     def __init__(self, backend: BackendTokenizer, skip_special_tokens: bool = True) -> None:
@@ -72,20 +69,22 @@ class Tokenizer:
                  eos_token_ids: Sequence[int] | None = None, chat_template: str | None = None,
                  source: str = "<memory>") -> None:
         self.backend = backend
-        self.source = source
+        self.source = source  # the file or folder it came from, for error messages
         self.chat_template = chat_template
         self.special_tokens_map = {name: text for name, text in special_tokens.items() if text}
         bos, eos = self.special_tokens_map.get("bos_token"), self.special_tokens_map.get("eos_token")
         self.bos_token_id: int | None = backend.token_to_id(bos) if bos else None
         if eos_token_ids is None:
-            eos_token_ids = [backend.token_to_id(eos)] if eos and backend.token_to_id(eos) is not None else []
+            eos_token_ids = [i for i in [backend.token_to_id(eos) if eos else None] if i is not None]
         self.eos_token_ids: list[int] = list(dict.fromkeys(int(i) for i in eos_token_ids))
         added = backend.get_added_tokens_decoder().values()
         self._special_added = {token.content: token for token in added if token.special}
         longest_first = sorted(self._special_added, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
-        self._plain_backend: BackendTokenizer | None = None
+        self._plain_backend: BackendTokenizer | None = None  # special-token matching off; see _encode_plain
         self._plain_lock = threading.Lock()
+        first = backend.encode("a", add_special_tokens=False).tokens
+        self._prepends_space = bool(first) and first[0].startswith("▁")  # SentencePiece style
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -180,7 +179,7 @@ class Tokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        """The first end-of-sequence id (see `eos_token_ids` for all of them)."""
+        """The first end-of-generation id (`eos_token_ids` holds all of them)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def token_to_id(self, token: str) -> int | None:
@@ -212,56 +211,48 @@ class Tokenizer:
         """Token ids of the rendered chat; special tokens typed in the inputs stay plain text.
 
         Without such text this is `encode(apply_chat_template(...), add_special_tokens=False)`, exactly
-        as transformers tokenizes a chat. Otherwise each occurrence is swapped for a private-use
-        placeholder before rendering, so the special tokens left in the rendered text are the
-        template's own; the text between those is encoded with special-token matching turned off and
-        the placeholders turned back into the typed text.
+        as transformers tokenizes a chat. Otherwise each typed occurrence becomes a private-use
+        placeholder while rendering, so the special tokens in the rendered text are the template's own;
+        the text between them is encoded with special-token matching off and the placeholders restored.
         """
         template = kwargs.pop("chat_template", None) or self.chat_template
         inputs = [list(messages), tools, kwargs]
-        if self._special_re is None or not any(self._special_re.search(s) for s in _strings(inputs)):
+        strings = _strings(inputs)
+        if self._special_re is None or not any(self._special_re.search(s) for s in strings):
             text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template=template,
                                             **kwargs)
             return self.encode(text, add_special_tokens=False)
-        used = set("".join(_strings(inputs))) | set(template or "")
+        used = set("".join(strings)) | set(template or "")
         free = (chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in used)  # supplementary private use
-        placeholder = {token: next(free) for token in self._special_added}
-        restore = {char: token for token, char in placeholder.items()}
-
-        def mark(obj: Any) -> Any:
-            if isinstance(obj, str):
-                return self._special_re.sub(lambda m: placeholder[m.group()], obj)
-            if isinstance(obj, Mapping):
-                return {key: mark(value) for key, value in obj.items()}
-            return [mark(value) for value in obj] if isinstance(obj, (list, tuple)) else obj
-
-        rendered = self.apply_chat_template(mark(list(messages)), add_generation_prompt, mark(tools),
-                                            chat_template=template, **mark(kwargs))
-        restore_re = re.compile("|".join(map(re.escape, restore)))
+        placeholders = {token: next(free) for token in self._special_added}
+        restore = str.maketrans({char: token for token, char in placeholders.items()})
+        marked = _map_strings(inputs, lambda s: self._special_re.sub(lambda m: placeholders[m.group()], s))
+        rendered = self.apply_chat_template(marked[0], add_generation_prompt, marked[1],
+                                            chat_template=template, **marked[2])
         pieces = re.split(f"({self._special_re.pattern})", rendered)  # text, special, text, special, ...
         ids: list[int] = []
         for index, piece in enumerate(pieces):
             if index % 2:
                 ids.append(self.backend.token_to_id(piece))
                 continue
-            before = self._special_added[pieces[index - 1]] if index else None
-            after = self._special_added[pieces[index + 1]] if index + 1 < len(pieces) else None
-            piece = piece.lstrip() if before is not None and before.rstrip else piece
-            piece = piece.rstrip() if after is not None and after.lstrip else piece
+            if index and self._special_added[pieces[index - 1]].rstrip:  # as the added token would strip
+                piece = piece.lstrip()
+            if index + 1 < len(pieces) and self._special_added[pieces[index + 1]].lstrip:
+                piece = piece.rstrip()
             if piece:
-                ids += self._encode_plain(restore_re.sub(lambda m: restore[m.group()], piece), index > 0)
+                ids += self._encode_plain(piece.translate(restore), mid_sequence=index > 0)
         return ids
 
     def _encode_plain(self, text: str, mid_sequence: bool) -> list[int]:
-        """Encode `text` with special-token strings as ordinary text, on a separate backend (thread safe)."""
+        """Encode `text` with special-token strings as ordinary text, on a second backend (thread safe)."""
         with self._plain_lock:
             if self._plain_backend is None:
                 self._plain_backend = BackendTokenizer.from_str(self.backend.to_str())
                 self._plain_backend.encode_special_tokens = True
         encode = self._plain_backend.encode
-        if mid_sequence:
-            # Text in the middle of a sequence must not get the prefix space SentencePiece adds at the
-            # start of a string: encode it after a newline, then drop the newline (transformers' trick).
+        if mid_sequence and self._prepends_space:
+            # SentencePiece-style tokenizers add a "▁" at the start of a string but not after an added
+            # token: encode after a newline, then drop the newline (transformers' trick).
             newline = encode("\n", add_special_tokens=False).ids
             ids = encode("\n" + text, add_special_tokens=False).ids
             if ids[:len(newline)] == newline:
@@ -288,39 +279,30 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _strings(obj: Any) -> Iterator[str]:
-    """Every string inside nested lists, tuples and dict values."""
+def _map_strings(obj: Any, function: Callable[[str], str]) -> Any:
+    """A copy of nested lists, tuples and dicts with `function` applied to every string value."""
     if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _strings(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _strings(value)
+        return function(obj)
+    if isinstance(obj, Mapping):
+        return {key: _map_strings(value, function) for key, value in obj.items()}
+    return [_map_strings(value, function) for value in obj] if isinstance(obj, (list, tuple)) else obj
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: every byte as a printable character."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
-    mapping, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            mapping[byte] = chr(byte)
-        else:
-            mapping[byte], extra = chr(256 + extra), extra + 1
-    return mapping
+def _strings(obj: Any) -> list[str]:
+    """Every string inside nested lists, tuples and dict values."""
+    found: list[str] = []
+    _map_strings(obj, lambda text: found.append(text) or text)
+    return found
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str) -> BackendTokenizer:
     """Byte-level BPE (GPT-2 style) with the pre-tokenizer named by `tokenizer.ggml.pre`."""
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    # Ordinary tokens are stored in the byte alphabet; respell any that are not (a converter's slip).
-    vocab = {}
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {}  # ordinary tokens are spelled in the byte alphabet; respell any that are not (a slip)
     for i, (token, kind) in enumerate(zip(tokens, types, strict=True)):
         plain = kind in (CONTROL, USER_DEFINED) or set(token) <= alphabet
-        vocab[token if plain else "".join(spelling[b] for b in token.encode("utf-8"))] = i
+        vocab[token if plain else to_bytes.pre_tokenize_str(token)[0][0]] = i
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
     backend = BackendTokenizer(BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
                                    end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
@@ -334,7 +316,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         if pre in QWEN2_PRE:
-            backend.normalizer = normalizers.NFC()
+            backend.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
     else:
         if pre not in GPT2_PRE:
             log.warning("unknown GGUF pre-tokenizer %r; using GPT-2's byte-level regex", pre)
@@ -348,7 +330,7 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, unk_id: in
     """SentencePiece BPE (Llama 2, Mistral) with byte fallback; merges recovered from the token scores."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     scores = scores if scores is not None else [-float(i) for i in range(len(tokens))]
-    merges = []  # (left, right, score of the merged token), as transformers' generate_merges orders them
+    merges = []  # (left, right, score of the merged token), ordered as transformers' generate_merges
     for token, score in zip(tokens, scores, strict=True):
         local = [(token[:k], token[k:], score) for k in range(1, len(token))
                  if token[:k] in vocab and token[k:] in vocab]
@@ -360,18 +342,16 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, unk_id: in
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", split=False,
                                                      prepend_scheme="first" if add_space_prefix else "never")
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
+    strip = [decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence(steps + strip)
     return backend
 
 
 def _set_post_processor(backend: BackendTokenizer, bos: str | None, eos: str | None) -> None:
     """Make `encode(..., add_special_tokens=True)` add BOS and/or EOS, as the GGUF metadata asks."""
-    if bos is None and eos is None:
-        return
-    head, tail = (f"{bos}:0 " if bos else ""), (f" {eos}:0" if eos else "")
-    pair_head, pair_tail = (f"{bos}:1 " if bos else ""), (f" {eos}:1" if eos else "")
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{head}$A:0{tail}", pair=f"{head}$A:0{tail} {pair_head}$B:1{pair_tail}",
-        special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)])
+    tokens = [token for token in (bos, eos) if token]
+    if tokens:
+        single = " ".join([*([bos] if bos else []), "$A", *([eos] if eos else [])])
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} {single.replace('$A', '$B:1')}",
+            special_tokens=[(token, backend.token_to_id(token)) for token in dict.fromkeys(tokens)])
