@@ -183,6 +183,7 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of one token string (None if it is not in the vocabulary)."""
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -190,6 +191,7 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids outside the vocabulary are skipped."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
