@@ -16,10 +16,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from localserve.block_manager import BlockManager, OutOfBlocksError
 
 SMALL_VOCAB = st.integers(0, 2)  # few distinct tokens, so prompts often share prefixes by chance
+MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool for decoding
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4]),
+    @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4]),
                 num_cpu_blocks=st.integers(0, 16), enable_prefix_caching=st.booleans())
     def create_manager(self, num_blocks, block_size, num_cpu_blocks, enable_prefix_caching):
         self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
@@ -84,11 +85,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
             del self.token_ids[seq_id], self.num_computed[seq_id]
         return token_ids
 
+    def append_one_token_each(self, seq_ids: list[int], data) -> bool:
+        """One decode step's appends, if the pool allows; checks the exact block and copy counts."""
+        manager = self.manager
+        num_blocks = manager.num_blocks_to_append(seq_ids)
+        assert manager.can_append(seq_ids) == (num_blocks <= manager.num_available_blocks)
+        if not manager.can_append(seq_ids):
+            return False
+        available, cow_copies = manager.num_available_blocks, manager.cow_copies
+        copies = []
+        for seq_id in seq_ids:
+            token_id = data.draw(SMALL_VOCAB)
+            new_copies = manager.append_token(seq_id, token_id)
+            assert len(new_copies) <= 1
+            copies += new_copies
+            self.token_ids[seq_id].append(token_id)
+        assert available - manager.num_available_blocks == num_blocks
+        assert manager.cow_copies - cow_copies == len(copies)
+        for source, destination in copies:  # the model runner's copy-on-write
+            self.gpu_kv[destination] = list(self.gpu_kv[source])
+        return True
+
     # ---- rules ----
-    @rule(tokens=st.lists(SMALL_VOCAB, min_size=1, max_size=24))
+    @precondition(lambda self: len(self.requests) < MAX_RUNNING_REQUESTS)
+    @rule(tokens=st.lists(SMALL_VOCAB, min_size=1, max_size=16))
     def allocate_new_prompt(self, tokens):
         self.admit(tokens)
 
+    @precondition(lambda self: len(self.requests) < MAX_RUNNING_REQUESTS)
     @rule(data=st.data(), suffix=st.lists(SMALL_VOCAB, min_size=0, max_size=10))
     def allocate_prompt_sharing_a_prefix(self, data, suffix):
         earlier = data.draw(st.sampled_from(self.past_prompts))
@@ -101,32 +125,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def compute_a_chunk(self, data):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         for seq_id in self.requests[request_id]:
-            self.compute(seq_id, data.draw(st.integers(self.num_computed[seq_id], len(self.token_ids[seq_id]))))
+            num_computed = data.draw(st.integers(self.num_computed[seq_id], len(self.token_ids[seq_id])))
+            self.compute(seq_id, num_computed)
 
     @precondition(lambda self: self.gpu_requests())
-    @rule(data=st.data())
-    def decode_step(self, data):
+    @rule(data=st.data(), num_steps=st.integers(1, 4))
+    def decode_steps(self, data, num_steps):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_ids = data.draw(st.lists(st.sampled_from(self.requests[request_id]), min_size=1, unique=True))
-        for seq_id in seq_ids:
-            self.compute(seq_id, len(self.token_ids[seq_id]))
-        manager = self.manager
-        num_blocks = manager.num_blocks_to_append(seq_ids)
-        assert manager.can_append(seq_ids) == (num_blocks <= manager.num_available_blocks)
-        if not manager.can_append(seq_ids):
-            return
-        available, cow_copies = manager.num_available_blocks, manager.cow_copies
-        copies = []
-        for seq_id in seq_ids:
-            token_id = data.draw(SMALL_VOCAB)
-            new_copies = manager.append_token(seq_id, token_id)
-            assert len(new_copies) <= 1
-            copies += new_copies
-            self.token_ids[seq_id].append(token_id)
-        assert available - manager.num_available_blocks == num_blocks
-        assert manager.cow_copies - cow_copies == len(copies)
-        for source, destination in copies:
-            self.gpu_kv[destination] = list(self.gpu_kv[source])
+        for _ in range(num_steps):
+            for seq_id in seq_ids:
+                self.compute(seq_id, len(self.token_ids[seq_id]))
+            if not self.append_one_token_each(seq_ids, data):
+                return
 
     @precondition(lambda self: self.gpu_requests())
     @rule(data=st.data())
@@ -139,6 +150,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.requests[request_id].append(child)
         self.token_ids[child] = list(self.token_ids[parent])
         self.num_computed[child] = self.num_computed[parent]
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data())
+    def beam_search_step(self, data):
+        """Beams are reordered: survivors forked from chosen parents, the rest dropped; then all grow."""
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        beams = self.requests[request_id]
+        parents = data.draw(st.lists(st.sampled_from(beams), min_size=len(beams), max_size=len(beams)))
+        new_beams = []
+        for parent in beams:
+            self.compute(parent, len(self.token_ids[parent]))
+        for index, parent in enumerate(parents):
+            if parent in parents[:index]:  # a second child of the same parent: fork it
+                child = self.new_id()
+                self.manager.fork(parent, child)
+                self.token_ids[child] = list(self.token_ids[parent])
+                self.num_computed[child] = self.num_computed[parent]
+                new_beams.append(child)
+            else:
+                new_beams.append(parent)
+        for beam in beams:
+            if beam not in parents:
+                self.manager.free(beam)
+                del self.token_ids[beam], self.num_computed[beam]
+        self.requests[request_id] = new_beams
+        self.append_one_token_each(new_beams, data)
 
     @precondition(lambda self: any(len(seq_ids) > 1 for seq_ids in self.requests.values()))
     @rule(data=st.data())
@@ -211,6 +248,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=50, deadline=None,
+    max_examples=200, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 test_block_manager_random_histories = BlockManagerMachine.TestCase
