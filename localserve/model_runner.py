@@ -31,6 +31,8 @@ class StepInput:
 
     chunks: list[SeqChunk]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
 
 
 class ModelRunner:
@@ -44,8 +46,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; returns logits [num chunks with needs_logits, vocab] in their order."""
+        """Run one step; returns logits [num chunks with needs_logits, vocab] in their order.
+
+        Block moves come first, in this order: swap-out, swap-in, copy-on-write; the forward pass then
+        writes into blocks those moves may just have freed or filled.
+        """
+        self.kv_cache.swap_out(step.swap_out)
+        self.kv_cache.swap_in(step.swap_in)
         self.kv_cache.copy_blocks(step.block_copies)
+        if not step.chunks:
+            return torch.empty(0)
         block_size = self.kv_cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []

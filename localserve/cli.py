@@ -1,0 +1,153 @@
+"""The `localserve` command: generate, serve.
+
+stdout carries only what the user asked for (generated text); logs and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from localserve.sampling_params import SamplingParams
+
+log = logging.getLogger("localserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model (named as in llama.cpp and vLLM)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("-m", "--model", help="HF folder, hub repo id or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
+    g.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: float32 on CPU, bf16 on GPU)")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--chat-template-file", type=Path, help="a Jinja chat template replacing the model's")
+    e = parser.add_argument_group("engine")
+    e.add_argument("-c", "--ctx-size", type=int, help="context length per sequence (default: the model's)")
+    e.add_argument("-np", "--parallel", type=int, default=16, help="sequences running at once (slots)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    e.add_argument("--num-kv-blocks", type=int, default=2048, help="blocks in the KV pool")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+
+
+def build_llm(args: argparse.Namespace):
+    from localserve.engine import EngineConfig
+    from localserve.llm import LLM
+    from localserve.scheduler import SchedulerConfig
+
+    config = EngineConfig(
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=args.ctx_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduler=SchedulerConfig(max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  preemption_mode=args.preemption_mode))
+    llm = LLM(args.model, dtype=DTYPES.get(args.dtype), device=args.device, offline=args.offline,
+              engine_config=config)
+    if args.chat_template_file:
+        llm.tokenizer.chat_template = args.chat_template_file.read_text()
+    return llm
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 is greedy (the default)")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad values fail before the model loads
+    llm = build_llm(args)
+    if args.chat:
+        prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = llm.tokenizer.encode(args.prompt)
+    stream_completion(llm.engine, prompt_ids, params)
+    return 0
+
+
+def stream_completion(engine, prompt_ids: list[int], params: SamplingParams) -> str:
+    """Run one request, writing its text to stdout as it is generated; returns the whole text."""
+    request_id = engine.add_request(prompt_ids, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                delta = output.outputs[0].delta_text
+                text += delta
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    return text
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Until the websocket server lands: an interactive chat with the model in this terminal."""
+    params = sampling_params(args)
+    llm = build_llm(args)
+    messages: list[dict[str, str]] = []
+    print(f"localserve: chatting with {llm.model_config.name} (Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = stream_completion(llm.engine, llm.tokenizer.encode_chat(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt and print it")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="serve the model (for now: chat with it in this terminal)")
+    add_model_args(serve)
+    add_sampling_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, OSError) as exc:
+        # One clear line naming the file and the problem; the traceback only with -v.
+        if args.verbose:
+            raise
+        print(f"localserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Decides what each engine step runs: continuous batching, chunked prefill, preemption.
+
+Order within a step: running decodes first (oldest request first), then prefill chunks of running
+requests, then swapped-out requests come back, then waiting requests are admitted in arrival order,
+as long as slots (`max_num_seqs`), the token budget (`max_num_batched_tokens`) and free blocks allow.
+When a decode needs a block and none is free, the most recently arrived running request is preempted,
+all its sequences at once, by recompute (blocks freed, prompt + output prefilled again later) or swap.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from localserve.block_manager import BlockManager
+from localserve.model_runner import SeqChunk, StepInput
+from localserve.sequence import Request, RequestState, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 16  # -np/--parallel: sequences running at once
+    max_num_batched_tokens: int = 512  # token budget of one step
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs (every "
+                             f"running sequence decodes each step); got {self.max_num_seqs}, "
+                             f"{self.max_num_batched_tokens}")
+
+
+@dataclass
+class Batch:
+    """One step's work: which sequences run, with how many query tokens over how much context."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)  # the request of each entry of seqs
+    step_input: StepInput = field(default_factory=lambda: StepInput(chunks=[]))
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(q for q in self.query_lens if q > 1)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [seq.num_computed_tokens + q for seq, q in zip(self.seqs, self.query_lens)]
+
+
+class Scheduler:
+    """Holds the waiting, running and swapped requests and builds one Batch per step."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []  # arrival order
+        self.running: list[Request] = []  # arrival order
+        self.swapped: list[Request] = []  # arrival order
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        # 1. Decodes, oldest first; make room by preempting the newest requests.
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted while making room for an older request
+            pending = [s for s in request.live_seqs if s.pending_append]
+            if pending:
+                while not bm.can_append([s.seq_id for s in pending]):
+                    victim = self.running[-1]
+                    self._preempt(victim, batch)
+                    if victim is request:
+                        break
+                if request not in self.running:
+                    continue
+                for seq in pending:
+                    batch.step_input.block_copies += bm.append_token(seq.seq_id, seq.token_ids[-1])
+                    seq.pending_append = False
+            for seq in request.live_seqs:
+                if seq.num_uncomputed_tokens == 1 and budget > 0:
+                    self._add(batch, request, seq, 1)
+                    budget -= 1
+        # 2. Prefill chunks of running requests (resumed or long prompts), in arrival order.
+        scheduled = {seq.seq_id for seq in batch.seqs}
+        for request in self.running:
+            for seq in request.live_seqs:
+                if seq.num_uncomputed_tokens > 1 and seq.seq_id not in scheduled:
+                    budget -= self._add_prefill(batch, request, seq, budget)
+        # 3. Swapped requests come back (their pending tokens are appended by the next step's decodes).
+        while self.swapped and self._has_slots(self.swapped[0]):
+            request = self.swapped[0]
+            seq_ids = [s.seq_id for s in request.live_seqs]
+            if not self._leaves_decode_headroom(bm.num_blocks_to_swap_in(seq_ids)):
+                break
+            batch.step_input.swap_in += bm.swap_in(seq_ids)
+            self.swapped.pop(0)
+            request.state = RequestState.RUNNING
+            self._insert_running(request)
+        # 4. Admit waiting requests in arrival order while slots, budget and blocks allow.
+        while self.waiting and budget > 0 and not self.swapped and self._has_slots(self.waiting[0]):
+            request = self.waiting[0]
+            seqs = request.live_seqs
+            need = sum(bm.num_blocks_to_allocate(s.token_ids) for s in seqs)
+            if not self._leaves_decode_headroom(need):
+                break
+            self.waiting.pop(0)
+            for seq in seqs:
+                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+                seq.pending_append = False
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = seqs[0].num_computed_tokens
+            request.state = RequestState.RUNNING
+            self._insert_running(request)
+            for seq in seqs:
+                budget -= self._add_prefill(batch, request, seq, budget)
+        batch.step_input.chunks = [
+            SeqChunk(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + q], seq.num_computed_tokens,
+                     bm.block_table(seq.seq_id), needs_logits=seq.num_computed_tokens + q == seq.num_tokens)
+            for seq, q in zip(batch.seqs, batch.query_lens)]
+        return batch
+
+    def _add(self, batch: Batch, request: Request, seq: Sequence, num_tokens: int) -> None:
+        batch.seqs.append(seq)
+        batch.requests.append(request)
+        batch.query_lens.append(num_tokens)
+
+    def _add_prefill(self, batch: Batch, request: Request, seq: Sequence, budget: int) -> int:
+        """Schedule as much of the sequence's uncomputed tokens as the budget allows; returns tokens used."""
+        remaining = seq.num_uncomputed_tokens
+        if self.config.enable_chunked_prefill:
+            num_tokens = min(remaining, budget)
+        elif remaining <= budget or batch.num_prefill_tokens == 0:
+            # Without chunking a prompt runs whole; alone in its step it may exceed the budget.
+            num_tokens = remaining
+        else:
+            num_tokens = 0
+        if num_tokens > 0:
+            self._add(batch, request, seq, num_tokens)
+        return num_tokens
+
+    def _has_slots(self, request: Request) -> bool:
+        return self.num_running_seqs() + len(request.live_seqs) <= self.config.max_num_seqs
+
+    def _leaves_decode_headroom(self, num_blocks: int) -> bool:
+        # Admit only when one more block for every running sequence would still fit afterwards, so a
+        # request just (re)admitted is not preempted again by the very next decode step.
+        return num_blocks + self.num_running_seqs() <= self.block_manager.num_available_blocks
+
+    def _insert_running(self, request: Request) -> None:
+        index = len(self.running)
+        while index > 0 and self.running[index - 1].arrival > request.arrival:
+            index -= 1
+        self.running.insert(index, request)
+
+    def _preempt(self, request: Request, batch: Batch) -> None:
+        """Evict a whole request: by swap when configured and the CPU pool has room, else by recompute."""
+        bm = self.block_manager
+        self.running.remove(request)
+        seq_ids = [s.seq_id for s in request.live_seqs]
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(request)
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(seq_ids):
+            batch.step_input.swap_out += bm.swap_out(seq_ids)
+            request.state = RequestState.SWAPPED
+            self._insert_by_arrival(self.swapped, request)
+            mode = "swap"
+        else:
+            for seq in request.live_seqs:
+                bm.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.pending_append = False
+            request.state = RequestState.WAITING
+            self._insert_by_arrival(self.waiting, request)
+            mode = "recompute"
+        # Any entries of this request already in the batch are dropped.
+        keep = [i for i, r in enumerate(batch.requests) if r is not request]
+        batch.seqs = [batch.seqs[i] for i in keep]
+        batch.requests = [batch.requests[i] for i in keep]
+        batch.query_lens = [batch.query_lens[i] for i in keep]
+        log.warning("preempted request %s by %s (%d preemptions so far)", request.request_id, mode,
+                    self.num_preemptions)
+
+    @staticmethod
+    def _insert_by_arrival(queue: list[Request], request: Request) -> None:
+        index = 0
+        while index < len(queue) and queue[index].arrival < request.arrival:
+            index += 1
+        queue.insert(index, request)
+
+    def finish(self, request: Request) -> None:
+        """Take a request out of the queues and free the blocks of its live sequences."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        if request.state in (RequestState.RUNNING, RequestState.SWAPPED):
+            for seq in request.live_seqs:
+                self.block_manager.free(seq.seq_id)
+        request.state = RequestState.FINISHED
