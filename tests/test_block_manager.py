@@ -348,10 +348,10 @@ def test_misuse_is_rejected():
 def test_check_integrity_reports_a_wrong_ref_count_and_a_leaked_block():
     manager = BlockManager(num_blocks=4)
     manager.allocate(1, prompt(20))
-    manager._blocks[0].ref_count += 1  # as if a table had been forgotten without releasing its blocks
-    with pytest.raises(AssertionError, match="block 0: ref count 2, 1 tables point at it"):
+    manager._ref_counts[0] += 1  # as if a table had been forgotten without releasing its blocks
+    with pytest.raises(AssertionError, match="block 0: ref count 2, 1 tables"):
         manager.check_integrity()
-    manager._blocks[0].ref_count -= 1
+    manager._ref_counts[0] -= 1
     del manager._free_queue[3]  # a block that is nowhere
     with pytest.raises(AssertionError, match="block 3"):
         manager.check_integrity()
