@@ -33,6 +33,12 @@ class AttentionMetadata:
         return len(self.query_lens)
 
 
+def token_positions(metadata: AttentionMetadata, device: torch.device | str) -> torch.Tensor:
+    """The position of each new token of the batch [num_tokens]: its sequence's last query_len positions."""
+    return torch.cat([torch.arange(ctx - q_len, ctx, device=device)
+                      for q_len, ctx in zip(metadata.query_lens, metadata.context_lens, strict=True)])
+
+
 class AttentionBackend(Protocol):
     """Writes one layer's new K/V into the paged cache and attends over it."""
 
@@ -47,12 +53,15 @@ class TorchAttentionBackend:
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: PagedKVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        kv_cache.write(layer, key, value, metadata.slot_mapping)
-        output = torch.empty_like(query)
-        decode_rows = [i for i, q_len in enumerate(metadata.query_lens) if q_len == 1]
         starts = [0]
         for q_len in metadata.query_lens:
             starts.append(starts[-1] + q_len)
+        positions = token_positions(metadata, query.device) if kv_cache.needs_positions else None
+        kv_cache.write(layer, key, value, metadata.slot_mapping, positions)
+        # A rotated (quantized) cache: rotate the query once, attend in the cache's domain, un-rotate once.
+        query = kv_cache.transform_query(layer, query)
+        output = torch.empty_like(query)
+        decode_rows = [i for i, q_len in enumerate(metadata.query_lens) if q_len == 1]
         if decode_rows:
             token_index = torch.tensor([starts[i] for i in decode_rows], device=query.device)
             lens = [metadata.context_lens[i] for i in decode_rows]
@@ -64,7 +73,7 @@ class TorchAttentionBackend:
                 output[rows] = self._attend(layer, query[rows].unsqueeze(0), kv_cache,
                                             metadata.block_tables[i:i + 1], [metadata.context_lens[i]],
                                             [q_len]).squeeze(0)
-        return output
+        return kv_cache.restore_output(layer, output)
 
     @staticmethod
     def _attend(layer: int, query: torch.Tensor, kv_cache: PagedKVCache, block_tables: torch.Tensor,

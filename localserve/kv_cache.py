@@ -9,59 +9,125 @@ import torch
 
 
 class PagedKVCache:
-    """K and V caches of shape [num_blocks, block_size, num_kv_heads, head_dim] for each layer."""
+    """K and V stores for each layer, indexed [num_blocks, block_size, ...] by block and offset.
+
+    Each of K and V has its own format (`cache_type_k`, `cache_type_v`; default: `dtype` itself, i.e. no
+    quantization). A store is the format's tensors, each [num_blocks, block_size, *shape per token]:
+    write() quantizes, gather() dequantizes only the gathered blocks, and copies and swaps move the stored
+    bytes. Quantized 4-bit formats may use per-layer `calibration` (see kv_calibration) and the model's
+    rotary embedding (`rope`: positions -> (cos, sin)) for the key mean.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", num_cpu_blocks: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", num_cpu_blocks: int = 0,
+                 cache_type_k: str | None = None, cache_type_v: str | None = None,
+                 calibration=None, rope=None) -> None:
+        from localserve.kv_formats import dtype_format, make_codec
+
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # The swap space: the same layout in CPU memory (pinned when the pool is on a GPU).
-        cpu_shape = (num_cpu_blocks, *shape[1:])
+        self.cache_type_k = cache_type_k or dtype_format(dtype)
+        self.cache_type_v = cache_type_v or dtype_format(dtype)
+        layer_calibration = calibration.layer if calibration is not None else (lambda layer: None)
+        self.key_codecs = [make_codec(self.cache_type_k, "key", num_kv_heads, head_dim,
+                                      layer_calibration(i), rope) for i in range(num_layers)]
+        self.value_codecs = [make_codec(self.cache_type_v, "value", num_kv_heads, head_dim,
+                                        layer_calibration(i), rope) for i in range(num_layers)]
+        self.needs_positions = any(c.needs_positions for c in self.key_codecs + self.value_codecs)
         pin = torch.device(device).type == "cuda"
-        self.cpu_key_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.cpu_value_caches = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.key_stores = [self._allocate(c, num_blocks, device) for c in self.key_codecs]
+        self.value_stores = [self._allocate(c, num_blocks, device) for c in self.value_codecs]
+        # The swap space: the same layout in CPU memory (pinned when the pool is on a GPU).
+        self.cpu_key_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.key_codecs]
+        self.cpu_value_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.value_codecs]
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store key/value [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
-        key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
-        key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = key.to(key_cache.dtype)
-        value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = value.to(value_cache.dtype)
+    def _allocate(self, codec, num_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=device,
+                                  pin_memory=pin)
+                for name, (shape, dtype) in codec.storage().items()}
 
-    def gather(self, layer: int, block_tables: torch.Tensor, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of each sequence's first `max_context` tokens: [S, max_context, Hkv, D] each."""
+    @property
+    def key_caches(self) -> list[torch.Tensor]:
+        """Unquantized K caches [num_blocks, block_size, Hkv, D] per layer (passthrough formats only)."""
+        return [store["values"] for store in self.key_stores]
+
+    @property
+    def value_caches(self) -> list[torch.Tensor]:
+        """Unquantized V caches [num_blocks, block_size, Hkv, D] per layer (passthrough formats only)."""
+        return [store["values"] for store in self.value_stores]
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies in the pool, K and V of every layer."""
+        return sum(c.bytes_per_token() for c in self.key_codecs + self.value_codecs)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              positions: torch.Tensor | None = None) -> None:
+        """Store key/value [T, Hkv, D] of tokens at `positions` [T] in flat slots [T] (block*size+offset)."""
+        for codec, store, x in ((self.key_codecs[layer], self.key_stores[layer], key),
+                                (self.value_codecs[layer], self.value_stores[layer], value)):
+            for name, encoded in codec.encode(x, positions).items():
+                tensor = store[name]
+                tensor.view(-1, *tensor.shape[2:])[slot_mapping] = encoded
+
+    def gather(self, layer: int, block_tables: torch.Tensor,
+               max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of each sequence's first `max_context` tokens: [S, max_context, Hkv, D] each.
+
+        Only the gathered blocks are decoded; a rotated format returns its rotated domain (see
+        transform_query / restore_output).
+        """
         num_blocks_needed = -(-max_context // self.block_size)
         tables = block_tables[:, :num_blocks_needed]
         num_seqs = tables.shape[0]
-        key = self.key_caches[layer][tables].view(num_seqs, -1, *self.key_caches[layer].shape[2:])
-        value = self.value_caches[layer][tables].view(num_seqs, -1, *self.value_caches[layer].shape[2:])
-        return key[:, :max_context], value[:, :max_context]
+        length = tables.shape[1] * self.block_size
+        positions = None
+        if self.needs_positions:
+            positions = torch.arange(length, device=tables.device).repeat(num_seqs)
+        out = []
+        for codec, store in ((self.key_codecs[layer], self.key_stores[layer]),
+                             (self.value_codecs[layer], self.value_stores[layer])):
+            gathered = {name: tensor[tables].flatten(0, 2) for name, tensor in store.items()}
+            decoded = codec.decode(gathered, positions)
+            out.append(decoded.view(num_seqs, length, *decoded.shape[1:])[:, :max_context])
+        return out[0], out[1]
+
+    def transform_query(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        """query [T, H, D] into the domain of this layer's gathered keys (identity unless rotated)."""
+        return self.key_codecs[layer].transform_query(query)
+
+    def restore_output(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, H, D] over gathered values back to true values (identity unless rotated)."""
+        return self.value_codecs[layer].restore_output(output)
+
+    def _all_tensors(self, key_stores, value_stores) -> list[torch.Tensor]:
+        return [t for store in (*key_stores, *value_stores) for t in store.values()]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write) in every layer: each (source, destination)."""
         if not pairs:
             return
-        device = self.key_caches[0].device
+        device = next(iter(self.key_stores[0].values())).device
         src = torch.tensor([s for s, _ in pairs], device=device)
         dst = torch.tensor([d for _, d in pairs], device=device)
-        for cache in (*self.key_caches, *self.value_caches):
+        for cache in self._all_tensors(self.key_stores, self.value_stores):
             cache[dst] = cache[src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks to the CPU pool: each (gpu_block, cpu_block), in every layer."""
-        self._move(pairs, self.key_caches + self.value_caches, self.cpu_key_caches + self.cpu_value_caches)
+        """Copy blocks in their stored format to the CPU pool: each (gpu_block, cpu_block), every layer."""
+        self._move(pairs, self._all_tensors(self.key_stores, self.value_stores),
+                   self._all_tensors(self.cpu_key_stores, self.cpu_value_stores))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks back from the CPU pool: each (cpu_block, gpu_block), in every layer."""
-        self._move(pairs, self.cpu_key_caches + self.cpu_value_caches, self.key_caches + self.value_caches)
+        self._move(pairs, self._all_tensors(self.cpu_key_stores, self.cpu_value_stores),
+                   self._all_tensors(self.key_stores, self.value_stores))
 
     @staticmethod
-    def _move(pairs: list[tuple[int, int]], sources: list[torch.Tensor], destinations: list[torch.Tensor]) -> None:
+    def _move(pairs: list[tuple[int, int]], sources: list[torch.Tensor],
+              destinations: list[torch.Tensor]) -> None:
         if not pairs:
             return
-        for source, destination in zip(sources, destinations):
+        for source, destination in zip(sources, destinations, strict=True):
             src = torch.tensor([s for s, _ in pairs], device=source.device)
             dst = torch.tensor([d for _, d in pairs], device=destination.device)
             destination[dst] = source[src].to(destination.device, non_blocking=True)
