@@ -1,4 +1,4 @@
-"""The `localserve` command: generate, serve.
+"""The `localserve` command: generate, serve, chat.
 
 stdout carries only what the user asked for (generated text); logs and progress go to stderr.
 """
@@ -99,21 +99,54 @@ def stream_completion(engine, prompt_ids: list[int], params: SamplingParams) -> 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Until the websocket server lands: an interactive chat with the model in this terminal."""
-    params = sampling_params(args)
+    """Serve the model over websockets (DESIGN.md section 7) until Ctrl-C."""
+    import asyncio
+    import os
+
+    from localserve.engine_thread import EngineThread
+    from localserve.server import LocalServer, ServerConfig, check_bind_safety
+
+    api_key = args.api_key or os.environ.get("LOCALSERVE_API_KEY")
+    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
+                          allowed_origins=tuple(args.allowed_origins), model_alias=args.alias,
+                          max_connections=args.max_connections, default_max_output_tokens=args.max_tokens,
+                          default_temperature=args.temperature, monitor_interval_s=args.monitor_interval)
+    check_bind_safety(config)  # before minutes of loading, not after
     llm = build_llm(args)
-    messages: list[dict[str, str]] = []
-    print(f"localserve: chatting with {llm.model_config.name} (Ctrl-D to quit)", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        reply = stream_completion(llm.engine, llm.tokenizer.encode_chat(messages), params)
-        messages.append({"role": "assistant", "content": reply})
+    engine_thread = EngineThread(llm.engine)
+    engine_thread.start()
+    try:
+        asyncio.run(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name, config).serve_forever())
+    finally:
+        engine_thread.stop()
+    return 0
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `localserve serve`: where to listen, who may connect, defaults for requests."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (anything but loopback needs --api-key)")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $LOCALSERVE_API_KEY)")
+    g.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="browser origins allowed besides the server's own, e.g. http://localhost:3000")
+    g.add_argument("--alias", help="the model name clients send and /v1/models lists")
+    g.add_argument("--max-connections", type=int, default=256)
+    g.add_argument("--max-tokens", "-n", type=int, default=1024,
+                   help="max_output_tokens of a request that sets none (always cut to the context)")
+    g.add_argument("--temperature", "--temp", type=float, default=1.0,
+                   help="temperature of a request that sets none")
+    g.add_argument("--monitor-interval", type=float, default=0.5,
+                   help="seconds between /v1/monitor snapshots")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat in this terminal with a running server (see localserve/chat_client.py)."""
+    from localserve.chat_client import run_chat
+
+    return run_chat(args.url, api_key=args.api_key, model=args.model, instructions=args.instructions,
+                    max_output_tokens=args.max_tokens, temperature=args.temperature)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,10 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
-    serve = sub.add_parser("serve", help="serve the model (for now: chat with it in this terminal)")
+    serve = sub.add_parser("serve", help="serve the model over websockets (OpenAI Responses WebSocket mode)")
     add_model_args(serve)
-    add_sampling_args(serve)
+    add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    chat = sub.add_parser("chat", help="chat in this terminal with a running server")
+    chat.add_argument("url", nargs="?", default="ws://127.0.0.1:8080",
+                      help="the server (default: %(default)s)")
+    chat.add_argument("--api-key", help="the server's key (default: $LOCALSERVE_API_KEY)")
+    chat.add_argument("--model", help="model name to send (default: the server's)")
+    chat.add_argument("--instructions", help="system prompt")
+    chat.add_argument("--max-tokens", "-n", type=int, help="max_output_tokens per reply")
+    chat.add_argument("--temperature", "--temp", type=float)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
