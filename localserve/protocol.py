@@ -254,6 +254,8 @@ class ResponseStream:
 
     def absorb(self, output: RequestOutput) -> None:
         """Take one engine output: new text (and logprobs), and the outcome once finished."""
+        if self.is_done:  # cancelled while this output was on its way
+            return
         self.num_cached_tokens = output.num_cached_tokens
         for completion in output.outputs[:len(self.texts)]:
             index = completion.index
