@@ -286,6 +286,7 @@ def test_swap_out_copies_shared_blocks_once_and_swap_in_restores_the_sharing():
     assert manager.free_queue_block_ids()[-4:] == [3, 2, 1, 0]  # released tail first, shared ones last
     manager.check_integrity()
     manager.allocate(3, prompt(80, 1000))  # takes 5 blocks from the head, evicting block 1's contents
+    assert manager.num_blocks_to_swap_in([1, 2]) == 4  # shared blocks count once
     assert not manager.can_swap_in([1, 2])
     manager.free(3)
     assert manager.can_swap_in([1, 2])
