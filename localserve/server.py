@@ -10,13 +10,11 @@ unknown path (404) and connections beyond the limit (503).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import ipaddress
 import json
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -25,11 +23,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from localserve.engine_thread import EngineThread
 from localserve.metrics import EngineStats, ServerMetrics
+from localserve.monitor import MIN_MONITOR_INTERVAL_S, read_monitor_snapshot, read_slots, serve_monitor
 from localserve.protocol import ProtocolError
 from localserve.responses_session import ResponsesSession
 
@@ -37,7 +35,6 @@ log = logging.getLogger(__name__)
 
 RESPONSES_PATH = "/v1/responses"
 MONITOR_PATH = "/v1/monitor"
-MIN_MONITOR_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -97,42 +94,6 @@ class ConversationStore:
 
     def __len__(self) -> int:
         return len(self._conversations)
-
-
-def read_slots(engine) -> dict[str, Any]:
-    """Requests in the engine and the state of the block pool (call on the engine thread)."""
-    scheduler, block_manager = engine.scheduler, engine.block_manager
-    requests = []
-    for state, queue in (("running", scheduler.running), ("waiting", scheduler.waiting),
-                         ("swapped", scheduler.swapped)):
-        for request in queue:
-            num_output_tokens = max((len(seq.output_token_ids) for seq in request.seqs), default=0)
-            requests.append({"id": request.request_id, "state": state,
-                             "num_prompt_tokens": len(request.prompt_token_ids),
-                             "num_output_tokens": num_output_tokens,
-                             "num_cached_tokens": request.num_cached_tokens,
-                             "num_seqs": len(request.live_seqs), "num_preemptions": request.num_preemptions})
-    return {"max_num_seqs": scheduler.config.max_num_seqs, "requests": requests,
-            "blocks": {"num_blocks": block_manager.num_blocks, "block_size": block_manager.block_size,
-                       "num_free_blocks": block_manager.num_free_blocks,
-                       "num_cached_blocks": block_manager.num_cached_blocks,
-                       "num_used_blocks": block_manager.num_used_blocks,
-                       "usage_ratio": block_manager.usage_ratio,
-                       "num_cpu_blocks": block_manager.num_cpu_blocks,
-                       "num_free_cpu_blocks": block_manager.num_free_cpu_blocks}}
-
-
-def read_monitor_snapshot(engine) -> dict[str, Any]:
-    """What /v1/monitor sends: every block's state, the slots and the counters (on the engine thread)."""
-    pool = engine.block_manager.snapshot()
-    last_step = engine.step_history[-1] if engine.step_history else None
-    return {"type": "monitor.snapshot", "time": time.time(), "slots": read_slots(engine),
-            "block_states": pool.block_states, "cpu_block_states": pool.cpu_block_states,
-            "counters": dataclasses.asdict(EngineStats.read(engine)) | {
-                "cow_copies": engine.block_manager.cow_copies,
-                "cached_block_evictions": engine.block_manager.cached_block_evictions,
-                "num_steps": len(engine.step_history)},
-            "last_step": dataclasses.asdict(last_step) if last_step else None}
 
 
 @dataclass
@@ -231,45 +192,18 @@ class LocalServer:
             if target.path == RESPONSES_PATH:
                 await ResponsesSession(self, connection).run()
             else:
-                await self._monitor(connection, parse_qs(target.query))
+                wanted = parse_qs(target.query).get("interval", [str(self.config.monitor_interval_s)])[0]
+                try:
+                    interval_s = max(MIN_MONITOR_INTERVAL_S, float(wanted))
+                except ValueError:
+                    await connection.close(1008, "interval must be a number of seconds")
+                    return
+                await serve_monitor(connection, lambda: self.engine_call(read_monitor_snapshot), interval_s)
         except Exception:
             log.exception("connection handler failed")
             await connection.close(1011, "internal error")
         finally:
             self.num_connections -= 1
-
-    async def _monitor(self, connection: ServerConnection, query: dict[str, list[str]]) -> None:
-        """Send a snapshot every interval; a slower client gets fewer (the latest), never a backlog."""
-        try:
-            wanted = float(query.get("interval", [self.config.monitor_interval_s])[0])
-            interval = max(MIN_MONITOR_INTERVAL_S, wanted)
-        except ValueError:
-            await connection.close(1008, "interval must be a number of seconds")
-            return
-        latest: dict[str, Any] = {}
-        ready = asyncio.Event()
-
-        async def send_latest() -> None:
-            while True:
-                await ready.wait()
-                ready.clear()
-                await connection.send(json.dumps(latest["snapshot"]))
-
-        sender = asyncio.create_task(send_latest())
-        reader = asyncio.create_task(connection.wait_closed())
-        try:
-            while not reader.done() and not sender.done():
-                latest["snapshot"] = await self.engine_call(read_monitor_snapshot)  # replaces an unsent one
-                ready.set()
-                await asyncio.wait([reader, sender], timeout=interval, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sender.cancel()
-            reader.cancel()
-            for task in (sender, reader):
-                try:
-                    await task
-                except (asyncio.CancelledError, ConnectionClosed):
-                    pass
 
 
 def _has_key(headers: Headers, api_key: str) -> bool:

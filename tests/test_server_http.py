@@ -104,6 +104,30 @@ def test_monitor_sends_snapshots_of_every_block(server):
     assert {"num_preemptions", "prefix_hit_tokens", "num_generation_tokens"} <= set(snapshots[0]["counters"])
 
 
+def test_monitor_reports_admission_prefix_hits_and_finishing(server):
+    story = {"type": "response.create", "temperature": 0, "max_output_tokens": 40,
+             "input": "hello world tell me a story about the cat and the dog in the city by the river"}
+
+    async def main():
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/monitor?interval=0.05") as monitor:
+            await monitor.recv()
+            async with connect(f"ws://127.0.0.1:{server.port}/v1/responses") as client:
+                ids = []
+                for _ in range(2):  # the same prompt twice: the second finds it in the prefix cache
+                    await client.send(json.dumps(story))
+                    ids.append((await collect_response(client))[-1]["response"]["id"])
+            events = []
+            finished = {("finished", ids[0]), ("finished", ids[1])}
+            while not finished <= {(event["event"], event.get("id")) for event in events}:
+                events += json.loads(await monitor.recv())["events"]
+            return ids, events
+
+    ids, events = run(main())
+    seen = {(event["event"], event.get("id")) for event in events}
+    assert {("admitted", ids[0]), ("admitted", ids[1]), ("prefix_hit", ids[1])} <= seen
+    assert next(e for e in events if e["event"] == "prefix_hit")["num_cached_tokens"] >= 16
+
+
 def test_chat_client_holds_a_conversation(server):
     from localserve.chat_client import run_chat
 
