@@ -112,6 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_connections=args.max_connections, default_max_output_tokens=args.max_tokens,
                           default_temperature=args.temperature, monitor_interval_s=args.monitor_interval)
     check_bind_safety(config)  # before minutes of loading, not after
+    if not args.verbose:  # one line per connection is noise at INFO
+        logging.getLogger("websockets").setLevel(logging.WARNING)
     llm = build_llm(args)
     engine_thread = EngineThread(llm.engine)
     engine_thread.start()
