@@ -7,6 +7,7 @@ permuted back here so the one model implementation (HF rotate-half layout) serve
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,7 +49,7 @@ def open_gguf(path: Path):  # -> gguf.GGUFReader
         match = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(exc))
         if match:
             raise GGUFLoadError(f"{path}: a tensor has unknown GGML type {match.group(1)} "
-                                f"(gguf {gguf.__version__} does not know it)") from None
+                                f"(gguf {importlib.metadata.version('gguf')} does not know it)") from None
         raise GGUFLoadError(f"{path}: cannot read GGUF ({exc})") from None
 
 
