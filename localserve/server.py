@@ -50,6 +50,7 @@ class ServerConfig:
     max_connections: int = 256
     send_queue_size: int = 256  # server events waiting to be sent, per connection
     max_stored_responses: int = 1024  # conversations kept for previous_response_id (LRU)
+    max_stored_chars: int = 64 << 20  # and at most this much text in all of them
     default_max_output_tokens: int = 1024  # when response.create gives no max_output_tokens
     default_temperature: float = 1.0  # when response.create gives no temperature (OpenAI's default)
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
@@ -74,23 +75,32 @@ def check_bind_safety(config: ServerConfig) -> None:
 
 
 class ConversationStore:
-    """The conversations of finished responses (messages plus reply), least recently used evicted first."""
+    """The conversations of finished responses (messages plus reply), least recently used evicted first.
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._conversations: OrderedDict[str, list[dict[str, str]]] = OrderedDict()
+    Bounded both in conversations and in characters, so long conversations cannot pile up memory.
+    """
+
+    def __init__(self, capacity: int, max_chars: int) -> None:
+        self.capacity, self.max_chars = capacity, max_chars
+        self.num_chars = 0
+        self._conversations: OrderedDict[str, tuple[list[dict[str, str]], int]] = OrderedDict()
 
     def get(self, response_id: str) -> list[dict[str, str]] | None:
-        messages = self._conversations.get(response_id)
-        if messages is not None:
-            self._conversations.move_to_end(response_id)
-        return None if messages is None else list(messages)
+        """A copy of the conversation ending with `response_id`'s reply, or None."""
+        entry = self._conversations.get(response_id)
+        if entry is None:
+            return None
+        self._conversations.move_to_end(response_id)
+        return list(entry[0])
 
     def put(self, response_id: str, messages: list[dict[str, str]]) -> None:
-        self._conversations[response_id] = messages
-        self._conversations.move_to_end(response_id)
-        while len(self._conversations) > self.capacity:
-            self._conversations.popitem(last=False)
+        num_chars = sum(len(message["content"]) for message in messages)
+        self._conversations[response_id] = (messages, num_chars)
+        self.num_chars += num_chars
+        while len(self._conversations) > 1 and (len(self._conversations) > self.capacity
+                                                 or self.num_chars > self.max_chars):
+            _, (_, evicted_chars) = self._conversations.popitem(last=False)
+            self.num_chars -= evicted_chars
 
     def __len__(self) -> int:
         return len(self._conversations)
@@ -109,7 +119,7 @@ class LocalServer:
         check_bind_safety(self.config)
         self.served_name = self.config.model_alias or self.model_name
         self.metrics = ServerMetrics(self.served_name)
-        self.conversations = ConversationStore(self.config.max_stored_responses)
+        self.conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
         self.num_connections = 0
         self.port = self.config.port
         self._server: Server | None = None

@@ -158,6 +158,9 @@ def test_fifty_clients_vanishing_mid_stream_leave_no_block_in_use(server):
     async def main():
         await asyncio.gather(*(vanish(i) for i in range(50)))
 
+    generated_before = engine_thread.call(lambda engine: engine.num_generation_tokens).result()
     run(main())
     wait_until_idle(engine_thread)  # every block free or cached, books balanced
+    generated = engine_thread.call(lambda engine: engine.num_generation_tokens).result() - generated_before
+    assert 50 <= generated < 50 * 300 // 2  # they really were cut off mid-stream
     assert run(error_then_usable(server, "not json"))["error"]["code"] == "invalid_json"  # still serving

@@ -218,3 +218,18 @@ def test_listening_beyond_loopback_without_a_key_refuses_to_start(capsys, tmp_pa
     assert main(["serve", "--host", "0.0.0.0", "-m", str(tmp_path / "missing")]) == 2
     error = capsys.readouterr().err
     assert "refusing to listen on 0.0.0.0" in error and "--api-key" in error and "missing" not in error
+
+
+def test_conversation_store_is_bounded_in_count_and_characters():
+    from localserve.server import ConversationStore
+
+    store = ConversationStore(capacity=3, max_chars=10)
+    for index in range(4):
+        store.put(f"r{index}", [{"role": "user", "content": "ab"}])
+    assert len(store) == 3 and store.get("r0") is None
+    assert store.get("r1") == [{"role": "user", "content": "ab"}]  # r1 is now the most recent
+    store.put("r4", [{"role": "user", "content": "x" * 7}])
+    assert store.get("r2") is None and store.get("r3") is None and store.get("r1") is not None
+    assert store.num_chars == 9
+    store.put("big", [{"role": "user", "content": "y" * 50}])  # kept alone, even over the budget
+    assert len(store) == 1 and store.get("big")
