@@ -196,6 +196,15 @@ class ResponsesSession:
             self.queue.put_nowait(_WAKE)
 
     async def _send_loop(self) -> None:
+        try:
+            await self._send_events()
+        except ConnectionClosed:
+            raise
+        except Exception:  # a bug here must not leave the client waiting forever
+            log.exception("sending to a client failed; closing its connection")
+            await self.connection.close(1011, "internal error")
+
+    async def _send_events(self) -> None:
         while True:
             item = await self.queue.get()
             if item is _STOP:
