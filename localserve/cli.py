@@ -36,6 +36,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    e.add_argument("-ctk", "--cache-type-k", help="KV cache format of K: fp16, bf16, fp32, q8_0, q4_rot "
+                   "(default: the model dtype)")
+    e.add_argument("-ctv", "--cache-type-v", help="KV cache format of V (same choices as -ctk)")
+    e.add_argument("--kv-cache-dtype", help="KV cache format of both K and V (-ctk/-ctv override it)")
 
 
 def build_llm(args: argparse.Namespace):
@@ -46,6 +50,8 @@ def build_llm(args: argparse.Namespace):
     config = EngineConfig(
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=args.ctx_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        cache_type_k=args.cache_type_k or args.kv_cache_dtype,
+        cache_type_v=args.cache_type_v or args.kv_cache_dtype,
         scheduler=SchedulerConfig(max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   preemption_mode=args.preemption_mode))
@@ -174,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", "-n", type=int, help="max_output_tokens per reply")
     chat.add_argument("--temperature", "--temp", type=float)
     chat.set_defaults(func=cmd_chat)
+    from localserve.memory_plan import add_plan_args, cmd_plan
+
+    plan = sub.add_parser("plan", help="KV memory plan: per cache format, bytes/token and tokens that fit")
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

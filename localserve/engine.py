@@ -39,6 +39,8 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = None
     enable_prefix_caching: bool = True
     check_integrity: bool = False  # run BlockManager.check_integrity() after every step
+    cache_type_k: str | None = None  # K cache format (-ctk): fp16, bf16, fp32, q8_0, q4_rot; None: model dtype
+    cache_type_v: str | None = None  # KV cache format of V (-ctv)
 
 
 @dataclass
@@ -50,6 +52,20 @@ class StepRecord:
     num_seqs: int
     num_preempted: int
     duration_s: float
+
+
+def kv_format_args(model: LlamaForCausalLM, tokenizer, cache_type_k: str | None,
+                   cache_type_v: str | None) -> dict:
+    """PagedKVCache arguments for the K/V formats; a 4-bit format brings the model's calibration and RoPE."""
+    args = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+    from localserve.kv_formats import KVFormatSpec
+
+    if any(t and KVFormatSpec.parse(t).name == "q4_rot" for t in (cache_type_k, cache_type_v)):
+        from localserve.kv_calibration import load_or_calibrate
+
+        args["calibration"] = load_or_calibrate(model, tokenizer)
+        args["rope"] = lambda positions: model.rotary(positions, torch.float32)
+    return args
 
 
 class LLMEngine:
@@ -67,7 +83,8 @@ class LLMEngine:
         param = next(model.parameters())
         mc = model.config
         kv_cache = PagedKVCache(mc.num_layers, config.num_kv_blocks, config.block_size, mc.num_kv_heads,
-                                mc.head_dim, param.dtype, param.device, num_cpu_blocks=num_cpu_blocks)
+                                mc.head_dim, param.dtype, param.device, num_cpu_blocks=num_cpu_blocks,
+                                **kv_format_args(model, tokenizer, config.cache_type_k, config.cache_type_v))
         self.runner = ModelRunner(model, kv_cache)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.sampler = Sampler()
