@@ -1,5 +1,6 @@
-"""One /v1/responses connection without a model: a slow client gets fewer, longer deltas (never a
-growing queue), and a client that goes away aborts its request."""
+"""Connections without a model: on /v1/responses a slow client gets fewer, longer deltas (never a
+growing queue) and a client that goes away aborts its request; on /v1/monitor a slow client gets
+fewer snapshots, always the latest, with every event; monitor events from successive snapshots."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import threading
 
+from localserve.monitor import MonitorEvents, serve_monitor
 from localserve.outputs import CompletionOutput, RequestOutput
 from localserve.responses_session import ResponsesSession
 from localserve.server import LocalServer, ServerConfig
@@ -126,3 +128,52 @@ def test_client_that_leaves_aborts_its_request():
 
     engine_thread = asyncio.run(asyncio.wait_for(main(), 30))
     assert engine_thread.aborted == [engine_thread.submitted[0][0]]
+
+
+def snapshot(requests: list[dict], cow_copies: int = 0, number: int = 0) -> dict:
+    return {"type": "monitor.snapshot", "number": number, "slots": {"requests": requests},
+            "counters": {"cow_copies": cow_copies}}
+
+
+def slot(request_id: str, state: str = "running", num_preemptions: int = 0,
+         num_cached_tokens: int = 0) -> dict:
+    return {"id": request_id, "state": state, "num_preemptions": num_preemptions,
+            "num_cached_tokens": num_cached_tokens}
+
+
+def test_monitor_events_come_from_successive_snapshots():
+    events = MonitorEvents()
+    assert events.diff(snapshot([slot("a", num_cached_tokens=32), slot("b", "waiting")])) == [
+        {"event": "admitted", "id": "a"}, {"event": "prefix_hit", "id": "a", "num_cached_tokens": 32}]
+    assert events.diff(snapshot([slot("a", "waiting", num_preemptions=1), slot("b")], cow_copies=2)) == [
+        {"event": "preempted", "id": "a", "state": "waiting"}, {"event": "admitted", "id": "b"},
+        {"event": "copy_on_write", "num_blocks": 2}]
+    assert events.diff(snapshot([slot("a", num_preemptions=1)], cow_copies=5)) == [
+        {"event": "resumed", "id": "a"}, {"event": "finished", "id": "b"},
+        {"event": "copy_on_write", "num_blocks": 3}]
+
+
+def test_slow_monitor_client_gets_the_latest_snapshots_and_every_event():
+    async def main():
+        connection = SlowConnection([], send_delay_s=0.25)
+        connection.wait_closed = connection.closed.wait
+        numbers = iter(range(1_000_000))
+
+        async def read_snapshot():  # a new request admitted in every snapshot
+            number = next(numbers)
+            return snapshot([slot(f"r{number}")], number=number)
+
+        monitor = asyncio.create_task(serve_monitor(connection, read_snapshot, interval_s=0.02))
+        await asyncio.sleep(1.0)
+        await connection.close()
+        await monitor
+        return connection.sent, next(numbers)
+
+    sent, num_read = asyncio.run(asyncio.wait_for(main(), 30))
+    assert 2 <= len(sent) <= 6 < num_read  # about one per send, not one per interval
+    numbers = [message["number"] for message in sent]
+    # each the latest when it was sent, not the next of a backlog
+    assert all(later - earlier >= 5 for earlier, later in zip(numbers, numbers[1:], strict=False))
+    admitted = [event["id"] for message in sent for event in message["events"]
+                if event["event"] == "admitted"]
+    assert admitted == [f"r{number}" for number in range(len(admitted))]  # none lost in between
