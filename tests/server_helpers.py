@@ -66,9 +66,15 @@ def running_server(llm, **config):
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_llm(tmp_path_factory):
-    """An LLM over a random tiny Llama with a word-level chat tokenizer (context 512, 256 KV blocks)."""
-    return make_llm(write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")), max_model_len=512)
+def tiny_chat_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama with a word-level chat tokenizer, as an HF folder."""
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llm(tiny_chat_model_dir):
+    """An LLM over the tiny chat model (context 512, 256 KV blocks)."""
+    return make_llm(tiny_chat_model_dir, max_model_len=512)
 
 
 async def collect_response(connection) -> list[dict]:

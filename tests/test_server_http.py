@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -19,6 +23,7 @@ from tests import server_helpers
 from tests.server_helpers import CLOSING_EVENTS, collect_response, running_server
 
 tiny_chat_llm = server_helpers.tiny_chat_llm
+tiny_chat_model_dir = server_helpers.tiny_chat_model_dir
 API_KEY = "sekrit-key"
 
 
@@ -233,3 +238,23 @@ def test_conversation_store_is_bounded_in_count_and_characters():
     assert store.num_chars == 9
     store.put("big", [{"role": "user", "content": "y" * 50}])  # kept alone, even over the budget
     assert len(store) == 1 and store.get("big")
+
+
+def test_serve_command_serves_until_interrupted(tiny_chat_model_dir):
+    command = [sys.executable, "-m", "localserve.cli", "serve", "-m", str(tiny_chat_model_dir),
+               "--device", "cpu", "--port", "0", "--alias", "tiny-cli", "--num-kv-blocks", "64"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if found := re.search(r"serving tiny-cli on ws://127\.0\.0\.1:(\d+)/v1/responses", line):
+                break
+        assert found, "the server never said where it listens"
+        with urllib.request.urlopen(f"http://127.0.0.1:{found[1]}/v1/models", timeout=30) as response:
+            assert json.loads(response.read())["data"][0]["id"] == "tiny-cli"
+        events = run(respond_once(int(found[1])))
+        assert events[-1]["type"] in CLOSING_EVENTS
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+    finally:
+        process.kill()
+        process.wait()
