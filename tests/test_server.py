@@ -17,6 +17,7 @@ from tests import server_helpers
 from tests.server_helpers import CLOSING_EVENTS, running_server, wait_until_idle
 
 tiny_chat_llm = server_helpers.tiny_chat_llm
+tiny_chat_model_dir = server_helpers.tiny_chat_model_dir
 
 SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
 LONG_INPUT = "hello world tell me a story about the cat and the dog in the city by the river with the moon"

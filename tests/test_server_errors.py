@@ -15,6 +15,7 @@ from tests import server_helpers
 from tests.server_helpers import CLOSING_EVENTS, collect_response, running_server, wait_until_idle
 
 tiny_chat_llm = server_helpers.tiny_chat_llm
+tiny_chat_model_dir = server_helpers.tiny_chat_model_dir
 
 MAX_MESSAGE_BYTES = 64 * 1024
 GOOD = {"type": "response.create", "input": "hello world", "max_output_tokens": 3}
