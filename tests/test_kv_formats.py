@@ -293,3 +293,67 @@ def test_copy_and_swap_move_stored_bytes():
         for before, after in zip(snapshot[name], store.values(), strict=True):
             assert torch.equal(before[1:3], after[1:3]) and torch.equal(before[1:3], after[4:6])
     assert cache.bytes_per_token() == D * HKV * (4.25 + 8.5) / 8
+
+
+# ---------------------------------------------------------------- calibration
+def test_key_transform_solves_the_geometric_mean_equation():
+    from localserve.kv_calibration import _shrink, key_transform_from_moments
+
+    basis = gaussian(HKV, D, D, seed=70)
+    key_moment = basis @ basis.transpose(-1, -2) / D + 0.1 * torch.eye(D)
+    basis = gaussian(HKV, D, D, seed=71) * torch.linspace(0.1, 3, D)
+    query_moment = basis @ basis.transpose(-1, -2) / D + 0.1 * torch.eye(D)
+    a = key_transform_from_moments(key_moment, query_moment).double()
+    m = a.transpose(-1, -2) @ a
+    ck, cq = _shrink(key_moment.double()), _shrink(query_moment.double())
+    # M Ck M is proportional to Cq (A is rescaled to keep the key energy).
+    lhs = m @ ck @ m
+    ratio = torch.diagonal(lhs, dim1=-2, dim2=-1).sum(-1) / torch.diagonal(cq, dim1=-2, dim2=-1).sum(-1)
+    assert torch.allclose(lhs, cq * ratio[:, None, None], rtol=1e-3, atol=1e-6 * float(lhs.abs().max()))
+    energy = torch.diagonal(a @ ck @ a.transpose(-1, -2), dim1=-2, dim2=-1).sum(-1)
+    assert torch.allclose(energy, torch.diagonal(ck, dim1=-2, dim2=-1).sum(-1), rtol=1e-4)
+
+
+def test_calibration_is_computed_once_and_cached(tiny_model_dir, tmp_path):
+    from localserve.kv_calibration import load_or_calibrate
+    from localserve.loader import load_model
+
+    folder, _ = tiny_model_dir("llama")
+    model = load_model(folder, dtype=torch.float32).model
+    first = load_or_calibrate(model, None, cache_folder=tmp_path)
+    config = model.config
+    assert first.key_mean.shape == (config.num_layers, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+    assert first.key_transform.shape == (*shape, config.head_dim)
+    assert all(torch.isfinite(t).all() for t in first.to_dict().values())
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+    again = load_or_calibrate(model, None, cache_folder=tmp_path)
+    pairs = zip(first.to_dict().values(), again.to_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+# ---------------------------------------------------------------- the engine end to end (SmolLM2)
+ENGINE_FORMATS = [(None, None), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot"), ("q8_0", "q4_rot")]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path):
+    from localserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(smollm2_path)
+
+
+@pytest.mark.parametrize("k_type,v_type", ENGINE_FORMATS)
+def test_engine_serves_each_format(smollm2, smollm2_tokenizer, k_type, v_type):
+    from localserve.engine import EngineConfig, LLMEngine
+    from localserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(smollm2.model, smollm2_tokenizer,
+                       EngineConfig(num_kv_blocks=16, cache_type_k=k_type, cache_type_v=v_type))
+    prompt = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    max_tokens = 10 if k_type in (None, "q8_0") and k_type == v_type else 4
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    output = engine.run_to_completion()[request_id].outputs[0]
+    assert len(output.token_ids) >= 1 and output.text
+    if max_tokens == 10:
+        assert "Paris" in output.text
