@@ -133,11 +133,12 @@ def plan(config: ModelConfig, kv_budget: int, block_size: int = 16,
 
 
 def _human(n: float) -> str:
-    for unit in ("", "K", "M", "G"):
-        if abs(n) < 1024 or unit == "G":
-            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+    """Bytes in binary units: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GiB"
 
 
 def format_plan(rows: list[PlanRow], contexts: tuple[int, ...] = CONTEXTS) -> str:
@@ -148,7 +149,7 @@ def format_plan(rows: list[PlanRow], contexts: tuple[int, ...] = CONTEXTS) -> st
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row.label, f"{row.bits_k:g}, {row.bits_v:g}",
-                 f"{row.bytes_per_token:,} ({_human(row.bytes_per_token)}B)", f"{row.tokens:,}",
+                 f"{row.bytes_per_token:,} ({_human(row.bytes_per_token)})", f"{row.tokens:,}",
                  f"{row.tokens / base:.2f}x"]
         cells += [str(row.sequences[c]) for c in contexts]
         lines.append("| " + " | ".join(cells) + " |")
@@ -176,12 +177,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         weight_bytes, weight_source = parse_size(args.weights), "given"
     if args.kv_budget:
         budget = parse_size(args.kv_budget)
-        where = f"KV budget {_human(budget)}B"
+        where = f"KV budget {_human(budget)}"
     else:
         total = parse_size(args.vram)
         budget = kv_budget_bytes(total, weight_bytes, args.gpu_memory_utilization)
-        where = (f"{_human(total)}B x {args.gpu_memory_utilization:g} - weights {_human(weight_bytes)}B "
-                 f"({weight_source}) = KV pool {_human(budget)}B")
+        where = (f"{_human(total)} x {args.gpu_memory_utilization:g} - weights {_human(weight_bytes)} "
+                 f"({weight_source}) = KV pool {_human(budget)}")
     print(f"{config.name}: {config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
           f"{config.head_dim}; {where}; blocks of {args.block_size} tokens")
     print(format_plan(plan(config, budget, args.block_size)))

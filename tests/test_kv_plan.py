@@ -80,6 +80,6 @@ def test_plan_llama31_8b_on_24gb(capsys):
 
 def test_plan_with_explicit_budget_and_missing_model(capsys, tmp_path):
     assert main(["plan", "-m", str(LLAMA31_8B), "--kv-budget", "7GiB"]) == 0
-    assert "KV budget 7.0GB" in capsys.readouterr().out
+    assert "KV budget 7.0 GiB" in capsys.readouterr().out
     assert main(["plan", "-m", str(tmp_path / "nope.json")]) == 2
     assert main(["plan", "-m", str(LLAMA31_8B), "--vram", "8GB"]) == 1  # no room left for a pool
