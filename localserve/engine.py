@@ -23,7 +23,7 @@ from localserve.outputs import CompletionOutput, RequestOutput
 from localserve.sampler import Sampler, SamplingRow, make_generator
 from localserve.sampling_params import SamplingParams
 from localserve.scheduler import Batch, Scheduler, SchedulerConfig
-from localserve.sequence import Request, RequestState, Sequence
+from localserve.sequence import Request, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from localserve.models.rope import RotaryEmbedding, apply_rope
 from torch import nn
 
 from localserve.attention import AttentionBackend, AttentionMetadata
 from localserve.config import ModelConfig
 from localserve.kv_cache import PagedKVCache
-from localserve.models.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass

@@ -34,7 +34,8 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF_LAYER[module]}.{kind}"
 
 
-def write_llama_gguf(path: Path, hf_model, quant_types: dict[str, gguf.GGMLQuantizationType]) -> dict[str, torch.Tensor]:
+def write_llama_gguf(path: Path, hf_model,
+                     quant_types: dict[str, gguf.GGMLQuantizationType]) -> dict[str, torch.Tensor]:
     """Write `hf_model` (a transformers Llama) to `path`; 2-D tensors whose GGUF name contains a key of
     `quant_types` are quantized with that type. Returns the HF state dict as the GGUF holds it
     (quantized then dequantized), i.e. the weights of its safetensors twin."""
