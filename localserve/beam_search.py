@@ -64,6 +64,7 @@ def beam_search_step(engine: LLMEngine, request: Request, entries: list[tuple[Se
         _extend(beam, token, score, token_logprob)
         beam.pending_append = True
     engine.num_generation_tokens += len(plan)
+    request.just_readmitted = False
     reached_length = any(len(b.output_token_ids) >= request.params.max_tokens or b.num_tokens >= engine.max_model_len
                          for b, *_ in plan)
     if reached_length or len(request.finished_beams) >= width:

@@ -230,6 +230,7 @@ class LLMEngine:
         params = request.params
         seq.token_ids.append(token_id)
         seq.pending_append = True
+        request.just_readmitted = False
         seq.cumulative_logprob += logprob
         seq.logprobs.append(logprob)
         if top is not None:

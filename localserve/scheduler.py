@@ -10,6 +10,7 @@ all its sequences at once, by recompute (blocks freed, prompt + output prefilled
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from localserve.block_manager import BlockManager
@@ -68,6 +69,8 @@ class Scheduler:
         self.running: list[Request] = []  # arrival order
         self.swapped: list[Request] = []  # arrival order
         self.num_preemptions = 0
+        # Recent preemptions: (request id, its output tokens at that moment); bounded for long runs.
+        self.preemption_log: deque[tuple[str, int]] = deque(maxlen=10_000)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -89,7 +92,7 @@ class Scheduler:
             pending = [s for s in request.live_seqs if s.pending_append]
             if pending:
                 while not bm.can_append([s.seq_id for s in pending]):
-                    victim = self.running[-1]
+                    victim = self._pick_victim()
                     self._preempt(victim, batch)
                     if victim is request:
                         break
@@ -117,6 +120,7 @@ class Scheduler:
             batch.step_input.swap_in += bm.swap_in(seq_ids)
             self.swapped.pop(0)
             request.state = RequestState.RUNNING
+            request.just_readmitted = True
             self._insert_running(request)
         # 4. Admit waiting requests in arrival order while slots, budget and blocks allow.
         while self.waiting and budget > 0 and not self.swapped and self._has_slots(self.waiting[0]):
@@ -131,6 +135,8 @@ class Scheduler:
                 seq.pending_append = False
             if request.num_preemptions == 0:
                 request.num_cached_tokens = seqs[0].num_computed_tokens
+            else:
+                request.just_readmitted = True
             request.state = RequestState.RUNNING
             self._insert_running(request)
             for seq in seqs:
@@ -174,6 +180,13 @@ class Scheduler:
             index -= 1
         self.running.insert(index, request)
 
+    def _pick_victim(self) -> Request:
+        """The most recently arrived running request, passing over one just readmitted (no thrashing)."""
+        for request in reversed(self.running):
+            if not request.just_readmitted:
+                return request
+        return self.running[-1]
+
     def _preempt(self, request: Request, batch: Batch) -> None:
         """Evict a whole request: by swap when configured and the CPU pool has room, else by recompute."""
         bm = self.block_manager
@@ -181,6 +194,7 @@ class Scheduler:
         seq_ids = [s.seq_id for s in request.live_seqs]
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemption_log.append((request.request_id, request.num_output_tokens))
         batch.preempted.append(request)
         if self.config.preemption_mode == "swap" and bm.can_swap_out(seq_ids):
             batch.step_input.swap_out += bm.swap_out(seq_ids)

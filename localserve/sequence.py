@@ -67,6 +67,8 @@ class Request:
     state: RequestState = RequestState.WAITING
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    # Readmitted after a preemption and not yet sampled a token since: not the next victim (no thrashing).
+    just_readmitted: bool = False
     forked: bool = False  # parallel samples / beams created (at the first sampled token)
     finished_beams: list[Sequence] = field(default_factory=list)
     error: str | None = None
@@ -75,6 +77,10 @@ class Request:
     @property
     def live_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.finished]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(seq.output_token_ids) for seq in self.seqs + self.finished_beams)
 
     @property
     def is_finished(self) -> bool:

@@ -82,6 +82,11 @@ def test_64_concurrent_greedy_requests_equal_running_alone(tiny64, expected_alon
     assert outputs == expected_alone(max_output)
     if num_blocks < 100:  # the pool holds a fraction of the work: preemption must have happened
         assert engine.num_preemptions >= 20
+        # No thrashing: a request is preempted again only after it generated something since.
+        last_seen: dict[str, int] = {}
+        for request_id, num_output_tokens in engine.scheduler.preemption_log:
+            assert num_output_tokens > last_seen.get(request_id, -1)
+            last_seen[request_id] = num_output_tokens
     # Really batched (under pressure the small pool itself limits the batch).
     assert max(r.num_seqs for r in engine.step_history) > (8 if num_blocks > 100 else 3)
 
