@@ -6,7 +6,8 @@ written, and decodes gathered blocks back to float vectors inside attention (nev
 
 Formats (bits per value, exactly):
 - `fp32`, `fp16`, `bf16`: the values themselves (32, 16, 16).
-- `q8_0`: int8 + one fp16 scale per 32 values, as llama.cpp's q8_0 (8 + 16/32 = 8.5).
+- `q8_0`: int8 + one fp16 scale per 32 values, as llama.cpp's q8_0 (8 + 16/32 = 8.5), after the same
+  fixed rotation as the 4-bit format (`q8_0:-rotation`: without it).
 - `q4_rot`: 4-bit codes (two per byte) + one fp16 scale per head vector (4 + 16/D: 4.25 at D=64,
   4.125 at D=128), built from four switchable techniques (`Q4Options`):
   rotation - a fixed orthogonal rotation of each head vector (random signs, then a normalised Hadamard);
@@ -217,19 +218,35 @@ class PassthroughCodec(KVCodec):
 
 
 class Q8Codec(KVCodec):
-    """q8_0: blocks of 32 values along the head dimension, int8 codes and an fp16 scale absmax/127."""
+    """q8_0: blocks of 32 values along the head dimension, int8 codes and an fp16 scale absmax/127.
 
-    def __init__(self, name: str, num_kv_heads: int, head_dim: int) -> None:
+    With `rotation` (the default) each head vector is first rotated like the 4-bit format's, which
+    spreads the keys' outlier channels over all 32-value blocks; the layout is llama.cpp's q8_0 either way.
+    """
+
+    def __init__(self, name: str, num_kv_heads: int, head_dim: int, kind: str = "key",
+                 rotation: bool = True) -> None:
         if head_dim % Q8_BLOCK:
             raise ValueError(f"q8_0 needs a head_dim divisible by {Q8_BLOCK}, got {head_dim}")
         super().__init__(name, num_kv_heads, head_dim)
+        self.kind, self.rotated = kind, rotation
+        self.rotation = rotation_matrix(head_dim) if rotation else None
+        self._device_rotation: dict[torch.device, torch.Tensor] = {}
+
+    def _rotation_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._device_rotation:
+            self._device_rotation[device] = self.rotation.to(device)
+        return self._device_rotation[device]
 
     def storage(self):
         h, d = self.num_kv_heads, self.head_dim
         return {"codes": ((h, d), torch.int8), "scales": ((h, d // Q8_BLOCK), torch.float16)}
 
     def encode(self, x, positions=None):
-        blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
+        x = x.float()
+        if self.rotated:
+            x = x @ self._rotation_on(x.device).T
+        blocks = x.unflatten(-1, (-1, Q8_BLOCK))
         scales = (blocks.abs().amax(-1) / 127).to(torch.float16)
         inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(scales, dtype=torch.float32))
         codes = (blocks * inverse[..., None]).round().clamp(-127, 127).to(torch.int8)
@@ -238,6 +255,16 @@ class Q8Codec(KVCodec):
     def decode(self, stored, positions=None):
         blocks = stored["codes"].float().unflatten(-1, (-1, Q8_BLOCK))
         return (blocks * stored["scales"].float()[..., None]).flatten(-2)
+
+    def transform_query(self, query):
+        if self.kind != "key" or not self.rotated:
+            return query
+        return (query.float() @ self._rotation_on(query.device).T).to(query.dtype)
+
+    def restore_output(self, output):
+        if self.kind != "value" or not self.rotated:
+            return output
+        return (output.float() @ self._rotation_on(output.device)).to(output.dtype)
 
 
 class Q4Codec(KVCodec):
@@ -345,7 +372,8 @@ class KVFormatSpec:
         flags = {}
         for switch in filter(None, switches.split(",")):
             key = switch.lstrip("+-").replace("-", "_")
-            if key not in Q4Options.__dataclass_fields__ or name != "q4_rot":
+            allowed = {"q4_rot": Q4Options.__dataclass_fields__, "q8_0": ("rotation",)}.get(name, ())
+            if key not in allowed:
                 raise ValueError(f"unknown KV format option {switch!r} for {name}")
             flags[key] = not switch.startswith("-")
         return cls(name, Q4Options(**flags))
@@ -358,7 +386,7 @@ def make_codec(spec: str | KVFormatSpec, kind: str, num_kv_heads: int, head_dim:
     if spec.name in PASSTHROUGH_DTYPES:
         return PassthroughCodec(spec.name, num_kv_heads, head_dim)
     if spec.name == "q8_0":
-        return Q8Codec(spec.name, num_kv_heads, head_dim)
+        return Q8Codec(spec.name, num_kv_heads, head_dim, kind, spec.options.rotation)
     return Q4Codec(spec.name, num_kv_heads, head_dim, kind, calibration, spec.options, rope)
 
 

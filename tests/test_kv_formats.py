@@ -41,6 +41,8 @@ def to_true_domain(codec, decoded: torch.Tensor) -> torch.Tensor:
     """Map decoded vectors [N, Hkv, D] back from the codec's stored domain."""
     if not codec.rotated:
         return decoded.float()
+    if codec.name == "q8_0":
+        return decoded @ codec.rotation
     return torch.einsum("gde,tge->tgd", torch.linalg.inv(codec.encode_matrix), decoded)
 
 
@@ -126,18 +128,33 @@ def test_passthrough_roundtrip(name):
     assert ((out.float() - x).abs() <= tolerance * x.abs()).all()
 
 
-def test_q8_0_matches_reference():
+@pytest.mark.parametrize("rotation", [False, True])
+def test_q8_0_matches_reference(rotation):
     x = gaussian(16, HKV, D) * torch.linspace(0.01, 30, D)  # blocks with very different ranges
     x[3, 1, :32] = 0  # an all-zero block
-    codec = make_codec("q8_0", "key", HKV, D)
-    out = codec.decode(codec.encode(x)).double()
+    codec = make_codec("q8_0" if rotation else "q8_0:-rotation", "key", HKV, D)
+    assert codec.rotated == rotation
+    stored = codec.decode(codec.encode(x)).double()
+    y = x.double() @ rotation_matrix(D).double().T if rotation else x.double()  # what is quantized
     for t in range(x.shape[0]):
         for g in range(HKV):
-            ref = reference_q8_0(x[t, g].numpy())
-            assert np.allclose(out[t, g].numpy(), ref, rtol=0, atol=1e-6 * np.abs(ref).max() + 1e-12)
-    block_amax = x.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True)
-    error = (out - x.double()).abs().unflatten(-1, (-1, 32))
-    assert (error <= block_amax / 127 / 2 * 1.002 + 1e-9).all()  # half a step (fp16-rounded scale)
+            ref = reference_q8_0(y[t, g].numpy())
+            assert np.allclose(stored[t, g].numpy(), ref, rtol=0, atol=1e-6 * np.abs(ref).max() + 1e-12)
+    block_amax = y.abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True)
+    error = (stored - y).abs().unflatten(-1, (-1, 32))
+    assert (error <= block_amax / 127 / 2 * 1.002 + 1e-5).all()  # half a step (fp16-rounded scale)
+    true = to_true_domain(codec, stored.float())
+    assert ((true - x) ** 2).sum() / (x ** 2).sum() < 1e-4
+
+
+def test_q8_0_rotation_spreads_outlier_channels():
+    x = gaussian(64, HKV, D, seed=4)
+    x[..., 5] += 40  # one outlier channel, as keys have
+    errors = {}
+    for spec in ("q8_0", "q8_0:-rotation"):
+        codec = make_codec(spec, "key", HKV, D)
+        errors[spec] = ((to_true_domain(codec, codec.decode(codec.encode(x))) - x) ** 2).sum().item()
+    assert errors["q8_0"] < errors["q8_0:-rotation"] / 2
 
 
 def test_q4_matches_reference_and_error_bound():
@@ -214,6 +231,7 @@ def test_key_transform_preserves_scores():
 def test_format_spec_parsing():
     assert KVFormatSpec.parse("q4_rot:-mean,-rotation").options == Q4Options(mean=False, rotation=False)
     assert KVFormatSpec.parse("F16").name == "fp16"
+    assert KVFormatSpec.parse("q8_0:-rotation").options.rotation is False
     with pytest.raises(ValueError):
         KVFormatSpec.parse("q3_k")
     with pytest.raises(ValueError):
