@@ -224,17 +224,17 @@ class LLMEngine:
         request.seqs.append(child)
         return child
 
-    def _append(self, request: Request, seq: Sequence, token_id: int, logprob: float,
+    def _append(self, request: Request, seq: Sequence, token_id: int, logprob: float | None,
                 top: list[tuple[int, float]] | None) -> None:
         """Add a sampled token to a sequence and decide whether it stops there."""
         params = request.params
         seq.token_ids.append(token_id)
         seq.pending_append = True
         request.just_readmitted = False
-        seq.cumulative_logprob += logprob
-        seq.logprobs.append(logprob)
-        if top is not None:
-            seq.top_logprobs.append(top)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or [])
         self.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
@@ -279,7 +279,8 @@ class LLMEngine:
             visible = text if seq.finished or finished else text[:max(seq.num_emitted_chars, len(text) - hold_back)]
             output_ids = seq.output_token_ids
             outputs.append(CompletionOutput(
-                index, text, list(output_ids), seq.cumulative_logprob, seq.finish_reason, seq.logprobs,
+                index, text, list(output_ids), seq.cumulative_logprob if seq.logprobs else None,
+                seq.finish_reason, seq.logprobs,
                 seq.top_logprobs, delta_text=visible[seq.num_emitted_chars:],
                 delta_token_ids=output_ids[seq.num_emitted_tokens:]))
             seq.num_emitted_chars, seq.num_emitted_tokens = len(visible), len(output_ids)

@@ -27,8 +27,10 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # log-probability of each chosen token under the model (after penalties)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when any row asks
+    # Log-probability of each chosen token under the model (after penalties); None for rows that did not
+    # ask for logprobs (SamplingParams.logprobs is None), which spares a log-softmax over the vocabulary.
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, when any row asks
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -79,22 +81,26 @@ class Sampler:
     """Chooses one token per row of `logits` [S, V] (float32 or float64)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = apply_penalties(logits.clone(), rows)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = logits.argmax(dim=-1)
+        if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+               for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+        chosen = logits.max(dim=-1).indices  # max() is faster than argmax() on the CPU
         for i, row in enumerate(rows):
             if not row.params.greedy:
                 probs = filter_logits(logits[i], row.params).softmax(-1)
                 # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this row's generator.
                 noise = torch.empty_like(probs).exponential_(generator=row.generator)
                 chosen[i] = (probs / noise).argmax()
-        token_ids = chosen.tolist()
-        chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        output = SamplerOutput(token_ids=token_ids, logprobs=chosen_logprobs)
-        max_top = max((row.params.logprobs or 0) for row in rows)
-        if max_top:
-            values, ids = logprobs.topk(max_top, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
-            output.top_logprobs = [list(zip(ids[i], values[i]))[: row.params.logprobs or 0]
-                                   for i, row in enumerate(rows)]
+        output = SamplerOutput(token_ids=chosen.tolist(), logprobs=[None] * len(rows))
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if wanted:  # a full log-softmax over the vocabulary only for the rows that ask for logprobs
+            logprobs = torch.log_softmax(logits[wanted], dim=-1)
+            chosen_logprobs = logprobs.gather(1, chosen[wanted][:, None]).squeeze(1).tolist()
+            max_top = max(rows[i].params.logprobs for i in wanted)
+            top_values, top_ids = (logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0],) * 2)
+            output.top_logprobs = [[] for _ in rows]
+            for j, i in enumerate(wanted):
+                output.logprobs[i] = chosen_logprobs[j]
+                count = rows[i].params.logprobs
+                output.top_logprobs[i] = list(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist()))
         return output

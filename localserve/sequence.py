@@ -17,7 +17,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a sequence is only ever equal to itself
 class Sequence:
     """One line of generation. Its KV covers `num_computed_tokens` of `token_ids`."""
 
@@ -55,7 +55,7 @@ class Sequence:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A prompt, its sampling parameters, and the sequences generating from it."""
 

@@ -79,7 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model(resolve_default_model(), dtype=torch.float32).model
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, SmolLM2-135M-Instruct\n")
     print("| concurrent sequences | bare matmuls tok/s | engine tok/s | engine / bare |")
