@@ -33,10 +33,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference does, then scale in the run dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Normalise in float32 (at least) as the reference does, then scale in the run dtype.
+        normed = nn.functional.rms_norm(x if x.dtype in (torch.float32, torch.float64) else x.float(),
+                                        (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
