@@ -40,11 +40,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    "(default: the model dtype)")
     e.add_argument("-ctv", "--cache-type-v", help="KV cache format of V (same choices as -ctk)")
     e.add_argument("--kv-cache-dtype", help="KV cache format of both K and V (-ctk/-ctv override it)")
+    e.add_argument("--gpu-memory-utilization", type=float,
+                   help="size the KV pool to this fraction of the GPU, weights included (overrides --num-kv-blocks)")
+    e.add_argument("--kv-cache-memory",
+                   help="size the KV pool to this many bytes, e.g. 6GB (overrides --num-kv-blocks)")
 
 
 def build_llm(args: argparse.Namespace):
     from localserve.engine import EngineConfig
     from localserve.llm import LLM
+    from localserve.memory_plan import parse_size
     from localserve.scheduler import SchedulerConfig
 
     config = EngineConfig(
@@ -52,6 +57,8 @@ def build_llm(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         cache_type_k=args.cache_type_k or args.kv_cache_dtype,
         cache_type_v=args.cache_type_v or args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         scheduler=SchedulerConfig(max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   preemption_mode=args.preemption_mode))

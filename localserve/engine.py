@@ -6,6 +6,7 @@ behind thread-safe queues for the server.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -41,6 +42,9 @@ class EngineConfig:
     check_integrity: bool = False  # run BlockManager.check_integrity() after every step
     cache_type_k: str | None = None  # K cache format (-ctk): fp16, bf16, fp32, q8_0, q4_rot; None: model dtype
     cache_type_v: str | None = None  # KV cache format of V (-ctv)
+    # Size the pool from memory instead of num_kv_blocks: a byte budget, or a fraction of the CUDA device.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass
@@ -73,6 +77,12 @@ class LLMEngine:
 
     def __init__(self, model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
+            from localserve.memory_plan import engine_num_kv_blocks
+
+            blocks = engine_num_kv_blocks(model, config.cache_type_k, config.cache_type_v, config.block_size,
+                                          config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+            self.config = config = dataclasses.replace(config, num_kv_blocks=blocks)
         scheduler_config = config.scheduler or SchedulerConfig()
         self.model_config = model.config
         self.max_model_len = min(config.max_model_len or model.config.context_length, model.config.context_length)

@@ -196,3 +196,30 @@ def tokens_ratio(rows: list[PlanRow], label: str) -> float:
     row = next(r for r in rows if r.label == label)
     return row.tokens / max(1, rows[0].tokens)
 
+
+
+def engine_num_kv_blocks(model, cache_type_k: str | None, cache_type_v: str | None, block_size: int,
+                         kv_budget: int | None = None, utilization: float | None = None) -> int:
+    """KV blocks for a loaded model: from an explicit byte budget, else from the CUDA device's memory.
+
+    With `utilization`, the pool gets utilization x the device's memory less what is already allocated
+    (the weights). Unset K/V formats mean the model's dtype, as in the engine.
+    """
+    import torch
+
+    from localserve.kv_formats import dtype_format
+
+    param = next(model.parameters())
+    default = dtype_format(param.dtype)
+    per_token = kv_bytes_per_token(model.config, cache_type_k or default, cache_type_v or default)
+    if kv_budget is None:
+        if param.device.type != "cuda":
+            raise ValueError("--gpu-memory-utilization needs a CUDA device; give a KV budget in bytes instead")
+        total = torch.cuda.get_device_properties(param.device).total_memory
+        kv_budget = kv_budget_bytes(total, torch.cuda.memory_allocated(param.device),
+                                    utilization or DEFAULT_UTILIZATION)
+    blocks = num_kv_blocks(kv_budget, per_token, block_size)
+    if blocks == 0:
+        raise ValueError(f"a KV budget of {_human(kv_budget)} holds no block of {block_size} tokens "
+                         f"({_human(per_token * block_size)} each)")
+    return blocks

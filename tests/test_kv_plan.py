@@ -83,3 +83,20 @@ def test_plan_with_explicit_budget_and_missing_model(capsys, tmp_path):
     assert "KV budget 7.0 GiB" in capsys.readouterr().out
     assert main(["plan", "-m", str(tmp_path / "nope.json")]) == 2
     assert main(["plan", "-m", str(LLAMA31_8B), "--vram", "8GB"]) == 1  # no room left for a pool
+
+
+def test_engine_sizes_its_pool_from_a_byte_budget(tiny_model_dir):
+    import torch
+
+    from localserve.engine import EngineConfig, LLMEngine
+    from localserve.loader import load_model
+
+    folder, _ = tiny_model_dir("llama")
+    model = load_model(folder, dtype=torch.float32).model
+    per_token = kv_bytes_per_token(model.config, "bf16", "fp32")
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, cache_type_k="bf16", cache_type_v="fp32",
+                                                 kv_cache_memory_bytes=37 * 16 * per_token + 100))
+    assert engine.block_manager.num_blocks == engine.runner.kv_cache.num_blocks == 37
+    assert engine.runner.kv_cache.bytes_per_token() == per_token
+    with pytest.raises(ValueError, match="CUDA"):
+        LLMEngine(model, None, EngineConfig(gpu_memory_utilization=0.5))
