@@ -8,7 +8,7 @@ streams, stalls (gaps > 3x the baseline median), the long prompt's time to first
 timeline of the gaps with the injections marked.
 
     python scripts/bench_interference.py [--streams 16] [--prompt-tokens 1536] [--period 8] \
-        [--duration 30] [--budget 48] [--png docs/interference.png]
+        [--duration 30] [--budget 32] [--png docs/interference.png]
 """
 
 from __future__ import annotations
@@ -109,9 +109,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1536)
     parser.add_argument("--period", type=float, default=8.0, help="seconds between long prompts")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per run")
-    parser.add_argument("--budget", type=int, default=48, help="token budget per step with chunking")
+    parser.add_argument("--budget", type=int, default=32, help="token budget per step with chunking")
     parser.add_argument("--png", default="docs/interference.png")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(resolve_default_model(), device=device).model
     common = dict(streams=args.streams, duration=args.duration, prompt_tokens=args.prompt_tokens,
@@ -122,7 +125,7 @@ def main() -> None:
                   inject=True, **common)
     baseline_median = float(np.median([g for _, g in baseline.gaps]))
     print(f"{args.streams} streams, long prompt {args.prompt_tokens} tokens every {args.period:.0f} s, "
-          f"{args.duration:.0f} s per run, {device}\n")
+          f"{args.duration:.0f} s per run, {device}, {torch.get_num_threads()} torch threads\n")
     print("| run | median ITL ms | p99 | p99.9 | max | max / baseline median | stalls (>3x) | long prompt TTFT |")
     print("|---|---|---|---|---|---|---|---|")
     for result in (baseline, unchunked, chunked):
