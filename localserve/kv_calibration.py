@@ -150,7 +150,7 @@ def calibrate(model, token_ids: list[int]) -> KVCalibration:
 
 def _fingerprint(model, token_ids: list[int]) -> str:
     digest = hashlib.sha256()
-    digest.update(f"v{CALIBRATION_VERSION}|{model.config!r}|{token_ids}".encode())
+    digest.update(f"v{CALIBRATION_VERSION}|{SHRINKAGE}|{model.config!r}|{token_ids}".encode())
     first = model.model.layers[0].self_attn.k_proj.weight
     last = model.model.layers[-1].self_attn.v_proj.weight
     for weight in (first, last):
