@@ -58,9 +58,9 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def gguf_model_config(path: Path) -> ModelConfig:
-    """Build the ModelConfig from a GGUF's metadata."""
-    reader = open_gguf(path)
+def gguf_model_config(path: Path, reader=None) -> ModelConfig:
+    """Build the ModelConfig from a GGUF's metadata (`reader`: an already open GGUFReader of `path`)."""
+    reader = reader or open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelConfigError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
@@ -124,11 +124,11 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def iter_gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: Path, config: ModelConfig, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every model tensor, dequantized one at a time."""
     import gguf
 
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     permute = _field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         name = hf_name(tensor.name)

@@ -32,7 +32,7 @@ class LLM:
         path = resolve_model_path(model, offline=offline)
         loaded = load_model(path, dtype=dtype, device=device)
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer.from_path(path)
+        self.tokenizer = Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)
         self.engine = LLMEngine(loaded.model, self.tokenizer, engine_config)
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:

@@ -35,6 +35,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     path: Path
+    gguf_reader: object | None = None  # the open GGUFReader of a .gguf, so its tokenizer is not read again
 
 
 def resolve_model_path(model: str | None, offline: bool = False) -> Path:
@@ -64,11 +65,13 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
     """Load a Hugging Face folder or a .gguf file onto `device` in `dtype`."""
     dtype = dtype or default_dtype(device)
     if path.is_file() and path.suffix == ".gguf":
-        from localserve.gguf_loader import gguf_model_config, iter_gguf_weights
+        from localserve.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
 
-        config = gguf_model_config(path)
-        weights = iter_gguf_weights(path, config)
+        gguf_reader = open_gguf(path)  # parsing the metadata takes seconds: once for config, weights, tokenizer
+        config = gguf_model_config(path, gguf_reader)
+        weights = iter_gguf_weights(path, config, gguf_reader)
     elif path.is_dir():
+        gguf_reader = None
         config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
                                             source=str(path / "config.json"))
         weights = iter_safetensors_weights(path)
@@ -79,7 +82,7 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
     _stream_weights(model, weights, dtype, device, source=path)
     model.init_rope(device)
     model.eval()
-    return LoadedModel(model=model, config=config, path=path)
+    return LoadedModel(model=model, config=config, path=path, gguf_reader=gguf_reader)
 
 
 def _read_json(path: Path) -> dict:
