@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None  # None unless logprobs were asked for (SamplingParams.logprobs, beams)
+    cumulative_logprob: float | None  # for n > 1, beams and when logprobs are asked for; else None
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[float] = field(default_factory=list)  # of each chosen token
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

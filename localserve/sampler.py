@@ -27,8 +27,8 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Log-probability of each chosen token under the model (after penalties); None for rows that did not
-    # ask for logprobs (SamplingParams.logprobs is None), which spares a log-softmax over the vocabulary.
+    # Log-probability of each chosen token under the model (after penalties); None for rows that neither
+    # ask for logprobs nor are one of n > 1 samples, which spares a log-softmax over the vocabulary.
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, when any row asks
 
@@ -92,15 +92,17 @@ class Sampler:
                 noise = torch.empty_like(probs).exponential_(generator=row.generator)
                 chosen[i] = (probs / noise).argmax()
         output = SamplerOutput(token_ids=chosen.tolist(), logprobs=[None] * len(rows))
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        if wanted:  # a full log-softmax over the vocabulary only for the rows that ask for logprobs
+        # A full log-softmax over the vocabulary only for rows that ask for logprobs, and for parallel
+        # samples (n > 1), which are returned with their cumulative log-probability.
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None or row.params.n > 1]
+        if wanted:
             logprobs = torch.log_softmax(logits[wanted], dim=-1)
             chosen_logprobs = logprobs.gather(1, chosen[wanted][:, None]).squeeze(1).tolist()
-            max_top = max(rows[i].params.logprobs for i in wanted)
+            max_top = max(rows[i].params.logprobs or 0 for i in wanted)
             top_values, top_ids = (logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0],) * 2)
             output.top_logprobs = [[] for _ in rows]
             for j, i in enumerate(wanted):
                 output.logprobs[i] = chosen_logprobs[j]
-                count = rows[i].params.logprobs
+                count = rows[i].params.logprobs or 0
                 output.top_logprobs[i] = list(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist()))
         return output

@@ -135,7 +135,15 @@ def test_parallel_sampling_shares_prompt_blocks(tiny64):
     params = SamplingParams(temperature=1.0, max_tokens=20, n=4, seed=3, ignore_eos=True)
     shared = make_engine(tiny64, prefix=False)
     request_id = shared.add_request(prompt, params)
-    shared_peak = peak_used_blocks(shared)
+    shared_peak = 0
+    while shared.has_unfinished_requests():
+        outputs = shared.step()
+        shared_peak = max(shared_peak, shared.block_manager.num_used_blocks)
+    # Every sample comes back with its cumulative log-probability.
+    assert len(outputs[0].outputs) == 4
+    for sample in outputs[0].outputs:
+        assert len(sample.token_ids) == 20 and len(sample.logprobs) == 20
+        assert sample.cumulative_logprob == pytest.approx(sum(sample.logprobs)) and sample.cumulative_logprob < 0
     independent = make_engine(tiny64, prefix=False)
     for i in range(4):
         independent.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=3 + i, ignore_eos=True))
