@@ -178,7 +178,7 @@ class LLMEngine:
             if chunk.needs_logits:
                 sampled.append((request, seq, row))
                 row += 1
-        moved: dict[str, Request] = {}
+        moved: dict[str, Request] = {request.request_id: request for request in batch.failed}
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
         rows: list[SamplingRow] = []
         targets: list[tuple[Request, Sequence, int]] = []
@@ -202,8 +202,16 @@ class LLMEngine:
                 self._append(request, seq, result.token_ids[i], result.logprobs[i], top)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
+            for seq, logit_row in entries:
+                request.beam_logits[seq.seq_id] = logits[logit_row].clone()
+            # After a preemption by recompute the beams are prefilled again one by one and may finish in
+            # different steps: a beam step needs the next-token logits of every live beam at once.
+            if any(beam.seq_id not in request.beam_logits for beam in request.live_seqs):
+                continue
+            beams = request.live_seqs
+            beam_logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
             request.forked = True
-            beam_search_step(self, request, entries, logits)
+            beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
         return [self._finish_or_report(request) for request in moved.values()]
 
     def _new_sequence(self, token_ids: list[int], prompt_len: int, seed: int | None,

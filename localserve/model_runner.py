@@ -79,7 +79,7 @@ class ModelRunner:
         )
         ctx = ForwardContext(self.backend, self.kv_cache, metadata)
         hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), ctx)
-        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=device)])
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.int64, device=device)])
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

@@ -45,6 +45,7 @@ class Batch:
     requests: list[Request] = field(default_factory=list)  # the request of each entry of seqs
     step_input: StepInput = field(default_factory=lambda: StepInput(chunks=[]))
     preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # could never fit; finished with an error
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +93,12 @@ class Scheduler:
             pending = [s for s in request.live_seqs if s.pending_append]
             if pending:
                 while not bm.can_append([s.seq_id for s in pending]):
+                    if self.running == [request]:
+                        # Alone in the pool and still no room (say n samples that all outgrew it): it could
+                        # never finish, and preempting it would only loop. It fails; its blocks come back.
+                        self._fail(request, batch, f"the KV pool ({bm.num_blocks} blocks) is too small for "
+                                                   f"this request's {len(pending)} sequences")
+                        break
                     victim = self._pick_victim()
                     self._preempt(victim, batch)
                     if victim is request:
@@ -179,6 +186,14 @@ class Scheduler:
         while index > 0 and self.running[index - 1].arrival > request.arrival:
             index -= 1
         self.running.insert(index, request)
+
+    def _fail(self, request: Request, batch: Batch, reason: str) -> None:
+        self.finish(request)
+        request.error = reason
+        for seq in request.seqs:
+            seq.finish_reason = seq.finish_reason or "error"
+        batch.failed.append(request)
+        log.warning("request %s failed: %s", request.request_id, reason)
 
     def _pick_victim(self) -> Request:
         """The most recently arrived running request, passing over one just readmitted (no thrashing)."""

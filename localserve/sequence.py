@@ -71,6 +71,7 @@ class Request:
     just_readmitted: bool = False
     forked: bool = False  # parallel samples / beams created (at the first sampled token)
     finished_beams: list[Sequence] = field(default_factory=list)
+    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # next-token logits of ready beams
     error: str | None = None
     first_token_time: float | None = None
 

@@ -108,6 +108,15 @@ def test_every_step_within_budget_while_a_long_prompt_prefills_in_chunks(tiny64)
     assert final[long_id].finished and engine.is_idle_and_clean()
 
 
+def test_a_lone_long_prompt_prefills_in_chunks_without_logits_in_between(tiny64):
+    engine = make_engine(tiny64, budget=64, max_num_seqs=8)
+    prompt = list(range(3, 203))  # 200 tokens: 4 steps with no token to sample, then the first token
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3))
+    final = engine.run_to_completion()[request_id]
+    assert [s.num_tokens for s in list(engine.step_history)[:4]] == [64, 64, 64, 8]
+    assert len(final.token_ids) == 3 and engine.is_idle_and_clean()
+
+
 def test_second_request_with_same_system_prompt_prefills_only_its_tail(tiny64):
     engine = make_engine(tiny64, budget=1024)
     system = [random.Random(1).randrange(3, 256) for _ in range(500)]
@@ -203,6 +212,21 @@ def test_beam_search_equals_plain_torch_reference(tiny64):
     assert beams_shared_root and engine.is_idle_and_clean()
 
 
+def test_beam_search_preempted_by_recompute_still_equals_the_reference(tiny64):
+    prompt = [17, 23, 99, 4, 150, 8, 61]
+    # Older greedy requests fill a small pool, so the beam request (newest) is preempted, and its four
+    # beams are prefilled again under a small budget: they finish their re-prefill in different steps.
+    engine = make_engine(tiny64, num_blocks=16, budget=24, max_num_seqs=8)
+    for i in range(3):
+        engine.add_request([30 + i] * 20, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
+    request_id = engine.add_request(prompt, SamplingParams(n=4, beam_search=True, max_tokens=30, ignore_eos=True))
+    final = engine.run_to_completion()[request_id]
+    assert request_id in {rid for rid, _ in engine.scheduler.preemption_log}
+    expected = reference_beam_search(tiny64, prompt, 4, 30)
+    assert [o.token_ids for o in final.outputs] == [tokens for tokens, _ in expected]
+    assert engine.is_idle_and_clean()
+
+
 def test_requests_that_can_never_fit_are_refused_before_taking_blocks(tiny64):
     engine = make_engine(tiny64, num_blocks=8)
     free_before = engine.block_manager.num_free_blocks
@@ -213,6 +237,15 @@ def test_requests_that_can_never_fit_are_refused_before_taking_blocks(tiny64):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 9999], SamplingParams(max_tokens=1))
     assert engine.block_manager.num_free_blocks == free_before and not engine.has_unfinished_requests()
+
+
+def test_a_request_that_outgrows_the_pool_alone_fails_instead_of_looping(tiny64):
+    engine = make_engine(tiny64, num_blocks=6, max_num_seqs=8)
+    # 4 samples of 60 tokens each need 4 x 4 blocks: more than the pool, though one sample fits.
+    request_id = engine.add_request([5] * 4, SamplingParams(temperature=1.0, n=4, max_tokens=60, ignore_eos=True))
+    final = engine.run_to_completion()[request_id]
+    assert final.finished and "too small" in final.error
+    assert engine.is_idle_and_clean()
 
 
 def test_abort_returns_blocks_at_once(tiny64):
