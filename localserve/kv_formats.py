@@ -26,6 +26,7 @@ matrix once (keys) and the output by the inverse rotation once (values) instead 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -162,8 +163,9 @@ def quantize_codebook(y: torch.Tensor, levels: torch.Tensor,
     return codes[rows, best], (dot / norm2)[rows, best].clamp_min(0)
 
 
-class KVCodec:
-    """Stores one layer's K or V; the base class is the identity (values stored as they are)."""
+class KVCodec(ABC):
+    """Stores one layer's K or V: the storage layout, encode and decode are each format's own; the
+    query and output transforms default to the identity."""
 
     rotated = False  # True: decode() returns a transformed domain; use transform_query / restore_output
     needs_positions = False
@@ -175,21 +177,21 @@ class KVCodec:
     def bits_per_value(self) -> float:
         return bits_per_value(self.name, self.head_dim)
 
+    @abstractmethod
     def storage(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The tensors one token occupies: name -> (shape per token, dtype)."""
-        raise NotImplementedError
 
     def bytes_per_token(self) -> int:
         """Bytes one token takes in this layer (all KV heads), from the storage layout."""
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.storage().values())
 
+    @abstractmethod
     def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Head vectors [T, Hkv, D] -> stored tensors [T, ...] per `storage`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, stored: dict[str, torch.Tensor], positions: torch.Tensor | None = None) -> torch.Tensor:
         """Stored tensors [N, ...] -> vectors [N, Hkv, D] (in the rotated domain for a rotated codec)."""
-        raise NotImplementedError
 
     def transform_query(self, query: torch.Tensor) -> torch.Tensor:
         """query [T, H, D] -> the query whose dot products with decode()d keys are the true scores."""
