@@ -6,6 +6,7 @@ behind thread-safe queues for the server.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -147,6 +148,29 @@ class LLMEngine:
         self.num_requests_finished += 1
         self.events.append(EventKind.FINISHED, request.label, reason="abort")
 
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """End a request that cannot go on: its blocks go back, `reason` is its error. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self._fail(request, reason)
+            self.num_requests_failed += 1
+
+    def _fail(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request)
+        request.error = reason
+        for seq in request.seqs:
+            seq.finish_reason = seq.finish_reason or "error"
+        self.events.append(EventKind.FAILED, request.label, reason=reason)
+
+    @contextlib.contextmanager
+    def _serving(self, request: Request):
+        """Fail only `request` if serving it raises; the step goes on for the others."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("serving request %s failed; failing it alone", request.request_id)
+            self._fail(request, f"internal error: {type(exc).__name__}: {exc}")
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -188,8 +212,11 @@ class LLMEngine:
             seqs = [seq]
             if not request.forked:
                 request.forked = True
-                for index in range(1, request.params.n):
-                    seqs.append(self.fork(request, seq, index))
+                with self._serving(request):
+                    for index in range(1, request.params.n):
+                        seqs.append(self.fork(request, seq, index))
+                if request.is_finished:
+                    continue
             for s in seqs:
                 rows.append(SamplingRow(request.params, s.generator, request.prompt_token_ids, s.output_token_ids))
                 targets.append((request, s, logit_row))
@@ -197,7 +224,9 @@ class LLMEngine:
             result = self.sampler(logits[[t[2] for t in targets]], rows)
             for i, (request, seq, _) in enumerate(targets):
                 top = result.top_logprobs[i] if result.top_logprobs else None
-                self._append(request, seq, result.token_ids[i], result.logprobs[i], top)
+                if not request.is_finished:
+                    with self._serving(request):
+                        self._append(request, seq, result.token_ids[i], result.logprobs[i], top)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
             for seq, logit_row in entries:
@@ -212,7 +241,8 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
                 self.events.append(EventKind.FIRST_TOKEN, request.label)
-            beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
+            with self._serving(request):
+                beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
         return [self._finish_or_report(request) for request in moved.values()]
 
     def _new_sequence(self, token_ids: list[int], prompt_len: int, seed: int | None,
