@@ -36,7 +36,8 @@ class ServerConfig:
     max_lanes: int = 16  # stream_id lanes with a response running or queued, per connection
     max_queued_requests: int = 16  # response.create events waiting for their lane, per connection
     send_queue_size: int = 256  # error events waiting to be sent, per connection; a full queue cuts it
-    send_timeout_s: float = 30.0  # a client that takes no frame for this long is cut
+    send_timeout_s: float = 30.0  # a client that takes no frame (or answers no ping) for this long is cut
+    keepalive_interval_s: float = 20.0  # between pings, so a client that stops reading is cut even when idle
     write_limit_bytes: int = 1 << 16  # bytes buffered for a client before sending waits for it to read
     shutdown_timeout_s: float = 5.0  # SIGINT/SIGTERM: time to tell every client before closing anyway
     max_stored_responses: int = 1024  # conversations kept for previous_response_id (LRU)

@@ -38,9 +38,6 @@ from localserve.server.validation import ProtocolError, error_event, shown
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_INTERVAL_S = 20.0  # a ping this often; no pong within send_timeout_s cuts the client
-
-
 class ClientTooSlow(Exception):
     """The client stopped taking frames: it is cut (close code 1008)."""
 
@@ -218,7 +215,7 @@ class ResponsesSession:
     async def _keepalive(self) -> None:
         """Ping now and then: a client that stops reading entirely is cut even when nothing is sent."""
         while True:
-            await asyncio.sleep(KEEPALIVE_INTERVAL_S)
+            await asyncio.sleep(self.config.keepalive_interval_s)
             try:
                 await asyncio.wait_for(self._ping(), self.config.send_timeout_s)
             except asyncio.TimeoutError:
