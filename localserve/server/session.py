@@ -51,6 +51,8 @@ class Lane:
     current: ResponseStream | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when `current` ends
     task: asyncio.Task | None = None
+    starting: bool = False  # a response is being tokenized and submitted
+    cancel_on_start: bool = False  # response.cancel arrived before the next response had started
 
 
 class ResponsesSession:
@@ -142,15 +144,22 @@ class ResponsesSession:
         try:
             while lane.waiting:
                 request = lane.waiting.popleft()
+                lane.starting = True
                 try:
                     stream = await self.server.responses.start(request, self.owner, self._on_update)
                 except ProtocolError as error:
+                    lane.cancel_on_start = False  # the cancel meant this one, which never ran
                     self._send_error(error, request.stream_id)
                     continue
+                finally:
+                    lane.starting = False
                 lane.current, lane.done = stream, asyncio.Event()
                 self.streams.append(stream)
                 if self._shutting_down:  # it was being tokenized when the shutdown began
                     self.server.responses.shut_down(stream)
+                elif lane.cancel_on_start:
+                    lane.cancel_on_start = False
+                    self.server.responses.cancel(stream)
                 self._wake.set()
                 await lane.done.wait()
                 lane.current = None
@@ -167,10 +176,13 @@ class ResponsesSession:
 
     def _cancel(self, stream_id: str | None) -> None:
         lane = self.lanes.get(stream_id)
-        if lane is None or lane.current is None or lane.current.is_done:
+        if lane is not None and lane.current is not None and not lane.current.is_done:
+            self.server.responses.cancel(lane.current)
+        elif lane is not None and (lane.starting or lane.waiting):
+            lane.cancel_on_start = True  # the response it means has not started yet
+        else:
             raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel"
                                 + ("" if stream_id is None else f" on stream {stream_id!r}"))
-        self.server.responses.cancel(lane.current)
 
     def _abandon_all(self) -> None:
         """The connection is over: stop its responses, forget its store: false conversations."""
