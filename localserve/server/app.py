@@ -23,7 +23,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from localserve.server.access import AccessPolicy, check_access
-from localserve.server.context import ServerState
+from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor, slots_json
 from localserve.server.session import ResponsesSession
 
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 RESPONSES_PATH = "/v1/responses"
 MONITOR_PATH = "/v1/monitor"
-CLOSE_TIMEOUT_S = 2.0  # a closing handshake the client does not answer is cut after this long
 
 
 @dataclass
@@ -76,8 +75,7 @@ class LocalServer(ServerState):
         self._server.close(close_connections=False)  # stop listening; connections go on for now
         for session in list(self.sessions):
             session.shut_down()
-        await asyncio.gather(*(monitor.close(1001, "server shutting down") for monitor in list(self._monitors)),
-                             return_exceptions=True)
+        await asyncio.gather(*(close_within(monitor, 1001, "server shutting down") for monitor in self._monitors))
         try:
             await asyncio.wait_for(self._server.wait_closed(), self.config.shutdown_timeout_s)
         except asyncio.TimeoutError:
@@ -146,7 +144,7 @@ class LocalServer(ServerState):
                 await self._serve_monitor(connection, target.query)
         except Exception:
             log.exception("connection handler failed")
-            await connection.close(1011, "internal error")
+            await close_within(connection, 1011, "internal error")
         finally:
             self.num_connections -= 1
 
@@ -155,7 +153,7 @@ class LocalServer(ServerState):
         try:
             interval_s = max(MIN_MONITOR_INTERVAL_S, float(wanted))
         except ValueError:
-            await connection.close(1008, "interval must be a number of seconds")
+            await close_within(connection, 1008, "interval must be a number of seconds")
             return
         self._monitors.add(connection)
         try:

@@ -25,7 +25,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from localserve.server.context import ServerState
+from localserve.server.context import ServerState, close_within
 from localserve.server.requests import (
     ResponseRequest,
     check_stream_id,
@@ -92,7 +92,7 @@ class ResponsesSession:
                 task.cancel()
             self._abandon_all()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.connection.close(self.close_code, self.close_reason)  # bounded by close_timeout
+            await close_within(self.connection, self.close_code, self.close_reason)
 
     def shut_down(self) -> None:
         """The server is stopping: end every response (`server_shutdown`), send what is left, then close."""

@@ -13,7 +13,7 @@ import socket
 
 from websockets.client import ClientProtocol
 from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory
-from websockets.frames import Frame
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
 
@@ -29,6 +29,8 @@ class RawClient:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol: ClientProtocol):
         self.reader, self.writer, self.protocol = reader, writer, protocol
+        self.received: list[dict] = []  # events read from the socket and not yet returned by recv()
+        self.eof = False
 
     @classmethod
     async def open(cls, port: int, path: str = "/v1/responses", receive_buffer: int = 4096,
@@ -74,29 +76,37 @@ class RawClient:
         self.protocol.send_frame(frame)
         await self.flush()
 
-    async def read_events(self, timeout: float) -> tuple[list[dict], int | None]:
-        """Read until the server closes (or `timeout`): the JSON events received, and the close code."""
-        events: list[dict] = []
+    async def recv(self, timeout: float) -> dict | None:
+        """The next JSON event; None once the server has closed (see `close_code`) or after `timeout`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.protocol.close_code is None and loop.time() < deadline:
+        while not self.received and self.protocol.close_code is None and not self.eof:
             try:
-                data = await asyncio.wait_for(self.reader.read(65536), deadline - loop.time())
+                data = await asyncio.wait_for(self.reader.read(65536), max(0.0, deadline - loop.time()))
             except (asyncio.TimeoutError, ConnectionError):
-                break
-            if not data:
-                self.protocol.receive_eof()
-            else:
+                return None
+            if data:
                 self.protocol.receive_data(data)
-            for event in self.protocol.events_received():
-                if isinstance(event, Frame) and event.opcode.name == "TEXT":
-                    events.append(json.loads(event.data))
-            if not data:
-                break
+            else:
+                self.eof = True
+                self.protocol.receive_eof()
+            self.received += [json.loads(frame.data) for frame in self.protocol.events_received()
+                              if isinstance(frame, Frame) and frame.opcode is Opcode.TEXT]
             try:
                 await self.flush()  # pongs and the closing handshake
             except (ConnectionError, asyncio.TimeoutError):
-                break
+                self.eof = True
+        return self.received.pop(0) if self.received else None
+
+    @property
+    def close_code(self) -> int | None:
+        return self.protocol.close_code
+
+    async def read_events(self, timeout: float) -> tuple[list[dict], int | None]:
+        """Read until the server closes (or `timeout`): the JSON events received, and the close code."""
+        events: list[dict] = []
+        while (event := await self.recv(timeout)) is not None:
+            events.append(event)
         return events, self.protocol.close_code
 
     def abort(self) -> None:
