@@ -7,9 +7,10 @@ the `ResponseService`. The service absorbs the engine's outputs into each respon
 event loop and wakes the sender; the sender alone writes to the socket, draining every live stream
 (text piles up as fewer, longer deltas for a slow reader, never as a growing queue).
 
-Every wait on the client is bounded: errors waiting to be sent are capped (a client that floods and
-never reads is cut), each frame must be taken within `send_timeout_s` (the write buffer is capped by
-`write_limit_bytes`), and a ping must be answered within that time. A cut or vanished client's
+Every wait on the client is bounded: while `send_queue_size` error events wait to be sent, nothing
+more is read from the client (one that floods and never reads is cut after `send_timeout_s`), each
+frame must be taken within `send_timeout_s` (the write buffer is capped by `write_limit_bytes`), and a
+ping must be answered within that time. A cut or vanished client's
 responses are aborted at once and its connection slot returned.
 """
 
@@ -68,7 +69,7 @@ class ResponsesSession:
         self.errors: deque[dict[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._shutting_down = False
-        self._cut_reason: str | None = None  # set when the client must be cut; the sender raises it
+        self._errors_taken = asyncio.Event()  # the sender took error events off the queue
         self.close_code, self.close_reason = 1000, ""
 
     @property
@@ -112,6 +113,8 @@ class ResponsesSession:
         async for frame in self.connection:
             if self._shutting_down:
                 continue
+            if len(self.errors) >= self.config.send_queue_size:
+                await self._wait_for_errors_taken()
             stream_id = None
             try:
                 event = parse_client_event(frame)
@@ -195,21 +198,28 @@ class ResponsesSession:
         self.server.conversations.drop_owner(self.owner)
 
     # ------------------------------------------------------------------ sending
+    async def _wait_for_errors_taken(self) -> None:
+        """Read no more from a client whose answers pile up, until it takes them, for a bounded time."""
+        self._errors_taken.clear()
+        try:
+            await asyncio.wait_for(self._errors_taken.wait(), self.config.send_timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientTooSlow(f"{len(self.errors)} error events wait for a client that does not read "
+                                "them") from None
+
     def _send_error(self, error: ProtocolError, stream_id: str | None) -> None:
-        if len(self.errors) >= self.config.send_queue_size:
-            self._cut_reason = f"{len(self.errors)} error events wait for a client that does not read them"
-        else:
-            self.errors.append(error_event(error, stream_id))
+        # Unbounded only in appearance: the receive loop stops reading while this queue is full, and
+        # each lane adds at most one error per request it holds.
+        self.errors.append(error_event(error, stream_id))
         self._wake.set()
 
     async def _send_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._cut_reason is not None:
-                raise ClientTooSlow(self._cut_reason)
             while self.errors:
                 await self._send(self.errors.popleft())
+                self._errors_taken.set()
             for stream in list(self.streams):
                 for event in stream.drain():
                     await self._send(event)

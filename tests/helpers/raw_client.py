@@ -72,9 +72,12 @@ class RawClient:
         self.protocol.send_binary(data)
         await self.flush()
 
-    async def send_frame(self, frame: Frame) -> None:
-        self.protocol.send_frame(frame)
-        await self.flush()
+    async def send_with_reserved_bit(self, data: bytes) -> None:
+        """A text frame with RSV2 set, which no extension uses (the server must fail the connection)."""
+        raw = bytearray(Frame(Opcode.TEXT, data).serialize(mask=True, extensions=[]))
+        raw[0] |= 0x20
+        self.writer.write(bytes(raw))
+        await asyncio.wait_for(self.writer.drain(), 30)
 
     async def recv(self, timeout: float) -> dict | None:
         """The next JSON event; None once the server has closed (see `close_code`) or after `timeout`."""
@@ -83,8 +86,11 @@ class RawClient:
         while not self.received and self.protocol.close_code is None and not self.eof:
             try:
                 data = await asyncio.wait_for(self.reader.read(65536), max(0.0, deadline - loop.time()))
-            except (asyncio.TimeoutError, ConnectionError):
+            except asyncio.TimeoutError:
                 return None
+            except ConnectionError:  # reset by the server
+                self.eof = True
+                break
             if data:
                 self.protocol.receive_data(data)
             else:
