@@ -6,7 +6,8 @@ calls that callback with each step's `RequestOutput` (the server hops back onto 
 
 The thread survives anything: a request that cannot be added fails alone; an exception while serving
 one request fails that request (the engine's guard); a step that fails outside any guard fails the
-requests it may have left half done; a callback that raises is logged and its request aborted.
+requests it may have left half done; a request that can never be admitted (while nothing else holds
+the pool) fails instead of blocking the queue; a callback that raises is logged and its request aborted.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class EngineThread:
             self._recover(exc)
             return
         self._consecutive_failures = 0
+        if self._stalled():
+            self._fail_unschedulable()
         for output in outputs:
             callback = self._callbacks.get(output.request_id)
             if callback is None:
@@ -146,6 +149,25 @@ class EngineThread:
             if callback is not None and request is not None:
                 self._deliver(callback, RequestOutput(request_id, request.prompt_token_ids, [], True,
                                                       error=_reason(exc)))
+
+    def _stalled(self) -> bool:
+        """The step ran nothing while nothing holds the pool, yet requests wait: the first of them (n
+        samples after a preemption, say) can never be admitted, and everyone behind it would wait forever."""
+        engine, scheduler = self.engine, self.engine.scheduler
+        return bool(engine.step_history and engine.step_history[-1].num_tokens == 0 and scheduler.waiting
+                    and not scheduler.running and not scheduler.swapped)
+
+    def _fail_unschedulable(self) -> None:
+        engine = self.engine
+        request = engine.scheduler.waiting[0]
+        reason = (f"the KV pool ({engine.block_manager.num_blocks} blocks) can never hold this request's "
+                  f"{len(request.live_seqs)} sequences at once; lower n or max_tokens")
+        log.warning("request %s failed: %s", request.request_id, reason)
+        engine.fail_request(request.request_id, reason)
+        callback = self._callbacks.pop(request.request_id, None)
+        if callback is not None:
+            self._deliver(callback, RequestOutput(request.request_id, request.prompt_token_ids, [], True,
+                                                  error=reason))
 
     @staticmethod
     def _deliver(callback: OutputCallback, output: RequestOutput) -> bool:

@@ -75,7 +75,7 @@ def _words(rng: random.Random, low: int, high: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
 
 
-def _sampling(rng: random.Random) -> dict:
+def _sampling(rng: random.Random, first_turn: bool) -> dict:
     fields: dict = {"temperature": round(rng.uniform(0.3, 1.5), 3)}
     extension: dict = {}
     if rng.random() < 0.5:
@@ -84,7 +84,8 @@ def _sampling(rng: random.Random) -> dict:
         fields["top_logprobs"] = rng.randint(0, 3)
     for name, value in (("top_k", rng.randint(1, 100)), ("min_p", round(rng.uniform(0, 0.2), 3)),
                         ("seed", rng.randint(-(2 ** 63), 2 ** 63 - 1)), ("n", 2), ("stop", rng.choice(WORDS))):
-        if rng.random() < 0.3:
+        # two samples only while the prompt is short: the pool must be able to hold both on their own
+        if rng.random() < 0.3 and (name != "n" or first_turn):
             extension[name] = value
     if extension:
         fields["localserve"] = extension
@@ -137,7 +138,7 @@ class _Client:
                         rng.randint(config.min_output_tokens, config.max_output_tokens))
             self.report.turns.append(turn)
             create = {"type": "response.create", "input": [user], "max_output_tokens": turn.max_output_tokens,
-                      **({"temperature": 0} if greedy else _sampling(rng))}
+                      **({"temperature": 0} if greedy else _sampling(rng, not history))}
             if lane is not None:
                 create["stream_id"] = lane
             if instructions:

@@ -152,3 +152,30 @@ def test_a_step_that_fails_outside_any_request_fails_the_running_ones_and_the_th
         del runner.execute
     assert "the device fell over" in collector.finals["running"].error
     assert collector.finals["after"].error is None
+
+
+def test_a_request_that_can_never_be_readmitted_fails_instead_of_blocking_the_queue(tiny_model_dir):
+    """Four samples preempted by recompute come back on their own: together they outgrow the pool,
+    though one fitted. With nothing else left running, nothing could ever admit them."""
+    from localserve.engine.config import EngineConfig
+    from localserve.engine.engine import LLMEngine
+    from localserve.loading.hf import load_model
+
+    folder, _ = tiny_model_dir("llama")
+    engine = LLMEngine(load_model(folder).model, None, EngineConfig(num_kv_blocks=8, max_num_seqs=8,
+                                                                  max_num_batched_tokens=64))
+    thread = EngineThread(engine)
+    thread.start()
+    try:
+        collector = Collector()
+        thread.submit(list(range(10, 30)), greedy(60), collector.callback("first"))
+        thread.submit(list(range(40, 60)), SamplingParams(temperature=1.0, n=4, max_tokens=60, ignore_eos=True),
+                      collector.callback("samples"))
+        thread.submit(list(range(70, 80)), greedy(8), collector.callback("behind"))
+        collector.wait({"first", "samples", "behind"}, timeout=60)
+        wait_until_idle(thread)
+    finally:
+        thread.stop()
+    assert "can never hold" in collector.finals["samples"].error
+    assert collector.finals["first"].error is None and collector.finals["behind"].error is None
+    assert len(collector.finals["behind"].outputs[0].token_ids) == 8
