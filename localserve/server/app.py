@@ -43,6 +43,7 @@ class LocalServer(ServerState):
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=self.engine_thread.engine.events.last_seq)
         self.monitor_hello = monitor_hello(self.engine_thread.engine, self.served_name)
         self.sessions: set[ResponsesSession] = set()
+        self._connections: set[ServerConnection] = set()  # every websocket connection being served
         self._monitors: set[ServerConnection] = set()
         self._server: Server | None = None
         self._policy: AccessPolicy | None = None
@@ -84,15 +85,19 @@ class LocalServer(ServerState):
             await self.close()
 
     async def close(self) -> None:
-        """Close every connection now (1001) and stop."""
-        if self._server is not None:
-            self._server.close()
+        """Close every connection now (1001) and stop; clients that read nothing are reset."""
+        if self._server is None:
+            return
+        self._server.close()  # websockets' own close waits for each client to take its close frame
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S + 1)
+        except asyncio.TimeoutError:
+            for connection in list(self._connections):
+                connection.transport.abort()
             try:
                 await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S + 1)
             except asyncio.TimeoutError:
-                for connection in self._server.connections:
-                    connection.transport.abort()
-                await self._server.wait_closed()
+                log.error("the server did not close within %.0f s", 2 * CLOSE_TIMEOUT_S + 2)
 
     async def _read_monitor(self, after_seq: int):
         return await self.engine_call(lambda engine: (engine.snapshot(), *engine.events.since(after_seq)))
@@ -131,6 +136,7 @@ class LocalServer(ServerState):
     # ------------------------------------------------------------------ websockets
     async def _handle_connection(self, connection: ServerConnection) -> None:
         self.num_connections += 1
+        self._connections.add(connection)
         try:
             target = urlsplit(connection.request.path)
             if target.path == RESPONSES_PATH:
@@ -146,6 +152,7 @@ class LocalServer(ServerState):
             log.exception("connection handler failed")
             await close_within(connection, 1011, "internal error")
         finally:
+            self._connections.discard(connection)
             self.num_connections -= 1
 
     async def _serve_monitor(self, connection: ServerConnection, query: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from localserve.server.context import ServerState, close_within
+from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
 from localserve.server.requests import (
     ResponseRequest,
     check_stream_id,
@@ -69,6 +69,7 @@ class ResponsesSession:
         self.errors: deque[dict[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._shutting_down = False
+        self._ending = False  # the connection is over: loops stop even if a cancellation got lost
         self._errors_taken = asyncio.Event()  # the sender took error events off the queue
         self.close_code, self.close_reason = 1000, ""
 
@@ -89,10 +90,14 @@ class ResponsesSession:
                 elif error is not None and not isinstance(error, ConnectionClosed):
                     raise error
         finally:
+            self._ending = True
+            self._wake.set()
             for task in tasks:
                 task.cancel()
             self._abandon_all()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # asyncio.wait_for may swallow a cancellation that meets a finished send: the flag above
+            # ends those loops anyway, and nothing here waits on them for more than a moment
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
             await close_within(self.connection, self.close_code, self.close_reason)
 
     def shut_down(self) -> None:
@@ -153,6 +158,13 @@ class ResponsesSession:
                 except ProtocolError as error:
                     lane.cancel_on_start = False  # the cancel meant this one, which never ran
                     self._send_error(error, request.stream_id)
+                    continue
+                except Exception as exc:  # a bug: this request fails, with a reason; the lane goes on
+                    log.exception("starting a response failed")
+                    lane.cancel_on_start = False
+                    self._send_error(ProtocolError("server_error", f"the response could not start: "
+                                                   f"{type(exc).__name__}", error_type="server_error",
+                                                   status=500), request.stream_id)
                     continue
                 finally:
                     lane.starting = False
@@ -217,6 +229,8 @@ class ResponsesSession:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._ending:
+                return
             while self.errors:
                 await self._send(self.errors.popleft())
                 self._errors_taken.set()
@@ -236,7 +250,7 @@ class ResponsesSession:
 
     async def _keepalive(self) -> None:
         """Ping now and then: a client that stops reading entirely is cut even when nothing is sent."""
-        while True:
+        while not self._ending:
             await asyncio.sleep(self.config.keepalive_interval_s)
             try:
                 await asyncio.wait_for(self._ping(), self.config.send_timeout_s)

@@ -123,3 +123,8 @@ class SlowConnection:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         self.closed.set()
+
+    async def ping(self) -> asyncio.Future:
+        pong = asyncio.get_running_loop().create_future()
+        pong.set_result(0.0)  # answered at once: this client always reads
+        return pong
