@@ -170,11 +170,14 @@ def _merge_splits_kernel(
     partial_out_ptr,  # [T, H, NUM_SPLITS, D] fp32
     partial_lse_ptr,  # [T, H, NUM_SPLITS] fp32 (log2)
     out_ptr,  # [T, H, D] model dtype
+    num_tokens_ptr,  # [1] int32 real tokens of the batch (the rest of T is padding, left unwritten)
     stride_o_token, stride_o_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,  # powers of two >= NUM_HEADS, NUM_SPLITS
 ):
     token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(num_tokens_ptr):
+        return
     heads = tl.arange(0, BLOCK_H)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
@@ -249,7 +252,7 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
-            partial_out, partial_lse, output, output.stride(0), output.stride(1),
+            partial_out, partial_lse, output, plan.query_start[-1:], output.stride(0), output.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_S=triton.next_power_of_2(num_splits),
         )

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels can only run in Triton's interpreter, and that has to be chosen before
+# triton is first imported: its own library functions (tl.cdiv, ...) are decorated at import time.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHITECTURES = {
     # name: (transformers config class, extra config)
