@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from localserve.kernels.attention_plan import AttentionPlan
 from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore
 from localserve.kernels.rounding import cast_round_nearest
@@ -182,8 +181,8 @@ def _merge_splits_kernel(
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
     lse_rows = partial_lse_ptr + (token * NUM_HEADS + heads) * NUM_SPLITS
-    lse = tl.load(lse_rows[:, None] + splits[None, :], mask=(heads < NUM_HEADS)[:, None] & (splits < NUM_SPLITS)[None, :],
-                  other=float("-inf"))
+    lse_mask = (heads < NUM_HEADS)[:, None] & (splits < NUM_SPLITS)[None, :]
+    lse = tl.load(lse_rows[:, None] + splits[None, :], mask=lse_mask, other=float("-inf"))
     max_lse = tl.max(lse, 1)
     max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
     total = tl.sum(tl.exp2(lse - max_lse[:, None]), 1)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, Q8_GROUP, KernelFormat, KVStore
+from localserve.kernels.kv_format import PLAIN, Q8_0, Q8_GROUP, KernelFormat, KVStore
 from localserve.kernels.rounding import cast_round_nearest, round_half_even
 
 MEAN_NONE, MEAN_ROPE, MEAN_CONSTANT = 0, 1, 2

@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import pytest
 import torch
+from localserve.models.rope import RotaryEmbedding, apply_rope
 
-pytest.importorskip("triton")
-
-from localserve.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from localserve.config import RopeConfig  # noqa: E402
-from localserve.kv_cache import PagedKVCache  # noqa: E402
-from localserve.kv_formats import LayerCalibration  # noqa: E402
-from localserve.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
+from localserve.attention import AttentionMetadata, TorchAttentionBackend
+from localserve.config import RopeConfig
+from localserve.kv_cache import PagedKVCache
+from localserve.kv_formats import LayerCalibration
 
 BLOCK_SIZE = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.kernels.helpers import DEVICE, fill_batch, torch_reference
-
-from localserve.kernels.attention_plan import plan_attention  # noqa: I001 (after the importorskip)
+from localserve.kernels.attention_plan import plan_attention
 from localserve.kernels.paged_attention import paged_attention
+from localserve.models.rope import apply_rope
+
 from localserve.triton_attention import TritonAttentionBackend, kernel_format, kv_store
+from tests.kernels.helpers import DEVICE, calibration, fill_batch, rope_fn, torch_reference
 
 MIXED = [(1, 1328), (5, 18), (129, 463)]  # a long decode, a short chunk, a long chunk mid-prompt
 SMALL_MIXED = [(1, 70), (7, 7), (1, 33), (20, 52)]
@@ -124,3 +124,21 @@ def test_plan_covers_every_query_once_and_splits_long_decodes():
     assert plan_attention([1] * 64, [8000] * 64, torch.zeros(64, 1), 32, 8, num_sms=132).num_splits == 1
     with pytest.raises(ValueError, match="query_len"):
         plan_attention([5], [4], tables[:1], 4, 2)
+
+
+def test_mean_flag_is_the_sign_bit_even_at_zero_scale():
+    """Keys and values exactly at their mean store a scale of -0.0: the mean is used, and `< 0` would miss it."""
+    batch = fill_batch([(1, 40), (3, 20)], "q4_rot", "q4_rot", 4, 2, 64, seed=9)
+    cache, meta = batch.cache, batch.metadata
+    layer_calibration = calibration(2, 64)
+    positions = torch.tensor([3, 4, 5, 16], device=DEVICE)  # of the second sequence, before its new tokens (17-19)
+    table = meta.block_tables[1]
+    slots = table[positions // 16] * 16 + positions % 16
+    cos, sin = rope_fn(64)(positions)
+    at_mean_keys = apply_rope(layer_calibration.key_mean.to(DEVICE).expand(4, -1, -1), cos, sin)
+    cache.write(0, at_mean_keys, layer_calibration.value_mean.to(DEVICE).expand(4, -1, -1), slots, positions)
+    for store in (cache.key_stores[0], cache.value_stores[0]):
+        scales = store["scales"].flatten(0, 1)[slots]
+        assert bool((torch.signbit(scales) & (scales == 0)).any())  # -0.0 is there
+    out = TritonAttentionBackend().attend(0, batch.query, cache, meta)
+    torch.testing.assert_close(out, torch_reference(batch), atol=2e-5, rtol=1e-4)
