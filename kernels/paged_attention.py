@@ -75,6 +75,7 @@ def _paged_attention_kernel(
     stride_table,  # elements between block-table rows
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
+    QUERIES_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, KEY_MEAN: tl.constexpr, VALUE_MEAN: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the tl.dot operands: the model's on a GPU, fp32 in the interpreter
@@ -90,12 +91,11 @@ def _paged_attention_kernel(
     query_len = tl.load(query_start_ptr + seq + 1) - query_start
     seq_len = tl.load(seq_len_ptr + seq)
     tile_start = tl.load(tile_start_ptr + tile)
-    queries_per_tile: tl.constexpr = BLOCK_M // GROUP
 
     rows = tl.arange(0, BLOCK_M)
     query_index = tile_start + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < queries_per_tile * GROUP) & (query_index < query_len)
+    row_valid = (rows < QUERIES_PER_TILE * GROUP) & (query_index < query_len)
     token = (query_start + query_index).to(tl.int64)
     query_pos = seq_len - query_len + query_index  # causal: row sees keys 0..query_pos
     dims = tl.arange(0, HEAD_DIM)
@@ -105,7 +105,7 @@ def _paged_attention_kernel(
         coeff = tl.load(key_coeff_ptr + (token[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + dims[None, :],
                         mask=row_valid[:, None], other=0.0)
 
-    last_query = tl.minimum(tile_start + queries_per_tile, query_len) - 1
+    last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
     kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
     num_key_tiles = tl.cdiv(kv_end, BLOCK_N)
     tiles_per_split = tl.cdiv(num_key_tiles, NUM_SPLITS)
@@ -232,6 +232,7 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
     # Triton's interpreter runs tl.dot through numpy, which has no bf16: compute in fp32 there.
     compute = tl.float32 if query.device.type != "cuda" else _COMPUTE_DTYPES[query.dtype]
     grid = (plan.tile_seq.shape[0], num_kv_heads, num_splits)
+    group = num_heads // num_kv_heads
     _paged_attention_kernel[grid](
         query, output, partial_out, partial_lse,
         key_store.data, key_store.scales if key_store.scales is not None else unused,
@@ -244,7 +245,8 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         sm_scale * LOG2E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         plan.block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_store.data.shape[1],
-        GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, NUM_SPLITS=num_splits,
+        GROUP=group, QUERIES_PER_TILE=plan.block_m // group, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        NUM_SPLITS=num_splits,
         K_FORMAT=key_format.code, V_FORMAT=value_format.code, KEY_MEAN=key_mean,
         VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",

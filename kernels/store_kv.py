@@ -24,10 +24,9 @@ TOKENS_PER_PROGRAM = 16  # the rotation product is a tl.dot, whose sides must be
 def bucketize16(v, midpoints_ptr):
     """torch.bucketize(v, midpoints) for 15 ascending midpoints (padded to 16): the number below v."""
     code = tl.zeros(v.shape, tl.int32)
-    for step in tl.static_range(4):
-        width: tl.constexpr = 8 >> step
-        midpoint = tl.load(midpoints_ptr + code + (width - 1))
-        code = tl.where(v > midpoint, code + width, code)
+    for step in tl.static_range(4):  # widths 8, 4, 2, 1
+        midpoint = tl.load(midpoints_ptr + code + ((8 >> step) - 1))
+        code = tl.where(v > midpoint, code + (8 >> step), code)
     return code
 
 
@@ -87,8 +86,7 @@ def _store_kv_kernel(
 
 @triton.jit
 def _quantize_q8(y, row, valid, data_ptr, scales_ptr, HEAD_DIM: tl.constexpr):
-    num_groups: tl.constexpr = HEAD_DIM // 32
-    groups = tl.reshape(y, (y.shape[0], num_groups, 32))
+    groups = tl.reshape(y, (y.shape[0], HEAD_DIM // 32, 32))
     scale = tl.div_rn(tl.max(tl.abs(groups), 2), 127.0).to(tl.float16)
     scale32 = scale.to(tl.float32)
     nonzero = scale32 > 0
@@ -98,8 +96,8 @@ def _quantize_q8(y, row, valid, data_ptr, scales_ptr, HEAD_DIM: tl.constexpr):
     codes = tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8)
     dims = tl.arange(0, HEAD_DIM)
     tl.store(data_ptr + row[:, None] * HEAD_DIM + dims[None, :], tl.reshape(codes, y.shape), mask=valid[:, None])
-    group_ids = tl.arange(0, num_groups)
-    tl.store(scales_ptr + row[:, None] * num_groups + group_ids[None, :], scale, mask=valid[:, None])
+    group_ids = tl.arange(0, HEAD_DIM // 32)
+    tl.store(scales_ptr + row[:, None] * (HEAD_DIM // 32) + group_ids[None, :], scale, mask=valid[:, None])
 
 
 @triton.jit
