@@ -4,9 +4,10 @@ A program takes one query tile of one sequence and one KV head: the tile's rows 
 of that KV head's query heads, so each K/V tile is loaded once for the whole group (9:3 included: rows
 need not be a power of two per query). It walks the sequence's keys through its block table in tiles
 of BLOCK_N, dequantizes them in the load (every K and V format, K and V independently), masks causally
-inside a chunk, and keeps an online softmax. With NUM_SPLITS > 1 the keys of each tile are divided
+inside a chunk, and keeps an online softmax. With SPLIT_KV the keys of each tile are divided
 among that many programs, which write partial outputs and log-sum-exps that `_merge_splits_kernel`
-combines. Offsets into the pool are 64-bit. The plan (which tile is whose) comes from attention_plan.py.
+combines; the split count is a run-time value, so it never costs a recompile. Offsets into the pool are
+64-bit. The plan (which tile is whose) comes from attention_plan.py.
 
 4-bit means: a key's mean term q . E rope(mu, p) is a sum over frequency pairs of per-query
 coefficients (M q, computed once per layer by the caller) times cos / sin of the key position, so it is
@@ -57,9 +58,9 @@ def load_kv_tile(data_ptr, scales_ptr, levels_ptr, row, valid, FORMAT: tl.conste
 @triton.jit
 def _paged_attention_kernel(
     query_ptr,  # [T, H, D] query in the key store's domain, model dtype
-    out_ptr,  # [T, H, D] model dtype (NUM_SPLITS == 1)
-    partial_out_ptr,  # [T, H, NUM_SPLITS, D] fp32 (NUM_SPLITS > 1)
-    partial_lse_ptr,  # [T, H, NUM_SPLITS] fp32, log2 of each split's softmax denominator plus its max
+    out_ptr,  # [T, H, D] model dtype (without SPLIT_KV)
+    partial_out_ptr,  # [T, H, S, D] fp32, S = the grid's third size: the splits (SPLIT_KV)
+    partial_lse_ptr,  # [T, H, S] fp32, log2 of each split's softmax denominator plus its max (SPLIT_KV)
     k_data_ptr, k_scales_ptr, k_levels_ptr,  # key store (see kv_format.py) and its [16] levels (Q4)
     v_data_ptr, v_scales_ptr, v_levels_ptr,  # value store and its levels
     key_coeff_ptr,  # [T, H, D] fp32 per-query coefficients of the 4-bit key mean (KEY_MEAN)
@@ -76,7 +77,8 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     QUERIES_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # the keys are divided among the grid's third dimension, merged afterwards
     K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, KEY_MEAN: tl.constexpr, VALUE_MEAN: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the tl.dot operands: the model's on a GPU, fp32 in the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" when COMPUTE is fp32 (no TF32), else the backend's default
@@ -84,6 +86,7 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq = tl.load(tile_seq_ptr + tile)
     if seq < 0:
         return
@@ -108,7 +111,7 @@ def _paged_attention_kernel(
     last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
     kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
     num_key_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_key_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_key_tiles, num_splits)
     first_tile = split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, num_key_tiles)
 
@@ -153,11 +156,11 @@ def _paged_attention_kernel(
     if VALUE_MEAN:
         acc += mean_weight[:, None] * tl.load(value_mean_ptr + kv_head * HEAD_DIM + dims)[None, :]
     output = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
                  cast_round_nearest(output, out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        partial_row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        partial_row = (token * NUM_HEADS + head) * num_splits + split
         tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], output, mask=row_valid[:, None])
         has_keys = denominator > 0
         lse = tl.where(has_keys, running_max + tl.log2(tl.where(has_keys, denominator, 1.0)), float("-inf"))
@@ -166,13 +169,14 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_out_ptr,  # [T, H, NUM_SPLITS, D] fp32
-    partial_lse_ptr,  # [T, H, NUM_SPLITS] fp32 (log2)
+    partial_out_ptr,  # [T, H, S, D] fp32
+    partial_lse_ptr,  # [T, H, S] fp32 (log2)
     out_ptr,  # [T, H, D] model dtype
     num_tokens_ptr,  # [1] int32 real tokens of the batch (the rest of T is padding, left unwritten)
+    num_splits,  # S
     stride_o_token, stride_o_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,  # powers of two >= NUM_HEADS, NUM_SPLITS
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,  # powers of two >= NUM_HEADS, >= S
 ):
     token = tl.program_id(0).to(tl.int64)
     if token >= tl.load(num_tokens_ptr):
@@ -180,16 +184,16 @@ def _merge_splits_kernel(
     heads = tl.arange(0, BLOCK_H)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
-    lse_rows = partial_lse_ptr + (token * NUM_HEADS + heads) * NUM_SPLITS
-    lse_mask = (heads < NUM_HEADS)[:, None] & (splits < NUM_SPLITS)[None, :]
+    lse_rows = partial_lse_ptr + (token * NUM_HEADS + heads) * num_splits
+    lse_mask = (heads < NUM_HEADS)[:, None] & (splits < num_splits)[None, :]
     lse = tl.load(lse_rows[:, None] + splits[None, :], mask=lse_mask, other=float("-inf"))
     max_lse = tl.max(lse, 1)
     max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
     total = tl.sum(tl.exp2(lse - max_lse[:, None]), 1)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for split in range(NUM_SPLITS):
+    for split in range(num_splits):
         weight = tl.exp2(tl.load(lse_rows + split, mask=heads < NUM_HEADS, other=float("-inf")) - max_lse)
-        partial = tl.load(partial_out_ptr + ((token * NUM_HEADS + heads) * NUM_SPLITS + split)[:, None] * HEAD_DIM
+        partial = tl.load(partial_out_ptr + ((token * NUM_HEADS + heads) * num_splits + split)[:, None] * HEAD_DIM
                           + dims[None, :], mask=(heads < NUM_HEADS)[:, None], other=0.0)
         acc += weight[:, None] * partial
     output = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -246,15 +250,15 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         plan.block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_store.data.shape[1],
         GROUP=group, QUERIES_PER_TILE=plan.block_m // group, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
         K_FORMAT=key_format.code, V_FORMAT=value_format.code, KEY_MEAN=key_mean,
         VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
-            partial_out, partial_lse, output, plan.query_start[-1:], output.stride(0), output.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            partial_out, partial_lse, output, plan.query_start[-1:], num_splits, output.stride(0),
+            output.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_S=triton.next_power_of_2(num_splits),
         )
     return output
