@@ -4,10 +4,10 @@ A program takes one query tile of one sequence and one KV head: the tile's rows 
 of that KV head's query heads, so each K/V tile is loaded once for the whole group (9:3 included: rows
 need not be a power of two per query). It walks the sequence's keys through its block table in tiles
 of BLOCK_N, dequantizes them in the load (every K and V format, K and V independently), masks causally
-inside a chunk, and keeps an online softmax. With SPLIT_KV the keys of each tile are divided
-among that many programs, which write partial outputs and log-sum-exps that `_merge_splits_kernel`
-combines; the split count is a run-time value, so it never costs a recompile. Offsets into the pool are
-64-bit. The plan (which tile is whose) comes from attention_plan.py.
+inside a chunk, and keeps an online softmax. With SPLIT_KV the keys of each tile are divided among the
+programs of the grid's third dimension, which write partial outputs and log-sum-exps that
+`_merge_splits_kernel` combines; the split count is a run-time value, so it never costs a recompile.
+Offsets into the pool are 64-bit. The plan (which tile is whose) comes from attention_plan.py.
 
 4-bit means: a key's mean term q . E rope(mu, p) is a sum over frequency pairs of per-query
 coefficients (M q, computed once per layer by the caller) times cos / sin of the key position, so it is

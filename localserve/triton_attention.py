@@ -76,7 +76,7 @@ class TritonAttentionBackend:
         self.num_splits = num_splits  # None: chosen per step from the batch and the device
         self._formats: dict[tuple[PagedKVCache, int], tuple[KernelFormat, KernelFormat]] = {}
         self._step: AttentionMetadata | None = None
-        self._plan: AttentionPlan | None = None
+        self.step_plan: AttentionPlan | None = None  # the current step's plan (tiles, splits)
         self._token_trig: torch.Tensor | None = None
         self._trig_table: torch.Tensor | None = None
 
@@ -100,7 +100,7 @@ class TritonAttentionBackend:
             grouped = transformed.float().unflatten(1, (kv_cache.key_codecs[layer].num_kv_heads, -1))
             coeff = torch.einsum("gje,tgke->tgkj", key_format.key_mean, grouped).flatten(1, 2).contiguous()
         output = paged_attention(transformed.contiguous(), kv_store(kv_cache.key_stores[layer]),
-                                 kv_store(kv_cache.value_stores[layer]), key_format, value_format, self._plan,
+                                 kv_store(kv_cache.value_stores[layer]), key_format, value_format, self.step_plan,
                                  1 / math.sqrt(query.shape[-1]), coeff, self._trig_table)
         return kv_cache.restore_output(layer, output)
 
@@ -121,12 +121,12 @@ class TritonAttentionBackend:
         num_sms = None
         if query.device.type == "cuda":
             num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-        self._plan = plan_attention(metadata.query_lens, metadata.context_lens, metadata.block_tables,
+        self.step_plan = plan_attention(metadata.query_lens, metadata.context_lens, metadata.block_tables,
                                     num_heads, num_kv_heads, num_splits=self.num_splits, num_sms=num_sms)
         self._token_trig = None
         rope = next((c.rope for c in kv_cache.key_codecs if c.needs_positions), None)
         if rope is not None:
-            self._trig_table = self._rotary_table(rope, self._plan.max_seq_len, query.device)
+            self._trig_table = self._rotary_table(rope, self.step_plan.max_seq_len, query.device)
             positions = token_positions(metadata, query.device)
             self._token_trig = self._trig_table.index_select(0, positions)
         self._step = metadata
