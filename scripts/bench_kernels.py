@@ -85,8 +85,7 @@ def random_pool(k_type: str, v_type: str, shape: tuple[int, int, int], num_block
     return cache
 
 
-def decode_attention_rows(device: torch.device, bandwidth: float, quick: bool) -> list[str]:
-    rows = []
+def decode_attention_rows(device: torch.device, bandwidth: float, quick: bool, emit) -> None:
     contexts, batches = ([1024, 8192], [1, 16]) if quick else (CONTEXTS, BATCHES)
     for shape_name, shape in SHAPES.items():
         num_heads, num_kv_heads, head_dim = shape
@@ -95,11 +94,9 @@ def decode_attention_rows(device: torch.device, bandwidth: float, quick: bool) -
             cache = random_pool(k_type, v_type, shape, num_blocks, device)
             for context in contexts:
                 for batch in batches:
-                    rows.append(time_decode(cache, shape_name, shape, k_type, v_type, context, batch, bandwidth))
-                    print(rows[-1], file=sys.stderr)
+                    emit([time_decode(cache, shape_name, shape, k_type, v_type, context, batch, bandwidth)])
             del cache
             torch.cuda.empty_cache()
-    return rows
 
 
 def time_decode(cache: PagedKVCache, shape_name: str, shape: tuple[int, int, int], k_type: str, v_type: str,
@@ -137,7 +134,7 @@ def llama31_8b_config(num_layers: int) -> ModelConfig:
                        rope=rope, max_position_embeddings=131072, name="llama-3.1-8b-random")
 
 
-def whole_model_rows(device: torch.device, bandwidth: float, quick: bool) -> list[str]:
+def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, emit) -> None:
     """Decode tokens/s of a random-weight Llama-3.1-8B-shaped model through the Triton backend."""
     from localserve.models import LlamaForCausalLM
 
@@ -154,7 +151,6 @@ def whole_model_rows(device: torch.device, bandwidth: float, quick: bool) -> lis
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if "embed_tokens" not in name)  # a decode step reads every weight but the embedding
     prompt_len, decode_steps = 512, 32
-    rows = []
     for batch in ([1, 16] if quick else BATCHES):
         blocks_per_seq = (prompt_len + decode_steps + 1) // BLOCK_SIZE + 1
         cache = PagedKVCache(config.num_layers, batch * blocks_per_seq, BLOCK_SIZE, config.num_kv_heads,
@@ -174,39 +170,40 @@ def whole_model_rows(device: torch.device, bandwidth: float, quick: bool) -> lis
         step_seconds = statistics.median(step_times[4:])
         kv_bytes = batch * (prompt_len + decode_steps // 2) * cache.bytes_per_token()
         roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # copy bandwidth counts bytes twice
-        rows.append(f"| {config.num_layers} | {batch} | eager | {step_seconds * 1e3:.2f} | "
-                    f"{batch / step_seconds:.0f} | {1 / step_seconds:.0f} | {roofline:.0f} | "
-                    f"{1 / step_seconds / roofline:.0%} |")
-        print(rows[-1], file=sys.stderr)
+        emit([f"| {config.num_layers} | {batch} | eager | {step_seconds * 1e3:.2f} | {batch / step_seconds:.0f} | "
+              f"{1 / step_seconds:.0f} | {roofline:.0f} | {1 / step_seconds / roofline:.0%} |"])
         del cache, runner
         torch.cuda.empty_cache()
-    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a subset: shorter contexts, fewer batches and layers")
-    parser.add_argument("--out", type=Path, help="write the Markdown tables here (default: stdout)")
+    parser.add_argument("--out", type=Path, help="also write the Markdown tables here, row by row")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA device")
+    out = args.out.open("w") if args.out else None
+
+    def emit(lines: list[str]) -> None:  # row by row, so a run stopped by a time limit keeps what it measured
+        for line in lines:
+            print(line, flush=True)
+            if out:
+                print(line, file=out, flush=True)
+
     device = torch.device("cuda")
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
-    lines = [f"Device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-             f"triton {triton.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written).", "",
-             "Decode attention, one layer (bf16 model):", "",
-             "| shape | K / V | context | batch | Triton us | cache MB read | GB/s | of copy bw | splits "
-             "| torch us | speed-up |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += decode_attention_rows(device, bandwidth, args.quick)
-    lines += ["", "Whole-model decode, Llama-3.1-8B shapes, random bf16 weights, 512-token prompts:", "",
-              "| layers | batch | mode | ms / step | tokens/s | steps/s | roofline steps/s | of roofline |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += whole_model_rows(device, bandwidth, args.quick)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    emit([f"Device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+          f"triton {triton.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written).", "",
+          "Decode attention, one layer (bf16 model):", "",
+          "| shape | K / V | context | batch | Triton us | cache MB read | GB/s | of copy bw | splits "
+          "| torch us | speed-up |", "|---|---|---|---|---|---|---|---|---|---|---|"])
+    decode_attention_rows(device, bandwidth, args.quick, emit)
+    emit(["", "Whole-model decode, Llama-3.1-8B shapes, random bf16 weights, 512-token prompts:", "",
+          "| layers | batch | mode | ms / step | tokens/s | steps/s | roofline steps/s | of roofline |",
+          "|---|---|---|---|---|---|---|---|"])
+    whole_model_rows(device, bandwidth, args.quick, emit)
 
 
 if __name__ == "__main__":
