@@ -21,16 +21,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import localserve.kernels  # noqa: F401  (before triton: the interpreter without CUDA)
 import torch
 import triton.testing
+from localserve.models.config import ModelConfig, RopeConfig
 from localserve.models.rope import RotaryEmbedding
 
-from localserve.attention import AttentionMetadata, TorchAttentionBackend
-from localserve.config import ModelConfig, RopeConfig
-from localserve.kv_cache import PagedKVCache
-from localserve.kv_formats import LayerCalibration
-from localserve.triton_attention import TritonAttentionBackend
+from localserve.attention.base import AttentionInputs
+from localserve.attention.torch_backend import TorchAttentionBackend
+from localserve.attention.triton_backend import TritonAttentionBackend
+from localserve.kv.cache import PagedKVCache
+from localserve.kv.formats import LayerCalibration
 
 FORMAT_PAIRS = [("fp16", "fp16"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot"), ("q8_0", "q4_rot")]
 SHAPES = {"Llama-3.1-8B": (32, 8, 128), "SmolLM2-135M": (9, 3, 64)}  # query heads, KV heads, head dim
@@ -107,20 +107,22 @@ def time_decode(cache: PagedKVCache, shape_name: str, shape: tuple[int, int, int
     order = torch.randperm(batch * blocks_per_seq, device=device)
     tables = order.view(batch, blocks_per_seq)
     last_slots = tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1
-    metadata = AttentionMetadata(last_slots, tables, [1] * batch, [context] * batch)
+    inputs = AttentionInputs(last_slots, torch.full((batch,), context - 1, device=device), tables, [1] * batch,
+                             [context] * batch, BLOCK_SIZE)
     generator = torch.Generator(device=device).manual_seed(1)
     query = torch.randn(batch, num_heads, head_dim, device=device, dtype=torch.bfloat16, generator=generator)
     new_kv = torch.randn(batch, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=generator)
     triton_backend = TritonAttentionBackend()
+    metadata = triton_backend.build_metadata(inputs)  # its plan is made by the first call, then reused
     triton_ms = triton.testing.do_bench(lambda: triton_backend.attend(0, query, cache, metadata),
                                         return_mode="median")
     torch_backend = TorchAttentionBackend()
-    metadata_torch = AttentionMetadata(last_slots, tables, [1] * batch, [context] * batch)
-    torch_ms = triton.testing.do_bench(lambda: torch_backend.forward(0, query, new_kv, new_kv, cache, metadata_torch),
+    torch_metadata = torch_backend.build_metadata(inputs)
+    torch_ms = triton.testing.do_bench(lambda: torch_backend.forward(0, query, new_kv, new_kv, cache, torch_metadata),
                                        return_mode="median")
     bytes_read = batch * context * cache.bytes_per_token()
     achieved = bytes_read / (triton_ms / 1e3)
-    splits = triton_backend.step_plan.num_splits
+    splits = metadata.plan.num_splits
     return (f"| {shape_name} | {k_type} / {v_type} | {context // 1024}K | {batch} | {triton_ms * 1e3:.1f} | "
             f"{bytes_read / 1e6:.1f} | {achieved / 1e9:.0f} | {achieved / bandwidth:.0%} | {splits} | "
             f"{torch_ms * 1e3:.1f} | {torch_ms / triton_ms:.1f}x |")
@@ -136,9 +138,10 @@ def llama31_8b_config(num_layers: int) -> ModelConfig:
 
 def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, emit) -> None:
     """Decode tokens/s of a random-weight Llama-3.1-8B-shaped model through the Triton backend."""
-    from localserve.models import LlamaForCausalLM
+    from localserve.models.llama import LlamaForCausalLM
 
-    from localserve.model_runner import ModelRunner, SeqChunk, StepInput
+    from localserve.engine.model_runner import ModelRunner
+    from localserve.engine.step import SeqChunk, StepInput
 
     config = llama31_8b_config(num_layers=8 if quick else 32)
     with torch.device("meta"):

@@ -12,8 +12,8 @@ from localserve.kernels.attention_plan import plan_attention
 from localserve.kernels.paged_attention import paged_attention
 from localserve.models.rope import apply_rope
 
-from localserve.triton_attention import TritonAttentionBackend, kernel_format, kv_store
-from tests.kernels.helpers import DEVICE, calibration, fill_batch, rope_fn, torch_reference
+from localserve.attention.triton_backend import TritonAttentionBackend, kernel_format, kv_store
+from tests.helpers.kv_pools import DEVICE, calibration, fill_batch, rope_fn, torch_reference
 
 MIXED = [(1, 1328), (5, 18), (129, 463)]  # a long decode, a short chunk, a long chunk mid-prompt
 SMALL_MIXED = [(1, 70), (7, 7), (1, 33), (20, 52)]
@@ -43,7 +43,8 @@ def case_id(case) -> str:
 def test_attention_matches_torch_backend(case):
     shapes, (num_heads, num_kv_heads), head_dim, k_type, v_type, num_splits, dtype = case
     batch = fill_batch(shapes, k_type, v_type, num_heads, num_kv_heads, head_dim, dtype, seed=len(k_type))
-    out = TritonAttentionBackend(num_splits=num_splits).attend(0, batch.query, batch.cache, batch.metadata)
+    backend = TritonAttentionBackend(num_splits=num_splits)
+    out = backend.attend(0, batch.query, batch.cache, backend.build_metadata(batch.inputs))
     assert out.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(out, torch_reference(batch), atol=2e-5, rtol=1e-4)
@@ -74,7 +75,7 @@ def test_padding_rows_tiles_and_table_entries_are_never_touched():
     shapes = [(1, 40), (0, 17), (6, 21)]  # a sequence with no new token this step
     batch = fill_batch(shapes, "fp16", "fp16", 4, 2, 64)
     reference = torch_reference(batch)
-    meta = batch.metadata
+    meta = batch.inputs
     padded_query = torch.cat((batch.query, torch.full((3, 4, 64), float("nan"), device=DEVICE)))
     garbage_tables = meta.block_tables.clone()
     for row, (_, context_len) in enumerate(shapes):
@@ -100,10 +101,11 @@ def test_forward_writes_the_same_bytes_and_attends_like_torch():
     triton_batch = fill_batch(shapes, "bf16", "fp16", 4, 2, 64, seed=3)
     for cache in (reference_batch.cache, triton_batch.cache):  # forget the step's tokens, so forward writes them
         for store in (*cache.key_stores[0].values(), *cache.value_stores[0].values()):
-            store.view(-1, *store.shape[2:])[reference_batch.metadata.slot_mapping] = 0
+            store.view(-1, *store.shape[2:])[reference_batch.inputs.slot_mapping] = 0
     expected = torch_reference(reference_batch)
-    out = TritonAttentionBackend().forward(0, triton_batch.query, triton_batch.key, triton_batch.value,
-                                           triton_batch.cache, triton_batch.metadata)
+    backend = TritonAttentionBackend()
+    out = backend.forward(0, triton_batch.query, triton_batch.key, triton_batch.value, triton_batch.cache,
+                          backend.build_metadata(triton_batch.inputs))
     for side in ("key_stores", "value_stores"):
         assert torch.equal(getattr(triton_batch.cache, side)[0]["values"],
                            getattr(reference_batch.cache, side)[0]["values"])
@@ -129,7 +131,7 @@ def test_plan_covers_every_query_once_and_splits_long_decodes():
 def test_mean_flag_is_the_sign_bit_even_at_zero_scale():
     """Keys and values exactly at their mean store a scale of -0.0: the mean is used, and `< 0` would miss it."""
     batch = fill_batch([(1, 40), (3, 20)], "q4_rot", "q4_rot", 4, 2, 64, seed=9)
-    cache, meta = batch.cache, batch.metadata
+    cache, meta = batch.cache, batch.inputs
     layer_calibration = calibration(2, 64)
     positions = torch.tensor([3, 4, 5, 16], device=DEVICE)  # of the second sequence, before its new tokens (17-19)
     table = meta.block_tables[1]
@@ -140,5 +142,6 @@ def test_mean_flag_is_the_sign_bit_even_at_zero_scale():
     for store in (cache.key_stores[0], cache.value_stores[0]):
         scales = store["scales"].flatten(0, 1)[slots]
         assert bool((torch.signbit(scales) & (scales == 0)).any())  # -0.0 is there
-    out = TritonAttentionBackend().attend(0, batch.query, cache, meta)
+    backend = TritonAttentionBackend()
+    out = backend.attend(0, batch.query, cache, backend.build_metadata(meta))
     torch.testing.assert_close(out, torch_reference(batch), atol=2e-5, rtol=1e-4)

@@ -12,9 +12,9 @@ import torch
 from localserve.kernels.kv_format import KVStore
 from localserve.kernels.store_kv import store_kv
 
-from localserve.kv_formats import Q4Codec, Q8Codec
-from localserve.triton_attention import kernel_format, kv_store
-from tests.kernels.helpers import DEVICE, keys_at, make_cache, rope_fn, values_near_mean
+from localserve.attention.triton_backend import kernel_format, kv_store
+from localserve.kv.formats import Q4Codec, Q8Codec
+from tests.helpers.kv_pools import DEVICE, keys_at, make_cache, rope_fn, values_near_mean
 
 NUM_BLOCKS = 6
 
