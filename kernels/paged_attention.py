@@ -110,8 +110,9 @@ def _paged_attention_kernel(
 
     last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
     kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
-    num_key_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_key_tiles, num_splits)
+    # (a + b - 1) // b rather than tl.cdiv: a nested jit call is slow in Triton's interpreter.
+    num_key_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_key_tiles + num_splits - 1) // num_splits
     first_tile = split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, num_key_tiles)
 
