@@ -81,7 +81,7 @@ class LLMEngine:
         backend, why = select_backend(config.attention_backend, param.device, kv_cache.cache_type_k,
                                       kv_cache.cache_type_v)
         log.info("attention backend: %s", why)
-        self.runner = ModelRunner(model, kv_cache, backend)
+        self.runner = ModelRunner(model, kv_cache, backend, self.max_model_len)
         self.events = EventLog()
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.events)
         self.sampler = Sampler()
