@@ -140,9 +140,6 @@ def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, emit) 
     """Decode tokens/s of a random-weight Llama-3.1-8B-shaped model through the Triton backend."""
     from localserve.models.llama import LlamaForCausalLM
 
-    from localserve.engine.model_runner import ModelRunner
-    from localserve.engine.step import SeqChunk, StepInput
-
     config = llama31_8b_config(num_layers=8 if quick else 32)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -155,28 +152,38 @@ def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, emit) 
                        if "embed_tokens" not in name)  # a decode step reads every weight but the embedding
     prompt_len, decode_steps = 512, 32
     for batch in ([1, 16] if quick else BATCHES):
-        blocks_per_seq = (prompt_len + decode_steps + 1) // BLOCK_SIZE + 1
-        cache = PagedKVCache(config.num_layers, batch * blocks_per_seq, BLOCK_SIZE, config.num_kv_heads,
-                             config.head_dim, torch.bfloat16, device=device)
-        runner = ModelRunner(model, cache, TritonAttentionBackend())
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-        prompts = torch.randint(0, config.vocab_size, (batch, prompt_len)).tolist()
-        logits = runner.execute(StepInput([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]))
-        tokens = logits.argmax(-1).tolist()
-        step_times = []
-        for step in range(decode_steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            chunks = [SeqChunk([token], prompt_len + step, table) for token, table in zip(tokens, tables)]
-            tokens = runner.execute(StepInput(chunks)).argmax(-1).tolist()  # the host needs the ids: a sync
-            step_times.append(time.perf_counter() - start)
-        step_seconds = statistics.median(step_times[4:])
-        kv_bytes = batch * (prompt_len + decode_steps // 2) * cache.bytes_per_token()
-        roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # copy bandwidth counts bytes twice
-        emit([f"| {config.num_layers} | {batch} | eager | {step_seconds * 1e3:.2f} | {batch / step_seconds:.0f} | "
-              f"{1 / step_seconds:.0f} | {roofline:.0f} | {1 / step_seconds / roofline:.0%} |"])
-        del cache, runner
-        torch.cuda.empty_cache()
+        for mode, max_model_len in (("eager", None), ("graphs", prompt_len + decode_steps + BLOCK_SIZE)):
+            emit([decode_row(model, batch, prompt_len, decode_steps, max_model_len, mode, weight_bytes, bandwidth)])
+            torch.cuda.empty_cache()
+
+
+def decode_row(model, batch: int, prompt_len: int, decode_steps: int, max_model_len: int | None, mode: str,
+               weight_bytes: int, bandwidth: float) -> str:
+    """Median time of a decode step after `batch` prompts: eager, or from CUDA graphs (`max_model_len`)."""
+    from localserve.engine.model_runner import ModelRunner
+    from localserve.engine.step import SeqChunk, StepInput
+
+    config = model.config
+    device = next(model.parameters()).device
+    blocks_per_seq = (prompt_len + decode_steps + 1) // BLOCK_SIZE + 1
+    cache = PagedKVCache(config.num_layers, batch * blocks_per_seq, BLOCK_SIZE, config.num_kv_heads,
+                         config.head_dim, torch.bfloat16, device=device)
+    runner = ModelRunner(model, cache, TritonAttentionBackend(), max_model_len)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    prompts = torch.randint(0, config.vocab_size, (batch, prompt_len)).tolist()
+    tokens = runner.execute(StepInput([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])).argmax(-1).tolist()
+    step_times = []
+    for step in range(decode_steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        chunks = [SeqChunk([token], prompt_len + step, table) for token, table in zip(tokens, tables)]
+        tokens = runner.execute(StepInput(chunks)).argmax(-1).tolist()  # the host needs the ids: a sync
+        step_times.append(time.perf_counter() - start)
+    step_seconds = statistics.median(step_times[4:])  # the first steps compile and capture
+    kv_bytes = batch * (prompt_len + decode_steps // 2) * cache.bytes_per_token()
+    roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # the copy bandwidth counts each byte twice
+    return (f"| {config.num_layers} | {batch} | {mode} | {step_seconds * 1e3:.2f} | {batch / step_seconds:.0f} | "
+            f"{1 / step_seconds:.0f} | {roofline:.0f} | {1 / step_seconds / roofline:.0%} |")
 
 
 def main() -> None:
