@@ -14,7 +14,7 @@ This module depends on torch only; the attention backend builds these from local
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,17 +39,17 @@ class KernelFormat:
     search_factors: torch.Tensor | None = None  # [16] candidate scales rms * factor beside absmax; None: absmax
     key_mean: torch.Tensor | None = None  # [Hkv, D, D] (Q4 keys, see above)
     value_mean: torch.Tensor | None = None  # [Hkv, D] stored-domain mean (Q4 values)
+    # The largest |level| (Q4): the absmax scale maps a vector's largest entry onto it. A host number,
+    # read once here, so that writing never waits for the device (nor breaks a graph capture).
+    max_abs_level: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         if self.code == Q4 and (self.levels is None or self.midpoints is None):
             raise ValueError("a 4-bit format needs its levels and midpoints")
         if self.key_mean is not None and self.value_mean is not None:
             raise ValueError("a store holds keys or values, so it has a key mean or a value mean, not both")
-
-    @property
-    def max_abs_level(self) -> float:
-        """The largest |level|: the absmax scale maps a vector's largest entry onto it."""
-        return float(self.levels.abs().max()) if self.levels is not None else 0.0
+        if self.levels is not None:
+            object.__setattr__(self, "max_abs_level", float(self.levels.abs().max()))
 
 
 def q4_midpoints(levels: torch.Tensor) -> torch.Tensor:

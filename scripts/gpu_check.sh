@@ -23,6 +23,8 @@ fi
 REPORT=${OUT:-scripts/out}/gpu_report.md
 mkdir -p "$(dirname "$REPORT")"
 export PYTHONUNBUFFERED=1
+# Nothing can be fetched there: make the hub and pip fail at once instead of retrying for minutes.
+export HF_HUB_OFFLINE=1 PIP_NO_INDEX=1
 started=$SECONDS
 section() { printf '\n## %s\n\n' "$1" >> "$REPORT"; echo "== $1" >&2; }
 fenced() { { echo '```'; tail -n "${1:-60}"; echo '```'; } >> "$REPORT"; }

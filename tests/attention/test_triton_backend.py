@@ -87,3 +87,23 @@ def test_engine_quantized_tokens_equal_torch_over_the_same_bytes(tiny_models, ar
     model = tiny_models[arch]
     expected = greedy_tokens(model, None, k_type, v_type)
     assert greedy_tokens(model, TorchWriteTritonAttend(num_splits=2), k_type, v_type) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_default_model_on_cuda_gives_the_torch_backends_greedy_tokens(smollm2_path):
+    """SmolLM2 in fp32 on CUDA: auto (Triton, decode steps from CUDA graphs) against the torch backend."""
+    model = load_model(smollm2_path, dtype=torch.float32, device="cuda").model
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1953, 30], list(range(100, 160))]
+    results = {}
+    for backend in ("auto", "torch"):
+        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, attention_backend=backend,
+                                                     max_model_len=512))
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        outputs = engine.run_to_completion()
+        results[backend] = [outputs[i].token_ids for i in ids]
+        if backend == "auto":
+            assert isinstance(engine.runner.backend, TritonAttentionBackend)
+            assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.graphs
+    assert results["auto"] == results["torch"]
