@@ -81,6 +81,8 @@ class KVStore:
 
     def check(self, code: int, num_kv_heads: int, head_dim: int) -> None:
         """Raise ValueError unless the tensors have the layout the kernels index (contiguous, right shapes)."""
+        if head_dim < 16 or head_dim & (head_dim - 1):  # tl.arange needs a power of two, tl.dot sides >= 16
+            raise ValueError(f"the Triton kernels need a head_dim that is a power of two >= 16, got {head_dim}")
         per_head = {PLAIN: head_dim, Q8_0: head_dim, Q4: head_dim // 2}[code]
         if self.data.dim() != 4 or tuple(self.data.shape[2:]) != (num_kv_heads, per_head):
             raise ValueError(f"KV store data has shape {tuple(self.data.shape)}, expected [blocks, block_size, "

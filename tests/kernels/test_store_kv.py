@@ -125,3 +125,7 @@ def test_store_rejects_a_layout_it_cannot_index():
     with pytest.raises(ValueError, match="contiguous"):
         store_kv(x, torch.arange(4, device=DEVICE), KVStore(codes.transpose(0, 1), cache.key_stores[0]["scales"]),
                  fmt)
+    odd_cache = make_cache("fp16", "fp16", 1, 48, 2)
+    with pytest.raises(ValueError, match="power of two >= 16, got 48"):
+        store_kv(torch.zeros(4, 1, 48, device=DEVICE), torch.arange(4, device=DEVICE),
+                 kv_store(odd_cache.key_stores[0]), kernel_format(odd_cache.key_codecs[0], torch.device(DEVICE)))
