@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from localserve.engine.config import EngineConfig
+from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
 from localserve.llm import LLM
 from tests.helpers.scripted import EOS, decoded_prefix, write_scripted_model
@@ -180,3 +181,13 @@ def test_finish_reason(scripted, name):
     assert output.text == text
     assert "".join(step.outputs[0].delta_text for step in steps) == text
     assert len(script.prompt) + len(output.token_ids) <= llm.engine.max_model_len
+
+
+def test_stop_strings_are_refused_where_no_text_is_made(scripted):
+    llm, _ = scripted(HELLO)
+    textless = LLMEngine(llm.engine.runner.model, None, EngineConfig(num_kv_blocks=8))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        textless.add_request([1], SamplingParams(max_tokens=4, stop=["lo"]))
+    assert textless.is_idle_and_clean()
+    with pytest.raises(ValueError, match="SamplingParams.stop .*beam_search"):
+        SamplingParams(n=2, beam_search=True, stop=["lo"])
