@@ -115,7 +115,8 @@ def test_stop_string_cuts_text_and_tokens_exactly(scripted, name):
 
 def test_no_stop_string_found_streams_everything(scripted):
     llm, script = scripted(HELLO)
-    final, steps = run_streaming(llm, script.prompt, SamplingParams(temperature=0, max_tokens=50, stop=["wxyz", "Hello!"]))
+    params = SamplingParams(temperature=0, max_tokens=50, stop=["wxyz", "Hello!"])
+    final, steps = run_streaming(llm, script.prompt, params)
     assert (final.text, final.outputs[0].finish_reason) == ("Hello world! Bye", "stop")
     assert final.token_ids == script.piece_ids + [EOS]
     assert_streamed_safely(steps, HELLO, ["wxyz", "Hello!"])
@@ -130,7 +131,8 @@ def test_stop_string_in_the_prompt_does_not_stop(scripted):
 
 def test_parallel_samples_each_stop_at_their_stop_string(scripted):
     llm, script = scripted(HELLO)
-    final, steps = run_streaming(llm, script.prompt, SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=50, stop=["o w"]))
+    params = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=50, stop=["o w"])
+    final, steps = run_streaming(llm, script.prompt, params)
     for output in final.outputs:  # the script's successor carries all the probability: every sample follows it
         assert (output.text, output.token_ids, output.finish_reason) == ("Hell", script.piece_ids[:3], "stop")
     for index in range(3):

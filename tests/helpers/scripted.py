@@ -88,7 +88,7 @@ def write_scripted_model(folder: Path, pieces: list[bytes | str], then: str = "e
 
 
 def _write_weights(folder: Path, successor: dict[int, int], context_length: int) -> None:
-    hidden, heads, head_dim, intermediate = VOCAB, 4, VOCAB // 4, 32
+    hidden, heads, intermediate = VOCAB, 4, 32
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
               "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 1,
               "num_attention_heads": heads, "num_key_value_heads": heads, "rms_norm_eps": 1e-6,
