@@ -28,7 +28,8 @@ from localserve.models.llama import ForwardContext, LlamaForCausalLM
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 MAX_GRAPH_BATCH = GRAPH_BATCH_SIZES[-1]
-# The int32 fields of the packed inputs, in order: name -> length as a function of the batch size.
+# The int32 fields at the head of the packed inputs, in order, one entry per row (query_start: one more);
+# the block tables follow at a fixed offset.
 FIELDS = ("input_ids", "positions", "slots", "seq_lens", "query_start", "tile_seq", "tile_start")
 
 
