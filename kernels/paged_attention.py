@@ -25,6 +25,9 @@ from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore
 from localserve.kernels.rounding import cast_round_nearest
 
 LOG2E = 1.4426950408889634
+# The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
+# tl.constexpr globals.
+PLAIN_CODE, Q8_0_CODE, Q4_CODE = tl.constexpr(PLAIN), tl.constexpr(Q8_0), tl.constexpr(Q4)
 
 
 @triton.jit
@@ -37,9 +40,9 @@ def load_kv_tile(data_ptr, scales_ptr, levels_ptr, row, valid, FORMAT: tl.conste
     dims = tl.arange(0, HEAD_DIM)
     magnitude = tl.zeros(row.shape, tl.float32)
     uses_mean = tl.zeros(row.shape, tl.int1)
-    if FORMAT == PLAIN:
+    if FORMAT == PLAIN_CODE:
         tile = tl.load(data_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-    elif FORMAT == Q8_0:
+    elif FORMAT == Q8_0_CODE:
         codes = tl.load(data_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0)
         scales = tl.load(scales_ptr + row[:, None] * (HEAD_DIM // 32) + (dims // 32)[None, :],
                          mask=valid[:, None], other=0.0)
@@ -131,7 +134,7 @@ def _paged_attention_kernel(
         key, key_scale, key_uses_mean = load_kv_tile(k_data_ptr, k_scales_ptr, k_levels_ptr, kv_row, key_valid,
                                                      K_FORMAT, HEAD_DIM)
         scores = tl.dot(query, tl.trans(key.to(COMPUTE)), input_precision=DOT_PRECISION)
-        if K_FORMAT == Q4:
+        if K_FORMAT == Q4_CODE:
             scores = scores * key_scale[None, :]
         if KEY_MEAN:
             trig = tl.load(trig_ptr + keys.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
@@ -149,7 +152,7 @@ def _paged_attention_kernel(
                                                            key_valid, V_FORMAT, HEAD_DIM)
         if VALUE_MEAN:
             mean_weight = mean_weight * rescale + tl.sum(tl.where(value_uses_mean[None, :], weights, 0.0), 1)
-        if V_FORMAT == Q4:
+        if V_FORMAT == Q4_CODE:
             weights = weights * value_scale[None, :]
         acc = acc * rescale[:, None] + tl.dot(weights.to(COMPUTE), value.to(COMPUTE), input_precision=DOT_PRECISION)
         running_max = new_max

@@ -17,6 +17,9 @@ from localserve.kernels.kv_format import PLAIN, Q8_0, Q8_GROUP, KernelFormat, KV
 from localserve.kernels.rounding import cast_round_nearest, round_half_even
 
 MEAN_NONE, MEAN_ROPE, MEAN_CONSTANT = 0, 1, 2
+# The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
+# tl.constexpr globals.
+PLAIN_CODE, Q8_0_CODE = tl.constexpr(PLAIN), tl.constexpr(Q8_0)
 TOKENS_PER_PROGRAM = 16  # the rotation product is a tl.dot, whose sides must be at least 16
 
 
@@ -57,7 +60,7 @@ def _store_kv_kernel(
     row = slots * NUM_KV_HEADS + head  # int64: (slot, head) vectors in the store
     x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x_token + head * stride_x_head + dims[None, :],
                 mask=valid[:, None], other=0.0)
-    if FORMAT == PLAIN:
+    if FORMAT == PLAIN_CODE:
         tl.store(data_ptr + row[:, None] * HEAD_DIM + dims[None, :], cast_round_nearest(x, data_ptr.dtype.element_ty),
                  mask=valid[:, None])
     else:
@@ -65,7 +68,7 @@ def _store_kv_kernel(
         if ROTATE:  # y = x @ E^T; "ieee": no TF32, the product must match the torch codec's fp32 one
             encode_t = tl.load(encode_ptr + head * stride_encode_head + dims[None, :] * HEAD_DIM + dims[:, None])
             y = tl.dot(y, encode_t, input_precision="ieee")
-        if FORMAT == Q8_0:
+        if FORMAT == Q8_0_CODE:
             _quantize_q8(y, row, valid, data_ptr, scales_ptr, HEAD_DIM)
         else:
             use_mean = tl.zeros([BLOCK_T], tl.int1)

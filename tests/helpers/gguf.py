@@ -76,3 +76,24 @@ def write_llama_gguf(path: Path, hf_model,
     writer.write_tensors_to_file()
     writer.close()
     return twin
+
+
+def random_blocks(qtype_name: str, rows: int, cols: int, seed: int = 0, magnitude: float = 0.1) -> np.ndarray:
+    """Random valid blocks uint8 [rows, row_bytes] of GGML type `qtype_name`: random code and scale bytes,
+    every fp16 field (d, dmin, m) finite, of a size that puts the weights near +-`magnitude`."""
+    from localserve.kernels.gguf_blocks import QUANT_FORMATS
+
+    fmt = QUANT_FORMATS[qtype_name]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // fmt.block_values, fmt.block_bytes), dtype=np.uint8)
+    # d times the typical size of what it multiplies (6-bit or int8 sub-scales times codes) ~ magnitude.
+    typical = {"Q8_0": 64, "Q6_K": 64 * 32, "Q4_K": 32 * 8, "Q5_K": 32 * 16, "Q2_K": 8 * 2, "Q3_K": 16 * 4}
+    for which, offset in enumerate(fmt.half_offsets):
+        size = magnitude / typical.get(qtype_name, 8 if qtype_name.startswith("Q4") else 16)
+        if which == 1 and not qtype_name.endswith("_K"):  # m of Q4_1 / Q5_1: the block's offset, signed
+            field = rng.normal(0, magnitude, data.shape[:2])
+        else:
+            field = rng.uniform(0.5, 1.5, data.shape[:2]) * size * (rng.choice([-1, 1], data.shape[:2])
+                                                                    if which == 0 and "_K" not in qtype_name else 1)
+        data[:, :, offset:offset + 2] = field.astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
