@@ -67,11 +67,12 @@ class MatmulConfig:
 # cards this targets, to be confirmed by scripts/bench_kernels.py, which times fused and scratch.
 CUDA = MatmulConfig(gemv=Tiling(256, 16), fused=Tiling(128, 32), dequantize=Tiling(128, 32), scratch_min_batch=128)
 # The interpreter runs a program as numpy operations on whole tiles, each costing tens of microseconds of
-# Python besides its numpy work: the fewest, largest tiles (a whole row, as many rows as fit in 2**20
-# elements, Triton's largest tensor). The scratch path from 2 rows of x on: its dequantization costs what
-# a gemv of one row costs there (a gemv of 4 rows, 1.6 times that), and numpy's matmul little beside it.
+# Python besides its numpy work: few, large tiles (a whole row, as many rows as fit in 2**18 weights:
+# larger ones were no faster, their arrays falling out of the CPU's caches). The scratch path from 2 rows
+# of x on: its dequantization costs about what a gemv of one row costs there (a gemv of 4 rows, 1.6
+# times that), and numpy's matmul little beside it.
 INTERPRETER = MatmulConfig(gemv=Tiling(4096, 16), fused=Tiling(512, 64), dequantize=Tiling(4096, 16),
-                           scratch_min_batch=2, fill_rows=2**20)
+                           scratch_min_batch=2, fill_rows=2**18)
 
 
 def matmul_config(device: torch.device) -> MatmulConfig:

@@ -97,3 +97,52 @@ def random_blocks(qtype_name: str, rows: int, cols: int, seed: int = 0, magnitud
                                                                     if which == 0 and "_K" not in qtype_name else 1)
         data[:, :, offset:offset + 2] = field.astype(np.float16)[..., None].view(np.uint8)
     return data.reshape(rows, -1)
+
+
+def write_random_gguf(path: Path, arch: str, weight_types: dict[str, str], tied: bool, seed: int = 0,
+                      hidden_size: int = 256, intermediate_size: int = 512, num_layers: int = 2,
+                      vocab_size: int = 256) -> None:
+    """A random Llama-family GGUF (arch "llama" or "qwen2", with q/k/v biases) of 4 heads of 64 over 2 KV
+    heads, whose 2-D weights are random valid blocks: `weight_types` maps a GGUF tensor name without
+    ".weight" (e.g. "blk.1.ffn_down", "token_embd", "output") to a GGML type name; unnamed ones are F32."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(num_layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    kv_size = 2 * 64
+    shapes = {"token_embd": (vocab_size, hidden_size)} | ({} if tied else {"output": (vocab_size, hidden_size)})
+    for layer in range(num_layers):
+        prefix = f"blk.{layer}"
+        shapes |= {f"{prefix}.attn_q": (hidden_size, hidden_size), f"{prefix}.attn_k": (kv_size, hidden_size),
+                   f"{prefix}.attn_v": (kv_size, hidden_size), f"{prefix}.attn_output": (hidden_size, hidden_size),
+                   f"{prefix}.ffn_gate": (intermediate_size, hidden_size),
+                   f"{prefix}.ffn_up": (intermediate_size, hidden_size),
+                   f"{prefix}.ffn_down": (hidden_size, intermediate_size)}
+    for index, (name, (rows, cols)) in enumerate(shapes.items()):
+        qtype = weight_types.get(name, "F32")
+        if qtype in ("F32", "F16"):
+            dense = rng.normal(0, 0.1, (rows, cols)).astype(np.float32 if qtype == "F32" else np.float16)
+            writer.add_tensor(f"{name}.weight", dense)
+        else:
+            writer.add_tensor(f"{name}.weight", random_blocks(qtype, rows, cols, seed=seed * 1000 + index),
+                              raw_dtype=gguf.GGMLQuantizationType[qtype])
+    for layer in range(num_layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.8, 1.2, hidden_size).astype(np.float32))
+        if arch == "qwen2":
+            for name, size in (("attn_q", hidden_size), ("attn_k", kv_size), ("attn_v", kv_size)):
+                writer.add_tensor(f"blk.{layer}.{name}.bias", rng.normal(0, 0.5, size).astype(np.float32))
+    writer.add_tensor("output_norm.weight", rng.uniform(0.8, 1.2, hidden_size).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -43,14 +43,18 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype 
     return model
 
 
-def make_runner(folder, dtype=torch.float32, num_blocks=16, block_size=16):
-    """The model in `folder` loaded by localserve, and a torch-backend ModelRunner over a fresh pool."""
+def make_runner(source, dtype=torch.float32, num_blocks=16, block_size=16, keep_quantized_weights=None):
+    """The model in `source` (a path, or a LoadedModel) loaded by localserve, and a torch-backend
+    ModelRunner over a fresh pool."""
     from localserve.attention.torch_backend import TorchAttentionBackend
     from localserve.engine.model_runner import ModelRunner
     from localserve.kv.cache import PagedKVCache
-    from localserve.loading.hf import load_model
+    from localserve.loading.hf import LoadedModel, load_model
 
-    loaded = load_model(folder, dtype=dtype)
+    if isinstance(source, LoadedModel):
+        loaded = source
+    else:
+        loaded = load_model(source, dtype=dtype, keep_quantized_weights=keep_quantized_weights)
     config = loaded.config
     cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
     return loaded, ModelRunner(loaded.model, cache, TorchAttentionBackend())

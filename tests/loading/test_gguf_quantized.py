@@ -1,0 +1,76 @@
+"""--keep-quantized-weights: a GGUF's quantized weights stay in their blocks on the device, and the model
+gives what the dequantized model gives (the kernels run in Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear
+
+from localserve.loading.hf import ModelLoadError, load_model
+from tests.helpers.gguf import write_random_gguf
+from tests.helpers.models import greedy_paged, make_runner
+
+# Every type the kernels read, in one two-layer model; the embeddings tied (Q6_K) or not (Q4_K, with an
+# output layer in Q8_0), and one dense F16 layer that stays dense.
+EVERY_TYPE = {"blk.0.attn_q": "Q4_0", "blk.0.attn_k": "Q4_1", "blk.0.attn_v": "Q5_0", "blk.0.attn_output": "Q5_1",
+              "blk.0.ffn_gate": "Q8_0", "blk.0.ffn_up": "Q2_K", "blk.0.ffn_down": "Q3_K", "blk.1.attn_q": "Q4_K",
+              "blk.1.attn_k": "Q5_K", "blk.1.attn_v": "Q6_K", "blk.1.attn_output": "Q6_K", "blk.1.ffn_gate": "Q5_K",
+              "blk.1.ffn_up": "Q4_K", "blk.1.ffn_down": "F16"}
+VARIANTS = {"llama-tied": ("llama", True, EVERY_TYPE | {"token_embd": "Q6_K"}),
+            "qwen2-untied": ("qwen2", False, EVERY_TYPE | {"token_embd": "Q4_K", "output": "Q8_0"})}
+
+
+def quantized_modules(model) -> dict[str, str]:
+    return {name: module.format.name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_type_kept_quantized_gives_the_dequantized_models_tokens(tmp_path, variant):
+    arch, tied, weight_types = VARIANTS[variant]
+    path = tmp_path / f"{variant}.gguf"
+    write_random_gguf(path, arch, weight_types, tied)
+    quantized, runner_quantized = make_runner(path, keep_quantized_weights=True)
+    dequantized, runner_dequantized = make_runner(path, keep_quantized_weights=False)
+
+    kept = quantized_modules(quantized.model)
+    expected = {name for name, qtype in weight_types.items() if qtype != "F16"}
+    assert len(kept) == len(expected) and not quantized_modules(dequantized.model)
+    assert isinstance(quantized.model.model.embed_tokens, QuantizedEmbedding) and (tied == (
+        not hasattr(quantized.model, "lm_head")))
+    # The kept blocks (Q and K rows un-permuted as whole rows) dequantize to the dequantized model's weights.
+    dense = dict(dequantized.model.named_parameters())
+    for name in kept:
+        module = quantized.model.get_submodule(name)
+        assert torch.equal(module.dequantized_weight(torch.float32), dense[f"{name}.weight"]), name
+        if arch == "qwen2" and name.endswith(("q_proj", "k_proj", "v_proj")):
+            assert torch.equal(module.bias, dense[f"{name}.bias"])
+
+    prompt, table = [1, 17, 200, 45, 9, 130], list(range(4))
+    logits = runner_quantized.prompt_logits(prompt, table)
+    reference = runner_dequantized.prompt_logits(prompt, table)
+    assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert greedy_paged(runner_quantized, prompt, 4, table) == greedy_paged(runner_dequantized, prompt, 4, table)
+
+
+def test_default_off_on_the_cpu_and_a_clear_error_without_the_interpreter(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_random_gguf(path, "llama", {"blk.0.attn_q": "Q4_K", "token_embd": "Q8_0"}, tied=True, num_layers=1)
+    assert not quantized_modules(load_model(path).model)  # a CPU device: dequantized as before
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ModelLoadError, match="--keep-quantized-weights needs a CUDA device"):
+        load_model(path, keep_quantized_weights=True)
+
+
+@pytest.mark.slow
+def test_default_model_kept_quantized_gives_the_dequantized_models_token(smollm2_path, smollm2):
+    """SmolLM2-135M (Q4_1; embeddings Q8_0, tied) in the interpreter, one decode-sized forward (gemv in
+    every layer and the output layer: about 30 s on the 2-core CI machine, which is why it is only one)
+    against the dequantized model. Longer runs through every type: the tiny model above."""
+    quantized, runner_quantized = make_runner(smollm2_path, num_blocks=1, keep_quantized_weights=True)
+    assert set(quantized_modules(quantized.model).values()) == {"Q4_1", "Q8_0"}
+    runner_dequantized = make_runner(smollm2, num_blocks=1)[1]
+    logits = runner_quantized.prompt_logits([1], [0])
+    reference = runner_dequantized.prompt_logits([1], [0])
+    assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert logits.argmax(-1).tolist() == reference.argmax(-1).tolist()
