@@ -44,6 +44,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="size the KV pool to this fraction of the GPU, weights included (overrides --num-kv-blocks)")
     e.add_argument("--kv-cache-memory",
                    help="size the KV pool to this many bytes, e.g. 6GB (overrides --num-kv-blocks)")
+    e.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction,
+                   help="keep a .gguf's quantized weights in their blocks on the device, multiplied by Triton "
+                        "kernels (default: on for a .gguf on CUDA, off on a CPU)")
     e.add_argument("--attention-backend", default="auto",
                    help="attention implementation: auto (the fastest that supports the device and KV formats), "
                         "torch, triton")
@@ -71,7 +74,7 @@ def build_llm(args: argparse.Namespace):
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend)
     llm = LLM(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
-              offline=args.offline, engine_config=config)
+              offline=args.offline, engine_config=config, keep_quantized_weights=args.keep_quantized_weights)
     if args.chat_template_file:
         llm.tokenizer.chat_template = args.chat_template_file.read_text()
     return llm
@@ -182,7 +185,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="fraction of the device for weights + KV pool (default 0.9)")
     parser.add_argument("--kv-budget", help="explicit KV pool size, e.g. 6GB (overrides --vram)")
-    parser.add_argument("--weights", help="weight size, e.g. 4.9GB (default: parameters x 2 bytes)")
+    parser.add_argument("--weights", help="weight size, e.g. 4.9GB (default: parameters x 2 bytes, or a .gguf's "
+                                          "stored size where its quantized blocks are kept)")
+    parser.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="count a .gguf's quantized weights at their stored size, as the server keeps them on "
+                             "a GPU (default: on)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
@@ -199,8 +206,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
 
     utilization = args.gpu_memory_utilization or DEFAULT_UTILIZATION
-    config, weight_bytes = load_plan_model(args.model)
-    weight_source = "parameters x 2 bytes"
+    config, weight_bytes, weight_source = load_plan_model(args.model,
+                                                          keep_quantized_weights=args.keep_quantized_weights)
     if args.weights:
         weight_bytes, weight_source = parse_size(args.weights), "given"
     if args.kv_budget:

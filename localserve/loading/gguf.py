@@ -138,6 +138,19 @@ def keeps_quantized(tensor) -> bool:
             and name.endswith(".weight") and "norm" not in name)
 
 
+def gguf_weight_bytes(reader, bytes_per_param: float) -> tuple[int, int]:
+    """(bytes, bytes) of a GGUF's model weights once loaded: with the tensors `keeps_quantized` names at
+    their stored size, and with every tensor dequantized to `bytes_per_param` bytes a value."""
+    stored = dense = 0
+    for tensor in reader.tensors:
+        if hf_name(tensor.name) is None:
+            continue
+        as_dense = int(tensor.n_elements * bytes_per_param)
+        dense += as_dense
+        stored += int(tensor.n_bytes) if keeps_quantized(tensor) else as_dense
+    return stored, dense
+
+
 def iter_gguf_weights(path: Path, config: ModelConfig, reader=None,
                       keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (HF name, weight) for every model tensor, one at a time: a float32 tensor, or with
