@@ -74,3 +74,49 @@ def test_default_model_kept_quantized_gives_the_dequantized_models_token(smollm2
     reference = runner_dequantized.prompt_logits([1], [0])
     assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
     assert logits.argmax(-1).tolist() == reference.argmax(-1).tolist()
+
+
+def engine_tokens(model, prompts: list[list[int]]) -> tuple[list[list[int]], object]:
+    """Greedy tokens of `prompts` through an LLMEngine (attention backend auto), and the engine."""
+    from localserve.engine.config import EngineConfig
+    from localserve.engine.engine import LLMEngine
+    from localserve.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_model_len=512))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs = engine.run_to_completion()
+    return [outputs[i].token_ids for i in ids], engine
+
+
+@pytest.mark.gpu
+def test_every_type_on_cuda_kept_by_default_and_replayed_from_cuda_graphs(tmp_path):
+    """On CUDA, fp32: blocks kept by default; the engine (Triton attention, decode steps from captured CUDA
+    graphs; prompts of 1, 9 and 150 tokens reach gemv, fused and scratch) gives the dequantized model's
+    greedy tokens."""
+    arch, tied, weight_types = VARIANTS["qwen2-untied"]
+    path = tmp_path / "every-type.gguf"
+    write_random_gguf(path, arch, weight_types, tied)
+    quantized = load_model(path, dtype=torch.float32, device="cuda")
+    assert len(quantized_modules(quantized.model)) == len(weight_types) - 1  # all but the F16 layer
+    dequantized = load_model(path, dtype=torch.float32, device="cuda", keep_quantized_weights=False)
+    prompts = [[1], list(range(3, 12)), [(7 * i) % 250 + 3 for i in range(150)]]
+    tokens, engine = engine_tokens(quantized.model, prompts)
+    assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.graphs
+    assert tokens == engine_tokens(dequantized.model, prompts)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_default_model_on_cuda_kept_quantized_gives_the_dequantized_models_tokens(smollm2_path):
+    """SmolLM2 in fp32 on CUDA, blocks kept (by default there): a quarter of the dequantized model's memory,
+    the same greedy tokens."""
+    quantized = load_model(smollm2_path, dtype=torch.float32, device="cuda")
+    dequantized = load_model(smollm2_path, dtype=torch.float32, device="cuda", keep_quantized_weights=False)
+
+    def weight_bytes(model) -> int:
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+    assert weight_bytes(quantized.model) < weight_bytes(dequantized.model) / 4
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1953, 30], list(range(100, 260))]
+    assert engine_tokens(quantized.model, prompts)[0] == engine_tokens(dequantized.model, prompts)[0]
