@@ -5,10 +5,14 @@
    and batch 1 / 16 / 64, in Llama-3.1-8B's shapes (32 query heads, 8 KV heads, head dim 128) and
    SmolLM2's (9 / 3 / 64): median time of one layer's attention, the bytes of cache it must read, GB/s
    and the fraction of the copy bandwidth; the plain-torch backend beside it.
-3. Whole-model decode tokens/s of a Llama-3.1-8B-shaped model with random bf16 weights (no download) at
-   batch 1 / 16 / 64, against the roofline of reading its weights (and KV cache) once per step.
+3. GGUF weight kernels (issue #18) at Llama-3.1-8B's linear shapes: per type, the gemv of one token
+   (bytes of blocks read per second, as a fraction of the copy bandwidth) beside torch's bf16 product;
+   then gemv, fused and scratch against bf16 torch.mm from 1 to 256 rows, to place the thresholds.
+4. Whole-model decode tokens/s of a Llama-3.1-8B-shaped model with random bf16 weights (no download) at
+   batch 1 / 16 / 64, against the roofline of reading its weights (and KV cache) once per step; then the
+   same model with random Q4_K_M-mixed GGUF blocks kept quantized, and its speed-up over bf16.
 
-Usage: python scripts/bench_kernels.py [--quick] [--out results.md]
+Usage: python scripts/bench_kernels.py [--quick] [--sections attention,gguf,model] [--out results.md]
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from localserve.attention.triton_backend import TritonAttentionBackend
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.formats import LayerCalibration
 
+GGUF_SHAPES = {"q, o": (4096, 4096), "k, v": (1024, 4096), "gate, up": (14336, 4096), "down": (4096, 14336)}
+SECTIONS = ("attention", "gguf", "model")
 FORMAT_PAIRS = [("fp16", "fp16"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot"), ("q8_0", "q4_rot")]
 SHAPES = {"Llama-3.1-8B": (32, 8, 128), "SmolLM2-135M": (9, 3, 64)}  # query heads, KV heads, head dim
 CONTEXTS = [1024, 8192, 32768]
@@ -136,8 +142,107 @@ def llama31_8b_config(num_layers: int) -> ModelConfig:
                        rope=rope, max_position_embeddings=131072, name="llama-3.1-8b-random")
 
 
-def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, emit) -> None:
-    """Decode tokens/s of a random-weight Llama-3.1-8B-shaped model through the Triton backend."""
+def random_gguf_blocks(qtype: str, rows: int, columns: int, generator: torch.Generator) -> torch.Tensor:
+    """Random valid blocks uint8 [rows, row_bytes] on the generator's device: random codes and sub-scales,
+    small positive fp16 fields (the timing does not depend on the values, as long as they are finite)."""
+    from localserve.kernels.gguf_blocks import QUANT_FORMATS
+
+    fmt = QUANT_FORMATS[qtype]
+    num_blocks = columns // fmt.block_values
+    data = torch.randint(0, 256, (rows, num_blocks, fmt.block_bytes), dtype=torch.uint8, device=generator.device,
+                         generator=generator)
+    for offset in fmt.half_offsets:
+        field = torch.empty(rows, num_blocks, dtype=torch.float16, device=generator.device)
+        field.uniform_(1e-3, 2e-3, generator=generator)
+        data[:, :, offset:offset + 2] = field.view(torch.uint8).view(rows, num_blocks, 2)
+    return data.reshape(rows, -1)
+
+
+def gguf_rows(device: torch.device, bandwidth: float, quick: bool, emit) -> None:
+    """Per type, the gemv of one bf16 token at each of Llama-3.1-8B's linear shapes; then the three methods
+    against bf16 torch.mm as the batch grows."""
+    from localserve.kernels.gguf_blocks import QUANT_FORMATS
+    from localserve.kernels.gguf_matmul import quantized_matmul
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    types = ["Q4_K", "Q6_K", "Q8_0"] if quick else list(QUANT_FORMATS)
+    emit(["", "GGUF gemv, one bf16 token, Llama-3.1-8B shapes (out x in):", "",
+          "| type | shape | us | MB read | GB/s | of copy bw | bf16 torch us | speed-up over bf16 |",
+          "|---|---|---|---|---|---|---|---|"])
+    for shape_name, (rows, columns) in GGUF_SHAPES.items():
+        x = torch.randn(1, columns, device=device, dtype=torch.bfloat16, generator=generator)
+        dense = torch.randn(rows, columns, device=device, dtype=torch.bfloat16, generator=generator)
+        dense_ms = triton.testing.do_bench(lambda: x @ dense.T, return_mode="median")  # noqa: B023
+        del dense
+        for qtype in types:
+            blocks = random_gguf_blocks(qtype, rows, columns, generator)
+            fmt = QUANT_FORMATS[qtype]
+            ms = triton.testing.do_bench(lambda: quantized_matmul(x, blocks, fmt, columns, method="gemv"),  # noqa: B023
+                                         return_mode="median")
+            achieved = (blocks.numel() + 2 * (columns + rows)) / (ms / 1e3)
+            emit([f"| {qtype} | {shape_name} {rows} x {columns} | {ms * 1e3:.1f} | {blocks.numel() / 1e6:.1f} | "
+                  f"{achieved / 1e9:.0f} | {achieved / bandwidth:.0%} | {dense_ms * 1e3:.1f} | {dense_ms / ms:.2f}x |"])
+    rows, columns = GGUF_SHAPES["gate, up"]
+    emit(["", f"GGUF methods by batch, Q4_K {rows} x {columns}, bf16 (us):", "",
+          "| batch | gemv | fused | scratch | bf16 torch.mm |", "|---|---|---|---|---|"])
+    blocks = random_gguf_blocks("Q4_K", rows, columns, generator)
+    dense = torch.randn(rows, columns, device=device, dtype=torch.bfloat16, generator=generator)
+    for batch in ([1, 4, 16, 128] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]):
+        x = torch.randn(batch, columns, device=device, dtype=torch.bfloat16, generator=generator)
+        cells = []
+        for method in ("gemv", "fused", "scratch"):
+            if method == "gemv" and batch > 4:
+                cells.append("-")
+                continue
+            ms = triton.testing.do_bench(
+                lambda: quantized_matmul(x, blocks, QUANT_FORMATS["Q4_K"], columns, method=method),  # noqa: B023
+                return_mode="median")
+            cells.append(f"{ms * 1e3:.1f}")
+        dense_ms = triton.testing.do_bench(lambda: x @ dense.T, return_mode="median")  # noqa: B023
+        emit([f"| {batch} | " + " | ".join(cells) + f" | {dense_ms * 1e3:.1f} |"])
+
+
+def q4_k_m_type(tensor: str, layer: int, num_layers: int) -> str:
+    """The type llama.cpp's Q4_K_M gives a layer tensor: Q6_K for attn_v and ffn_down in its `use_more_bits`
+    layers (the first and last eighth, and every third between), Q4_K elsewhere."""
+    more_bits = (layer < num_layers // 8 or layer >= 7 * num_layers // 8
+                 or (layer - num_layers // 8) % 3 == 2)
+    return "Q6_K" if tensor in ("v_proj", "down_proj") and more_bits else "Q4_K"
+
+
+def random_q4_k_m_llama(config, device: torch.device):
+    """A bf16 Llama of `config` whose linear layers and embeddings are random Q4_K_M-mixed GGUF blocks (the
+    output layer Q6_K, the embeddings Q4_K), built without ever holding its dense weights."""
+    from localserve.models.llama import LlamaForCausalLM
+    from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+    from torch import nn
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for name, module in list(model.named_modules()):
+        parent, _, child = name.rpartition(".")
+        if isinstance(module, nn.Linear):
+            qtype = "Q6_K" if name == "lm_head" else q4_k_m_type(child, int(name.split(".")[2]), config.num_layers)
+            shape = (module.out_features, module.in_features)
+            blocks = random_gguf_blocks(qtype, *shape, generator)
+            setattr(model.get_submodule(parent), child, QuantizedLinear(QuantizedTensor(blocks, qtype, shape)))
+        elif isinstance(module, nn.Embedding):
+            shape = (module.num_embeddings, module.embedding_dim)
+            blocks = random_gguf_blocks("Q4_K", *shape, generator)
+            setattr(model.get_submodule(parent), child,
+                    QuantizedEmbedding(QuantizedTensor(blocks, "Q4_K", shape), torch.bfloat16))
+    for name, parameter in list(model.named_parameters()):  # the norms
+        module, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module), attribute,
+                nn.Parameter(torch.ones(parameter.shape, dtype=torch.bfloat16, device=device), requires_grad=False))
+    model.init_rope(device)
+    return model.eval()
+
+
+def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, sections: set[str], emit) -> None:
+    """Decode tokens/s of a random-weight Llama-3.1-8B-shaped model through the Triton backend: bf16, and
+    (with the gguf section) Q4_K_M blocks kept quantized."""
     from localserve.models.llama import LlamaForCausalLM
 
     config = llama31_8b_config(num_layers=8 if quick else 32)
@@ -148,18 +253,40 @@ def whole_model_rows(device: torch.device, bandwidth: float, quick: bool, emit) 
         for parameter in model.parameters():
             parameter.normal_(0, 0.02) if parameter.dim() > 1 else parameter.fill_(1.0)
     model.init_rope(device)
-    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                       if "embed_tokens" not in name)  # a decode step reads every weight but the embedding
+    emit(["", "Whole-model decode, Llama-3.1-8B shapes, random weights, 512-token prompts:", "",
+          "| layers | weights | batch | mode | ms / step | tokens/s | roofline steps/s | of roofline "
+          "| speed-up over bf16 |", "|---|---|---|---|---|---|---|---|---|"])
+    bf16_steps: dict[tuple[int, str], float] = {}
+    decode_rows(model, "bf16", bandwidth, quick, bf16_steps, emit)
+    if "gguf" in sections:
+        del model
+        torch.cuda.empty_cache()
+        decode_rows(random_q4_k_m_llama(config, device), "Q4_K_M", bandwidth, quick, bf16_steps, emit)
+
+
+def decode_rows(model, weights: str, bandwidth: float, quick: bool, bf16_steps: dict, emit) -> None:
+    """One row per batch and mode (eager, CUDA graphs); bf16 rows fill `bf16_steps`, others divide by it."""
+    # A decode step reads every weight but the embeddings' (it gathers a few of their rows).
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in (*model.named_parameters(),
+                                                                   *model.named_buffers())
+                       if "embed_tokens" not in name and "rotary" not in name)
     prompt_len, decode_steps = 512, 32
     for batch in ([1, 16] if quick else BATCHES):
         for mode, max_model_len in (("eager", None), ("graphs", prompt_len + decode_steps + BLOCK_SIZE)):
-            emit([decode_row(model, batch, prompt_len, decode_steps, max_model_len, mode, weight_bytes, bandwidth)])
+            step_seconds, kv_bytes = decode_step_seconds(model, batch, prompt_len, decode_steps, max_model_len)
             torch.cuda.empty_cache()
+            roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # the copy bandwidth counts each byte twice
+            if weights == "bf16":
+                bf16_steps[batch, mode] = step_seconds
+            speed_up = f"{bf16_steps[batch, mode] / step_seconds:.2f}x" if (batch, mode) in bf16_steps else "-"
+            emit([f"| {model.config.num_layers} | {weights} | {batch} | {mode} | {step_seconds * 1e3:.2f} | "
+                  f"{batch / step_seconds:.0f} | {roofline:.0f} | {1 / step_seconds / roofline:.0%} | {speed_up} |"])
 
 
-def decode_row(model, batch: int, prompt_len: int, decode_steps: int, max_model_len: int | None, mode: str,
-               weight_bytes: int, bandwidth: float) -> str:
-    """Median time of a decode step after `batch` prompts: eager, or from CUDA graphs (`max_model_len`)."""
+def decode_step_seconds(model, batch: int, prompt_len: int, decode_steps: int,
+                        max_model_len: int | None) -> tuple[float, int]:
+    """(median seconds of a decode step after `batch` prompts, KV bytes it reads): eager, or from CUDA
+    graphs (`max_model_len`)."""
     from localserve.engine.model_runner import ModelRunner
     from localserve.engine.step import SeqChunk, StepInput
 
@@ -180,17 +307,19 @@ def decode_row(model, batch: int, prompt_len: int, decode_steps: int, max_model_
         tokens = runner.execute(StepInput(chunks)).argmax(-1).tolist()  # the host needs the ids: a sync
         step_times.append(time.perf_counter() - start)
     step_seconds = statistics.median(step_times[4:])  # the first steps compile and capture
-    kv_bytes = batch * (prompt_len + decode_steps // 2) * cache.bytes_per_token()
-    roofline = bandwidth / 2 / (weight_bytes + kv_bytes)  # the copy bandwidth counts each byte twice
-    return (f"| {config.num_layers} | {batch} | {mode} | {step_seconds * 1e3:.2f} | {batch / step_seconds:.0f} | "
-            f"{1 / step_seconds:.0f} | {roofline:.0f} | {1 / step_seconds / roofline:.0%} |")
+    return step_seconds, batch * (prompt_len + decode_steps // 2) * cache.bytes_per_token()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a subset: shorter contexts, fewer batches and layers")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here, row by row")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"which tables, comma-separated, of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        sys.exit(f"unknown sections {', '.join(sorted(sections - set(SECTIONS)))}; known: {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA device")
     out = args.out.open("w") if args.out else None
@@ -205,15 +334,16 @@ def main() -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     emit([f"Device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"triton {triton.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written).", "",
-          "Decode attention, one layer (bf16 model):", "",
-          "| shape | K / V | context | batch | Triton us | cache MB read | GB/s | of copy bw | splits "
-          "| torch us | speed-up |", "|---|---|---|---|---|---|---|---|---|---|---|"])
-    decode_attention_rows(device, bandwidth, args.quick, emit)
-    emit(["", "Whole-model decode, Llama-3.1-8B shapes, random bf16 weights, 512-token prompts:", "",
-          "| layers | batch | mode | ms / step | tokens/s | steps/s | roofline steps/s | of roofline |",
-          "|---|---|---|---|---|---|---|---|"])
-    whole_model_rows(device, bandwidth, args.quick, emit)
+          f"triton {triton.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)."])
+    if "attention" in sections:
+        emit(["", "Decode attention, one layer (bf16 model):", "",
+              "| shape | K / V | context | batch | Triton us | cache MB read | GB/s | of copy bw | splits "
+              "| torch us | speed-up |", "|---|---|---|---|---|---|---|---|---|---|---|"])
+        decode_attention_rows(device, bandwidth, args.quick, emit)
+    if "gguf" in sections:
+        gguf_rows(device, bandwidth, args.quick, emit)
+    if "model" in sections:
+        whole_model_rows(device, bandwidth, args.quick, sections, emit)
 
 
 if __name__ == "__main__":

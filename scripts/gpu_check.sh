@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The GPU check (issue #12): on a fresh checkout on a CUDA machine with no package registry, installs
-# offline what scripts/prepare_gpu_carry.sh put in .gpu_carry/, runs the kernel tests natively on CUDA
-# and the gpu-marked tests, then scripts/bench_kernels.py, and writes one Markdown report:
+# The GPU check (issues #12 and #18): on a fresh checkout on a CUDA machine with no package registry,
+# installs offline what scripts/prepare_gpu_carry.sh put in .gpu_carry/, runs the kernel tests natively on
+# CUDA and the gpu-marked tests, then scripts/bench_kernels.py, and writes one Markdown report:
 # $OUT/gpu_report.md under the device tool, else scripts/out/gpu_report.md. Each stage has a time limit,
-# so the whole check ends within about 9 minutes, Triton's compiles included, and the report is written
-# even when a stage fails or runs out of time.
+# so the check ends within about 9 minutes, Triton's compiles included, and the report is written even
+# when a stage fails or runs out of time. One part of it runs in about half that:
+#   scripts/gpu_check.sh [all | attention | gguf]    attention: the paged KV kernels (#12);
+#                                                   gguf: the quantized-weight kernels (#18); default all
 #
 # The device tool carries at most 64 MiB per call and the default model's GGUF is 94 MiB, so the check
 # takes two calls back to back (the second while the machine is still warm, i.e. within 30 s):
 #   1. carry [".gpu_carry/gguf_part1"]                                      command: scripts/gpu_check.sh --stash
 #   2. carry [".gpu_carry/wheels", ".gpu_carry/gguf_part2", ".gpu_carry/SHA256SUMS"]  command: scripts/gpu_check.sh
-# Without the first call the check still runs; the tests that need the default model are skipped.
+# (the second call may name a part: scripts/gpu_check.sh gguf). Without the first call the check still
+# runs; the tests that need the default model are skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STASH=/tmp/localserve-carry  # outlives a call on a warm machine
@@ -19,6 +22,15 @@ if [ "${1:-}" = "--stash" ]; then
     mkdir -p "$STASH" && cp .gpu_carry/gguf_part1/"$MODEL".part1 "$STASH"/ && ls -l "$STASH"
     exit
 fi
+PART=${1:-all}
+GGUF_KERNEL_TESTS=tests/kernels/test_gguf_matmul.py
+GGUF_GPU_TESTS=tests/loading/test_gguf_quantized.py
+case "$PART" in
+    all) kernel_tests=(tests/kernels); sections=attention,gguf,model ;;
+    attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS"); sections=attention,model ;;
+    gguf) kernel_tests=("$GGUF_KERNEL_TESTS"); sections=gguf,model ;;
+    *) echo "usage: $0 [--stash | all | attention | gguf]" >&2; exit 2 ;;
+esac
 
 REPORT=${OUT:-scripts/out}/gpu_report.md
 mkdir -p "$(dirname "$REPORT")"
@@ -29,7 +41,8 @@ started=$SECONDS
 section() { printf '\n## %s\n\n' "$1" >> "$REPORT"; echo "== $1" >&2; }
 fenced() { { echo '```'; tail -n "${1:-60}"; echo '```'; } >> "$REPORT"; }
 
-echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" > "$REPORT"
+echo "# GPU check ($PART), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
+    > "$REPORT"
 section "Machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
@@ -50,20 +63,21 @@ else
     echo "The default model's GGUF is not here (run the --stash call first): its tests are skipped." >> "$REPORT"
 fi
 
-section "Kernel tests, natively on CUDA (tests/kernels)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels 2>&1 | fenced 40
+section "Kernel tests, natively on CUDA (${kernel_tests[*]})"
+timeout 180 python3 -m pytest -q -p no:cacheprovider --durations=5 "${kernel_tests[@]}" 2>&1 | fenced 40
 
 section "gpu-marked tests"
-mapfile -t gpu_files < <(grep -rl --include='test_*.py' 'mark.gpu' tests | grep -v '^tests/kernels/')
+mapfile -t gpu_files < <(grep -rl --include='test_*.py' 'mark.gpu' tests | grep -v '^tests/kernels/' \
+    | { case "$PART" in gguf) grep -x "$GGUF_GPU_TESTS" ;; attention) grep -vx "$GGUF_GPU_TESTS" ;; *) cat ;; esac; })
 if [ ${#gpu_files[@]} -gt 0 ]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 "${gpu_files[@]}" 2>&1 | fenced 40
 else
     echo "none outside tests/kernels" >> "$REPORT"
 fi
 
-section "Benchmarks (scripts/bench_kernels.py)"
+section "Benchmarks (scripts/bench_kernels.py --sections $sections)"
 bench_out=$(mktemp)
-timeout 240 python3 scripts/bench_kernels.py --out "$bench_out" > /dev/null 2> "$bench_out.log"
+timeout 240 python3 scripts/bench_kernels.py --sections "$sections" --out "$bench_out" > /dev/null 2> "$bench_out.log"
 status=$?
 if [ -s "$bench_out" ]; then cat "$bench_out" >> "$REPORT"; fi
 if [ $status -ne 0 ]; then echo "bench_kernels.py exited with $status; its last rows and errors:" >> "$REPORT"

@@ -29,7 +29,7 @@ done
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d "$CARRY/wheels" "${specs[@]}"
 
-gguf=$("$PYTHON" -c 'from localserve.default_model import resolve_default_model as r; print(r())')
+gguf=$("$PYTHON" -c 'from localserve.loading.default_model import resolve_default_model as r; print(r())')
 case "$gguf" in
     *.gguf) ;;
     *) echo "the default model resolved to a hub folder ($gguf), not the GGUF; set LOCALSERVE_CACHE to a" \
