@@ -55,17 +55,20 @@ def _legacy(rows, last_block, BLOCK_BYTES: tl.constexpr, CODES_AT: tl.constexpr,
     position = tl.arange(0, TILE_BLOCKS * 16)
     block, index = position // 16, position % 16
     at = tl.minimum(block, last_block) * BLOCK_BYTES
-    q = (tl.load(rows + (at + CODES_AT + index)[None, :]).to(tl.int32) >> (4 * PLANE)) & 15
+    q = (tl.load(rows + (at + CODES_AT + index)[None, :]) >> (4 * PLANE)) & 15
     if HIGH_BITS_AT >= 0:
         j = PLANE * 16 + index
-        q |= ((tl.load(rows + (at + HIGH_BITS_AT + j // 8)[None, :]).to(tl.int32) >> (j % 8)) & 1) << 4
+        q |= ((tl.load(rows + (at + HIGH_BITS_AT + j // 8)[None, :]) >> (j % 8).to(tl.uint8)) & 1) << 4
     group_at = tl.minimum(tl.arange(0, TILE_BLOCKS), last_block) * BLOCK_BYTES
     scale = _halves(rows, group_at)
     if MIN_AT >= 0:
         offset = _halves(rows, group_at + MIN_AT)
     else:
         offset = tl.zeros(scale.shape, tl.float32)
-    return (q - CODE_OFFSET).to(tl.float32), scale, offset, block * 32 + PLANE * 16 + index
+    codes = q.to(tl.float32)
+    if CODE_OFFSET != 0:
+        codes -= CODE_OFFSET
+    return codes, scale, offset, block * 32 + PLANE * 16 + index
 
 
 @triton.jit

@@ -60,14 +60,20 @@ def make_runner(source, dtype=torch.float32, num_blocks=16, block_size=16, keep_
     return loaded, ModelRunner(loaded.model, cache, TorchAttentionBackend())
 
 
-def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[int]) -> list[int]:
-    """Greedy decoding through the paged cache: prefill once, then one token per step."""
+def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[int],
+                 collected_logits: list | None = None) -> list[int]:
+    """Greedy decoding through the paged cache: prefill once, then one token per step. The logits of
+    every step (the prompt's [P, V], then [1, V] each) are appended to `collected_logits` if given."""
     from localserve.engine.step import SeqChunk, StepInput
 
     logits = runner.prompt_logits(prompt, block_table)
     tokens = [int(logits[-1].argmax())]
+    steps = [logits]
     while len(tokens) < num_tokens:
         pos = len(prompt) + len(tokens) - 1
         step = StepInput([SeqChunk([tokens[-1]], pos, block_table)])
-        tokens.append(int(runner.execute(step)[0].argmax()))
+        steps.append(runner.execute(step))
+        tokens.append(int(steps[-1][0].argmax()))
+    if collected_logits is not None:
+        collected_logits.extend(steps)
     return tokens
