@@ -7,8 +7,9 @@ Three ways to compute x [M, K] @ W^T for W [N, K] held as blocks, chosen by the 
 - `fused` (larger M): a program takes BLOCK_M rows of x and BLOCK_N rows of W; each dequantized plane
   of a tile is multiplied with `tl.dot` in the model's dtype, accumulated in float32.
 - `scratch` (M >= the device's `scratch_min_batch`, prefill; it takes precedence): W is dequantized
-  into a scratch tensor in x's dtype (one layer at a time, so the scratch is one layer's size) and
-  multiplied with torch.mm, whose tuned GEMM wins once the product is compute-bound.
+  into a scratch tensor in x's dtype (one layer at a time, so the scratch is one layer's size, and only
+  for W of at most `scratch_max_weights`: an 8B model's FFN, not its output layer) and multiplied with
+  torch.mm, whose tuned GEMM wins once the product is compute-bound.
 `dequantize_rows` is the third kernel: rows of W (all, or gathered by index: embeddings) to a dense tensor.
 Which of fused and scratch wins at which batch is measured on the GPU (scripts/bench_kernels.py); on the
 CPU, where the kernels run only in Triton's interpreter, the thresholds are those of INTERPRETER below.
@@ -47,6 +48,7 @@ class MatmulConfig:
     fused: Tiling
     dequantize: Tiling
     scratch_min_batch: int
+    scratch_max_weights: int
     fill_rows: int = 0
 
     def launch_shape(self, tiling: Tiling, fmt: QuantFormat, in_features: int, num_rows: int) -> tuple[int, int]:
@@ -65,14 +67,15 @@ class MatmulConfig:
 # kernel for those targets: scripts/compile_kernels.py), with many programs in flight so a matrix-vector
 # product streams W from memory. The scratch threshold is where a bf16 GEMM turns compute-bound on the
 # cards this targets, to be confirmed by scripts/bench_kernels.py, which times fused and scratch.
-CUDA = MatmulConfig(gemv=Tiling(256, 16), fused=Tiling(128, 32), dequantize=Tiling(128, 32), scratch_min_batch=128)
+CUDA = MatmulConfig(gemv=Tiling(256, 16), fused=Tiling(128, 32), dequantize=Tiling(128, 32), scratch_min_batch=128,
+                    scratch_max_weights=2**27)
 # The interpreter runs a program as numpy operations on whole tiles, each costing tens of microseconds of
 # Python besides its numpy work: few, large tiles (a whole row, as many rows as fit in 2**18 weights:
 # larger ones were no faster, their arrays falling out of the CPU's caches). The scratch path from 2 rows
 # of x on: its dequantization costs about what a gemv of one row costs there (a gemv of 4 rows, 1.6
 # times that), and numpy's matmul little beside it.
 INTERPRETER = MatmulConfig(gemv=Tiling(4096, 16), fused=Tiling(512, 64), dequantize=Tiling(4096, 16),
-                           scratch_min_batch=2, fill_rows=2**18)
+                           scratch_min_batch=2, scratch_max_weights=2**30, fill_rows=2**18)
 
 
 def matmul_config(device: torch.device) -> MatmulConfig:
@@ -199,9 +202,9 @@ def dequantize_rows(blocks: torch.Tensor, fmt: QuantFormat, in_features: int, dt
     return out
 
 
-def choose_method(batch: int, config: MatmulConfig) -> str:
-    """'gemv', 'fused' or 'scratch' for `batch` rows of x (see the module docstring)."""
-    if batch >= config.scratch_min_batch:
+def choose_method(batch: int, num_weights: int, config: MatmulConfig) -> str:
+    """'gemv', 'fused' or 'scratch' for `batch` rows of x and a W of `num_weights` (module docstring)."""
+    if batch >= config.scratch_min_batch and num_weights <= config.scratch_max_weights:
         return "scratch"
     return "gemv" if batch <= GEMV_MAX_BATCH else "fused"
 
@@ -222,7 +225,7 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: QuantFormat, in
         x = x.contiguous()
     num_x_rows, num_w_rows = x.shape[0], blocks.shape[0]
     config = config or matmul_config(x.device)
-    method = method or choose_method(num_x_rows, config)
+    method = method or choose_method(num_x_rows, num_w_rows * in_features, config)
     if method == "scratch":
         weight = dequantize_rows(blocks, fmt, in_features, x.dtype, config=config)
         return (x @ weight.T).reshape(*leading, num_w_rows)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from localserve.kernels.gguf_blocks import QUANT_FORMATS
-from localserve.kernels.gguf_matmul import CUDA, dequantize_rows, quantized_matmul
+from localserve.kernels.gguf_matmul import CUDA, choose_method, dequantize_rows, quantized_matmul
 
 from tests.helpers.gguf import random_blocks
 from tests.helpers.kv_pools import DEVICE
@@ -137,3 +137,10 @@ def test_generated_products(qtype, num_rows, blocks, batch, method, cuda_tiling,
     out = quantized_matmul(x, weight_blocks, QUANT_FORMATS[qtype], in_features,
                            method=None if method == "auto" else method, config=CUDA if cuda_tiling else None)
     assert_matches_reference(out, x, reference_weight)
+
+
+def test_method_by_batch_and_size():
+    """CUDA: gemv for decode batches, fused above, scratch for prefill unless the scratch would be huge."""
+    assert [choose_method(batch, 4096 * 4096, CUDA) for batch in (1, 4, 5, 127, 128)] == [
+        "gemv", "gemv", "fused", "fused", "scratch"]
+    assert choose_method(512, 128256 * 4096, CUDA) == "fused"  # an 8B output layer: 1 GiB of bf16 scratch
