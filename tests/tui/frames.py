@@ -34,7 +34,8 @@ def request_entry(label: str, state: str, block_tables: list[list[int]], **chang
 
 def snapshot_frame(states: str, *, cpu_states: str = "", requests: list[dict[str, Any]] = (), time_s: float = 0.0,
                    num_preemptions: int = 0, events: list[dict[str, Any]] = (), missed_events: int = 0,
-                   generation_tokens: int = 0, num_steps: int = 1, **gauge_changes: Any) -> dict[str, Any]:
+                   generation_tokens: int = 0, num_steps: int = 1, counters: dict[str, int] | None = None,
+                   **gauge_changes: Any) -> dict[str, Any]:
     """A snapshot whose gauges agree with `states` (one character per block) unless told otherwise."""
     num_free, num_cached = states.count("."), states.count("c")
     num_used = states.count("u") + states.count("s")
@@ -44,13 +45,14 @@ def snapshot_frame(states: str, *, cpu_states: str = "", requests: list[dict[str
               "kv_cache_usage_ratio": num_used / len(states), "num_free_blocks": num_free,
               "num_cached_blocks": num_cached, "num_used_blocks": num_used,
               "num_free_cpu_blocks": cpu_states.count("."), "last_step_s": 0.004, "last_step_tokens": 1}
-    counters = {"num_preemptions": num_preemptions, "num_preemptions_recompute": num_preemptions,
+    all_counters = {"num_preemptions": num_preemptions, "num_preemptions_recompute": num_preemptions,
                 "num_preemptions_swap": 0, "num_swap_fallbacks": 0, "prefix_query_tokens": 120,
                 "prefix_hit_tokens": 32, "num_prompt_tokens": 88, "num_generation_tokens": generation_tokens,
-                "cow_copies": 0, "cached_block_evictions": 0, "num_requests_finished": 3, "num_requests_failed": 0}
+                "cow_copies": 0, "cached_block_evictions": 0, "num_requests_finished": 3,
+                    "num_requests_failed": 0} | (counters or {})
     return {"type": "monitor.snapshot", "time": BASE_TIME + time_s, "num_steps": num_steps,
             "blocks": run_length_encode(states), "cpu_blocks": run_length_encode(cpu_states),
-            "requests": list(requests), "gauges": gauges | gauge_changes, "counters": counters,
+            "requests": list(requests), "gauges": gauges | gauge_changes, "counters": all_counters,
             "events": list(events), "missed_events": missed_events}
 
 

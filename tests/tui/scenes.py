@@ -53,6 +53,8 @@ def busy_scene(num_snapshots: int = 40) -> tuple[dict[str, Any], list[dict[str, 
                                         num_preemptions=num_preemptions, events=events,
                                         missed_events=12 if index == num_snapshots - 3 else 0,
                                         generation_tokens=index * 40 + (index % 5) * 7, num_steps=10 * index,
+                                        counters={"prefix_query_tokens": 200 * index,
+                                                  "prefix_hit_tokens": 64 * index + 16 * (index % 3)},
                                         last_step_s=0.02 + 0.01 * (index % 4)))
     return hello_frame(NUM_BLOCKS, NUM_CPU_BLOCKS, max_num_seqs=4), snapshots
 
