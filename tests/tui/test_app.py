@@ -18,7 +18,7 @@ from tests.tui.fake_monitor import FakeMonitor
 from tests.tui.frames import event_entry, hello_frame, request_entry, snapshot_frame
 
 # 64 blocks: r1 has two sequences sharing blocks 0-3 (s) with tails 4-5 and 6-7; r2 holds 8-11; 12-17 cached.
-STATES = "s4u8c6" + "." * 46
+STATES = "s" * 4 + "u" * 8 + "c" * 6 + "." * 46
 REQUESTS = [request_entry("r1", "decode", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 7]], num_cached_tokens=48),
             request_entry("r2", "prefill", [[8, 9, 10, 11]], num_prompt_tokens=400, num_computed_prompt_tokens=64,
                           num_output_tokens=0, tokens_per_s=0.0),
