@@ -12,7 +12,7 @@ from collections import deque
 from localserve.tui.block_map import BlockMap
 from localserve.tui.client import BadFrame, Connected, Disconnected, FeedItem, SnapshotReceived, follow_monitor
 from localserve.tui.event_log import MAX_LINES, EventLog
-from localserve.tui.feed import MonitorEvent, MonitorHello, MonitorSnapshot
+from localserve.tui.feed import MonitorEvent, MonitorHello, MonitorSnapshot, RequestInfo
 from localserve.tui.history import FeedHistory
 from localserve.tui.panels import CapacityPanel, PressureBanner, StatusLine
 from localserve.tui.slots import SlotsTable
@@ -22,7 +22,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import Footer, Static
 
 NARROW_WIDTH = 120  # below this the capacity panel goes and the slots sit above the events
 
@@ -70,7 +70,8 @@ class MonitorApp(App[None]):
     #block-map { width: 1fr; height: 100%; }
     #side { width: 56; }
     #trends, #capacity { height: auto; }
-    #slots, #events { width: 1fr; height: 100%; }
+    #slots { width: 3fr; height: 100%; }
+    #events { width: 2fr; height: 100%; overflow-x: hidden; }
     .-narrow #top { height: 1fr; }
     .-narrow #side { width: 32; }
     .-narrow #capacity { display: none; }
@@ -184,9 +185,12 @@ class MonitorApp(App[None]):
 
     def _draw(self, snapshot: MonitorSnapshot) -> None:
         self.snapshot = snapshot
-        self.query_one(BlockMap).show(snapshot.blocks, snapshot.cpu_blocks)
         self.query_one(SlotsTable).show(snapshot.requests)
-        self._select(self.selected_label)
+        request = self._request(self.selected_label)
+        self.selected_label = request.label if request else None
+        self.query_one(BlockMap).show(snapshot.blocks, snapshot.cpu_blocks, self.selected_label,
+                                      request.block_ids if request else ())
+        self.query_one(SlotsTable).mark(self.selected_label)
         self.query_one(Trends).refresh()
         self.query_one(PressureBanner).show(self.history.pressure)
         gauges = self.snapshot.gauges
@@ -202,14 +206,20 @@ class MonitorApp(App[None]):
         self.query_one(StatusLine).show(self.feed_url or "fixed data", model, self.connection, self.paused,
                                         self.num_missed_events)
 
+    def _request(self, label: str | None) -> RequestInfo | None:
+        """The request `label` of the snapshot on screen, if it is there."""
+        if self.snapshot is None or label is None:
+            return None
+        return next((request for request in self.snapshot.requests if request.label == label), None)
+
     def _select(self, label: str | None) -> None:
-        request = next((r for r in self.snapshot.requests if r.label == label), None) if self.snapshot else None
+        request = self._request(label)
         self.selected_label = request.label if request else None
         self.query_one(BlockMap).select(self.selected_label, request.block_ids if request else ())
+        self.query_one(SlotsTable).mark(self.selected_label)
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        label = event.row_key.value
-        self._select(None if label == self.selected_label else label)
+    def on_slots_table_chosen(self, event: SlotsTable.Chosen) -> None:
+        self._select(None if event.label == self.selected_label else event.label)
 
     def action_clear_selection(self) -> None:
         """Highlight no request's blocks."""

@@ -62,14 +62,15 @@ def build_cells(block_states: np.ndarray, selected: np.ndarray, max_cells: int) 
                     (padded_selected & (padded == BlockState.SHARED)).any(axis=1), blocks_per_cell)
 
 
-def _cell_styles(base: Style) -> dict[int, Style]:
-    """Style per cell key (see `_cell_keys`) on top of the widget's own style."""
-    styles = {}
+def cell_looks(base: Style) -> dict[int, tuple[str, Style]]:
+    """Glyph and style per cell key (see `_cell_keys`), on top of the widget's own style."""
+    looks = {}
     for state, colour in COLOURS.items():
-        styles[int(state) * 4] = base + Style(color=colour)
-        styles[int(state) * 4 + 2] = base + Style(color=SELECTED_COLOUR, bold=True)
-        styles[int(state) * 4 + 3] = base + Style(color=SELECTED_COLOUR, bold=True)
-    return styles
+        looks[int(state) * 4] = (GLYPHS[state], base + Style(color=colour))
+        # Selected: drawn as its own (█) or shared (▓) block, whatever most of the cell's blocks are.
+        looks[int(state) * 4 + 2] = (GLYPHS[BlockState.USED], base + Style(color=SELECTED_COLOUR, bold=True))
+        looks[int(state) * 4 + 3] = (GLYPHS[BlockState.SHARED], base + Style(color=SELECTED_COLOUR, bold=True))
+    return looks
 
 
 def _cell_keys(grid: CellGrid) -> np.ndarray:
@@ -77,23 +78,29 @@ def _cell_keys(grid: CellGrid) -> np.ndarray:
     return grid.states.astype(np.int32) * 4 + grid.selected * 2 + grid.selected_shared
 
 
-def _glyph(key: int) -> str:
-    if key & 2:  # selected: own or shared, whatever most of the cell's blocks are
-        return GLYPHS[BlockState.SHARED] if key & 1 else GLYPHS[BlockState.USED]
-    return GLYPHS[BlockState(key // 4)]
+def grid_strips(grid: CellGrid, columns: int, max_rows: int, base: Style, cell_width: int = 1) -> list[Strip]:
+    """The rows of a grid of `columns` cells as strips; runs of equal cells are merged into one segment.
 
-
-def _grid_strips(grid: CellGrid, width: int, max_rows: int, base: Style) -> list[Strip]:
-    """The rows of a grid as strips, runs of equal cells merged into one segment."""
-    keys = _cell_keys(grid)
-    styles = _cell_styles(base)
-    strips = []
-    for start in range(0, min(keys.size, width * max_rows), width):
-        row = keys[start:start + width]
-        boundaries = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [row.size]])
-        segments = [Segment(_glyph(int(row[a])) * int(b - a), styles[int(row[a])])
-                    for a, b in zip(boundaries[:-1], boundaries[1:])]
-        strips.append(Strip(segments, int(row.size)).extend_cell_length(width, base))
+    A cell is its glyph, followed by `cell_width - 1` spaces that keep neighbouring blocks apart."""
+    keys = _cell_keys(grid)[:columns * max_rows]
+    looks = {key: (glyph + " " * (cell_width - 1), style) for key, (glyph, style) in cell_looks(base).items()}
+    run_starts = np.flatnonzero(np.diff(keys, prepend=-1)).tolist()
+    run_keys = keys[run_starts].tolist()
+    run_starts.append(keys.size)
+    strips, segments, row_end, row_width = [], [], columns, columns * cell_width
+    for index, key in enumerate(run_keys):
+        start, end = run_starts[index], run_starts[index + 1]
+        glyph, style = looks[key]
+        while end > row_end:  # the run wraps onto the next row
+            segments.append(Segment(glyph * (row_end - start), style))
+            strips.append(Strip(segments, row_width))
+            segments, start, row_end = [], row_end, row_end + columns
+        segments.append(Segment(glyph * (end - start), style))
+        if end == row_end:
+            strips.append(Strip(segments, row_width))
+            segments, row_end = [], row_end + columns
+    if segments:
+        strips.append(Strip(segments, keys.size % columns * cell_width).extend_cell_length(row_width, base))
     return strips
 
 
@@ -109,12 +116,15 @@ class BlockMap(Widget):
         self.selected_label: str | None = None
         self.selected_blocks: frozenset[int] = frozenset()
         self.grid: CellGrid | None = None  # the GPU pool's cells as last drawn (tests read it)
+        self.cell_width = 1  # characters per cell
         self._strips: list[Strip] | None = None
 
-    def show(self, block_states: np.ndarray, cpu_block_states: np.ndarray) -> None:
-        """Draw these block states (uint8 `BlockState` codes) from now on."""
+    def show(self, block_states: np.ndarray, cpu_block_states: np.ndarray, label: str | None = None,
+             block_ids: Iterable[int] = ()) -> None:
+        """Draw these block states (uint8 `BlockState` codes) from now on, with request `label`'s blocks
+        highlighted (None: no request)."""
         self.block_states, self.cpu_block_states = block_states, cpu_block_states
-        self._invalidate()
+        self.select(label, block_ids)
 
     def select(self, label: str | None, block_ids: Iterable[int] = ()) -> None:
         """Highlight the blocks of request `label` (None: no request)."""
@@ -154,10 +164,14 @@ class BlockMap(Widget):
         legend_lines = self._legend().wrap(self.app.console, width, overflow="ellipsis")
         gpu_rows = max(1, height - len(legend_lines) - (cpu_rows + 1 if cpu_rows else 0))
         selected = self._selected_mask()
-        self.grid = build_cells(self.block_states, selected, gpu_rows * width)
-        strips = _grid_strips(self.grid, width, gpu_rows, base)
+        # A small pool gets cells two characters wide when that still shows every block: easier to see.
+        self.cell_width = 2 if self.block_states.size <= (width // 2) * gpu_rows else 1
+        columns = width // self.cell_width
+        self.grid = build_cells(self.block_states, selected, gpu_rows * columns)
+        strips = [strip.extend_cell_length(width, base)
+                  for strip in grid_strips(self.grid, columns, gpu_rows, base, self.cell_width)]
         if cpu_rows:
-            strips += swap_title + _grid_strips(cpu_grid, width, cpu_rows, base)
+            strips += swap_title + grid_strips(cpu_grid, width, cpu_rows, base)
         self._set_subtitle(self.grid, cpu_grid, selected)
         strips += [Strip(line.render(self.app.console), line.cell_len).extend_cell_length(width, base)
                    for line in legend_lines]

@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.widgets import RichLog
 
 MAX_LINES = 1000
+QUIET_EVENTS = ("prefill_chunk", "first_token")  # one per request per step: they would drown the rest
 EVENT_STYLES = {"admitted": "#5faf5f", "prefix_hit": "#5f87d7", "prefill_chunk": "dim", "first_token": "dim",
                 "preempted": "bold #ff5f5f", "swapped_out": "#d7875f", "swapped_in": "#d7875f",
                 "resumed": "#5fafff", "copy_on_write": "#d75fd7", "finished": "dim", "failed": "bold #ff5f5f",
@@ -53,13 +54,14 @@ class EventLog(RichLog):
         super().__init__(id=id, max_lines=MAX_LINES, wrap=False, auto_scroll=True)
 
     def add_events(self, events: tuple[MonitorEvent, ...] | list[MonitorEvent]) -> None:
-        """Append these events in order."""
-        for event in events:
-            self.write(event_line(event))
+        """Append these events in order, except the per-step ones (prefill chunks, first tokens)."""
+        lines = [event_line(event) for event in events if event.event not in QUIET_EVENTS]
+        if lines:  # one write: RichLog renders each write on its own, and a busy frame has many events
+            self.write(Text("\n").join(lines))
 
     def add_missed(self, num_missed: int) -> None:
         """Say that `num_missed` events never reached the TUI (the engine's log dropped them first)."""
-        self.write(Text(f"⚠ missed {num_missed} events: the TUI fell behind the engine's event log",
+        self.write(Text(f"⚠ missed {num_missed} events (the TUI fell behind the server's log)",
                         style="bold #ffd700"))
 
     def add_notice(self, text: str, style: str = "dim") -> None:

@@ -233,7 +233,7 @@ def parse_hello(frame: Any) -> MonitorHello:
     return _fill(MonitorHello, frame, "monitor.hello", capacity=capacity)
 
 
-def _parse_request(data: Any, where: str) -> RequestInfo:
+def _parse_request(data: Any, where: str, num_blocks: int) -> RequestInfo:
     if not isinstance(data, dict):
         raise FeedError(f"{where} must be an object, got {type(data).__name__}")
     state = _take(data, "state", str, where)
@@ -242,8 +242,13 @@ def _parse_request(data: Any, where: str) -> RequestInfo:
     tables = _take(data, "block_tables", list, where)
     block_tables = []
     for index, table in enumerate(tables):
-        if not isinstance(table, list) or not all(isinstance(block, int) for block in table):
+        # set(map(type, ...)) runs in C: a pool of 65,536 blocks puts that many numbers in a frame.
+        if not isinstance(table, list) or not set(map(type, table)) <= {int}:
             raise FeedError(f"{where}.block_tables[{index}] must be a list of block numbers")
+        if table and (min(table) < 0 or max(table) >= num_blocks):
+            outside = next(block for block in table if not 0 <= block < num_blocks)
+            raise FeedError(f"{where}.block_tables[{index}] points at block {outside}, "
+                            f"outside the pool of {num_blocks}")
         block_tables.append(tuple(table))
     return _fill(RequestInfo, data, where, state=state, block_tables=tuple(block_tables))
 
@@ -266,13 +271,8 @@ def parse_snapshot(frame: Any, hello: MonitorHello) -> MonitorSnapshot:
     blocks = decode_block_states(_take(frame, "blocks", str, where), GPU_STATE_CHARS, hello.num_blocks, "blocks")
     cpu_blocks = decode_block_states(_take(frame, "cpu_blocks", str, where), CPU_STATE_CHARS,
                                      hello.num_cpu_blocks, "cpu_blocks")
-    requests = tuple(_parse_request(entry, f"{where}.requests[{index}]")
+    requests = tuple(_parse_request(entry, f"{where}.requests[{index}]", hello.num_blocks)
                      for index, entry in enumerate(_take(frame, "requests", list, where)))
-    for request in requests:
-        for block in request.block_ids:
-            if not 0 <= block < hello.num_blocks:
-                raise FeedError(f"request {request.label} points at block {block}, "
-                                f"outside the pool of {hello.num_blocks}")
     events = tuple(_parse_event(entry, f"{where}.events[{index}]")
                    for index, entry in enumerate(_take(frame, "events", list, where)))
     missed_events = _take(frame, "missed_events", int, where)

@@ -48,11 +48,14 @@ def run_with_monitor(scenario, hello=None, size=(120, 40)) -> None:
 
 def map_cells(block_map: BlockMap) -> list[tuple[str, str]]:
     """(glyph, colour) of every cell the map draws for the GPU pool, in block order."""
-    cells = []
-    for y in range(-(-block_map.grid.states.size // block_map.size.width)):
+    chars = []
+    columns = block_map.size.width // block_map.cell_width
+    for y in range(-(-block_map.grid.states.size // columns)):
+        line = []
         for segment in block_map.render_line(y):
-            cells += [(char, str(segment.style.color.name)) for char in segment.text]
-    return cells[:block_map.grid.states.size]
+            line += [(char, str(segment.style.color.name)) for char in segment.text]
+        chars += line[:columns * block_map.cell_width:block_map.cell_width]
+    return chars[:block_map.grid.states.size]
 
 
 def log_text(log: EventLog) -> list[str]:
@@ -101,23 +104,26 @@ def test_block_map_downsamples_a_large_pool_and_says_by_how_much():
 def test_slots_table_rows():
     async def scenario(pilot, app, monitor):
         monitor.send(snapshot_frame(STATES, requests=REQUESTS))
-        await wait_until(pilot, lambda: app.query_one(SlotsTable).row_count == 3, "three rows")
+        await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 3, "three rows")
         table = app.query_one(SlotsTable)
-        rows = [[str(cell) for cell in table.get_row_at(index)] for index in range(table.row_count)]
-        assert rows == [["r1 ×2", "decode", "40", "12", "12.5", "0", "48"],
-                        ["r2", "prefill 16% 64/400", "400", "0", "-", "0", "0"],
-                        ["r3", "preempted", "40", "30", "12.5", "2", "0"]]
+        assert table.rows == [("r1 ×2", "decode", "40", "12", "12.5", "0", "48"),
+                              ("r2", "prefill 16% 64/400", "400", "0", "-", "0", "0"),
+                              ("r3", "preempted", "40", "30", "12.5", "2", "0")]
+        screen_rows = [table.render_line(y).text.split() for y in range(4)]
+        assert screen_rows[0] == ["request", "state", "prompt", "gen", "tok/s", "preempt", "prefix", "hit"]
+        assert screen_rows[2] == ["r2", "prefill", "16%", "64/400", "400", "0", "-", "0", "0"]
         # The next snapshot updates rows in place and drops finished requests.
         monitor.send(snapshot_frame(STATES, requests=[REQUESTS[1] | {"state": "decode", "num_output_tokens": 3}]))
-        await wait_until(pilot, lambda: table.row_count == 1, "one row")
-        assert [str(cell) for cell in table.get_row_at(0)][:4] == ["r2", "decode", "400", "3"]
+        await wait_until(pilot, lambda: len(table.rows) == 1, "one row")
+        assert table.rows[0][:4] == ("r2", "decode", "400", "3")
+        assert table.render_line(1).text.split()[:4] == ["r2", "decode", "400", "3"]
     run_with_monitor(scenario)
 
 
 def test_selecting_a_slot_highlights_exactly_its_blocks():
     async def scenario(pilot, app, monitor):
         monitor.send(snapshot_frame(STATES, requests=REQUESTS))
-        await wait_until(pilot, lambda: app.query_one(SlotsTable).row_count == 3, "three rows")
+        await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 3, "three rows")
         app.query_one(SlotsTable).focus()
         await pilot.press("enter")  # the cursor starts on r1
         await pilot.pause()
@@ -141,7 +147,7 @@ def test_selecting_a_slot_highlights_exactly_its_blocks():
 
         await pilot.press("enter")
         monitor.send(snapshot_frame(STATES, requests=REQUESTS[:1]))  # r2 finished: nothing to highlight
-        await wait_until(pilot, lambda: app.query_one(SlotsTable).row_count == 1, "r2 gone")
+        await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 1, "r2 gone")
         assert app.selected_label is None
         assert not np.any(block_map.grid.selected)
     run_with_monitor(scenario)
@@ -200,7 +206,7 @@ def test_event_log_and_missed_events_notice():
 def test_reconnects_after_the_server_restarts():
     async def scenario(pilot, app, monitor):
         monitor.send(snapshot_frame(STATES, requests=REQUESTS))
-        await wait_until(pilot, lambda: app.query_one(SlotsTable).row_count == 3, "three rows")
+        await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 3, "three rows")
         await monitor.stop()
         status = app.query_one(StatusLine)
         await wait_until(pilot, lambda: "reconnecting" in str(status.render()), "the reconnecting status")
@@ -210,7 +216,7 @@ def test_reconnects_after_the_server_restarts():
         try:
             await wait_until(pilot, lambda: app.hello.num_blocks == 128, "the new server's hello")
             restarted.send(snapshot_frame("u" * 5 + "." * 123, requests=REQUESTS[1:2]))
-            await wait_until(pilot, lambda: app.query_one(SlotsTable).row_count == 1, "the new server's rows")
+            await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 1, "the new server's rows")
             assert "live" in str(status.render()) and "Other-Model" in str(status.render())
             assert collections.Counter(glyph for glyph, _ in map_cells(app.query_one(BlockMap)))["█"] == 5
             assert restarted.paths == ["/v1/monitor"]
@@ -225,25 +231,25 @@ def test_a_bad_frame_is_reported_and_skipped():
         monitor.send(snapshot_frame(STATES, requests=REQUESTS))
         await wait_until(pilot, lambda: app.snapshot is not None, "the good snapshot")
         assert any("unknown block state 'x'" in line for line in log_text(app.query_one(EventLog)))
-        assert app.query_one(SlotsTable).row_count == 3
+        assert len(app.query_one(SlotsTable).rows) == 3
     run_with_monitor(scenario)
 
 
 def test_pause_freezes_the_screen_and_resume_catches_up():
     async def scenario(pilot, app, monitor):
         monitor.send(snapshot_frame(STATES, requests=REQUESTS, time_s=0.0))
-        await wait_until(pilot, lambda: app.query_one(SlotsTable).row_count == 3, "three rows")
+        await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 3, "three rows")
         await pilot.press("p")
         monitor.send(snapshot_frame(STATES, requests=REQUESTS[:1], time_s=0.5,
                                     events=[event_entry(9, "finished", "r2", reason="length")]))
         await wait_until(pilot, lambda: len(app.history.series["kv_usage"]) == 2, "the second snapshot")
         await pilot.pause()
-        assert app.query_one(SlotsTable).row_count == 3  # frozen
+        assert len(app.query_one(SlotsTable).rows) == 3  # frozen
         assert "paused" in str(app.query_one(StatusLine).render())
         assert not any("finished" in line for line in log_text(app.query_one(EventLog)))
         await pilot.press("p")
         await pilot.pause()
-        assert app.query_one(SlotsTable).row_count == 1
+        assert len(app.query_one(SlotsTable).rows) == 1
         assert any("r2 finished: length" in line for line in log_text(app.query_one(EventLog)))
     run_with_monitor(scenario)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from localserve.tui.block_map import NO_BLOCK, build_cells
+from localserve.tui.block_map import NO_BLOCK, build_cells, cell_looks, grid_strips
 from localserve.tui.client import monitor_url
 from localserve.tui.feed import (
     CPU_STATE_CHARS,
@@ -21,6 +21,7 @@ from localserve.tui.feed import (
     parse_snapshot,
 )
 from localserve.tui.history import FeedHistory
+from rich.style import Style
 
 from tests.tui.frames import event_entry, hello_frame, request_entry, run_length_encode, snapshot_frame
 
@@ -177,3 +178,21 @@ def test_monitor_url(typed, expected):
 def test_monitor_url_refuses_other_schemes():
     with pytest.raises(ValueError, match="not a server address"):
         monitor_url("ftp://host:21")
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_strings.filter(bool), st.integers(1, 40), st.integers(1, 12), st.data())
+def test_map_rows_draw_each_cell_with_its_glyph_and_colour(states, width, max_rows, data):
+    codes = np.array([".cus".index(char) for char in states], np.uint8)
+    selected = np.array(data.draw(st.lists(st.booleans(), min_size=len(states), max_size=len(states))), bool)
+    grid = build_cells(codes, selected, width * max_rows)
+    strips = grid_strips(grid, width, max_rows, Style())
+    assert len(strips) == -(-grid.states.size // width) and all(strip.cell_length == width for strip in strips)
+    drawn = [(char, segment.style.color.name if segment.style.color else None)
+             for strip in strips for segment in strip for char in segment.text][:grid.states.size]
+    looks = cell_looks(Style())
+    expected = [(looks[key][0], looks[key][1].color.name)
+                for key in (grid.states.astype(int) * 4 + grid.selected * 2 + grid.selected_shared)]
+    assert drawn == expected
+    tail = "".join(strip.text for strip in strips)[grid.states.size:]
+    assert tail == " " * len(tail)  # the last row is padded, not drawn on

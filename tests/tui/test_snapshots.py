@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from localserve.tui.app import MonitorApp
+
 from tests.tui.scenes import busy_scene, fill_app
 
 
