@@ -15,6 +15,7 @@ from localserve.tui.event_log import MAX_LINES, EventLog
 from localserve.tui.feed import MonitorEvent, MonitorHello, MonitorSnapshot, RequestInfo
 from localserve.tui.history import FeedHistory
 from localserve.tui.panels import CapacityPanel, PressureBanner, StatusLine
+from localserve.tui.server_log import LogBuffer, ServerLog
 from localserve.tui.slots import SlotsTable
 from localserve.tui.trends import Trends
 from textual import work
@@ -66,18 +67,21 @@ class MonitorApp(App[None]):
     CSS = """
     #top { height: 3fr; }
     #bottom { height: 2fr; }
-    #block-map, #side > *, #slots, #events { border: round $primary-darken-1; border-title-color: $text; }
+    #block-map, #side > *, #slots, #logs > * { border: round $primary-darken-1; border-title-color: $text; }
     #block-map { width: 1fr; height: 100%; }
     #side { width: 56; }
     #trends, #capacity { height: auto; }
     #slots { width: 3fr; height: 100%; }
-    #events { width: 2fr; height: 100%; overflow-x: hidden; }
+    #logs { width: 2fr; height: 100%; }
+    #events { height: 1fr; overflow-x: hidden; }
+    #server-log { height: 1fr; }
     .-narrow #top { height: 1fr; }
     .-narrow #side { width: 32; }
     .-narrow #capacity { display: none; }
     .-narrow #bottom { layout: vertical; height: auto; }
     .-narrow #slots { width: 100%; height: 7; }
-    .-narrow #events { width: 100%; height: 5; }
+    .-narrow #logs { width: 100%; height: auto; }
+    .-narrow #events, .-narrow #server-log { height: 5; }
     """
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
@@ -87,10 +91,12 @@ class MonitorApp(App[None]):
         Binding("escape", "clear_selection", "clear selection", show=False),
     ]
 
-    def __init__(self, url: str | None = None, *, api_key: str | None = None,
-                 reconnect_delay_s: float = 0.5) -> None:
-        """`url` as `client.monitor_url` returns it; None to draw only what `show_*` is handed."""
+    def __init__(self, url: str | None = None, *, api_key: str | None = None, reconnect_delay_s: float = 0.5,
+                 server_log: LogBuffer | None = None) -> None:
+        """`url` as `client.monitor_url` returns it; None to draw only what `show_*` is handed.
+        `server_log`: show these log records in a panel (a server running in this process)."""
         super().__init__()
+        self.server_log = server_log
         self.feed_url = url
         self.api_key = api_key
         self.reconnect_delay_s = reconnect_delay_s
@@ -114,7 +120,10 @@ class MonitorApp(App[None]):
                 yield CapacityPanel(id="capacity")
         with Horizontal(id="bottom"):
             yield SlotsTable(id="slots")
-            yield EventLog(id="events")
+            with Vertical(id="logs"):
+                yield EventLog(id="events")
+                if self.server_log is not None:
+                    yield ServerLog(id="server-log")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -123,10 +132,16 @@ class MonitorApp(App[None]):
         self.query_one("#capacity").border_title = "Capacity per KV format"
         self.query_one("#slots").border_title = "Slots"
         self.query_one("#events").border_title = "Events"
+        if self.server_log is not None:
+            self.query_one(ServerLog).border_title = "Server log"
+            self.set_interval(0.2, self._show_server_log)
         self.screen.set_class(self.size.width < NARROW_WIDTH, "-narrow")
         self._show_status()
         if self.feed_url is not None:
             self.follow_feed()
+
+    def _show_server_log(self) -> None:
+        self.query_one(ServerLog).add_records(self.server_log.take())
 
     def on_resize(self) -> None:
         self.screen.set_class(self.size.width < NARROW_WIDTH, "-narrow")

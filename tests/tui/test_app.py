@@ -268,3 +268,32 @@ def test_help_and_quit_keys():
             await pilot.pause()
         assert app.return_code == 0
     asyncio.run(main())
+
+
+def test_server_log_panel_shows_records_logged_from_any_thread():
+    import logging
+    import threading
+
+    from localserve.tui.server_log import LogBuffer, ServerLog
+
+    buffer = LogBuffer()
+    logger = logging.getLogger("localserve.test_tui")
+    logger.addHandler(buffer)
+    logger.setLevel(logging.INFO)
+
+    async def main() -> None:
+        app = MonitorApp(server_log=buffer)
+        async with app.run_test(size=(160, 48)) as pilot:
+            worker = threading.Thread(target=lambda: logger.warning("preempted r7 (recompute)"))
+            worker.start()
+            worker.join()
+            logger.info("listening on ws://127.0.0.1:8080")
+            panel = app.query_one(ServerLog)
+            await wait_until(pilot, lambda: len(panel.lines) == 2, "two log lines")
+            text = [strip.text for strip in panel.lines]
+            assert "WARNING localserve.test_tui: preempted r7 (recompute)" in text[0]
+            assert "listening on ws://127.0.0.1:8080" in text[1]
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(buffer)
