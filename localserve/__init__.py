@@ -1,12 +1,17 @@
-"""localserve: a single-GPU LLM server with a paged, quantizable KV cache."""
+"""localserve: a single-GPU LLM server with a paged, quantizable KV cache.
 
-from localserve.sampling_params import SamplingParams
+The public API: `LLM` (load a model and generate offline), `SamplingParams`, `EngineConfig`,
+`RequestOutput`. `LLM` pulls in torch and the model code, so it is imported on first use.
+"""
 
-__all__ = ["LLM", "SamplingParams"]
+from localserve.engine.config import EngineConfig
+from localserve.engine.outputs import CompletionOutput, RequestOutput
+from localserve.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and the model code; importing it lazily keeps `import localserve` light.
     if name == "LLM":
         from localserve.llm import LLM
 

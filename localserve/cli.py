@@ -1,6 +1,8 @@
-"""The `localserve` command: generate, serve, chat.
+"""The `localserve` command: generate, serve, chat, plan.
 
-stdout carries only what the user asked for (generated text); logs and progress go to stderr.
+stdout carries only what the user asked for (generated text); logs and progress go to stderr. torch
+is imported only by the subcommands that load a model (`chat` is a websocket client, `plan` reads
+configs).
 """
 
 from __future__ import annotations
@@ -10,13 +12,11 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
-from localserve.sampling_params import SamplingParams
+from localserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("localserve")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # names of torch dtypes
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -44,13 +44,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="size the KV pool to this fraction of the GPU, weights included (overrides --num-kv-blocks)")
     e.add_argument("--kv-cache-memory",
                    help="size the KV pool to this many bytes, e.g. 6GB (overrides --num-kv-blocks)")
+    e.add_argument("--attention-backend", default="auto",
+                   help="attention implementation: auto (the fastest that supports the device and KV formats), "
+                        "torch, triton")
 
 
 def build_llm(args: argparse.Namespace):
-    from localserve.engine import EngineConfig
+    import torch
+
+    from localserve.attention import backend_class
+    from localserve.engine.config import EngineConfig
+    from localserve.kv.memory_plan import parse_size
     from localserve.llm import LLM
-    from localserve.memory_plan import parse_size
-    from localserve.scheduler import SchedulerConfig
+
+    if args.attention_backend != "auto":
+        backend_class(args.attention_backend)  # an unknown name fails before minutes of loading
 
     config = EngineConfig(
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=args.ctx_size,
@@ -59,11 +67,11 @@ def build_llm(args: argparse.Namespace):
         cache_type_v=args.cache_type_v or args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
-        scheduler=SchedulerConfig(max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=args.enable_chunked_prefill,
-                                  preemption_mode=args.preemption_mode))
-    llm = LLM(args.model, dtype=DTYPES.get(args.dtype), device=args.device, offline=args.offline,
-              engine_config=config)
+        max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
+        attention_backend=args.attention_backend)
+    llm = LLM(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
+              offline=args.offline, engine_config=config)
     if args.chat_template_file:
         llm.tokenizer.chat_template = args.chat_template_file.read_text()
     return llm
@@ -116,8 +124,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from localserve.engine_thread import EngineThread
-    from localserve.server import LocalServer, ServerConfig, check_bind_safety
+    from localserve.engine.engine_thread import EngineThread
+    from localserve.server.app import LocalServer
+    from localserve.server.context import ServerConfig, check_bind_safety
 
     api_key = args.api_key or os.environ.get("LOCALSERVE_API_KEY")
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
@@ -158,10 +167,56 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Chat in this terminal with a running server (see localserve/chat_client.py)."""
-    from localserve.chat_client import run_chat
+    from localserve.server.chat_client import run_chat
 
     return run_chat(args.url, api_key=args.api_key, model=args.model, instructions=args.instructions,
                     max_output_tokens=args.max_tokens, temperature=args.temperature)
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `localserve plan`."""
+    parser.add_argument("-m", "--model",
+                        help="config.json, HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--vram", default="24GB",
+                        help="device memory, e.g. 24GB (binary units; default 24GB)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="fraction of the device for weights + KV pool (default 0.9)")
+    parser.add_argument("--kv-budget", help="explicit KV pool size, e.g. 6GB (overrides --vram)")
+    parser.add_argument("--weights", help="weight size, e.g. 4.9GB (default: parameters x 2 bytes)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print, per KV format, bytes per token, tokens that fit and sequences at 8K and 32K."""
+    from localserve.kv.memory_plan import (
+        DEFAULT_UTILIZATION,
+        format_plan,
+        human_size,
+        kv_budget_bytes,
+        load_plan_model,
+        parse_size,
+        plan,
+    )
+
+    utilization = args.gpu_memory_utilization or DEFAULT_UTILIZATION
+    config, weight_bytes = load_plan_model(args.model)
+    weight_source = "parameters x 2 bytes"
+    if args.weights:
+        weight_bytes, weight_source = parse_size(args.weights), "given"
+    if args.kv_budget:
+        budget = parse_size(args.kv_budget)
+        where = f"KV budget {human_size(budget)}"
+    else:
+        total = parse_size(args.vram)
+        budget = kv_budget_bytes(total, weight_bytes, utilization)
+        where = (f"{human_size(total)} x {utilization:g} - weights {human_size(weight_bytes)} "
+                 f"({weight_source}) = KV pool {human_size(budget)}")
+    print(f"{config.name}: {config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
+          f"{config.head_dim}; {where}; blocks of {args.block_size} tokens")
+    print(format_plan(plan(config, budget, args.block_size)))
+    if budget == 0:
+        print("the weights alone fill the device: no room for a KV pool")
+    return 0 if budget else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,8 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", "-n", type=int, help="max_output_tokens per reply")
     chat.add_argument("--temperature", "--temp", type=float)
     chat.set_defaults(func=cmd_chat)
-    from localserve.memory_plan import add_plan_args, cmd_plan
-
     plan = sub.add_parser("plan", help="KV memory plan: per cache format, bytes/token and tokens that fit")
     add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)

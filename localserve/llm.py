@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
-from localserve.engine import EngineConfig, LLMEngine
-from localserve.loader import load_model, resolve_model_path
-from localserve.outputs import RequestOutput
-from localserve.sampling_params import SamplingParams
-from localserve.tokenizer import Tokenizer
+from localserve.engine.config import EngineConfig
+from localserve.engine.engine import LLMEngine
+from localserve.engine.outputs import RequestOutput
+from localserve.engine.sampling_params import SamplingParams
+from localserve.loading.hf import load_model, resolve_model_path
+from localserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

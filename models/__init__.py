@@ -1,5 +1,5 @@
-"""Model definitions. Every supported architecture is served by the one Llama-family implementation."""
+"""Model definitions (imported as `localserve.models`). Every supported architecture is served by the one
+Llama-family implementation in `llama.py`; `config.py` holds the configuration it is built from.
 
-from localserve.models.llama import ForwardContext, LlamaForCausalLM
-
-__all__ = ["ForwardContext", "LlamaForCausalLM"]
+Nothing heavy is imported here: import `localserve.models.llama` for the model itself.
+"""

@@ -7,14 +7,16 @@ Parameter names follow Hugging Face, so checkpoints load by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from localserve.models.config import ModelConfig
 from localserve.models.rope import RotaryEmbedding, apply_rope
 from torch import nn
 
-from localserve.attention import AttentionBackend, AttentionMetadata
-from localserve.config import ModelConfig
-from localserve.kv_cache import PagedKVCache
+if TYPE_CHECKING:
+    from localserve.attention.base import AttentionBackend
+    from localserve.kv.cache import PagedKVCache
 
 
 @dataclass
@@ -23,7 +25,7 @@ class ForwardContext:
 
     backend: AttentionBackend
     kv_cache: PagedKVCache
-    metadata: AttentionMetadata
+    metadata: Any  # what backend.build_metadata made for this step
 
 
 class RMSNorm(nn.Module):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from localserve.config import RopeConfig
+from localserve.models.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -25,7 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from localserve.block_manager import BlockManager
+from localserve.kv.block_manager import BlockManager
 
 BLOCK_SIZE = 16
 MAX_RUNNING_REQUESTS = 32

@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from localserve.default_model import resolve_default_model
-from localserve.engine import EngineConfig, LLMEngine
-from localserve.loader import load_model
-from localserve.sampling_params import SamplingParams
-from localserve.scheduler import SchedulerConfig
+from localserve.engine.config import EngineConfig
+from localserve.engine.engine import LLMEngine
+from localserve.engine.sampling_params import SamplingParams
+from localserve.loading.default_model import resolve_default_model
+from localserve.loading.hf import load_model
 
 
 @torch.inference_mode()
@@ -56,7 +56,7 @@ def bare_matmul_tokens_per_s(model, batch: int, steps: int) -> float:
 
 def engine_tokens_per_s(model, batch: int, steps: int) -> float:
     config = EngineConfig(num_kv_blocks=max(64, batch * 8),
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch)))
+                          max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
     engine = LLMEngine(model, None, config)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from localserve.default_model import resolve_default_model
-from localserve.engine import EngineConfig, LLMEngine
-from localserve.loader import load_model
-from localserve.sampling_params import SamplingParams
-from localserve.scheduler import SchedulerConfig
+from localserve.engine.config import EngineConfig
+from localserve.engine.engine import LLMEngine
+from localserve.engine.sampling_params import SamplingParams
+from localserve.loading.default_model import resolve_default_model
+from localserve.loading.hf import load_model
 
 
 @dataclass
@@ -38,8 +38,7 @@ class RunResult:
 def run(model, name: str, streams: int, duration: float, budget: int, chunked: bool,
         inject: bool, prompt_tokens: int, period: float) -> RunResult:
     config = EngineConfig(num_kv_blocks=4096, enable_prefix_caching=False,
-                          scheduler=SchedulerConfig(max_num_seqs=streams + 4, max_num_batched_tokens=budget,
-                                                    enable_chunked_prefill=chunked))
+                          max_num_seqs=streams + 4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     engine = LLMEngine(model, None, config)
     background = {engine.add_request([1 + (i * 13 + j) % 4000 for j in range(32)],
                                      SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))

@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import torch
-from localserve.models import ForwardContext
+from localserve.models.llama import ForwardContext
 
-from localserve.attention import AttentionMetadata, TorchAttentionBackend
-from localserve.engine import kv_format_args
-from localserve.kv_cache import PagedKVCache
-from localserve.kv_formats import KVFormatSpec, bits_per_value
+from localserve.attention.base import AttentionInputs
+from localserve.attention.torch_backend import TorchAttentionBackend
+from localserve.engine.engine import kv_format_args
+from localserve.kv.cache import PagedKVCache
+from localserve.kv.formats import KVFormatSpec, bits_per_value
 
 LICENSES = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1")
 REFERENCE = ("fp16", "fp16")
@@ -51,10 +52,10 @@ def load_text(folder: Path = Path("/usr/share/common-licenses")) -> str:
 def scored_logprobs(model, cache: PagedKVCache, tokens: list[int], first: int) -> torch.Tensor:
     """Log-probabilities [len(tokens) - 1 - first, vocab] predicting tokens first+1 .. end (one prompt)."""
     n, block = len(tokens), cache.block_size
-    metadata = AttentionMetadata(slot_mapping=torch.arange(n), query_lens=[n], context_lens=[n],
-                                 block_tables=torch.arange(-(-n // block))[None])
-    context = ForwardContext(TorchAttentionBackend(), cache, metadata)
-    hidden = model(torch.tensor(tokens), torch.arange(n), context)
+    inputs = AttentionInputs.for_prompt(n, list(range(-(-n // block))), block, "cpu")
+    backend = TorchAttentionBackend()
+    context = ForwardContext(backend, cache, backend.build_metadata(inputs))
+    hidden = model(torch.tensor(tokens), inputs.positions, context)
     return model.compute_logits(hidden[first:n - 1]).log_softmax(-1)
 
 
@@ -70,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args(argv)
 
-    from localserve.default_model import resolve_default_model
-    from localserve.loader import load_model
-    from localserve.tokenizer import Tokenizer
+    from localserve.loading.default_model import resolve_default_model
+    from localserve.loading.hf import load_model
+    from localserve.tokenizer.tokenizer import Tokenizer
 
     path = resolve_default_model()
     loaded = load_model(path, dtype=torch.float32)

@@ -1,0 +1,67 @@
+"""The attention backend interface and the per-step inputs every backend builds its metadata from.
+
+The model runner turns the scheduler's step contract (localserve.engine.step) into `AttentionInputs`
+once per step; the chosen backend's `build_metadata` derives what its kernels need from them (the
+torch backend: gather slots and masks per group; a Triton backend: int32 tables, split counts), and
+every layer's `forward` reuses that metadata.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from localserve.kv.cache import PagedKVCache
+
+
+@dataclass
+class AttentionInputs:
+    """Where each new token's K/V goes and what each sequence attends to, as tensors on the device.
+
+    Tokens of one sequence are contiguous in the batch, sequences in `query_lens` order; each attends
+    causally to its own context (its earlier tokens and its new ones) through its block table.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset written by each token
+    positions: torch.Tensor  # [num_tokens] int64: position of each new token in its sequence
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64; entries past a sequence's blocks are unused
+    query_lens: list[int]  # [num_seqs] new tokens per sequence in this step
+    context_lens: list[int]  # [num_seqs] tokens each sequence attends to, these new tokens included
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def for_prompt(cls, num_tokens: int, block_table: list[int], block_size: int,
+                   device: torch.device | str) -> AttentionInputs:
+        """One sequence's whole prompt as a single chunk, written from position 0."""
+        positions = torch.arange(num_tokens, device=device)
+        table = torch.tensor([block_table], dtype=torch.int64, device=device)
+        slots = table[0, positions // block_size] * block_size + positions % block_size
+        return cls(slots, positions, table, [num_tokens], [num_tokens], block_size)
+
+
+class AttentionBackend(ABC):
+    """Writes one layer's new K/V into the paged cache and attends over it."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str) -> str | None:
+        """Why this backend cannot run on `device` with these KV formats; None when it can."""
+        return None
+
+    @abstractmethod
+    def build_metadata(self, inputs: AttentionInputs) -> Any:
+        """This backend's per-step metadata, built once and passed to every layer's forward."""
+
+    @abstractmethod
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: PagedKVCache, metadata: Any) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D]; writes key/value into the cache."""

@@ -1,0 +1,100 @@
+"""The plain-torch attention backend: the CPU path, and the reference the Triton kernels are tested against.
+
+A batch mixes sequences in prefill (a chunk of several query tokens) and in decode (one query token);
+every query token attends causally to its own sequence's context through the block table. Per step,
+`build_metadata` works out once what every layer needs: decodes are attended together in one group,
+each prefill chunk in its own, each with the flat KV slots to gather and its mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from localserve.attention.base import AttentionBackend, AttentionInputs
+
+if TYPE_CHECKING:
+    from localserve.kv.cache import PagedKVCache
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together: all decodes in one group, each prefill chunk in its own."""
+
+    token_index: torch.Tensor | slice  # rows of the batch's query tokens: [S] for decodes, a slice for a chunk
+    key_slots: torch.Tensor  # [S, L] flat KV slots each sequence attends to (L: longest context)
+    mask: torch.Tensor  # [S, 1, Q, L] bool: causal, and past-the-end keys masked
+    num_query: int  # Q
+
+
+@dataclass
+class TorchAttentionMetadata:
+    inputs: AttentionInputs
+    groups: list[AttentionGroup]
+
+
+def make_groups(inputs: AttentionInputs) -> list[AttentionGroup]:
+    """The attention groups of a batch: one for all its decodes, one per prefill chunk."""
+    starts = [0]
+    for q_len in inputs.query_lens:
+        starts.append(starts[-1] + q_len)
+    groups = []
+    decode_rows = [i for i, q_len in enumerate(inputs.query_lens) if q_len == 1]
+    if decode_rows:
+        token_index = torch.tensor([starts[i] for i in decode_rows], device=inputs.block_tables.device)
+        groups.append(_group(inputs, token_index, decode_rows, 1))
+    for i, q_len in enumerate(inputs.query_lens):
+        if q_len > 1:
+            groups.append(_group(inputs, slice(starts[i], starts[i + 1]), [i], q_len))
+    return groups
+
+
+def _group(inputs: AttentionInputs, token_index, rows: list[int], num_query: int) -> AttentionGroup:
+    device = inputs.block_tables.device
+    block_size = inputs.block_size
+    context_lens = [inputs.context_lens[i] for i in rows]
+    key_pos = torch.arange(max(context_lens), device=device)
+    tables = inputs.block_tables[rows][:, key_pos // block_size]  # [S, L]
+    key_slots = tables * block_size + key_pos % block_size
+    context = torch.tensor(context_lens, device=device)
+    # Query j of a sequence sits at position context - Q + j and sees the keys up to that position.
+    query_pos = context[:, None] - num_query + torch.arange(num_query, device=device)[None, :]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
+    return AttentionGroup(token_index, key_slots, mask[:, None], num_query)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain-torch paged attention. Decodes are batched together; each prefill chunk runs on its own."""
+
+    name = "torch"
+
+    def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(inputs, make_groups(inputs))
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: PagedKVCache, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        inputs = metadata.inputs
+        kv_cache.write(layer, key, value, inputs.slot_mapping, inputs.positions)
+        # A rotated (quantized) cache: rotate the query once, attend in the cache's domain, un-rotate once.
+        query = kv_cache.transform_query(layer, query)
+        output = torch.empty_like(query)
+        num_heads, head_dim = query.shape[1:]
+        for group in metadata.groups:
+            key_ctx, value_ctx = kv_cache.gather(layer, group.key_slots)  # [S, L, Hkv, D]
+            key_ctx, value_ctx = key_ctx.transpose(1, 2).to(query.dtype), value_ctx.transpose(1, 2).to(query.dtype)
+            group_query = query[group.token_index]
+            if group.num_query == 1:
+                # Decodes: the query heads sharing a KV head become that head's query rows, so no
+                # grouped-query expansion is needed: [S, Hkv, H / Hkv, D].
+                group_query = group_query.view(-1, key_ctx.shape[1], num_heads // key_ctx.shape[1], head_dim)
+                out = F.scaled_dot_product_attention(group_query, key_ctx, value_ctx, attn_mask=group.mask)
+                output[group.token_index] = out.reshape(-1, num_heads, head_dim)
+            else:
+                group_query = group_query.view(-1, group.num_query, num_heads, head_dim).transpose(1, 2)
+                out = F.scaled_dot_product_attention(group_query, key_ctx, value_ctx, attn_mask=group.mask,
+                                                     enable_gqa=True)
+                output[group.token_index] = out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        return kv_cache.restore_output(layer, output)

@@ -1,0 +1,318 @@
+"""The engine: requests in, one scheduled step at a time through the model, outputs out.
+
+`LLMEngine` is synchronous (LLM.generate drives it directly); `EngineThread` runs it on its own thread
+behind thread-safe queues for the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from localserve.attention import select_backend
+from localserve.engine.beam_search import beam_search_step
+from localserve.engine.config import EngineConfig
+from localserve.engine.events import EventKind, EventLog
+from localserve.engine.model_runner import ModelRunner
+from localserve.engine.outputs import RequestOutput, make_output
+from localserve.engine.sampler import Sampler, SamplingRow, make_generator
+from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.scheduler import Batch, Scheduler
+from localserve.engine.sequence import Request, Sequence
+from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
+from localserve.kv.block_manager import BlockManager
+from localserve.kv.cache import PagedKVCache
+from localserve.kv.calibration import load_or_calibrate
+from localserve.kv.formats import KVFormatSpec
+from localserve.kv.memory_plan import engine_num_kv_blocks
+from localserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """What one step ran, kept for tests, benchmarks and the monitor."""
+
+    num_tokens: int
+    num_prefill_tokens: int
+    num_seqs: int
+    num_preempted: int
+    duration_s: float
+
+
+def kv_format_args(model: LlamaForCausalLM, tokenizer, cache_type_k: str | None,
+                   cache_type_v: str | None) -> dict:
+    """PagedKVCache arguments for the K/V formats; a 4-bit format brings the model's calibration and RoPE."""
+    args = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+    if any(t and KVFormatSpec.parse(t).name == "q4_rot" for t in (cache_type_k, cache_type_v)):
+        args["calibration"] = load_or_calibrate(model, tokenizer)
+        args["rope"] = lambda positions: model.rotary(positions, torch.float32)
+    return args
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV pool for one model."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
+            blocks = engine_num_kv_blocks(model, config.cache_type_k, config.cache_type_v, config.block_size,
+                                          config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+            self.config = config = dataclasses.replace(config, num_kv_blocks=blocks)
+        scheduler_config = config.scheduler_config()
+        self.model_config = model.config
+        self.max_model_len = min(config.max_model_len or model.config.context_length, model.config.context_length)
+        num_cpu_blocks = config.num_cpu_blocks or (
+            config.num_kv_blocks if scheduler_config.preemption_mode == "swap" else 0)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, num_cpu_blocks,
+                                          config.enable_prefix_caching)
+        param = next(model.parameters())
+        mc = model.config
+        kv_cache = PagedKVCache(mc.num_layers, config.num_kv_blocks, config.block_size, mc.num_kv_heads,
+                                mc.head_dim, param.dtype, param.device, num_cpu_blocks=num_cpu_blocks,
+                                **kv_format_args(model, tokenizer, config.cache_type_k, config.cache_type_v))
+        backend, why = select_backend(config.attention_backend, param.device, kv_cache.cache_type_k,
+                                      kv_cache.cache_type_v)
+        log.info("attention backend: %s", why)
+        self.runner = ModelRunner(model, kv_cache, backend)
+        self.events = EventLog()
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, self.events)
+        self.sampler = Sampler()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self.device = param.device
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+        self.step_history: deque[StepRecord] = deque(maxlen=100_000)
+        self.num_prompt_tokens = 0  # prefilled (computed) tokens, all steps
+        self.num_generation_tokens = 0
+        self.num_requests_finished = 0
+        self.num_steps = 0
+        self.num_requests_failed = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError (before any block is taken) if it can never run."""
+        arrival = next(self._arrivals)
+        request_id = request_id if request_id is not None else f"req-{arrival}"
+        try:
+            self.validate(prompt_token_ids, params)
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+        except ValueError as exc:
+            self.events.append(EventKind.REJECTED, f"r{arrival}", reason=str(exc))
+            raise
+        seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
+                                 with_decoder=not params.beam_search)
+        request = Request(request_id, arrival, list(prompt_token_ids), params, [seq])
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks add_request makes, usable on their own by a server before it commits to a request."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"exceeds the context length of {self.max_model_len} tokens")
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"the prompt plus max_tokens needs {blocks} KV blocks, more than the whole pool "
+                             f"({self.block_manager.num_blocks}); it could never run")
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds the {self.scheduler.config.max_num_seqs} parallel slots")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request at once; its blocks go back to the pool. Unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.is_finished:
+            return
+        live = request.live_seqs
+        self.scheduler.finish(request)
+        for seq in live:
+            seq.finish_reason = "abort"
+        self.num_requests_finished += 1
+        self.events.append(EventKind.FINISHED, request.label, reason="abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and report every request that moved."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        logits = self.runner.execute(batch.step_input)
+        outputs = self._postprocess(batch, logits)
+        self.num_steps += 1
+        self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.seqs),
+                                            len(batch.preempted), time.perf_counter() - start))
+        if self.config.check_integrity:
+            self.block_manager.check_integrity()
+        return outputs
+
+    def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
+        bm = self.block_manager
+        sampled: list[tuple[Request, Sequence, int]] = []  # (request, seq, logits row)
+        row = 0
+        for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
+            seq.num_computed_tokens += len(chunk.token_ids)
+            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            if len(chunk.token_ids) > 1 or not seq.output_token_ids:
+                self.num_prompt_tokens += len(chunk.token_ids)
+            if chunk.needs_logits:
+                sampled.append((request, seq, row))
+                row += 1
+        moved: dict[str, Request] = {request.request_id: request for request in batch.failed}
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+        rows: list[SamplingRow] = []
+        targets: list[tuple[Request, Sequence, int]] = []
+        for request, seq, logit_row in sampled:
+            moved[request.request_id] = request
+            if request.params.beam_search:
+                beam_rows.setdefault(request.request_id, []).append((seq, logit_row))
+                continue
+            seqs = [seq]
+            if not request.forked:
+                request.forked = True
+                for index in range(1, request.params.n):
+                    seqs.append(self.fork(request, seq, index))
+            for s in seqs:
+                rows.append(SamplingRow(request.params, s.generator, request.prompt_token_ids, s.output_token_ids))
+                targets.append((request, s, logit_row))
+        if rows:
+            result = self.sampler(logits[[t[2] for t in targets]], rows)
+            for i, (request, seq, _) in enumerate(targets):
+                top = result.top_logprobs[i] if result.top_logprobs else None
+                self._append(request, seq, result.token_ids[i], result.logprobs[i], top)
+        for request_id, entries in beam_rows.items():
+            request = moved[request_id]
+            for seq, logit_row in entries:
+                request.beam_logits[seq.seq_id] = logits[logit_row].clone()
+            # After a preemption by recompute the beams are prefilled again one by one and may finish in
+            # different steps: a beam step needs the next-token logits of every live beam at once.
+            if any(beam.seq_id not in request.beam_logits for beam in request.live_seqs):
+                continue
+            beams = request.live_seqs
+            beam_logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
+            request.forked = True
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+                self.events.append(EventKind.FIRST_TOKEN, request.label)
+            beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
+        return [self._finish_or_report(request) for request in moved.values()]
+
+    def _new_sequence(self, token_ids: list[int], prompt_len: int, seed: int | None,
+                      with_decoder: bool = True) -> Sequence:
+        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None and with_decoder else None
+        return Sequence(next(self._seq_ids), prompt_len, token_ids, make_generator(seed, self.device),
+                        decoder=decoder)
+
+    def copy_sequence(self, parent: Sequence, seed: int | None = None) -> Sequence:
+        """A new sequence with the same tokens and scores as `parent`, holding no blocks yet.
+
+        It streams text only if it starts before any output (parallel samples); beams, which branch
+        mid-way, are detokenized when they finish.
+        """
+        child = self._new_sequence(list(parent.token_ids), parent.prompt_len, seed,
+                                   with_decoder=parent.decoder is not None and not parent.output_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.logprobs, child.top_logprobs = list(parent.logprobs), list(parent.top_logprobs)
+        child.text = parent.text
+        return child
+
+    def fork(self, request: Request, parent: Sequence, index: int = 0) -> Sequence:
+        """A new sequence of `request` sharing all of `parent`'s blocks (a parallel sample or a beam)."""
+        seed = None if request.params.seed is None else request.params.seed + index
+        child = self.copy_sequence(parent, seed)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        request.seqs.append(child)
+        return child
+
+    def _append(self, request: Request, seq: Sequence, token_id: int, logprob: float | None,
+                top: list[tuple[int, float]] | None) -> None:
+        """Add a sampled token to a sequence and decide whether it stops there."""
+        params = request.params
+        seq.token_ids.append(token_id)
+        seq.pending_append = True
+        request.just_readmitted = False
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or [])
+        self.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+            self.events.append(EventKind.FIRST_TOKEN, request.label)
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if not is_eos and token_id not in params.stop_token_ids and seq.decoder is not None:
+            seq.text += seq.decoder.step(token_id)
+            for stop in params.stop:
+                index = seq.text.find(stop, max(0, len(seq.text) - len(stop) - 64))
+                if index >= 0:
+                    seq.text = seq.text[:index]
+                    self._finish_seq(seq, "stop")
+                    return
+        if is_eos or token_id in params.stop_token_ids:
+            self._finish_seq(seq, "stop")
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish_seq(seq, "length")
+
+    def _finish_seq(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.block_manager.free(seq.seq_id)  # a finished sample gives its blocks back at once
+
+    def _finish_or_report(self, request: Request) -> RequestOutput:
+        finished = not request.live_seqs
+        if finished:
+            self.scheduler.finish(request)
+            self.requests.pop(request.request_id, None)
+            if request.error is not None:
+                self.num_requests_failed += 1  # the scheduler logged the failed event
+            else:
+                self.num_requests_finished += 1
+                best = request.finished_beams or request.seqs
+                self.events.append(EventKind.FINISHED, request.label,
+                                   reason=best[0].finish_reason if best else "stop")
+        return make_output(request, finished, self.tokenizer)
+
+    # ------------------------------------------------------------------ convenience
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; returns each request's final output."""
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return final
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every block, every request and the statistics, as of now (call on the engine thread)."""
+        return read_snapshot(self)
+
+    def stats(self) -> EngineStats:
+        """Gauges and counters, as of now (call on the engine thread)."""
+        return read_stats(self)
+
+    def is_idle_and_clean(self) -> bool:
+        """No request holds a block: every block is free or cached, and the books balance."""
+        self.block_manager.check_integrity()
+        return not self.has_unfinished_requests() and self.block_manager.num_used_blocks == 0

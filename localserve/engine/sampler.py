@@ -1,0 +1,108 @@
+"""Next-token selection for a batch: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Every sequence owns a `torch.Generator` (seeded from the request's seed when given), so a seeded
+request samples the same tokens whatever else shares its batch. Nothing here reads values back from
+the device except the sampled tokens (and their logprobs, when asked for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from localserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's view for the sampler."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Log-probability of each chosen token under the model (after penalties); None for rows that neither
+    # ask for logprobs nor are one of n > 1 samples, which spares a log-softmax over the vocabulary.
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, when any row asks
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one sequence: seeded when the request gives a seed, random otherwise."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt and output, as transformers), presence and frequency (output, as OpenAI)."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                                dtype=torch.long, device=logits.device)
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            counts = torch.bincount(torch.tensor(row.output_token_ids, device=logits.device),
+                                    minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits of one row [V] with top-k, top-p and min-p applied (others set to -inf)."""
+    logits = logits / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
+        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Chooses one token per row of `logits` [S, V] (float32 or float64)."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+               for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+        chosen = logits.max(dim=-1).indices  # max() is faster than argmax() on the CPU
+        for i, row in enumerate(rows):
+            if not row.params.greedy:
+                probs = filter_logits(logits[i], row.params).softmax(-1)
+                # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this row's generator.
+                noise = torch.empty_like(probs).exponential_(generator=row.generator)
+                chosen[i] = (probs / noise).argmax()
+        output = SamplerOutput(token_ids=chosen.tolist(), logprobs=[None] * len(rows))
+        # A full log-softmax over the vocabulary only for rows that ask for logprobs, and for parallel
+        # samples (n > 1), which are returned with their cumulative log-probability.
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None or row.params.n > 1]
+        if wanted:
+            logprobs = torch.log_softmax(logits[wanted], dim=-1)
+            chosen_logprobs = logprobs.gather(1, chosen[wanted][:, None]).squeeze(1).tolist()
+            max_top = max(rows[i].params.logprobs or 0 for i in wanted)
+            top_values, top_ids = (logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0],) * 2)
+            output.top_logprobs = [[] for _ in rows]
+            for j, i in enumerate(wanted):
+                output.logprobs[i] = chosen_logprobs[j]
+                count = rows[i].params.logprobs or 0
+                output.top_logprobs[i] = list(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist()))
+        return output

@@ -1,0 +1,95 @@
+"""Requests and their sequences (parallel samples or beams), as the engine tracks them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from localserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute (its KV is gone)
+    RUNNING = "running"  # holds GPU blocks; prefilling or decoding
+    SWAPPED = "swapped"  # preempted by swap: its blocks sit in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity: a sequence is only ever equal to itself
+class Sequence:
+    """One line of generation. Its KV covers `num_computed_tokens` of `token_ids`."""
+
+    seq_id: int
+    prompt_len: int
+    token_ids: list[int]  # prompt + generated
+    generator: torch.Generator
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    text: str = ""  # detokenized output so far (stop strings cut off)
+    decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
+    # The last sampled token is in token_ids but not yet in the block manager (appended when scheduled).
+    pending_append: bool = False
+    num_emitted_chars: int = 0  # text already reported to a streaming client
+    num_emitted_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not written yet: 1 while decoding, more while (re)prefilling."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its sampling parameters, and the sequences generating from it."""
+
+    request_id: str
+    arrival: int  # order of arrival; preemption picks the largest among running requests
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    state: RequestState = RequestState.WAITING
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    # Readmitted after a preemption and not yet sampled a token since: not the next victim (no thrashing).
+    just_readmitted: bool = False
+    forked: bool = False  # parallel samples / beams created (at the first sampled token)
+    finished_beams: list[Sequence] = field(default_factory=list)
+    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # next-token logits of ready beams
+    error: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def label(self) -> str:
+        """How the monitor names this request: its arrival number, not its id (ids can continue responses)."""
+        return f"r{self.arrival}"
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.finished]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(seq.output_token_ids) for seq in self.seqs + self.finished_beams)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED

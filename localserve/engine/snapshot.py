@@ -1,0 +1,139 @@
+"""Typed snapshots of the engine (no torch here): every block's state, the requests, gauges, counters.
+
+Built on the engine thread between steps (`LLMEngine.snapshot()`, `LLMEngine.stats()`); `/v1/monitor`,
+`/slots`, `/metrics` and the TUI read only these and the event log (localserve.engine.events).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from localserve.engine.engine import LLMEngine
+    from localserve.engine.sequence import Request
+
+
+def run_length_encode(states: str) -> str:
+    """'uuus..' -> 'u3s.2': each state character followed by its run length when that is above 1."""
+    return "".join(char + (str(count) if count > 1 else "")
+                   for char, count in ((c, sum(1 for _ in run)) for c, run in itertools.groupby(states)))
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """Values now."""
+
+    num_requests_running: int
+    num_requests_waiting: int  # not admitted yet, or preempted by recompute
+    num_requests_swapped: int
+    kv_cache_usage_ratio: float  # used GPU blocks / all GPU blocks (0-1)
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    num_free_cpu_blocks: int
+    last_step_s: float
+    last_step_tokens: int
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Totals since the engine started; they only grow."""
+
+    num_steps: int
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swap_fallbacks: int  # swap asked for, swap pool full: preempted by recompute instead
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    cow_copies: int
+    cached_block_evictions: int
+    num_requests_finished: int
+    num_requests_failed: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    gauges: Gauges
+    counters: Counters
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    label: str
+    state: str  # waiting | prefill | decode | preempted | swapped
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    num_output_tokens: int
+    num_seqs: int
+    num_preemptions: int
+    num_cached_tokens: int
+    tokens_per_s: float
+    block_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    time: float
+    blocks: str  # run-length encoded GPU block states: . free, c cached, u used, s shared
+    cpu_blocks: str  # run-length encoded swap pool: . free, w holding a swapped-out block
+    requests: list[RequestSnapshot]  # oldest first
+    stats: EngineStats
+    last_event_seq: int  # the newest event the snapshot reflects
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time, "num_steps": self.stats.counters.num_steps, "blocks": self.blocks,
+                "cpu_blocks": self.cpu_blocks, "requests": [asdict(r) for r in self.requests],
+                "gauges": asdict(self.stats.gauges), "counters": asdict(self.stats.counters)}
+
+
+def read_stats(engine: LLMEngine) -> EngineStats:
+    scheduler, bm = engine.scheduler, engine.block_manager
+    last = engine.step_history[-1] if engine.step_history else None
+    gauges = Gauges(len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), bm.usage_ratio,
+                    bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks, bm.num_free_cpu_blocks,
+                    last.duration_s if last else 0.0, last.num_tokens if last else 0)
+    by_mode = scheduler.num_preemptions_by_mode
+    counters = Counters(engine.num_steps, scheduler.num_preemptions, by_mode["recompute"], by_mode["swap"],
+                        scheduler.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
+                        engine.num_prompt_tokens, engine.num_generation_tokens, bm.cow_copies,
+                        bm.cached_block_evictions, engine.num_requests_finished, engine.num_requests_failed)
+    return EngineStats(gauges, counters)
+
+
+def _request_snapshot(engine: LLMEngine, request: Request, queue: str, now: float) -> RequestSnapshot:
+    live = request.live_seqs
+    prompt_len = len(request.prompt_token_ids)
+    computed = max((min(seq.num_computed_tokens, prompt_len) for seq in live), default=0)
+    if queue == "running":
+        state = "decode" if all(seq.num_uncomputed_tokens <= 1 for seq in live) else "prefill"
+    elif queue == "swapped":
+        state = "swapped"
+    else:
+        state = "preempted" if request.num_preemptions else "waiting"
+    num_output = max((len(seq.output_token_ids) for seq in request.seqs), default=0)
+    elapsed = now - request.first_token_time if request.first_token_time is not None else 0.0
+    tables = [engine.block_manager.block_table(seq.seq_id) for seq in live] if queue == "running" else []
+    return RequestSnapshot(request.label, state, prompt_len, computed, num_output, len(live),
+                           request.num_preemptions, request.num_cached_tokens,
+                           num_output / elapsed if elapsed > 0 else 0.0, tables)
+
+
+def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
+    """Every block, every request and the statistics, as of now (call on the engine thread)."""
+    now = time.monotonic()
+    scheduler = engine.scheduler
+    pool = engine.block_manager.snapshot()
+    queued = sorted(((request, queue) for queue, requests in (("running", scheduler.running),
+                                                              ("swapped", scheduler.swapped),
+                                                              ("waiting", scheduler.waiting))
+                     for request in requests), key=lambda entry: entry[0].arrival)
+    requests = [_request_snapshot(engine, request, queue, now) for request, queue in queued]
+    cpu_states = pool.cpu_block_states.replace("u", "w").replace("s", "w")
+    return EngineSnapshot(time.time(), run_length_encode(pool.block_states), run_length_encode(cpu_states),
+                          requests, read_stats(engine), engine.events.last_seq)

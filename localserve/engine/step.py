@@ -1,0 +1,41 @@
+"""The step contract: what the scheduler decided for one engine step, in plain Python (no torch).
+
+The scheduler fills a `StepInput`; the model runner turns it into tensors once, and every attention
+backend builds its own metadata from those (localserve.attention.base.AttentionInputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: `token_ids` are new tokens at positions start_pos, start_pos + 1, ..."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]  # physical block of each logical block, covering at least context_len tokens
+    needs_logits: bool = True  # False for a prefill chunk that does not reach the prompt's end
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class StepInput:
+    """Everything the model runner needs for one forward pass, block moves included.
+
+    The runner makes the block moves first, in this order: swap-out, swap-in, copy-on-write; then the
+    forward pass writes into blocks those moves may just have freed or filled.
+    """
+
+    chunks: list[SeqChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)

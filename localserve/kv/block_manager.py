@@ -1,0 +1,399 @@
+"""The KV block manager: which physical blocks of the KV pool hold which sequence's tokens.
+
+Pure Python bookkeeping, no tensors (DESIGN.md section 3). Each of the `num_blocks` GPU blocks is
+either free (in the free queue, nothing worth keeping), cached (in the free queue with ref count 0,
+its contents still registered in the prefix cache) or used (ref count >= 1: that many block tables
+point at it; shared when > 1). Blocks whose count drops to 0 join the free queue's tail and new
+blocks come from its head, so the least recently freed cached block is overwritten first. A CPU pool
+of `num_cpu_blocks` blocks holds sequences preempted by swap; it has no prefix cache.
+
+In an engine step the calls come in this order:
+1. Before the forward pass: `allocate` new prompts, `append_token` the token each decoding sequence
+   sampled last step (its KV is written by this pass), `free` / `swap_out` / `swap_in` to preempt,
+   each after its `can_...` check. The model runner makes the returned block copies, swap-out ones
+   first, then swap-in, then copy-on-write, and only then runs the forward pass.
+2. After the forward pass: `mark_computed(seq_id, n)`, n = tokens whose KV is now written. Only then
+   do full blocks enter the prefix cache. Forks (parallel samples, beams) come after this.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
+from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
+from localserve.kv.swap_pool import CpuBlockPool
+
+
+class OutOfBlocksError(RuntimeError):
+    """An operation needed more free blocks than its pool has; nothing was changed."""
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    token_ids: list[int]
+    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
+    num_computed_tokens: int
+    block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
+    extra_key: bytes
+    is_swapped: bool = False
+
+
+class BlockManager:
+    """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping.
+
+    Sequences are named by an int `seq_id` chosen by the caller. For each the manager keeps its block
+    table (logical block i -> physical block id) and its token ids, which key its full blocks. An
+    operation that runs out of blocks raises `OutOfBlocksError` and changes nothing; the `can_...`
+    questions are exact.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0; got "
+                             f"{num_blocks}, {block_size}, {num_cpu_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[bytes | None] = [None] * num_blocks  # set while in the prefix cache
+        self._block_contents: list[BlockContent | None] = [None] * num_blocks  # behind each key
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head first
+        self._hash_to_block: dict[bytes, int] = {}
+        self._num_cached_blocks = 0  # blocks in the free queue with a key
+        self._cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self._seqs: dict[int, _Sequence] = {}
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
+        self.cow_copies = 0
+        self.cached_block_evictions = 0  # cached blocks overwritten by an allocation
+
+    # ---- observability ----
+    @property
+    def num_free_blocks(self) -> int:
+        """GPU blocks in the free queue holding nothing reusable."""
+        return len(self._free_queue) - self._num_cached_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """GPU blocks in the free queue whose contents the prefix cache can still hand out."""
+        return self._num_cached_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks allocations can take: free + cached (taking a cached one evicts its contents)."""
+        return len(self._free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """GPU blocks pointed at by at least one block table."""
+        return self.num_blocks - len(self._free_queue)
+
+    @property
+    def usage_ratio(self) -> float:
+        """Used GPU blocks over all GPU blocks, 0..1 (cached blocks count as not used)."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """CPU blocks not holding a swapped-out sequence."""
+        return self._cpu_pool.num_free_blocks
+
+    def free_queue_block_ids(self) -> list[int]:
+        """GPU block ids in the free queue, head (next to be handed out) first."""
+        return list(self._free_queue)
+
+    def ref_count(self, block_id: int) -> int:
+        """Number of block tables pointing at GPU block `block_id`."""
+        return self._ref_counts[block_id]
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of the sequence's block table (CPU block ids while it is swapped out)."""
+        return list(self._seqs[seq_id].block_table)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence, including appended ones whose KV is not written yet."""
+        return len(self._seqs[seq_id].token_ids)
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """Leading tokens of the sequence whose KV is written (prefix hits included)."""
+        return self._seqs[seq_id].num_computed_tokens
+
+    def is_swapped(self, seq_id: int) -> bool:
+        """True while the sequence lives in the CPU pool."""
+        return self._seqs[seq_id].is_swapped
+
+    def snapshot(self) -> BlockPoolSnapshot:
+        """The state of every GPU and CPU block (see `BlockPoolSnapshot`)."""
+        return pool_snapshot(self)
+
+    # ---- admission ----
+    def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
+        """Blocks that admitting this prompt now would take out of the free queue.
+
+        That is every block of the prompt except prefix hits on blocks in use: a hit on a cached block
+        counts, as it leaves the free queue too. So `can_allocate` is exactly this <= num_available_blocks.
+        """
+        return self._plan_allocation(token_ids, extra_key)[1]
+
+    def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
+        """True when `allocate` of this prompt would succeed now."""
+        return self.num_blocks_to_allocate(token_ids, extra_key) <= len(self._free_queue)
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
+        """Give a new sequence blocks for its whole prompt; returns its number of cached tokens.
+
+        Leading full blocks found in the prefix cache are shared (ref count + 1, taken out of the free
+        queue if they sat there), at most (len(token_ids) - 1) // block_size of them so that the last
+        prompt token is always computed. The return value, a multiple of block_size, is where the
+        prefill starts. `extra_key` is mixed into every block's key.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if not token_ids:
+            raise ValueError("a prompt needs at least one token")
+        hits, num_blocks_to_take = self._plan_allocation(token_ids, extra_key)
+        if num_blocks_to_take > len(self._free_queue):
+            raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {num_blocks_to_take} blocks, "
+                                   f"{len(self._free_queue)} available")
+        # Hits leave the free queue before new blocks are taken from its head, which could evict them.
+        for _, block_id in hits:
+            if self._ref_counts[block_id] == 0:
+                del self._free_queue[block_id]
+                self._num_cached_blocks -= 1
+            self._ref_counts[block_id] += 1
+        block_table = [block_id for _, block_id in hits]
+        for _ in range(self._num_blocks_for(len(token_ids)) - len(hits)):
+            block_table.append(self._take_free_block())
+        num_cached_tokens = len(hits) * self.block_size
+        self._seqs[seq_id] = _Sequence(list(token_ids), block_table, num_cached_tokens,
+                                       [block_hash for block_hash, _ in hits], extra_key)
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += len(token_ids)
+            self.prefix_hit_tokens += num_cached_tokens
+        return num_cached_tokens
+
+    # ---- decoding ----
+    def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
+        """Blocks taken from the free queue if each of these sequences appends one token, in any order.
+
+        A sequence whose last block is full needs a new block. Writers into a shared, partly filled
+        last block need a copy each, except that when all its holders write, the last one finds itself
+        sole owner and writes in place.
+        """
+        num_blocks = 0
+        writers_per_shared_block: dict[int, int] = {}
+        for seq_id in seq_ids:
+            seq = self._gpu_seq(seq_id)
+            if len(seq.token_ids) % self.block_size == 0:
+                num_blocks += 1
+            elif self._ref_counts[last_block_id := seq.block_table[-1]] > 1:
+                writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
+        for block_id, num_writers in writers_per_shared_block.items():
+            num_blocks += num_writers if num_writers < self._ref_counts[block_id] else num_writers - 1
+        return num_blocks
+
+    def can_append(self, seq_ids: Iterable[int]) -> bool:
+        """True when each of these sequences can append one token now."""
+        return self.num_blocks_to_append(seq_ids) <= len(self._free_queue)
+
+    def append_token(self, seq_id: int, token_id: int) -> list[tuple[int, int]]:
+        """Grow the sequence by one token, whose KV the next forward pass writes.
+
+        Takes a new block when the last one is full. When the last block is partly filled and shared,
+        the sequence switches to a copy of it (copy-on-write) and the others keep the original. Returns
+        the (source, destination) block copies the model runner must make first: [] or one pair.
+        """
+        seq = self._gpu_seq(seq_id)
+        copies: list[tuple[int, int]] = []
+        needs_new_block = len(seq.token_ids) % self.block_size == 0
+        if needs_new_block or self._ref_counts[seq.block_table[-1]] > 1:
+            if not self._free_queue:
+                raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
+            block_id = self._take_free_block()
+            if needs_new_block:
+                seq.block_table.append(block_id)
+            else:
+                self._ref_counts[seq.block_table[-1]] -= 1  # stays >= 1: the other holders keep it
+                copies.append((seq.block_table[-1], block_id))
+                seq.block_table[-1] = block_id
+                self.cow_copies += 1
+        seq.token_ids.append(token_id)
+        return copies
+
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
+        """Record that the KV of the sequence's first `num_computed_tokens` tokens is written.
+
+        Each block this makes full and computed is registered in the prefix cache, unless its key is
+        already registered to another block (that mapping is kept). The count never decreases.
+        """
+        seq = self._gpu_seq(seq_id)
+        if not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{seq.num_computed_tokens}, "
+                             f"{len(seq.token_ids)}], got {num_computed_tokens}")
+        seq.num_computed_tokens = num_computed_tokens
+        if not self.enable_prefix_caching:
+            return
+        for index in range(len(seq.block_hashes), num_computed_tokens // self.block_size):
+            content = self._block_content(seq, index)
+            seq.block_hashes.append(hash_block(*content))
+            self._register(seq.block_table[index], seq.block_hashes[index], content)
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1).
+
+        The parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so
+        shared blocks never receive writes: each sample or beam then appends its own token.
+        """
+        parent = self._gpu_seq(parent_seq_id)
+        if parent.num_computed_tokens != len(parent.token_ids):
+            raise ValueError(f"sequence {parent_seq_id} has tokens whose KV is not written; fork after "
+                             f"mark_computed, before append_token")
+        if child_seq_id in self._seqs:
+            raise ValueError(f"sequence {child_seq_id} already has blocks")
+        for block_id in parent.block_table:
+            self._ref_counts[block_id] += 1
+        self._seqs[child_seq_id] = _Sequence(list(parent.token_ids), list(parent.block_table),
+                                             parent.num_computed_tokens, list(parent.block_hashes),
+                                             parent.extra_key)
+
+    def free(self, seq_id: int) -> None:
+        """Forget the sequence (swapped or not): its blocks lose one count each, last block first.
+
+        A GPU block reaching 0 joins the free-queue tail, keeping its prefix-cache entry if it has one,
+        so a conversation's deep blocks are overwritten before its first ones.
+        """
+        seq = self._seqs.pop(seq_id)
+        if seq.is_swapped:
+            self._cpu_pool.release(seq.block_table)
+        else:
+            self._release_blocks(seq.block_table)
+
+    # ---- swapping (preemption by swap) ----
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        """True when the CPU pool has room for the distinct blocks of these GPU sequences."""
+        return len(self._distinct_blocks(seq_ids, swapped=False)) <= self._cpu_pool.num_free_blocks
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move these sequences (all of one request's samples or beams) to the CPU pool.
+
+        Returns the (gpu_block, cpu_block) copies to make, one per distinct block, so shared blocks are
+        copied once and stay shared. The GPU blocks are released as by `free`.
+        """
+        gpu_block_ids = self._distinct_blocks(seq_ids, swapped=False)
+        if len(gpu_block_ids) > self._cpu_pool.num_free_blocks:
+            raise OutOfBlocksError(f"swap out needs {len(gpu_block_ids)} CPU blocks, "
+                                   f"{self._cpu_pool.num_free_blocks} free")
+        gpu_to_cpu = {block_id: self._cpu_pool.take() for block_id in gpu_block_ids}
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            self._release_blocks(seq.block_table)
+            seq.block_table = [gpu_to_cpu[block_id] for block_id in seq.block_table]
+            self._cpu_pool.add_refs(seq.block_table)
+            seq.is_swapped = True
+        return list(gpu_to_cpu.items())
+
+    def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
+        """GPU blocks that swapping these sequences back in would take (shared blocks count once)."""
+        return len(self._distinct_blocks(seq_ids, swapped=True))
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
+        """True when the free queue has room for the distinct blocks of these swapped sequences."""
+        return self.num_blocks_to_swap_in(seq_ids) <= len(self._free_queue)
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block) copies to make.
+
+        Their full computed blocks are registered in the prefix cache again where their keys are free.
+        """
+        cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True)
+        if len(cpu_block_ids) > len(self._free_queue):
+            raise OutOfBlocksError(f"swap in needs {len(cpu_block_ids)} blocks, {len(self._free_queue)} free")
+        cpu_to_gpu = {cpu_block_id: self._take_free_block() for cpu_block_id in cpu_block_ids}
+        for block_id in cpu_to_gpu.values():
+            self._ref_counts[block_id] = 0  # counted below, once per table pointing at it
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            self._cpu_pool.release(seq.block_table)
+            seq.block_table = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_table]
+            for block_id in seq.block_table:
+                self._ref_counts[block_id] += 1
+            seq.is_swapped = False
+            for index, block_hash in enumerate(seq.block_hashes):
+                self._register(seq.block_table[index], block_hash, self._block_content(seq, index))
+        return list(cpu_to_gpu.items())
+
+    # ---- integrity ----
+    def check_integrity(self) -> None:
+        """Raise AssertionError, saying what is wrong, unless every invariant of the pools holds."""
+        check_integrity(self)
+
+    # ---- internals ----
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_content(self, seq: _Sequence, index: int) -> BlockContent:
+        parent_hash = seq.block_hashes[index - 1] if index else ROOT_HASH
+        token_ids = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        return parent_hash, token_ids, seq.extra_key
+
+    def _gpu_seq(self, seq_id: int) -> _Sequence:
+        seq = self._seqs[seq_id]
+        if seq.is_swapped:
+            raise ValueError(f"sequence {seq_id} is swapped out")
+        return seq
+
+    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes) -> tuple[list[PrefixHit], int]:
+        """The prefix hits as (key, block id), capped, and the blocks the prompt takes from the free queue."""
+        hits: list[PrefixHit] = []
+        block_hash = ROOT_HASH
+        block_size = self.block_size
+        for index in range((len(token_ids) - 1) // block_size if self.enable_prefix_caching else 0):
+            # Chained: the previous block's key is this one's parent.
+            block_tokens = token_ids[index * block_size:(index + 1) * block_size]
+            block_hash = hash_block(block_hash, block_tokens, extra_key)
+            if (block_id := self._hash_to_block.get(block_hash)) is None:
+                break
+            hits.append((block_hash, block_id))
+        num_hits_in_use = sum(1 for _, block_id in hits if self._ref_counts[block_id] > 0)
+        return hits, self._num_blocks_for(len(token_ids)) - num_hits_in_use
+
+    def _take_free_block(self) -> int:
+        """Pop the free-queue head with ref count 1, evicting its contents from the prefix cache."""
+        block_id, _ = self._free_queue.popitem(last=False)
+        block_hash = self._block_hashes[block_id]
+        if block_hash is not None:
+            del self._hash_to_block[block_hash]
+            self._block_hashes[block_id] = self._block_contents[block_id] = None
+            self._num_cached_blocks -= 1
+            self.cached_block_evictions += 1
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _release_blocks(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free_queue[block_id] = None
+                self._num_cached_blocks += self._block_hashes[block_id] is not None
+
+    def _register(self, block_id: int, block_hash: bytes, content: BlockContent) -> None:
+        if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
+            self._hash_to_block[block_hash] = block_id
+            self._block_hashes[block_id] = block_hash
+            self._block_contents[block_id] = content
+
+    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool) -> list[int]:
+        """Block ids of these sequences' tables, each once; all must be in the pool named by `swapped`."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"sequence ids repeated: {list(seq_ids)}")
+        block_ids: dict[int, None] = {}
+        for seq_id in seq_ids:
+            if self._seqs[seq_id].is_swapped != swapped:
+                raise ValueError(f"sequence {seq_id} is {'not ' if swapped else ''}swapped out")
+            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_table))
+        return list(block_ids)

@@ -1,0 +1,145 @@
+"""Find a model (HF folder, hub repo id, .gguf file, or the default) and stream its weights in.
+
+The model is built on the meta device; each tensor is read from disk, converted to the run dtype and
+assigned in place, so peak memory stays near one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from localserve.loading.default_model import HUB_PATTERNS, resolve_default_model
+from localserve.models.config import ModelConfig
+from localserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Buffers some checkpoints carry that this implementation recomputes.
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    gguf_reader: object | None = None  # the open GGUFReader of a .gguf, so its tokenizer is not read again
+
+
+def resolve_model_path(model: str | None, offline: bool = False) -> Path:
+    """Turn `-m` into a local path: None is the default model; a repo id is downloaded (or read from cache)."""
+    if model is None:
+        return resolve_default_model(offline=offline)
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/")) and not model.endswith(".gguf"):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+        except Exception as exc:
+            where = "in the local hub cache (--offline)" if offline else "on the Hugging Face hub"
+            raise ModelLoadError(f"{model}: not found {where}: {type(exc).__name__}: {exc}") from None
+    raise ModelLoadError(f"{model}: no such file or folder")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on a CPU (bf16 matmuls do not scale with the batch there), bfloat16 on a GPU."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> LoadedModel:
+    """Load a Hugging Face folder or a .gguf file onto `device` in `dtype`."""
+    dtype = dtype or default_dtype(device)
+    if path.is_file() and path.suffix == ".gguf":
+        from localserve.loading.gguf import gguf_model_config, iter_gguf_weights, open_gguf
+
+        gguf_reader = open_gguf(path)  # parsing the metadata takes seconds: once for config, weights, tokenizer
+        config = gguf_model_config(path, gguf_reader)
+        weights = iter_gguf_weights(path, config, gguf_reader)
+    elif path.is_dir():
+        gguf_reader = None
+        config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
+                                            source=str(path / "config.json"))
+        weights = iter_safetensors_weights(path)
+    else:
+        raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    _stream_weights(model, weights, dtype, device, source=path)
+    model.init_rope(device)
+    model.eval()
+    return LoadedModel(model=model, config=config, path=path, gguf_reader=gguf_reader)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON ({exc})") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a folder: the shards its index names, or its single `*.safetensors`."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [folder / name for name in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{folder}: missing weights (no *.safetensors file)")
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: missing file (listed in {index.name})")
+    return files
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) one tensor at a time from every shard."""
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(file, framework="pt") as shard:
+                for name in shard.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, shard.get_tensor(name)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})") from None
+
+
+def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                    device: torch.device | str, source: Path) -> None:
+    expected = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with tqdm(total=len(expected), desc=f"loading {source.name}", unit="tensor", leave=False) as progress:
+        for name, tensor in weights:
+            if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and name not in expected):
+                continue  # recomputed buffers; an lm_head copy in a tied checkpoint
+            if name not in expected:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {model.config.architecture}")
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the config implies {tuple(expected[name].shape)}")
+            module_name, _, attr = name.rpartition(".")
+            parameter = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+            setattr(model.get_submodule(module_name), attr, parameter)
+            loaded.add(name)
+            progress.update()
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(f"{source}: missing tensors {shown}")

@@ -1,0 +1,37 @@
+"""Choosing the attention backend: by name or `auto`, from EngineConfig and the command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localserve.attention import BACKENDS, backend_class, select_backend
+from localserve.attention.torch_backend import TorchAttentionBackend
+from localserve.cli import main
+
+
+def test_auto_picks_a_backend_that_supports_the_device_and_says_why():
+    backend, why = select_backend("auto", torch.device("cpu"), "fp32", "q4_rot")
+    assert isinstance(backend, TorchAttentionBackend)
+    assert why.startswith("torch (auto") and "cpu" in why
+
+
+def test_a_named_backend_is_used_as_asked():
+    backend, why = select_backend("torch", torch.device("cpu"), "fp16", "q8_0")
+    assert isinstance(backend, TorchAttentionBackend) and why == "torch (asked for)"
+
+
+def test_an_unknown_backend_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; known: auto, " + ", ".join(BACKENDS)):
+        backend_class("flash")
+
+
+def test_command_line_backend_choice(tiny_chat_model_dir, capsys):
+    args = ["generate", "-m", str(tiny_chat_model_dir), "hello world", "--max-tokens", "6"]
+    assert main(args + ["--attention-backend", "torch"]) == 0
+    with_torch = capsys.readouterr().out
+    assert main(args) == 0  # auto
+    assert capsys.readouterr().out == with_torch and with_torch.strip()
+    assert main(args + ["--attention-backend", "flash"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == [f"localserve: error: unknown attention backend 'flash'; known: auto, {', '.join(BACKENDS)}"]

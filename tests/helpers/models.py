@@ -1,0 +1,69 @@
+"""Tiny random models written by the tests, in every supported architecture, and runners over them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = {
+    # name: (transformers config class, extra config)
+    "llama": ("LlamaConfig", {}),
+    "llama3.1": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "smollm2": ("LlamaConfig", {"tie_word_embeddings": True, "rope_theta": 100000.0}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen2-yarn": ("Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32}}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Write a random tiny model of `arch` with transformers' own save_pretrained; returns the HF model."""
+    import transformers
+
+    config_class, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+        **({"rms_norm_eps": 1e-6} | extra))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():  # random init is tiny; widen it so logits are far from flat and ties rare
+        for param in model.parameters():
+            param.normal_(0, 0.2 if param.dim() > 1 else 1.0)
+            if param.dim() == 1:
+                param.abs_().add_(0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
+    return model
+
+
+def make_runner(folder, dtype=torch.float32, num_blocks=16, block_size=16):
+    """The model in `folder` loaded by localserve, and a torch-backend ModelRunner over a fresh pool."""
+    from localserve.attention.torch_backend import TorchAttentionBackend
+    from localserve.engine.model_runner import ModelRunner
+    from localserve.kv.cache import PagedKVCache
+    from localserve.loading.hf import load_model
+
+    loaded = load_model(folder, dtype=dtype)
+    config = loaded.config
+    cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
+    return loaded, ModelRunner(loaded.model, cache, TorchAttentionBackend())
+
+
+def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[int]) -> list[int]:
+    """Greedy decoding through the paged cache: prefill once, then one token per step."""
+    from localserve.engine.step import SeqChunk, StepInput
+
+    logits = runner.prompt_logits(prompt, block_table)
+    tokens = [int(logits[-1].argmax())]
+    while len(tokens) < num_tokens:
+        pos = len(prompt) + len(tokens) - 1
+        step = StepInput([SeqChunk([tokens[-1]], pos, block_table)])
+        tokens.append(int(runner.execute(step)[0].argmax()))
+    return tokens

@@ -1,0 +1,114 @@
+"""Shared by the server tests: a tiny model with a word-level chat tokenizer, servers on free ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models, pre_tokenizers
+
+from tests.helpers.models import write_tiny_model
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]  # ids 0-3; <|im_end|> is the model's eos (2)
+WORDS = ("hello world the a an is are you me we they what where when how why who which this that with for "
+         "of to in on at by from and or not yes no please thanks good bad new old big small cat dog sun moon "
+         "sky tell story about say hi there one two three four five six seven eight nine ten system user "
+         "assistant helpful answer question capital france paris city river").split()
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VOCAB_SIZE = 256  # the tiny models' vocabulary
+
+
+def write_tiny_chat_model(folder: Path) -> Path:
+    """A random tiny Llama plus a word-level tokenizer covering all 256 ids, with a ChatML template."""
+    write_tiny_model(folder, "llama")
+    words = WORDS + [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(WORDS))]
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + words)}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+              "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_len: int | None = None):
+    from localserve.engine.config import EngineConfig
+    from localserve.llm import LLM
+
+    config = EngineConfig(num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    return LLM(str(path), device="cpu", engine_config=config)
+
+
+@contextmanager
+def running_server(llm, **config):
+    """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer."""
+    from localserve.engine.engine_thread import EngineThread
+    from localserve.server.app import BackgroundServer, LocalServer
+    from localserve.server.context import ServerConfig
+
+    engine_thread = EngineThread(llm.engine)
+    engine_thread.start()
+    server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
+                                          ServerConfig(port=0, **config))).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine_thread.stop()
+
+
+async def collect_response(connection) -> list[dict]:
+    """Raw events (dicts) of one response from a websockets connection, up to its closing event."""
+    events = []
+    while True:
+        event = json.loads(await connection.recv())
+        events.append(event)
+        if event["type"] in CLOSING_EVENTS or event["type"] == "error":
+            return events
+
+
+CLOSING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def wait_until_idle(engine_thread, timeout: float = 30.0) -> None:
+    """Block until the engine holds no request, then check that every block is free or cached."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine_thread.call(lambda engine: not engine.has_unfinished_requests()).result(timeout):
+            assert engine_thread.call(lambda engine: engine.is_idle_and_clean()).result(timeout)
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine did not become idle")
+
+
+class SlowConnection:
+    """Delivers the client's frames, then waits until told to close; each send takes `send_delay_s`."""
+
+    def __init__(self, frames: list[str], send_delay_s: float) -> None:
+        self.frames = frames
+        self.sent: list[dict] = []
+        self.send_delay_s = send_delay_s
+        self.closed = asyncio.Event()
+
+    def __aiter__(self):
+        return self._frames()
+
+    async def _frames(self):
+        for frame in self.frames:
+            yield frame
+        await self.closed.wait()
+
+    async def send(self, message: str) -> None:
+        await asyncio.sleep(self.send_delay_s)
+        self.sent.append(json.loads(message))
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.closed.set()

@@ -1,0 +1,253 @@
+"""Random engine histories against the block manager, checked after every step.
+
+Besides `check_integrity()`, the machine keeps a model of the KV pool itself: every slot of every GPU
+and CPU block holds the prefix of tokens whose KV it stands for. Writing a step's KV, making the block
+copies the manager returns (copy-on-write, swap out, swap in) and reading a prefix hit then prove
+end to end that no sequence ever reads KV other than its own, and that no shared block is written.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from localserve.kv.block_manager import BlockManager, OutOfBlocksError
+
+SMALL_VOCAB = st.integers(0, 2)  # few distinct tokens, so prompts often share prefixes by chance
+MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool for decoding
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4]),
+                num_cpu_blocks=st.integers(0, 16), enable_prefix_caching=st.booleans())
+    def create_manager(self, num_blocks, block_size, num_cpu_blocks, enable_prefix_caching):
+        self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+        self.block_size = block_size
+        self.requests: dict[int, list[int]] = {}  # request id -> its live sequence ids
+        self.swapped_requests: set[int] = set()
+        self.token_ids: dict[int, list[int]] = {}  # sequence id -> its tokens
+        self.num_computed: dict[int, int] = {}
+        self.past_prompts: list[list[int]] = [[0] * 8]
+        self.gpu_kv: list[list[tuple | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.cpu_kv: list[list[tuple | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.next_id = 0
+
+    # ---- helpers ----
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def gpu_requests(self) -> list[int]:
+        return sorted(set(self.requests) - self.swapped_requests)
+
+    def compute(self, seq_id: int, num_computed: int) -> None:
+        """The forward pass writes KV for positions [computed, num_computed), then the engine says so."""
+        table = self.manager.block_table(seq_id)
+        tokens = self.token_ids[seq_id]
+        for position in range(self.num_computed[seq_id], num_computed):
+            block_id = table[position // self.block_size]
+            assert self.manager.ref_count(block_id) == 1, f"KV written into shared block {block_id}"
+            self.gpu_kv[block_id][position % self.block_size] = tuple(tokens[:position + 1])
+        self.manager.mark_computed(seq_id, num_computed)
+        self.num_computed[seq_id] = num_computed
+
+    def admit(self, token_ids: list[int]) -> None:
+        manager = self.manager
+        num_blocks = manager.num_blocks_to_allocate(token_ids)
+        assert manager.can_allocate(token_ids) == (num_blocks <= manager.num_available_blocks)
+        seq_id = self.new_id()
+        if not manager.can_allocate(token_ids):
+            before = manager.snapshot()
+            with pytest.raises(OutOfBlocksError):
+                manager.allocate(seq_id, token_ids)
+            assert manager.snapshot() == before
+            return
+        available, hits = manager.num_available_blocks, manager.prefix_hit_tokens
+        num_cached_tokens = manager.allocate(seq_id, token_ids)
+        assert available - manager.num_available_blocks == num_blocks
+        assert num_cached_tokens % self.block_size == 0
+        assert num_cached_tokens <= (len(token_ids) - 1) // self.block_size * self.block_size
+        assert manager.prefix_hit_tokens - hits == num_cached_tokens
+        self.requests[seq_id] = [seq_id]
+        self.token_ids[seq_id] = list(token_ids)
+        self.num_computed[seq_id] = num_cached_tokens  # the KV model checks these hits are right
+        self.past_prompts.append(list(token_ids))
+
+    def release(self, request_id: int) -> list[int]:
+        """Free every sequence of a request; returns the tokens of its first one."""
+        seq_ids = self.requests.pop(request_id)
+        self.swapped_requests.discard(request_id)
+        token_ids = self.token_ids[seq_ids[0]]
+        for seq_id in seq_ids:
+            self.manager.free(seq_id)
+            del self.token_ids[seq_id], self.num_computed[seq_id]
+        return token_ids
+
+    def append_one_token_each(self, seq_ids: list[int], data) -> bool:
+        """One decode step's appends, if the pool allows; checks the exact block and copy counts."""
+        manager = self.manager
+        num_blocks = manager.num_blocks_to_append(seq_ids)
+        assert manager.can_append(seq_ids) == (num_blocks <= manager.num_available_blocks)
+        if not manager.can_append(seq_ids):
+            return False
+        available, cow_copies = manager.num_available_blocks, manager.cow_copies
+        copies = []
+        for seq_id in seq_ids:
+            token_id = data.draw(SMALL_VOCAB)
+            new_copies = manager.append_token(seq_id, token_id)
+            assert len(new_copies) <= 1
+            copies += new_copies
+            self.token_ids[seq_id].append(token_id)
+        assert available - manager.num_available_blocks == num_blocks
+        assert manager.cow_copies - cow_copies == len(copies)
+        for source, destination in copies:  # the model runner's copy-on-write
+            self.gpu_kv[destination] = list(self.gpu_kv[source])
+        return True
+
+    # ---- rules ----
+    @precondition(lambda self: len(self.requests) < MAX_RUNNING_REQUESTS)
+    @rule(tokens=st.lists(SMALL_VOCAB, min_size=1, max_size=16))
+    def allocate_new_prompt(self, tokens):
+        self.admit(tokens)
+
+    @precondition(lambda self: len(self.requests) < MAX_RUNNING_REQUESTS)
+    @rule(data=st.data(), suffix=st.lists(SMALL_VOCAB, min_size=0, max_size=10))
+    def allocate_prompt_sharing_a_prefix(self, data, suffix):
+        earlier = data.draw(st.sampled_from(self.past_prompts))
+        prefix_len = data.draw(st.integers(0, len(earlier)))
+        if prefix_len + len(suffix) > 0:
+            self.admit(earlier[:prefix_len] + suffix)
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data())
+    def compute_a_chunk(self, data):
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        for seq_id in self.requests[request_id]:
+            num_computed = data.draw(st.integers(self.num_computed[seq_id], len(self.token_ids[seq_id])))
+            self.compute(seq_id, num_computed)
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data(), num_steps=st.integers(1, 4))
+    def decode_steps(self, data, num_steps):
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        seq_ids = data.draw(st.lists(st.sampled_from(self.requests[request_id]), min_size=1, unique=True))
+        for _ in range(num_steps):
+            for seq_id in seq_ids:
+                self.compute(seq_id, len(self.token_ids[seq_id]))
+            if not self.append_one_token_each(seq_ids, data):
+                return
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data())
+    def fork(self, data):
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        parent = data.draw(st.sampled_from(self.requests[request_id]))
+        self.compute(parent, len(self.token_ids[parent]))
+        child = self.new_id()
+        self.manager.fork(parent, child)
+        self.requests[request_id].append(child)
+        self.token_ids[child] = list(self.token_ids[parent])
+        self.num_computed[child] = self.num_computed[parent]
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data())
+    def beam_search_step(self, data):
+        """Beams are reordered: survivors forked from chosen parents, the rest dropped; then all grow."""
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        beams = self.requests[request_id]
+        parents = data.draw(st.lists(st.sampled_from(beams), min_size=len(beams), max_size=len(beams)))
+        new_beams = []
+        for parent in beams:
+            self.compute(parent, len(self.token_ids[parent]))
+        for index, parent in enumerate(parents):
+            if parent in parents[:index]:  # a second child of the same parent: fork it
+                child = self.new_id()
+                self.manager.fork(parent, child)
+                self.token_ids[child] = list(self.token_ids[parent])
+                self.num_computed[child] = self.num_computed[parent]
+                new_beams.append(child)
+            else:
+                new_beams.append(parent)
+        for beam in beams:
+            if beam not in parents:
+                self.manager.free(beam)
+                del self.token_ids[beam], self.num_computed[beam]
+        self.requests[request_id] = new_beams
+        self.append_one_token_each(new_beams, data)
+
+    @precondition(lambda self: any(len(seq_ids) > 1 for seq_ids in self.requests.values()))
+    @rule(data=st.data())
+    def drop_beam(self, data):
+        request_id = data.draw(st.sampled_from(sorted(r for r, s in self.requests.items() if len(s) > 1)))
+        seq_id = data.draw(st.sampled_from(self.requests[request_id]))
+        self.requests[request_id].remove(seq_id)
+        self.manager.free(seq_id)
+        del self.token_ids[seq_id], self.num_computed[seq_id]
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def finish_request(self, data):
+        self.release(data.draw(st.sampled_from(sorted(self.requests))))
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data())
+    def preempt_by_recompute(self, data):
+        """All of a request's blocks go at once; it comes back as one long prompt (often a prefix hit)."""
+        self.admit(self.release(data.draw(st.sampled_from(self.gpu_requests()))))
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        seq_ids = self.requests[request_id]
+        if not self.manager.can_swap_out(seq_ids):
+            with pytest.raises(OutOfBlocksError):
+                self.manager.swap_out(seq_ids)
+            return
+        distinct_blocks = {block_id for seq_id in seq_ids for block_id in self.manager.block_table(seq_id)}
+        copies = self.manager.swap_out(seq_ids)
+        assert {gpu_block_id for gpu_block_id, _ in copies} == distinct_blocks  # shared ones copied once
+        assert len(copies) == len(distinct_blocks)
+        for gpu_block_id, cpu_block_id in copies:
+            self.cpu_kv[cpu_block_id] = list(self.gpu_kv[gpu_block_id])
+        self.swapped_requests.add(request_id)
+
+    @precondition(lambda self: self.swapped_requests)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.swapped_requests)))
+        seq_ids = self.requests[request_id]
+        if not self.manager.can_swap_in(seq_ids):
+            with pytest.raises(OutOfBlocksError):
+                self.manager.swap_in(seq_ids)
+            return
+        for cpu_block_id, gpu_block_id in self.manager.swap_in(seq_ids):
+            self.gpu_kv[gpu_block_id] = list(self.cpu_kv[cpu_block_id])
+        self.swapped_requests.remove(request_id)
+
+    # ---- invariants, after every step ----
+    @invariant()
+    def pools_are_consistent(self):
+        self.manager.check_integrity()
+
+    @invariant()
+    def each_sequence_holds_exactly_its_tokens_and_reads_its_own_kv(self):
+        for request_id, seq_ids in self.requests.items():
+            kv = self.cpu_kv if request_id in self.swapped_requests else self.gpu_kv
+            for seq_id in seq_ids:
+                tokens = self.token_ids[seq_id]
+                table = self.manager.block_table(seq_id)
+                assert self.manager.num_tokens(seq_id) == len(tokens)
+                assert len(table) == -(-len(tokens) // self.block_size)
+                assert self.manager.num_computed_tokens(seq_id) == self.num_computed[seq_id]
+                for position in range(self.num_computed[seq_id]):
+                    slot = kv[table[position // self.block_size]][position % self.block_size]
+                    assert slot == tuple(tokens[:position + 1]), f"seq {seq_id} reads wrong KV at {position}"
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+test_block_manager_random_histories = BlockManagerMachine.TestCase

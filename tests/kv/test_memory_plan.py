@@ -1,0 +1,103 @@
+"""Memory planning: bytes per token per format, blocks for a budget, and `localserve plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from localserve.cli import main
+from localserve.kv.formats import bits_per_value
+from localserve.kv.memory_plan import (
+    blocks_for_device,
+    estimated_weight_bytes,
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    load_plan_model,
+    num_kv_blocks,
+    parse_size,
+    plan,
+)
+
+LLAMA31_8B = Path(__file__).parents[1] / "helpers" / "llama31_8b_config.json"
+GIB = 2 ** 30
+
+
+def test_parse_size():
+    assert parse_size("24GB") == parse_size("24GiB") == parse_size("24g") == 24 * GIB
+    assert parse_size("512MB") == 512 * 2 ** 20 and parse_size("1e9") == 10 ** 9
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_llama31_8b_shapes_and_weights():
+    config, weights = load_plan_model(str(LLAMA31_8B))
+    assert (config.num_layers, config.num_kv_heads, config.head_dim) == (32, 8, 128)
+    assert 8.02e9 < weights / 2 < 8.04e9  # 8.03B parameters in bf16
+    assert weights == estimated_weight_bytes(config)
+
+
+@pytest.mark.parametrize("k_type,v_type", [("fp16", "fp16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot"),
+                                           ("q8_0", "q4_rot"), ("fp32", "bf16")])
+def test_bytes_per_token_match_bits_formula(k_type, v_type):
+    config, _ = load_plan_model(str(LLAMA31_8B))
+    values_per_token = config.num_layers * config.num_kv_heads * config.head_dim  # per K or V
+    expected = values_per_token * (bits_per_value(k_type, 128) + bits_per_value(v_type, 128)) / 8
+    assert kv_bytes_per_token(config, k_type, v_type) == expected
+    assert kv_bytes_per_token(config, "fp16", "fp16") == config.kv_bytes_per_token_fp16 == 128 * 1024
+    # Tokens per GiB follow: GiB / bytes per token.
+    rows = plan(config, GIB, block_size=1, formats=((k_type, v_type),))
+    assert rows[0].tokens == GIB // expected
+
+
+def test_blocks_from_budget_and_utilization():
+    config, weights = load_plan_model(str(LLAMA31_8B))
+    per_token = kv_bytes_per_token(config, "q8_0", "q8_0")
+    assert num_kv_blocks(100 * per_token * 16 + 5, per_token, 16) == 100
+    assert blocks_for_device(config, "q8_0", "q8_0", 16, weights, kv_budget=100 * per_token * 16) == 100
+    budget = kv_budget_bytes(24 * GIB, weights, 0.9)
+    assert budget == int(24 * GIB * 0.9) - weights
+    blocks = blocks_for_device(config, "q8_0", "q8_0", 16, weights, total_memory=24 * GIB)
+    assert blocks == budget // (per_token * 16)
+    assert kv_budget_bytes(8 * GIB, weights, 0.9) == 0  # the weights alone do not fit
+    with pytest.raises(ValueError):
+        kv_budget_bytes(24 * GIB, weights, 1.5)
+
+
+def test_plan_llama31_8b_on_24gb(capsys):
+    assert main(["plan", "-m", str(LLAMA31_8B), "--vram", "24GB"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[1:-1] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| format")}
+    tokens = {label: int(cells[3].strip().replace(",", "")) for label, cells in rows.items()}
+    assert tokens["q8_0"] >= 1.88 * tokens["fp16"]
+    assert tokens["q4_rot"] >= 3.76 * tokens["fp16"]
+    # 24 GiB x 0.9 less 16.06 GB of weights leaves ~6.6 GiB: ~54K tokens at 128 KiB per token.
+    assert 50_000 < tokens["fp16"] < 58_000
+    seqs_8k = {label: int(cells[5]) for label, cells in rows.items()}
+    assert seqs_8k["fp16"] == tokens["fp16"] // 8192 and seqs_8k["q4_rot"] >= 3 * seqs_8k["fp16"]
+
+
+def test_plan_with_explicit_budget_and_missing_model(capsys, tmp_path):
+    assert main(["plan", "-m", str(LLAMA31_8B), "--kv-budget", "7GiB"]) == 0
+    assert "KV budget 7.0 GiB" in capsys.readouterr().out
+    assert main(["plan", "-m", str(tmp_path / "nope.json")]) == 2
+    assert main(["plan", "-m", str(LLAMA31_8B), "--vram", "8GB"]) == 1  # no room left for a pool
+
+
+def test_engine_sizes_its_pool_from_a_byte_budget(tiny_model_dir):
+    import torch
+
+    from localserve.engine.config import EngineConfig
+    from localserve.engine.engine import LLMEngine
+    from localserve.loading.hf import load_model
+
+    folder, _ = tiny_model_dir("llama")
+    model = load_model(folder, dtype=torch.float32).model
+    per_token = kv_bytes_per_token(model.config, "bf16", "fp32")
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, cache_type_k="bf16", cache_type_v="fp32",
+                                                 kv_cache_memory_bytes=37 * 16 * per_token + 100))
+    assert engine.block_manager.num_blocks == engine.runner.kv_cache.num_blocks == 37
+    assert engine.runner.kv_cache.bytes_per_token() == per_token
+    with pytest.raises(ValueError, match="CUDA"):
+        LLMEngine(model, None, EngineConfig(gpu_memory_utilization=0.5))
