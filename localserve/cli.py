@@ -176,6 +176,7 @@ def serve_with_tui(server, api_key: str | None) -> None:
     """
     from localserve.server.app import BackgroundServer
     from localserve.tui import LogBuffer, MonitorApp, monitor_url
+    from localserve.tui.client import DEFAULT_INTERVAL_S
 
     background = BackgroundServer(server).start()
     root = logging.getLogger()
@@ -184,7 +185,8 @@ def serve_with_tui(server, api_key: str | None) -> None:
     try:
         log.info("listening on ws://%s:%d (q in the TUI stops the server)", server.config.host, background.port)
         host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
-        MonitorApp(monitor_url(f"{host}:{background.port}"), api_key=api_key, server_log=buffer).run()
+        MonitorApp(monitor_url(f"{host}:{background.port}", DEFAULT_INTERVAL_S), api_key=api_key,
+                   server_log=buffer).run()
     finally:
         root.handlers = stderr_handlers
         background.stop()
@@ -306,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     tui = sub.add_parser("tui", help="watch a running server's KV blocks, slots and events")
     tui.add_argument("url", nargs="?", default="ws://127.0.0.1:8080", help="the server (default: %(default)s)")
     tui.add_argument("--api-key", help="the server's key (default: $LOCALSERVE_API_KEY)")
-    tui.add_argument("--interval", type=float, help="seconds between snapshots (default: the server's)")
+    tui.add_argument("--interval", type=float, default=0.2, help="seconds between snapshots (default: %(default)s)")
     tui.set_defaults(func=cmd_tui)
     plan = sub.add_parser("plan", help="KV memory plan: per cache format, bytes/token and tokens that fit")
     add_plan_args(plan)

@@ -20,6 +20,7 @@ from websockets.exceptions import InvalidHandshake, WebSocketException
 
 MONITOR_PATH = "/v1/monitor"
 DEFAULT_URL = "ws://127.0.0.1:8080"
+DEFAULT_INTERVAL_S = 0.2  # five screens a second: smooth enough to watch, a frame takes far less to draw
 MAX_FRAME_BYTES = 64 * 2**20  # a fragmented pool of 65,536 blocks with long block tables stays far below
 
 
