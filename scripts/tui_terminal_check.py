@@ -1,6 +1,7 @@
 """The TUI in a real terminal: tmux, a real server under load, screen updates counted from outside.
 
-    python scripts/tui_terminal_check.py [--model PATH] [--num-kv-blocks 96] [--seconds 10] [--svg docs/tui.svg]
+    python scripts/tui_terminal_check.py [--model PATH] [--num-kv-blocks 96] [--parallel 8] [--seconds 10]
+                                         [--svg docs/tui.svg] [--svg-after 10]
 
 Starts `localserve serve --no-tui` (the default model unless --model) with a small KV pool on a free
 port, drives it with scripts/load.py, and runs `localserve tui` in a detached 160x48 tmux session.
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to count screen updates")
     parser.add_argument("--svg", type=Path, default=ROOT / "docs" / "tui.svg")
+    parser.add_argument("--svg-after", type=float, default=10.0, help="seconds of feed before the screenshot")
     parser.add_argument("--capture", type=Path, default=ROOT / "scripts" / "out" / "tui_capture.txt")
     args = parser.parse_args()
     port = free_port()
@@ -85,7 +87,8 @@ def main() -> int:
             time.sleep(0.5)
         print(f"server on {url}")
         load = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "load.py"), url,
-                                 "--clients", str(args.parallel), "--duration", str(args.seconds + 40)],
+                                 "--clients", str(args.parallel),
+                                 "--duration", str(args.seconds + args.svg_after + 30)],
                                 stdout=subprocess.PIPE, text=True)
         started.append(load)
         subprocess.run(["tmux", "new-session", "-d", "-s", SESSION, "-x", "160", "-y", "48",
@@ -98,7 +101,7 @@ def main() -> int:
         shows_slots = re.search(r"request\s+state\s+prompt\s+gen\s+tok/s", last) is not None
         print(f"capture ({args.capture}): block map {'shown' if shows_map else 'MISSING'}, "
               f"slots {'shown' if shows_slots else 'MISSING'}")
-        asyncio.run(save_svg(url, args.svg, 3.0))
+        asyncio.run(save_svg(url, args.svg, args.svg_after))
         print(f"screenshot: {args.svg}")
         return 0 if changes / args.seconds >= 4 and shows_map and shows_slots else 1
     finally:
