@@ -134,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_connections=args.max_connections, default_max_output_tokens=args.max_tokens,
                           monitor_interval_s=args.monitor_interval)
     check_bind_safety(config)  # before minutes of loading, not after
-    show_tui = sys.stdout.isatty() and not args.no_tui
+    # Only in a terminal: with any stream redirected (a log file, a pipe, a service) plain logs are wanted.
+    show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
     if not args.verbose:  # one line per connection is noise at INFO
         logging.getLogger("websockets").setLevel(logging.WARNING)
     llm = build_llm(args)
@@ -214,7 +215,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
     g.add_argument("--no-tui", action="store_true",
-                   help="do not show the TUI in this terminal (it is shown when stdout is a terminal)")
+                   help="do not show the TUI in this terminal (shown when stdin, stdout and stderr are one)")
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
