@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 # name -> "module:class"; a backend module is imported only when it is asked for.
 BACKENDS = {
     "torch": "localserve.attention.torch_backend:TorchAttentionBackend",
+    "triton": "localserve.attention.triton_backend:TritonAttentionBackend",
 }
-AUTO_ORDER = ("torch",)
+AUTO_ORDER = ("triton", "torch")
 
 
 class UnknownBackendError(ValueError):

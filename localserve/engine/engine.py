@@ -20,7 +20,7 @@ from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.model_runner import ModelRunner
-from localserve.engine.outputs import RequestOutput, make_output
+from localserve.engine.outputs import RequestOutput, make_output, stop_string_cut
 from localserve.engine.sampler import Sampler, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Batch, Scheduler
@@ -81,7 +81,7 @@ class LLMEngine:
         backend, why = select_backend(config.attention_backend, param.device, kv_cache.cache_type_k,
                                       kv_cache.cache_type_v)
         log.info("attention backend: %s", why)
-        self.runner = ModelRunner(model, kv_cache, backend)
+        self.runner = ModelRunner(model, kv_cache, backend, self.max_model_len)
         self.events = EventLog()
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.events)
         self.sampler = Sampler()
@@ -132,6 +132,8 @@ class LLMEngine:
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"the prompt plus max_tokens needs {blocks} KV blocks, more than the whole pool "
                              f"({self.block_manager.num_blocks}); it could never run")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none")
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds the {self.scheduler.config.max_num_seqs} parallel slots")
 
@@ -260,13 +262,13 @@ class LLMEngine:
             self.events.append(EventKind.FIRST_TOKEN, request.label)
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         if not is_eos and token_id not in params.stop_token_ids and seq.decoder is not None:
+            new_from = len(seq.text)
             seq.text += seq.decoder.step(token_id)
-            for stop in params.stop:
-                index = seq.text.find(stop, max(0, len(seq.text) - len(stop) - 64))
-                if index >= 0:
-                    seq.text = seq.text[:index]
-                    self._finish_seq(seq, "stop")
-                    return
+            cut = stop_string_cut(seq.text, params.stop, new_from)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                self._finish_seq(seq, "stop")
+                return
         if is_eos or token_id in params.stop_token_ids:
             self._finish_seq(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
