@@ -30,7 +30,7 @@ NARROW_WIDTH = 120  # below this the capacity panel goes and the slots sit above
 HELP_TEXT = """\
 [b]localserve monitor[/b]
 
-[b]q[/b]  quit      [b]p[/b]  pause / resume the display      [b]?[/b]  this help
+[b]q[/b]  quit (in [b]localserve serve[/b]: stop the server too)   [b]p[/b]  pause / resume   [b]?[/b]  this help
 [b]↑ ↓[/b] move in the slots table, [b]enter[/b] highlights that request's blocks, [b]esc[/b] clears it
 
 [b]Block map[/b]: one cell per KV block (16 tokens each), or per N blocks when the pool has more blocks
@@ -86,6 +86,8 @@ class MonitorApp(App[None]):
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
         Binding("q", "quit", "quit"),
+        # Ctrl-C stops a server, and the in-process TUI is one: quit rather than Textual's "press ctrl+q".
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("p", "toggle_pause", "pause"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("escape", "clear_selection", "clear selection", show=False),

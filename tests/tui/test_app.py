@@ -264,7 +264,7 @@ def test_help_and_quit_keys():
             assert not isinstance(app.screen, HelpScreen)
             footer_keys = {binding.key for binding in app.BINDINGS if binding.show}
             assert footer_keys == {"q", "p", "question_mark"}
-            await pilot.press("q")
+            await pilot.press("ctrl+c")
             await pilot.pause()
         assert app.return_code == 0
     asyncio.run(main())
