@@ -34,7 +34,7 @@ HELP_TEXT = """\
 [b]↑ ↓[/b] move in the slots table, [b]enter[/b] highlights that request's blocks, [b]esc[/b] clears it
 
 [b]Block map[/b]: one cell per KV block (16 tokens each), or per N blocks when the pool has more blocks
-than the map has cells (the legend says N; a cell shows the state most of its blocks are in).
+than the map has cells (its bottom border says N; a cell shows the state most of its blocks are in).
   [#585858]·[/] free   [#5f87d7]░[/] free, still holding a cached prefix (can be taken back)
   [#5faf5f]█[/] used by one sequence   [#d75fd7]▓[/] shared by several   [#d7875f]▒[/] swapped out to CPU memory
   [bold #ffff00]█ ▓[/] the selected request's own and shared blocks
