@@ -79,7 +79,7 @@ class LLMEngine:
                                 mc.head_dim, param.dtype, param.device, num_cpu_blocks=num_cpu_blocks,
                                 **kv_format_args(model, tokenizer, config.cache_type_k, config.cache_type_v))
         backend, why = select_backend(config.attention_backend, param.device, kv_cache.cache_type_k,
-                                      kv_cache.cache_type_v)
+                                      kv_cache.cache_type_v, mc.head_dim)
         log.info("attention backend: %s", why)
         self.runner = ModelRunner(model, kv_cache, backend, self.max_model_len)
         self.events = EventLog()
