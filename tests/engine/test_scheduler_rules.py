@@ -100,10 +100,11 @@ def test_a_victim_leaves_no_block_move_in_the_step(mode):
     batch = scheduler.schedule()
     step = batch.step_input
     scheduled = {seq.seq_id for seq in batch.seqs}
-    for source, destination in step.block_copies:
-        owners = [seq for seq in older.seqs + readmitted.seqs if seq.seq_id in scheduled
-                  and bm.block_table(seq.seq_id)[-1] == destination]
-        assert owners, f"copy {source}->{destination} of a sequence that does not run in this step"
+    for source, destination in step.block_copies:  # a sample running now copies what a sibling keeps
+        assert any(seq.seq_id in scheduled and bm.block_table(seq.seq_id)[-1] == destination
+                   and any(bm.block_table(sibling.seq_id)[-1] == source for sibling in request.live_seqs)
+                   for request in scheduler.running for seq in request.live_seqs), \
+            f"copy {source}->{destination} is not the copy-on-write of a sequence that runs in this step"
         assert destination not in {gpu for gpu, _ in step.swap_out} | {gpu for _, gpu in step.swap_in}
     # The request that needed the block yields itself rather than evict the older one.
     assert batch.preempted == [readmitted] and older.state is RequestState.RUNNING

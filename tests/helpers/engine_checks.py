@@ -59,11 +59,18 @@ class StepChecker:
         swapped_in = {gpu for _, gpu in step.swap_in}
         assert not {cpu for _, cpu in step.swap_out} & {cpu for cpu, _ in step.swap_in}, \
             f"a CPU block is swapped out to and in from in one step: {step.swap_out} {step.swap_in}"
-        first_written = {bm.block_table(seq.seq_id)[seq.num_computed_tokens // self.block_size]
-                         for seq in batch.seqs}
+        # A copy-on-write pair: the block a sample of the step starts writing into, and the original a
+        # sibling still holds at the same place.
+        legit = set()
+        for seq, request in zip(batch.seqs, batch.requests):
+            index = seq.num_computed_tokens // self.block_size
+            for sibling in request.live_seqs:
+                table = bm.block_table(sibling.seq_id)
+                if sibling is not seq and index < len(table):
+                    legit.add((table[index], bm.block_table(seq.seq_id)[index]))
         for source, destination in step.block_copies:
-            assert destination in first_written, \
-                f"copy {source}->{destination} belongs to no sequence of the step (a withdrawn append?)"
+            assert (source, destination) in legit, \
+                f"copy {source}->{destination} is no copy-on-write of a sequence in the step (a withdrawn append?)"
             assert bm.ref_count(destination) == 1, f"copy-on-write destination {destination} is shared"
             assert not {source, destination} & swapped_in and source not in swapped_out, \
                 f"copy {source}->{destination} touches a block swapped in this step or read by a swap-out"
