@@ -80,7 +80,7 @@ def test_64_concurrent_greedy_requests_equal_running_alone(tiny64, expected_alon
             assert num_output_tokens > last_seen.get(request_id, -1)
             last_seen[request_id] = num_output_tokens
     # Really batched (under pressure the small pool itself limits the batch).
-    assert max(r.num_seqs for r in engine.step_history) > (8 if num_blocks > 100 else 3)
+    assert max(r.num_seqs for r in engine.step_history) > (8 if num_blocks > 100 else 2)
 
 
 def test_every_step_within_budget_while_a_long_prompt_prefills_in_chunks(tiny64):

@@ -10,7 +10,8 @@ after each `engine.step()`. Every step is then checked for:
   it stands for. Each chunk must then read exactly its own prefix, so a copy or swap naming a block
   that another move of the step freed or handed out shows up as a wrong read. Besides, each
   copy-on-write pair belongs to a sequence that runs in the step, no copy touches a block a swap of
-  the step moves, and a preempted request has nothing left in the step;
+  the step moves, and a preempted request has nothing left in the step and was not readmitted
+  without sampling since;
 - progress: a step taken while there is work computes at least one token, swaps a request in, or
   fails a request.
 """
@@ -123,6 +124,8 @@ class StepChecker:
         num_running = sum(len(r.live_seqs) for r in scheduler.running)
         assert num_running <= config.max_num_seqs, f"{num_running} sequences running, max {config.max_num_seqs}"
         assert len(batch.seqs) <= config.max_num_seqs
+        for victim in batch.preempted:  # anti-thrashing: readmitted requests sample before they go again
+            assert not victim.just_readmitted, f"{victim.label} preempted again before it sampled"
         if self.had_work:  # a request swapped in decodes in the next step
             assert batch.num_tokens > 0 or batch.failed or batch.step_input.swap_in, "a step with work did nothing"
         self.check_states()
