@@ -103,9 +103,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
-
     def peak_blocks(self, request: Request) -> int:
         return peak_blocks(len(request.prompt_token_ids), request.params.max_tokens, request.num_slots,
                            self.block_manager.block_size)
