@@ -34,6 +34,7 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(model, offline=offline)
         loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
+        self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)
         self.engine = LLMEngine(loaded.model, self.tokenizer, engine_config)

@@ -85,9 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_sms: int | None = None
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str) -> str | None:
+    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str,
+                           head_dim: int) -> str | None:
         if device.type != "cuda":
             return "its kernels compile for CUDA devices only"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            return f"its kernels need a head size that is a power of two >= 16, this model's is {head_dim}"
         import triton  # noqa: F401  (an ImportError says it is missing)
 
         for name in (cache_type_k, cache_type_v):

@@ -110,10 +110,12 @@ class ResponsesSession:
         conversation = history + request.input_messages
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         prompt_ids = await self._encode_chat(system + conversation)
+        defaults = server.config.sampling_defaults  # each field the request leaves out
         if request.temperature is None:
-            request.temperature = server.config.default_temperature
+            request.temperature = defaults.temperature
         if request.top_p is None:
-            request.top_p = 1.0
+            request.top_p = defaults.top_p
+        request.extension = {"top_k": defaults.top_k, "min_p": defaults.min_p} | request.extension
         params = request.sampling_params(self._max_tokens(request, len(prompt_ids)))
         response_id = new_id("resp")
         stream = ResponseStream(request, response_id, server.served_name, len(prompt_ids), server.token_text)

@@ -25,25 +25,32 @@ PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 250, 77, 12, 9, 31, 200, 18, 4, 66, 91, 120
 
 
 def test_auto_passes_over_triton_on_a_cpu_and_says_why():
-    backend, why = select_backend("auto", torch.device("cpu"), "q8_0", "q4_rot")
+    backend, why = select_backend("auto", torch.device("cpu"), "q8_0", "q4_rot", head_dim=64)
     assert isinstance(backend, TorchAttentionBackend)
     assert "not triton: its kernels compile for CUDA devices only" in why
     with pytest.raises(ValueError, match="'triton' cannot run here: its kernels compile for CUDA devices only"):
-        select_backend("triton", torch.device("cpu"), "fp16", "fp16")
+        select_backend("triton", torch.device("cpu"), "fp16", "fp16", head_dim=64)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_type,v_type", [("bf16", "bf16"), ("fp16", "q8_0"), ("q4_rot", "q4_rot:-mean"),
                                            ("fp32", "q8_0:-rotation")])
 def test_auto_picks_triton_on_cuda_for_every_format_it_reads(k_type, v_type):
-    backend, why = select_backend("auto", torch.device("cuda"), k_type, v_type)
+    backend, why = select_backend("auto", torch.device("cuda"), k_type, v_type, head_dim=64)
     assert isinstance(backend, TritonAttentionBackend) and why.startswith("triton (auto")
 
 
 @pytest.mark.gpu
 def test_auto_keeps_torch_for_a_format_the_kernels_do_not_read():
-    backend, why = select_backend("auto", torch.device("cuda"), "fp64", "fp16")
+    backend, why = select_backend("auto", torch.device("cuda"), "fp64", "fp16", head_dim=64)
     assert isinstance(backend, TorchAttentionBackend) and "not triton: its kernels do not read a fp64" in why
+
+
+@pytest.mark.parametrize("head_dim", [80, 8])
+def test_auto_keeps_torch_for_a_head_size_the_kernels_do_not_take(head_dim):
+    reason = TritonAttentionBackend.unsupported_reason(torch.device("cuda"), "fp16", "fp16", head_dim)
+    assert reason == f"its kernels need a head size that is a power of two >= 16, this model's is {head_dim}"
+    assert TritonAttentionBackend.unsupported_reason(torch.device("cuda"), "fp16", "fp16", 128) is None
 
 
 class TorchWriteTritonAttend(TritonAttentionBackend):
