@@ -191,8 +191,8 @@ def dequantize_rows(blocks: torch.Tensor, fmt: QuantFormat, in_features: int, dt
     config = config or matmul_config(blocks.device)
     num_out_rows = blocks.shape[0] if rows is None else rows.numel()
     out = torch.empty(num_out_rows, in_features, dtype=dtype, device=blocks.device)
-    if num_out_rows == 0:
-        return out
+    if num_out_rows == 0 or blocks.shape[0] == 0:  # the kernel reads at least one row of W
+        return out.zero_()
     tile_blocks, block_n = config.launch_shape(config.dequantize, fmt, in_features, num_out_rows)
     blocks_per_row = in_features // fmt.block_values
     index = blocks if rows is None else rows.reshape(-1).to(torch.int64)  # unused without GATHER
@@ -230,7 +230,7 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: QuantFormat, in
         weight = dequantize_rows(blocks, fmt, in_features, x.dtype, config=config)
         return (x @ weight.T).reshape(*leading, num_w_rows)
     out = torch.empty(num_x_rows, num_w_rows, dtype=x.dtype, device=x.device)
-    if num_x_rows == 0:
+    if num_x_rows == 0 or num_w_rows == 0:
         return out.reshape(*leading, num_w_rows)
     common = (num_x_rows, num_w_rows, in_features, blocks.shape[1], in_features // fmt.block_values,
               x.stride(0), out.stride(0))

@@ -97,13 +97,16 @@ def test_bfloat16_activations():
         assert_matches_reference(out, x[:rows], reference_weight, tolerance=2 ** -7)
 
 
-def test_leading_dimensions_and_empty_batch():
+def test_leading_dimensions_and_empty_operands():
     blocks, reference_weight, in_features = weight("Q8_0")
     x = torch.randn(2, 3, in_features).to(DEVICE)
     out = quantized_matmul(x, blocks, QUANT_FORMATS["Q8_0"], in_features)
     assert out.shape == (2, 3, NUM_ROWS)
     assert_matches_reference(out.reshape(6, -1), x.reshape(6, -1), reference_weight)
     assert quantized_matmul(x[:0], blocks, QUANT_FORMATS["Q8_0"], in_features).shape == (0, 3, NUM_ROWS)
+    assert quantized_matmul(x, blocks[:0], QUANT_FORMATS["Q8_0"], in_features).shape == (2, 3, 0)
+    no_rows = dequantize_rows(blocks[:0], QUANT_FORMATS["Q8_0"], in_features, torch.float32, rows=torch.tensor([0]))
+    assert no_rows.shape == (1, in_features) and not no_rows.any()
 
 
 def test_bad_arguments_are_clear_errors():
