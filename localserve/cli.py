@@ -1,8 +1,8 @@
-"""The `localserve` command: generate, serve, chat, plan.
+"""The `localserve` command: generate, serve, chat, tui, plan.
 
 stdout carries only what the user asked for (generated text); logs and progress go to stderr. torch
-is imported only by the subcommands that load a model (`chat` is a websocket client, `plan` reads
-configs).
+is imported only by the subcommands that load a model (`chat` and `tui` are websocket clients, `plan`
+reads configs).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="size the KV pool to this fraction of the GPU, weights included (overrides --num-kv-blocks)")
     e.add_argument("--kv-cache-memory",
                    help="size the KV pool to this many bytes, e.g. 6GB (overrides --num-kv-blocks)")
+    e.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction,
+                   help="keep a .gguf's quantized weights in their blocks on the device, multiplied by Triton "
+                        "kernels (default: on for a .gguf on CUDA, off on a CPU)")
     e.add_argument("--attention-backend", default="auto",
                    help="attention implementation: auto (the fastest that supports the device and KV formats), "
                         "torch, triton")
@@ -71,7 +74,7 @@ def build_llm(args: argparse.Namespace):
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend)
     llm = LLM(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
-              offline=args.offline, engine_config=config)
+              offline=args.offline, engine_config=config, keep_quantized_weights=args.keep_quantized_weights)
     if args.chat_template_file:
         llm.tokenizer.chat_template = args.chat_template_file.read_text()
     return llm
@@ -133,12 +136,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
                           model_alias=args.alias, max_connections=args.max_connections,
-                          default_max_output_tokens=args.max_tokens, default_temperature=args.temperature,
+                          default_max_output_tokens=args.max_tokens,
                           monitor_interval_s=args.monitor_interval)
     check_bind_safety(config)  # before minutes of loading, not after
+    # Only in a terminal: with any stream redirected (a log file, a pipe, a service) plain logs are wanted.
+    show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
     if not args.verbose:  # one line per connection is noise at INFO
         logging.getLogger("websockets").setLevel(logging.WARNING)
     llm = build_llm(args)
+    config.sampling_defaults = server_sampling_defaults(args, llm.model_path)
+    log.info("sampling defaults for requests that set none: %s", config.sampling_defaults.describe())
     engine_thread = EngineThread(llm.engine)
     engine_thread.start()
     server = LocalServer(engine_thread, llm.tokenizer, llm.model_config.name, config)
@@ -158,10 +165,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await asyncio.gather(*shutdowns)
 
     try:
-        asyncio.run(serve_until_signalled())
+        if show_tui:
+            serve_with_tui(server, api_key)
+        else:
+            asyncio.run(serve_until_signalled())
     finally:
         engine_thread.stop()
     return 0
+
+
+def server_sampling_defaults(args: argparse.Namespace, model_path: Path):
+    """The model's sampling defaults (loading/sampling_defaults.py), with the values given as flags."""
+    from dataclasses import replace
+
+    from localserve.loading.sampling_defaults import sampling_defaults
+
+    defaults = sampling_defaults(model_path, is_default_model=args.model is None)
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+             if getattr(args, name) is not None}
+    if given:
+        defaults = replace(defaults, **given, source=f"{defaults.source}; {', '.join(given)} from the command line")
+    SamplingParams(temperature=defaults.temperature, top_k=defaults.top_k, top_p=defaults.top_p,
+                   min_p=defaults.min_p)  # raises ValueError, naming the field, on a value it refuses
+    return defaults
+
+
+def serve_with_tui(server, api_key: str | None) -> None:
+    """Run `server` on a background thread and the TUI in this terminal; quitting the TUI stops both.
+
+    The terminal is the TUI's while it runs, so log records go to its "Server log" panel.
+    """
+    from localserve.server.app import BackgroundServer
+    from localserve.tui import LogBuffer, MonitorApp, monitor_url
+    from localserve.tui.client import DEFAULT_INTERVAL_S
+
+    background = BackgroundServer(server).start()
+    root = logging.getLogger()
+    buffer, stderr_handlers = LogBuffer(), root.handlers[:]
+    root.handlers = [buffer]
+    try:
+        log.info("listening on ws://%s:%d (q in the TUI stops the server)", server.config.host, background.port)
+        host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
+        MonitorApp(monitor_url(f"{host}:{background.port}", DEFAULT_INTERVAL_S), api_key=api_key,
+                   server_log=buffer).run()
+    finally:
+        root.handlers = stderr_handlers
+        background.stop()
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -180,10 +229,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=int, default=256)
     g.add_argument("--max-tokens", "-n", type=int, default=1024,
                    help="max_output_tokens of a request that sets none (always cut to the context)")
-    g.add_argument("--temperature", "--temp", type=float, default=1.0,
-                   help="temperature of a request that sets none")
+    g.add_argument("--temperature", "--temp", type=float,
+                   help="temperature of a request that sets none (default: the model's generation_config.json, "
+                        "else 0.8)")
+    g.add_argument("--top-k", type=int, help="top_k of a request that sets none (default: the model's, else 40)")
+    g.add_argument("--top-p", type=float, help="top_p of a request that sets none (default: the model's, else 0.95)")
+    g.add_argument("--min-p", type=float, help="min_p of a request that sets none (default: the model's, else 0.05)")
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
+    g.add_argument("--no-tui", action="store_true",
+                   help="do not show the TUI in this terminal (shown when stdin, stdout and stderr are one)")
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    """Watch a running server's KV pool, slots and events in this terminal (localserve/tui)."""
+    import os
+
+    from localserve.tui import MonitorApp, monitor_url
+
+    api_key = args.api_key or os.environ.get("LOCALSERVE_API_KEY")
+    MonitorApp(monitor_url(args.url, args.interval), api_key=api_key).run()
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -203,7 +269,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="fraction of the device for weights + KV pool (default 0.9)")
     parser.add_argument("--kv-budget", help="explicit KV pool size, e.g. 6GB (overrides --vram)")
-    parser.add_argument("--weights", help="weight size, e.g. 4.9GB (default: parameters x 2 bytes)")
+    parser.add_argument("--weights", help="weight size, e.g. 4.9GB (default: parameters x 2 bytes, or a .gguf's "
+                                          "stored size where its quantized blocks are kept)")
+    parser.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="count a .gguf's quantized weights at their stored size, as the server keeps them on "
+                             "a GPU (default: on)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
 
 
@@ -220,8 +290,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
 
     utilization = args.gpu_memory_utilization or DEFAULT_UTILIZATION
-    config, weight_bytes = load_plan_model(args.model)
-    weight_source = "parameters x 2 bytes"
+    config, weight_bytes, weight_source = load_plan_model(args.model,
+                                                          keep_quantized_weights=args.keep_quantized_weights)
     if args.weights:
         weight_bytes, weight_source = parse_size(args.weights), "given"
     if args.kv_budget:
@@ -263,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", "-n", type=int, help="max_output_tokens per reply")
     chat.add_argument("--temperature", "--temp", type=float)
     chat.set_defaults(func=cmd_chat)
+    tui = sub.add_parser("tui", help="watch a running server's KV blocks, slots and events")
+    tui.add_argument("url", nargs="?", default="ws://127.0.0.1:8080", help="the server (default: %(default)s)")
+    tui.add_argument("--api-key", help="the server's key (default: $LOCALSERVE_API_KEY)")
+    tui.add_argument("--interval", type=float, default=0.2, help="seconds between snapshots (default: %(default)s)")
+    tui.set_defaults(func=cmd_tui)
     plan = sub.add_parser("plan", help="KV memory plan: per cache format, bytes/token and tokens that fit")
     add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)

@@ -24,14 +24,17 @@ class LLM:
     """A model and its engine in this process.
 
     `model` is a Hugging Face folder, a hub repo id, a .gguf file, or None for the default model
-    (SmolLM2-135M-Instruct).
+    (SmolLM2-135M-Instruct). `keep_quantized_weights`: keep a .gguf's quantized weights in their blocks
+    (None: on CUDA yes, on a CPU no; see loading/hf.py).
     """
 
     def __init__(self, model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
-                 offline: bool = False, engine_config: EngineConfig | None = None) -> None:
+                 offline: bool = False, engine_config: EngineConfig | None = None,
+                 keep_quantized_weights: bool | None = None) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(model, offline=offline)
-        loaded = load_model(path, dtype=dtype, device=device)
+        loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
+        self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)
         self.engine = LLMEngine(loaded.model, self.tokenizer, engine_config)

@@ -1,7 +1,8 @@
 """One Llama-family decoder: Llama 2/3/3.x, SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
 
 RMSNorm, RoPE, SwiGLU, grouped-query attention over a paged KV cache, tied or untied embeddings.
-Parameter names follow Hugging Face, so checkpoints load by name.
+Parameter names follow Hugging Face, so checkpoints load by name. The loader may swap linear layers and
+the embeddings for their GGUF-quantized twins (quantized.py), which take the same inputs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from localserve.models.config import ModelConfig
+from localserve.models.quantized import QuantizedEmbedding
 from localserve.models.rope import RotaryEmbedding, apply_rope
 from torch import nn
 
@@ -125,6 +127,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 at least."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight)
+        if not self.config.tie_word_embeddings:
+            logits = self.lm_head(hidden)
+        elif isinstance(self.model.embed_tokens, QuantizedEmbedding):  # a GGUF's blocks, kept quantized
+            logits = self.model.embed_tokens.linear(hidden)
+        else:
+            logits = nn.functional.linear(hidden, self.model.embed_tokens.weight)
         return logits if logits.dtype == torch.float64 else logits.float()

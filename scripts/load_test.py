@@ -9,7 +9,7 @@ or cached, no open connection (the num_connections gauge), the process's RSS. At
 answer of every round is sent again alone and compared. Prints a Markdown table for
 docs/BENCHMARKS.md ("Reliability").
 
-    python scripts/load_test.py [--clients 256] [--rounds 3] [--max-output-tokens 32] [--blocks 16]
+    python scripts/load_test.py [--clients 256] [--rounds 3] [--max-output-tokens 32] [--blocks 12]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--min-turns", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-output-tokens", type=int, default=32)
-    parser.add_argument("--blocks", type=int, default=16, help="KV blocks of 16 tokens (small: preemption)")
+    parser.add_argument("--blocks", type=int, default=12, help="KV blocks of 16 tokens (small: preemption)")
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--modes", nargs="+", default=["recompute", "swap"])
     args = parser.parse_args()

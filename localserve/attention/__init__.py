@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 # name -> "module:class"; a backend module is imported only when it is asked for.
 BACKENDS = {
     "torch": "localserve.attention.torch_backend:TorchAttentionBackend",
+    "triton": "localserve.attention.triton_backend:TritonAttentionBackend",
 }
-AUTO_ORDER = ("torch",)
+AUTO_ORDER = ("triton", "torch")
 
 
 class UnknownBackendError(ValueError):
@@ -33,21 +34,21 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def select_backend(name: str, device: torch.device, cache_type_k: str,
-                   cache_type_v: str) -> tuple[AttentionBackend, str]:
+def select_backend(name: str, device: torch.device, cache_type_k: str, cache_type_v: str,
+                   head_dim: int) -> tuple[AttentionBackend, str]:
     """An instance of the backend `name` (or the best for "auto") and a one-line reason for the choice.
 
     Raises ValueError when the backend is unknown, or cannot run here with these formats.
     """
     if name != "auto":
-        reason = backend_class(name).unsupported_reason(device, cache_type_k, cache_type_v)
+        reason = backend_class(name).unsupported_reason(device, cache_type_k, cache_type_v, head_dim)
         if reason is not None:
             raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
         return backend_class(name)(), f"{name} (asked for)"
     passed_over = []
     for candidate in AUTO_ORDER:
         try:
-            reason = backend_class(candidate).unsupported_reason(device, cache_type_k, cache_type_v)
+            reason = backend_class(candidate).unsupported_reason(device, cache_type_k, cache_type_v, head_dim)
         except ImportError as exc:  # an optional dependency (triton) is missing
             reason = f"cannot import it ({exc})"
         if reason is None:

@@ -53,8 +53,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str) -> str | None:
-        """Why this backend cannot run on `device` with these KV formats; None when it can."""
+    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str,
+                           head_dim: int) -> str | None:
+        """Why this backend cannot run on `device` with these KV formats and head size; None when it can."""
         return None
 
     @abstractmethod

@@ -21,10 +21,10 @@ from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.model_runner import ModelRunner
-from localserve.engine.outputs import RequestOutput, make_output
+from localserve.engine.outputs import RequestOutput, make_output, stop_string_cut
 from localserve.engine.sampler import Sampler, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
-from localserve.engine.scheduler import Batch, Scheduler
+from localserve.engine.scheduler import Batch, Scheduler, peak_blocks
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
 from localserve.kv.block_manager import BlockManager
@@ -80,9 +80,9 @@ class LLMEngine:
                                 mc.head_dim, param.dtype, param.device, num_cpu_blocks=num_cpu_blocks,
                                 **kv_format_args(model, tokenizer, config.cache_type_k, config.cache_type_v))
         backend, why = select_backend(config.attention_backend, param.device, kv_cache.cache_type_k,
-                                      kv_cache.cache_type_v)
+                                      kv_cache.cache_type_v, mc.head_dim)
         log.info("attention backend: %s", why)
-        self.runner = ModelRunner(model, kv_cache, backend)
+        self.runner = ModelRunner(model, kv_cache, backend, self.max_model_len)
         self.events = EventLog()
         self.scheduler = Scheduler(scheduler_config, self.block_manager, self.events)
         self.sampler = Sampler()
@@ -125,16 +125,19 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                              f"exceeds the context length of {self.max_model_len} tokens")
-        blocks = -(-total // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"the prompt plus max_tokens needs {blocks} KV blocks, more than the whole pool "
-                             f"({self.block_manager.num_blocks}); it could never run")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none")
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds the {self.scheduler.config.max_num_seqs} parallel slots")
+        # Exactly the tokens written: the last sampled token never is; samples share full prompt blocks.
+        blocks = peak_blocks(len(prompt_token_ids), params.max_tokens, params.n, self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            samples = f" for n={params.n}" if params.n > 1 else ""
+            raise ValueError(f"the prompt plus max_tokens{samples} needs {blocks} blocks, the pool has "
+                             f"{self.block_manager.num_blocks} (of {self.config.block_size} tokens): it can never run")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at once; its blocks go back to the pool. Unknown or finished ids are ignored."""
@@ -189,12 +192,10 @@ class LLMEngine:
         return outputs
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
-        bm = self.block_manager
         sampled: list[tuple[Request, Sequence, int]] = []  # (request, seq, logits row)
         row = 0
+        self.scheduler.mark_computed(batch)
         for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
-            seq.num_computed_tokens += len(chunk.token_ids)
-            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
             if len(chunk.token_ids) > 1 or not seq.output_token_ids:
                 self.num_prompt_tokens += len(chunk.token_ids)
             if chunk.needs_logits:
@@ -290,13 +291,13 @@ class LLMEngine:
             self.events.append(EventKind.FIRST_TOKEN, request.label)
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         if not is_eos and token_id not in params.stop_token_ids and seq.decoder is not None:
+            new_from = len(seq.text)
             seq.text += seq.decoder.step(token_id)
-            for stop in params.stop:
-                index = seq.text.find(stop, max(0, len(seq.text) - len(stop) - 64))
-                if index >= 0:
-                    seq.text = seq.text[:index]
-                    self._finish_seq(seq, "stop")
-                    return
+            cut = stop_string_cut(seq.text, params.stop, new_from)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                self._finish_seq(seq, "stop")
+                return
         if is_eos or token_id in params.stop_token_ids:
             self._finish_seq(seq, "stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

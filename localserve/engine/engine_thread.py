@@ -160,8 +160,8 @@ class EngineThread:
     def _fail_unschedulable(self) -> None:
         engine = self.engine
         request = engine.scheduler.waiting[0]
-        reason = (f"the KV pool ({engine.block_manager.num_blocks} blocks) can never hold this request's "
-                  f"{len(request.live_seqs)} sequences at once; lower n or max_tokens")
+        reason = (f"this request can never be admitted: no other request holds the KV pool "
+                  f"({engine.block_manager.num_blocks} blocks), and it still does not fit")
         log.warning("request %s failed: %s", request.request_id, reason)
         engine.fail_request(request.request_id, reason)
         callback = self._callbacks.pop(request.request_id, None)

@@ -11,13 +11,23 @@ from localserve.models.llama import ForwardContext, LlamaForCausalLM
 
 
 class ModelRunner:
-    """Owns the model, the KV pool and the attention backend; executes one step at a time."""
+    """Owns the model, the KV pool and the attention backend; executes one step at a time.
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
+    On CUDA with the Triton backend, decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py)
+    when `max_model_len` is given; other steps run eagerly.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.decode_graphs = None
+        if self.device.type == "cuda" and backend.name == "triton" and max_model_len:
+            from localserve.engine.cuda_graphs import DecodeGraphs  # imports triton: only where it runs
+
+            self.decode_graphs = DecodeGraphs(model, kv_cache, backend, max_model_len)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -31,6 +41,8 @@ class ModelRunner:
         self.kv_cache.copy_blocks(step.block_copies)
         if not step.chunks:
             return torch.empty(0)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            return self.decode_graphs.run(step)
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
         return self._forward(input_ids, inputs, logit_rows)
 

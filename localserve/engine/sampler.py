@@ -60,17 +60,33 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits of one row [V] with top-k, top-p and min-p applied (others set to -inf)."""
-    logits = logits / params.temperature
+    """Temperature-scaled logits of one row [V] with top-k, top-p and min-p applied (others set to -inf).
+
+    The rules are transformers' (its `generate` applies them in this order, each to what the previous one
+    left, renormalised): top-k keeps every token at least as likely as the k-th; top-p keeps the most
+    likely tokens up to and including the one whose cumulative probability reaches top_p; min-p keeps
+    tokens at least min_p times as likely as the most likely one. One difference: tokens tied with the
+    one that reaches top_p all stay (transformers keeps whichever its sort put first), so that, like
+    top-k's, the result depends on the values alone. The most likely token always stays.
+    """
+    # Shifting the largest logit to 0 changes no probability, and no temperature can then overflow a
+    # logit to +inf (which would turn the softmax into NaN); nor can one so small that the dtype rounds
+    # it to 0 (0 / 0): below the smallest normal number every temperature has the same effect.
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.max()) / temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
-        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+        sorted_logits = torch.sort(logits, descending=True).values
+        mass_before = sorted_logits.softmax(-1).cumsum(-1).roll(1)
+        mass_before[0] = 0.0
+        # The probability mass before a token only grows along the sorted row, so the tokens it leaves
+        # below top_p are a prefix; the last of them reaches top_p. Its value is the threshold (ties stay).
+        # At least one: a top_p below the dtype's smallest number compares as 0.
+        num_kept = (mass_before < params.top_p).sum().clamp(min=1)
+        threshold = sorted_logits.gather(0, (num_kept - 1).view(1))
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
@@ -98,7 +114,7 @@ class Sampler:
         if wanted:
             logprobs = torch.log_softmax(logits[wanted], dim=-1)
             chosen_logprobs = logprobs.gather(1, chosen[wanted][:, None]).squeeze(1).tolist()
-            max_top = max(rows[i].params.logprobs or 0 for i in wanted)
+            max_top = min(max(rows[i].params.logprobs or 0 for i in wanted), logits.shape[-1])
             top_values, top_ids = (logprobs.topk(max_top, dim=-1) if max_top else (logprobs[:, :0],) * 2)
             output.top_logprobs = [[] for _ in rows]
             for j, i in enumerate(wanted):

@@ -12,6 +12,24 @@ class SamplingParams:
     `temperature == 0` is greedy decoding. `top_k=None`, `top_p=1.0` and `min_p=0.0` switch those
     filters off. `n` sequences are sampled from one prompt (they share its KV blocks); with
     `beam_search=True` they are the `n` beams of a beam search instead.
+
+    The next token's logits go through, in this order: the repetition penalty (each token of the
+    prompt or the output once, as transformers), the presence and frequency penalties (on the output's
+    token counts, as OpenAI), then temperature, top-k, top-p and min-p (as transformers'
+    `generate`; see `sampler.filter_logits`). Greedy takes the argmax after the penalties.
+
+    `logprobs` (0-20) asks for the log-probability of each chosen token and that many most likely
+    alternatives. They are taken after the penalties and before temperature and the filters: the
+    log-softmax of the penalized logits, so they do not change with temperature, top-k, top-p or min-p,
+    and a filtered-out alternative keeps its probability rather than -inf. (vLLM documents the same
+    kind of choice as its `logprobs_mode`; its default is the raw logits, before the penalties too.)
+
+    Stopping: an end-of-sequence id of the model (config.json, generation_config.json; unless
+    `ignore_eos`) or one of `stop_token_ids` ends the sequence with reason "stop": its id is the last
+    of the token ids, its text is left out. A stop string ends it at the token that completes it (no
+    token after that one); the text ends before the first stop string to be completed (the longest
+    of those completed at the same character). `max_tokens`, or the end of the context, ends it with
+    reason "length".
     """
 
     temperature: float = 1.0
@@ -45,6 +63,8 @@ class SamplingParams:
             ("n", self.n >= 1, "must be >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            # Beams are detokenized only when the search ends, so no stop string could ever be seen.
+            ("stop", not (self.stop and self.beam_search), "is not supported with beam_search"),
         ]
         for name, ok, rule in checks:
             if not ok:

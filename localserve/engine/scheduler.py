@@ -1,10 +1,37 @@
-"""Decides what each engine step runs: continuous batching, chunked prefill, preemption.
+"""Decides what each engine step runs: continuous batching, chunked prefill, preemption. No torch.
 
-Order within a step: running decodes first (oldest request first), then prefill chunks of running
-requests, then swapped-out requests come back, then waiting requests are admitted in arrival order,
-as long as slots (`max_num_seqs`), the token budget (`max_num_batched_tokens`) and free blocks allow.
-When a decode needs a block and none is free, the most recently arrived running request is preempted,
-all its sequences at once, by recompute (blocks freed, prompt + output prefilled again later) or swap.
+A step is built in this order: (1) make room for the running requests' decodes, preempting if the
+pool is short; (2) append each decoding sequence's last sampled token and schedule the decodes,
+oldest request first; (3) prefill chunks of running requests (long or readmitted prompts); then,
+unless this step preempted, (4) swapped-out requests come back and (5) waiting requests are
+admitted, both in arrival order, while slots (`max_num_seqs`), the token budget
+(`max_num_batched_tokens`) and blocks allow.
+
+The rules, and why (docs/ARCHITECTURE.md, "Scheduling rules", says the same):
+
+Admission (new, swapped and preempted requests alike). A request is planned as a whole: the blocks
+it takes now (its prompt minus prefix-cache hits; after a recompute its samples or beams share the
+full blocks of their common prefix, each adds its own tail; after a swap, its distinct blocks) plus
+headroom: one block for every sequence running after it (samples and beams count, and a request not
+yet forked counts its `n`), its own capped by what it can still grow to (`peak_blocks`). So a
+(re)admitted request is not preempted again by the next decodes, and the `n - 1` copy-on-write copies
+after a fork have room. Slots count the same sequences. Queues are served strictly in arrival order,
+swapped before waiting, and nothing passes a request that does not fit yet: no request waits behind
+a later one. Fairness bound: a request that fits the pool alone (checked when it is added: its
+`peak_blocks` against the pool) is admitted at the latest once every request ahead of it is admitted
+and the running requests have finished; when nothing runs its headroom is at most its own growth, so
+it fits. Nothing is readmitted in a step that preempted: that step was short of blocks.
+
+Victims. When the decodes of a step need more blocks than are available, requests are preempted,
+whole (half a request's KV is useless), before anything else goes into the step, so a victim has no
+chunk, append or block copy to withdraw, and no move of the step names its blocks but its own
+swap-out or free. The victim is the newest running request, because it has the least invested and
+the older ones keep their priority (an older request is never preempted to make room for a newer
+one), except that a request readmitted and not yet sampled since is passed over (anti-thrashing: it
+would be evicted before its re-prefill paid off). The request needing the blocks is the last
+candidate: it yields itself rather than evict an older request. The headroom above keeps a protected
+request from needing blocks, so every request is preempted at most once more than it samples. A
+request alone in the pool that still does not fit fails with a reason instead of looping.
 """
 
 from __future__ import annotations
@@ -20,6 +47,14 @@ from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
+
+
+def peak_blocks(num_prompt_tokens: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
+    """The most blocks a request can hold: its full prompt blocks once, and each sample's or beam's
+    own blocks up to the last token it writes (the last sampled token is never written)."""
+    shared = num_prompt_tokens // block_size
+    per_seq = -(-(num_prompt_tokens + max_tokens - 1) // block_size)
+    return shared + num_seqs * (per_seq - shared)
 
 
 @dataclass
@@ -68,75 +103,122 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
+    def peak_blocks(self, request: Request) -> int:
+        return peak_blocks(len(request.prompt_token_ids), request.params.max_tokens, request.num_slots,
+                           self.block_manager.block_size)
 
     def schedule(self) -> Batch:
         batch = Batch()
-        budget = self.config.max_num_batched_tokens
+        self._make_room(batch)
+        budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
+        for request in self.running:  # prefill chunks, arrival order
+            for seq in request.live_seqs:
+                if seq.num_uncomputed_tokens > 1 and seq not in request.followers:
+                    budget -= self._add_prefill(batch, request, seq, budget)
+        if not batch.preempted:
+            slots_in_use = sum(r.num_slots for r in self.running)
+            slots_in_use = self._swap_in(batch, slots_in_use)
+            if not self.swapped:
+                self._admit(batch, budget, slots_in_use)
         bm = self.block_manager
-        # 1. Decodes, oldest first; make room by preempting the newest requests.
+        batch.step_input.chunks = [
+            SeqChunk(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + q], seq.num_computed_tokens,
+                     bm.block_table(seq.seq_id), needs_logits=seq.num_computed_tokens + q == seq.num_tokens)
+            for seq, q in zip(batch.seqs, batch.query_lens)]
+        return batch
+
+    def mark_computed(self, batch: Batch) -> None:
+        """After the forward pass: the step's tokens have their KV; followers take what their leader computed."""
+        bm = self.block_manager
+        for seq, num_tokens in zip(batch.seqs, batch.query_lens):
+            seq.num_computed_tokens += num_tokens
+            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        for request in {id(r): r for r in batch.requests if r.followers}.values():
+            for seq in request.followers:
+                seq.num_computed_tokens = bm.num_computed_tokens(seq.seq_id)
+            request.followers = [seq for seq in request.followers if bm.awaits_leader(seq.seq_id)]
+
+    # ---- the steps of schedule() ----
+    def _make_room(self, batch: Batch) -> None:
+        """Preempt (module doc, "Victims") until every pending token of the running requests has a block."""
+        bm = self.block_manager
+        num_planned = 0  # blocks the appends of the requests kept so far take
         for request in list(self.running):
-            if request not in self.running:
-                continue  # preempted while making room for an older request
-            pending = [s for s in request.live_seqs if s.pending_append]
-            if pending:
-                while not bm.can_append([s.seq_id for s in pending]):
-                    if self.running == [request]:
-                        # Alone in the pool and still no room (say n samples that all outgrew it): it could
-                        # never finish, and preempting it would only loop. It fails; its blocks come back.
-                        self._fail(request, batch, f"the KV pool ({bm.num_blocks} blocks) is too small for "
-                                                   f"this request's {len(pending)} sequences")
-                        break
-                    victim = self._pick_victim()
-                    self._preempt(victim, batch)
-                    if victim is request:
-                        break
-                if request not in self.running:
-                    continue
-                for seq in pending:
+            if request.state is not RequestState.RUNNING:
+                continue  # preempted for an older request
+            pending = [seq.seq_id for seq in request.live_seqs if seq.pending_append]
+            need = bm.num_blocks_to_append(pending) if pending else 0
+            while num_planned + need > bm.num_available_blocks:
+                if self.running == [request]:
+                    self._fail(request, batch, f"the KV pool ({bm.num_blocks} blocks) is too small for this "
+                                               f"request's {len(pending)} sequences")
+                    break
+                victim = next(r for r in reversed(self.running) if r is request or not r.just_readmitted)
+                self._preempt(victim, batch)
+                if victim is request:
+                    break
+            else:
+                num_planned += need
+
+    def _schedule_decodes(self, batch: Batch, budget: int) -> int:
+        """Append the last sampled tokens (the room is made) and schedule one-token steps, oldest first."""
+        bm = self.block_manager
+        for request in self.running:
+            for seq in request.live_seqs:
+                if seq.pending_append:
                     copies = bm.append_token(seq.seq_id, seq.token_ids[-1])
                     if copies:
                         batch.step_input.block_copies += copies
                         self.events.append(EventKind.COPY_ON_WRITE, request.label, num_blocks=len(copies))
                     seq.pending_append = False
-            for seq in request.live_seqs:
                 if seq.num_uncomputed_tokens == 1 and budget > 0:
                     self._add(batch, request, seq, 1)
                     budget -= 1
-        # 2. Prefill chunks of running requests (resumed or long prompts), in arrival order.
-        scheduled = {seq.seq_id for seq in batch.seqs}
-        for request in self.running:
-            for seq in request.live_seqs:
-                if seq.num_uncomputed_tokens > 1 and seq.seq_id not in scheduled:
-                    budget -= self._add_prefill(batch, request, seq, budget)
-        # 3. Swapped requests come back (their pending tokens are appended by the next step's decodes).
-        while self.swapped and self._has_slots(self.swapped[0]):
+        return budget
+
+    def _swap_in(self, batch: Batch, slots_in_use: int) -> int:
+        """Swapped requests come back in arrival order while they fit; returns the slots then in use."""
+        bm = self.block_manager
+        while self.swapped:
             request = self.swapped[0]
             seq_ids = [s.seq_id for s in request.live_seqs]
-            if not self._leaves_decode_headroom(bm.num_blocks_to_swap_in(seq_ids)):
+            if not self._fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
                 break
             moves = bm.swap_in(seq_ids)
             batch.step_input.swap_in += moves
             self.swapped.pop(0)
+            slots_in_use += request.num_slots
             self.events.append(EventKind.SWAPPED_IN, request.label, num_blocks=len(moves))
             self.events.append(EventKind.RESUMED, request.label)
             request.state = RequestState.RUNNING
             request.just_readmitted = True
-            self._insert_running(request)
-        # 4. Admit waiting requests in arrival order while slots, budget and blocks allow.
-        while self.waiting and budget > 0 and not self.swapped and self._has_slots(self.waiting[0]):
+            self._insert_running(request)  # its pending tokens are appended by the next step's decodes
+        return slots_in_use
+
+    def _admit(self, batch: Batch, budget: int, slots_in_use: int) -> None:
+        """Waiting requests (new, or preempted by recompute) in arrival order while they fit."""
+        bm = self.block_manager
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = request.live_seqs
-            need = sum(bm.num_blocks_to_allocate(s.token_ids) for s in seqs)
-            if not self._leaves_decode_headroom(need):
+            num_shared_blocks = self._num_shared_blocks(seqs)
+            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
+                -(-seq.num_tokens // bm.block_size) - num_shared_blocks for seq in seqs[1:])
+            if not self._fits(request, need, slots_in_use):
                 break
             self.waiting.pop(0)
-            for seq in seqs:
-                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
-                seq.pending_append = False
+            slots_in_use += request.num_slots
+            leader = seqs[0]
+            leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+            for seq in seqs[1:]:
+                if num_shared_blocks:
+                    seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
+                                                                  num_shared_blocks)
+                else:
+                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+            request.followers = [seq for seq in seqs[1:] if bm.awaits_leader(seq.seq_id)]
             if request.num_preemptions == 0:
-                request.num_cached_tokens = seqs[0].num_computed_tokens
+                request.num_cached_tokens = leader.num_computed_tokens
                 self.events.append(EventKind.ADMITTED, request.label,
                                    num_prompt_tokens=len(request.prompt_token_ids))
                 if request.num_cached_tokens:
@@ -148,12 +230,26 @@ class Scheduler:
             request.state = RequestState.RUNNING
             self._insert_running(request)
             for seq in seqs:
-                budget -= self._add_prefill(batch, request, seq, budget)
-        batch.step_input.chunks = [
-            SeqChunk(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + q], seq.num_computed_tokens,
-                     bm.block_table(seq.seq_id), needs_logits=seq.num_computed_tokens + q == seq.num_tokens)
-            for seq, q in zip(batch.seqs, batch.query_lens)]
-        return batch
+                if seq not in request.followers:
+                    budget -= self._add_prefill(batch, request, seq, budget)
+
+    # ---- helpers ----
+    def _fits(self, request: Request, num_blocks: int, slots_in_use: int) -> bool:
+        """The admission rule (module doc): slots, and the blocks it takes now plus decode headroom."""
+        if slots_in_use + request.num_slots > self.config.max_num_seqs:
+            return False
+        own_growth = min(request.num_slots, max(0, self.peak_blocks(request) - num_blocks))
+        return num_blocks + slots_in_use + own_growth <= self.block_manager.num_available_blocks
+
+    def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
+        """Full blocks of the sequences' common prefix, each keeping at least its last token to compute."""
+        if len(seqs) < 2:
+            return 0
+        first = seqs[0].token_ids
+        common = min(seq.num_tokens for seq in seqs) - 1
+        for seq in seqs[1:]:
+            common = next((i for i, (a, b) in enumerate(zip(first[:common], seq.token_ids)) if a != b), common)
+        return common // self.block_manager.block_size
 
     def _add(self, batch: Batch, request: Request, seq: Sequence, num_tokens: int) -> None:
         batch.seqs.append(seq)
@@ -176,14 +272,6 @@ class Scheduler:
                                num_computed_tokens=seq.num_computed_tokens)
         return num_tokens
 
-    def _has_slots(self, request: Request) -> bool:
-        return self.num_running_seqs() + len(request.live_seqs) <= self.config.max_num_seqs
-
-    def _leaves_decode_headroom(self, num_blocks: int) -> bool:
-        # Admit only when one more block for every running sequence would still fit afterwards, so a
-        # request just (re)admitted is not preempted again by the very next decode step.
-        return num_blocks + self.num_running_seqs() <= self.block_manager.num_available_blocks
-
     def _insert_running(self, request: Request) -> None:
         index = len(self.running)
         while index > 0 and self.running[index - 1].arrival > request.arrival:
@@ -198,13 +286,6 @@ class Scheduler:
         batch.failed.append(request)
         self.events.append(EventKind.FAILED, request.label, reason=reason)
         log.warning("request %s failed: %s", request.request_id, reason)
-
-    def _pick_victim(self) -> Request:
-        """The most recently arrived running request, passing over one just readmitted (no thrashing)."""
-        for request in reversed(self.running):
-            if not request.just_readmitted:
-                return request
-        return self.running[-1]
 
     def _preempt(self, request: Request, batch: Batch) -> None:
         """Evict a whole request: by swap when configured and the CPU pool has room, else by recompute."""
@@ -229,6 +310,7 @@ class Scheduler:
                 bm.free(seq.seq_id)
                 seq.num_computed_tokens = 0
                 seq.pending_append = False
+            request.followers = []
             request.state = RequestState.WAITING
             self._insert_by_arrival(self.waiting, request)
             mode = "recompute"
@@ -238,11 +320,6 @@ class Scheduler:
                 log.warning("swap pool full (%d blocks): preempting request %s by recompute instead",
                             bm.num_cpu_blocks, request.request_id)
         self.num_preemptions_by_mode[mode] += 1
-        # Any entries of this request already in the batch are dropped.
-        keep = [i for i, r in enumerate(batch.requests) if r is not request]
-        batch.seqs = [batch.seqs[i] for i in keep]
-        batch.requests = [batch.requests[i] for i in keep]
-        batch.query_lens = [batch.query_lens[i] for i in keep]
         log.warning("preempted request %s by %s (%d preemptions so far)", request.request_id, mode,
                     self.num_preemptions)
 
@@ -261,4 +338,5 @@ class Scheduler:
         if request.state in (RequestState.RUNNING, RequestState.SWAPPED):
             for seq in request.live_seqs:
                 self.block_manager.free(seq.seq_id)
+        request.followers = []
         request.state = RequestState.FINISHED

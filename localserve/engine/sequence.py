@@ -72,6 +72,9 @@ class Request:
     # Readmitted after a preemption and not yet sampled a token since: not the next victim (no thrashing).
     just_readmitted: bool = False
     forked: bool = False  # parallel samples / beams created (at the first sampled token)
+    # Sequences readmitted after a recompute that share blocks their leader has not computed yet: they
+    # wait for it (the scheduler and BlockManager.allocate_sharing keep this).
+    followers: list[Sequence] = field(default_factory=list)
     finished_beams: list[Sequence] = field(default_factory=list)
     beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # next-token logits of ready beams
     error: str | None = None
@@ -85,6 +88,11 @@ class Request:
     @property
     def live_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.finished]
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences it runs: its `n` samples or beams until they are forked, then the live ones."""
+        return len(self.live_seqs) if self.forked else self.params.n
 
     @property
     def num_output_tokens(self) -> int:

@@ -28,7 +28,9 @@ class StepInput:
     """Everything the model runner needs for one forward pass, block moves included.
 
     The runner makes the block moves first, in this order: swap-out, swap-in, copy-on-write; then the
-    forward pass writes into blocks those moves may just have freed or filled.
+    forward pass writes into blocks those moves may just have freed or filled. The scheduler keeps the
+    moves of one step independent of each other except for that order: the only block two of them name
+    is a swap-out's source that the step hands out again (to a copy, a swap-in or a new prompt).
     """
 
     chunks: list[SeqChunk] = field(default_factory=list)

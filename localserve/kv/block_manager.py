@@ -20,15 +20,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
 from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
-from localserve.kv.swap_pool import CpuBlockPool
-
-
-class OutOfBlocksError(RuntimeError):
-    """An operation needed more free blocks than its pool has; nothing was changed."""
+from localserve.kv.swap_pool import CpuBlockPool, OutOfBlocksError, SwapMixin
 
 
 @dataclass(slots=True, eq=False)
@@ -39,9 +35,14 @@ class _Sequence:
     block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
     extra_key: bytes
     is_swapped: bool = False
+    # A follower shares its leader's first `num_shared_blocks` blocks before the leader has computed them
+    # (see `allocate_sharing`); the leader lists its followers until they have caught up.
+    leader: int | None = None
+    num_shared_blocks: int = 0
+    followers: list[int] = field(default_factory=list)
 
 
-class BlockManager:
+class BlockManager(SwapMixin):
     """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping.
 
     Sequences are named by an int `seq_id` chosen by the caller. For each the manager keeps its block
@@ -177,6 +178,40 @@ class BlockManager:
             self.prefix_hit_tokens += num_cached_tokens
         return num_cached_tokens
 
+    def allocate_sharing(self, seq_id: int, token_ids: Sequence[int], leader_id: int, num_shared_blocks: int) -> int:
+        """Give a new sequence its leader's first `num_shared_blocks` blocks and new blocks for the rest.
+
+        For the samples or beams of a request readmitted after a preemption by recompute: the leader
+        computes their common prefix once. The shared blocks become this sequence's computed KV as the
+        leader computes them (`mark_computed` on the leader carries it along); until then it must not
+        be scheduled (`awaits_leader`). Takes `len(token_ids)` blocks minus the shared ones; returns its
+        number of computed tokens now.
+        """
+        leader = self._gpu_seq(leader_id)
+        num_shared_tokens = num_shared_blocks * self.block_size
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if not (0 < num_shared_tokens < len(token_ids) and num_shared_tokens <= len(leader.token_ids)
+                and list(token_ids[:num_shared_tokens]) == leader.token_ids[:num_shared_tokens]):
+            raise ValueError(f"sequence {seq_id} cannot share {num_shared_blocks} blocks of sequence {leader_id}")
+        num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
+        if num_new_blocks > len(self._free_queue):
+            raise OutOfBlocksError(f"{num_new_blocks} blocks needed, {len(self._free_queue)} available")
+        block_table = leader.block_table[:num_shared_blocks]
+        for block_id in block_table:
+            self._ref_counts[block_id] += 1
+        block_table += [self._take_free_block() for _ in range(num_new_blocks)]
+        seq = _Sequence(list(token_ids), block_table, 0, [], leader.extra_key, leader=leader_id,
+                        num_shared_blocks=num_shared_blocks)
+        self._seqs[seq_id] = seq
+        if not self._catch_up(seq, leader):
+            leader.followers.append(seq_id)
+        return seq.num_computed_tokens
+
+    def awaits_leader(self, seq_id: int) -> bool:
+        """True while the sequence shares blocks its leader has not computed yet."""
+        return self._seqs[seq_id].leader is not None
+
     # ---- decoding ----
     def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
         """Blocks taken from the free queue if each of these sequences appends one token, in any order.
@@ -236,12 +271,13 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{seq.num_computed_tokens}, "
                              f"{len(seq.token_ids)}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
-        if not self.enable_prefix_caching:
-            return
-        for index in range(len(seq.block_hashes), num_computed_tokens // self.block_size):
-            content = self._block_content(seq, index)
-            seq.block_hashes.append(hash_block(*content))
-            self._register(seq.block_table[index], seq.block_hashes[index], content)
+        if self.enable_prefix_caching:
+            for index in range(len(seq.block_hashes), num_computed_tokens // self.block_size):
+                content = self._block_content(seq, index)
+                seq.block_hashes.append(hash_block(*content))
+                self._register(seq.block_table[index], seq.block_hashes[index], content)
+        if seq.followers:
+            seq.followers = [f for f in seq.followers if not self._catch_up(self._seqs[f], seq)]
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1).
@@ -268,64 +304,14 @@ class BlockManager:
         so a conversation's deep blocks are overwritten before its first ones.
         """
         seq = self._seqs.pop(seq_id)
+        if seq.leader is not None:
+            self._seqs[seq.leader].followers.remove(seq_id)
+        for follower_id in seq.followers:  # freed with it by the scheduler; on its own it computes itself
+            self._seqs[follower_id].leader = None
         if seq.is_swapped:
             self._cpu_pool.release(seq.block_table)
         else:
             self._release_blocks(seq.block_table)
-
-    # ---- swapping (preemption by swap) ----
-    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-        """True when the CPU pool has room for the distinct blocks of these GPU sequences."""
-        return len(self._distinct_blocks(seq_ids, swapped=False)) <= self._cpu_pool.num_free_blocks
-
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Move these sequences (all of one request's samples or beams) to the CPU pool.
-
-        Returns the (gpu_block, cpu_block) copies to make, one per distinct block, so shared blocks are
-        copied once and stay shared. The GPU blocks are released as by `free`.
-        """
-        gpu_block_ids = self._distinct_blocks(seq_ids, swapped=False)
-        if len(gpu_block_ids) > self._cpu_pool.num_free_blocks:
-            raise OutOfBlocksError(f"swap out needs {len(gpu_block_ids)} CPU blocks, "
-                                   f"{self._cpu_pool.num_free_blocks} free")
-        gpu_to_cpu = {block_id: self._cpu_pool.take() for block_id in gpu_block_ids}
-        for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            self._release_blocks(seq.block_table)
-            seq.block_table = [gpu_to_cpu[block_id] for block_id in seq.block_table]
-            self._cpu_pool.add_refs(seq.block_table)
-            seq.is_swapped = True
-        return list(gpu_to_cpu.items())
-
-    def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
-        """GPU blocks that swapping these sequences back in would take (shared blocks count once)."""
-        return len(self._distinct_blocks(seq_ids, swapped=True))
-
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        """True when the free queue has room for the distinct blocks of these swapped sequences."""
-        return self.num_blocks_to_swap_in(seq_ids) <= len(self._free_queue)
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block) copies to make.
-
-        Their full computed blocks are registered in the prefix cache again where their keys are free.
-        """
-        cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True)
-        if len(cpu_block_ids) > len(self._free_queue):
-            raise OutOfBlocksError(f"swap in needs {len(cpu_block_ids)} blocks, {len(self._free_queue)} free")
-        cpu_to_gpu = {cpu_block_id: self._take_free_block() for cpu_block_id in cpu_block_ids}
-        for block_id in cpu_to_gpu.values():
-            self._ref_counts[block_id] = 0  # counted below, once per table pointing at it
-        for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            self._cpu_pool.release(seq.block_table)
-            seq.block_table = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_table]
-            for block_id in seq.block_table:
-                self._ref_counts[block_id] += 1
-            seq.is_swapped = False
-            for index, block_hash in enumerate(seq.block_hashes):
-                self._register(seq.block_table[index], block_hash, self._block_content(seq, index))
-        return list(cpu_to_gpu.items())
 
     # ---- integrity ----
     def check_integrity(self) -> None:
@@ -333,6 +319,17 @@ class BlockManager:
         check_integrity(self)
 
     # ---- internals ----
+    def _catch_up(self, follower: _Sequence, leader: _Sequence) -> bool:
+        """Count the shared blocks the leader has computed as the follower's; True once it has them all."""
+        num_blocks = min(leader.num_computed_tokens // self.block_size, follower.num_shared_blocks)
+        if num_blocks * self.block_size > follower.num_computed_tokens:
+            follower.num_computed_tokens = num_blocks * self.block_size
+            follower.block_hashes = leader.block_hashes[:num_blocks]
+        if num_blocks < follower.num_shared_blocks:
+            return False
+        follower.leader = None
+        return True
+
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -386,14 +383,3 @@ class BlockManager:
             self._hash_to_block[block_hash] = block_id
             self._block_hashes[block_id] = block_hash
             self._block_contents[block_id] = content
-
-    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool) -> list[int]:
-        """Block ids of these sequences' tables, each once; all must be in the pool named by `swapped`."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"sequence ids repeated: {list(seq_ids)}")
-        block_ids: dict[int, None] = {}
-        for seq_id in seq_ids:
-            if self._seqs[seq_id].is_swapped != swapped:
-                raise ValueError(f"sequence {seq_id} is {'not ' if swapped else ''}swapped out")
-            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_table))
-        return list(block_ids)

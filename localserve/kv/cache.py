@@ -10,6 +10,41 @@ import torch
 from localserve.kv.formats import dtype_format, make_codec
 
 
+class HostTransfers:
+    """Copies between the pool's device and host memory, in order with the device's compute stream.
+
+    Both directions are enqueued on the current (compute) stream, so a swap-out reads blocks after the
+    forward passes that wrote them and before later writes reuse them, and the forward pass reads
+    swapped-in blocks after they land. The host may read what a device-to-host copy brought only after
+    `wait()`. Host staging buffers are pinned on CUDA, so the copies really run asynchronously; the
+    caching host allocator keeps a pinned buffer from being reused until the copies using it are done.
+    On the CPU the copies are plain and complete at once, and the same code path runs.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+
+    def host_buffer(self, like: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A host staging buffer for `num_blocks` blocks shaped like the store `like`."""
+        return torch.empty((num_blocks, *like.shape[1:]), dtype=like.dtype, pin_memory=self.pinned)
+
+    def to_host(self, host: torch.Tensor, source: torch.Tensor) -> None:
+        """Enqueue the copy of device tensor `source` into `host`; read `host` only after `wait()`."""
+        host.copy_(source, non_blocking=True)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Enqueue the copy of `host` to the device; device work enqueued after it sees the data."""
+        return host.to(self.device, non_blocking=True)
+
+    def wait(self) -> None:
+        """Block until every copy enqueued so far on the compute stream has completed."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            event.synchronize()
+
+
 class PagedKVCache:
     """K and V stores for each layer, indexed [num_blocks, block_size, ...] by block and offset.
 
@@ -34,7 +69,8 @@ class PagedKVCache:
         self.value_codecs = [make_codec(self.cache_type_v, "value", num_kv_heads, head_dim,
                                         layer_calibration(i), rope) for i in range(num_layers)]
         self.needs_positions = any(c.needs_positions for c in self.key_codecs + self.value_codecs)
-        pin = torch.device(device).type == "cuda"
+        self.transfers = HostTransfers(device)
+        pin = self.transfers.pinned
         self.key_stores = [self._allocate(c, num_blocks, device) for c in self.key_codecs]
         self.value_stores = [self._allocate(c, num_blocks, device) for c in self.value_codecs]
         # The swap space: the same layout in CPU memory (pinned when the pool is on a GPU).
@@ -113,21 +149,37 @@ class PagedKVCache:
             cache[dst] = cache[src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks in their stored format to the CPU pool: each (gpu_block, cpu_block), every layer."""
-        self._move(pairs, self._all_tensors(self.key_stores, self.value_stores),
-                   self._all_tensors(self.cpu_key_stores, self.cpu_value_stores))
+        """Copy blocks in their stored format to the CPU pool: each (gpu_block, cpu_block), every layer.
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks back from the CPU pool: each (cpu_block, gpu_block), in every layer."""
-        self._move(pairs, self._all_tensors(self.cpu_key_stores, self.cpu_value_stores),
-                   self._all_tensors(self.key_stores, self.value_stores))
-
-    @staticmethod
-    def _move(pairs: list[tuple[int, int]], sources: list[torch.Tensor],
-              destinations: list[torch.Tensor]) -> None:
+        Gathered on the device, copied into host staging buffers, and only once those copies have
+        completed scattered into the CPU pool.
+        """
         if not pairs:
             return
-        for source, destination in zip(sources, destinations, strict=True):
-            src = torch.tensor([s for s, _ in pairs], device=source.device)
-            dst = torch.tensor([d for _, d in pairs], device=destination.device)
-            destination[dst] = source[src].to(destination.device, non_blocking=True)
+        stores = self._all_tensors(self.key_stores, self.value_stores)
+        src = torch.tensor([gpu for gpu, _ in pairs], device=stores[0].device)
+        staged = []
+        for store in stores:
+            host = self.transfers.host_buffer(store, len(pairs))
+            self.transfers.to_host(host, store.index_select(0, src))
+            staged.append(host)
+        self.transfers.wait()  # the staged bytes are read below: they must have landed
+        dst = torch.tensor([cpu for _, cpu in pairs])
+        for cpu_store, host in zip(self._all_tensors(self.cpu_key_stores, self.cpu_value_stores), staged, strict=True):
+            cpu_store.index_copy_(0, dst, host)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks back from the CPU pool: each (cpu_block, gpu_block), in every layer.
+
+        Gathered on the host into staging buffers, copied to the device and scattered there, all in
+        order with the compute stream; the host does not wait.
+        """
+        if not pairs:
+            return
+        stores = self._all_tensors(self.key_stores, self.value_stores)
+        src = torch.tensor([cpu for cpu, _ in pairs])
+        dst = torch.tensor([gpu for _, gpu in pairs], device=stores[0].device)
+        for store, cpu_store in zip(stores, self._all_tensors(self.cpu_key_stores, self.cpu_value_stores), strict=True):
+            host = self.transfers.host_buffer(cpu_store, len(pairs))
+            torch.index_select(cpu_store, 0, src, out=host)
+            store.index_copy_(0, dst, self.transfers.to_device(host))

@@ -26,6 +26,7 @@ from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.formats import LayerCalibration
 from localserve.models.llama import ForwardContext
+from localserve.models.quantized import QuantizedLinear
 from localserve.models.rope import apply_rope
 
 log = logging.getLogger(__name__)
@@ -153,9 +154,8 @@ def calibrate(model, token_ids: list[int]) -> KVCalibration:
 def _fingerprint(model, token_ids: list[int]) -> str:
     digest = hashlib.sha256()
     digest.update(f"v{CALIBRATION_VERSION}|{SHRINKAGE}|{model.config!r}|{token_ids}".encode())
-    first = model.model.layers[0].self_attn.k_proj.weight
-    last = model.model.layers[-1].self_attn.v_proj.weight
-    for weight in (first, last):
+    for projection in (model.model.layers[0].self_attn.k_proj, model.model.layers[-1].self_attn.v_proj):
+        weight = projection.blocks if isinstance(projection, QuantizedLinear) else projection.weight
         digest.update(weight.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 

@@ -42,7 +42,8 @@ def check_integrity(manager: BlockManager) -> None:
     free + cached + used == total; a block is in the free queue exactly when its count is 0; every
     GPU and CPU ref count equals the number of block tables pointing at the block; the prefix-cache
     map and the blocks' keys agree and each key matches the contents behind it; each sequence's
-    keys match its tokens; each block table covers exactly its sequence's tokens.
+    keys match its tokens; each block table covers exactly its sequence's tokens; a follower shares
+    its leader's blocks and has not caught up yet.
     """
     table_refs = {False: [0] * manager.num_blocks, True: [0] * manager.num_cpu_blocks}  # by is_swapped
     for seq_id, seq in manager._seqs.items():
@@ -56,6 +57,13 @@ def check_integrity(manager: BlockManager) -> None:
         for index, block_hash in enumerate(seq.block_hashes):
             _check(hash_block(*manager._block_content(seq, index)) == block_hash,
                    f"seq {seq_id}: key of block {index} does not match its tokens")
+        if seq.leader is not None:  # shares blocks its leader has not computed yet
+            leader = manager._seqs.get(seq.leader)
+            _check(leader is not None and seq_id in leader.followers and leader.is_swapped == seq.is_swapped
+                   and leader.block_table[:seq.num_shared_blocks] == seq.block_table[:seq.num_shared_blocks]
+                   and seq.num_computed_tokens < seq.num_shared_blocks * manager.block_size,
+                   f"seq {seq_id}: not a follower of seq {seq.leader}")
+        _check(all(manager._seqs[f].leader == seq_id for f in seq.followers), f"seq {seq_id}: stray followers")
         for index, block_id in enumerate(seq.block_table):
             table_refs[seq.is_swapped][block_id] += 1
             registered_hash = None if seq.is_swapped else manager._block_hashes[block_id]

@@ -71,11 +71,14 @@ def estimated_weight_bytes(config: ModelConfig, bytes_per_param: float = 2.0) ->
     return int((config.num_layers * per_layer + embeddings + h) * bytes_per_param)
 
 
-def load_plan_model(model: str | None, bytes_per_param: float = 2.0) -> tuple[ModelConfig, int]:
-    """(config, weight bytes once loaded) for a config.json, an HF folder or a .gguf file; None: the default.
+def load_plan_model(model: str | None, bytes_per_param: float = 2.0,
+                    keep_quantized_weights: bool = True) -> tuple[ModelConfig, int, str]:
+    """(config, weight bytes once loaded, how they were counted) for a config.json, an HF folder or a .gguf
+    file; None: the default model.
 
-    Reads only metadata. The weights are counted from the shapes at `bytes_per_param` (bf16 on a GPU;
-    the loader dequantizes a GGUF to the run dtype, so its file size is not what it occupies).
+    Reads only metadata. Weights count at `bytes_per_param` (bf16 on a GPU), except a GGUF's tensors
+    that --keep-quantized-weights keeps in their blocks, which count at their stored size (the loader's
+    own rule, `keeps_quantized`).
     """
     if model is None:
         from localserve.loading.default_model import resolve_default_model
@@ -85,16 +88,21 @@ def load_plan_model(model: str | None, bytes_per_param: float = 2.0) -> tuple[Mo
         path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"
+    dense = f"parameters x {bytes_per_param:g} bytes"
     if path.is_file() and path.suffix == ".json":
         name = path.parent.name if path.name == "config.json" else path.stem
         config = ModelConfig.from_hf_config(json.loads(path.read_text()), name=name, source=str(path))
-    elif path.is_file() and path.suffix == ".gguf":
-        from localserve.loading.gguf import gguf_model_config
+        return config, estimated_weight_bytes(config, bytes_per_param), dense
+    if path.is_file() and path.suffix == ".gguf":
+        from localserve.loading.gguf import gguf_model_config, gguf_weight_bytes, open_gguf
 
-        config = gguf_model_config(path)
-    else:
-        raise ValueError(f"{model}: not a config.json, a model folder or a .gguf file")
-    return config, estimated_weight_bytes(config, bytes_per_param)
+        reader = open_gguf(path)
+        config = gguf_model_config(path, reader)
+        stored, dense_bytes = gguf_weight_bytes(reader, bytes_per_param)
+        if keep_quantized_weights and stored < dense_bytes:
+            return config, stored, f"stored size, quantized blocks kept; {human_size(dense_bytes)} at {dense}"
+        return config, dense_bytes, dense
+    raise ValueError(f"{model}: not a config.json, a model folder or a .gguf file")
 
 
 @dataclass

@@ -1,8 +1,12 @@
-"""Read a .gguf file: model config from its metadata, weights dequantized tensor by tensor.
+"""Read a .gguf file: model config from its metadata, weights tensor by tensor, dequantized or kept in
+their quantized blocks.
 
 GGUF names (`blk.3.attn_q.weight`) map onto Hugging Face names (`model.layers.3.self_attn.q_proj.weight`).
 llama.cpp's converter interleaves the rotary halves of Q and K for the `llama` architecture; they are
-permuted back here so the one model implementation (HF rotate-half layout) serves both sources.
+permuted back here so the one model implementation (HF rotate-half layout) serves both sources (a
+permutation of whole rows, so quantized blocks are permuted as they are).
+With `keep_quantized`, every linear and embedding weight of a type the kernels read (QUANT_FORMATS) stays
+as its blocks (`QuantizedTensor`); everything else is dequantized as before.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localserve.kernels.gguf_blocks import QUANT_FORMATS
 from localserve.models.config import ModelConfig, ModelConfigError, RopeConfig
+from localserve.models.quantized import QuantizedTensor
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LAYER_TENSORS = {
@@ -124,8 +130,31 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def iter_gguf_weights(path: Path, config: ModelConfig, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every model tensor, dequantized one at a time."""
+def keeps_quantized(tensor) -> bool:
+    """Whether a GGUF tensor (a ReaderTensor) stays in its blocks under --keep-quantized-weights: the
+    weight of a linear layer or of the embeddings, in a type the kernels read."""
+    name = hf_name(tensor.name)
+    return (tensor.tensor_type.name in QUANT_FORMATS and len(tensor.shape) == 2 and name is not None
+            and name.endswith(".weight") and "norm" not in name)
+
+
+def gguf_weight_bytes(reader, bytes_per_param: float) -> tuple[int, int]:
+    """(bytes, bytes) of a GGUF's model weights once loaded: with the tensors `keeps_quantized` names at
+    their stored size, and with every tensor dequantized to `bytes_per_param` bytes a value."""
+    stored = dense = 0
+    for tensor in reader.tensors:
+        if hf_name(tensor.name) is None:
+            continue
+        as_dense = int(tensor.n_elements * bytes_per_param)
+        dense += as_dense
+        stored += int(tensor.n_bytes) if keeps_quantized(tensor) else as_dense
+    return stored, dense
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig, reader=None,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, weight) for every model tensor, one at a time: a float32 tensor, or with
+    `keep_quantized` a QuantizedTensor for the tensors `keeps_quantized` names."""
     import gguf
 
     reader = reader or open_gguf(path)
@@ -136,13 +165,20 @@ def iter_gguf_weights(path: Path, config: ModelConfig, reader=None) -> Iterator[
             if tensor.name == "rope_freqs.weight":
                 continue  # read into the config
             raise GGUFLoadError(f"{path}: unexpected tensor {tensor.name!r}")
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise GGUFLoadError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
-                                "which cannot be dequantized") from None
-        weight = torch.tensor(array, dtype=torch.float32)  # a copy: F32 tensors are views of the mmap
+        if keep_quantized and keeps_quantized(tensor):
+            weight = torch.from_numpy(np.array(tensor.data))  # uint8 [rows, row_bytes], copied out of the mmap
+        else:
+            try:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise GGUFLoadError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                                    "which cannot be dequantized") from None
+            weight = torch.tensor(array, dtype=torch.float32)  # a copy: F32 tensors are views of the mmap
         if permute and tensor.name.split(".")[2:3] in (["attn_q"], ["attn_k"]):
             heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
-            weight = unpermute_rotary(weight, heads)
-        yield name, weight
+            weight = unpermute_rotary(weight, heads).contiguous()
+        if weight.dtype == torch.uint8:
+            columns = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+            yield name, QuantizedTensor(weight, tensor.tensor_type.name, (weight.shape[0], columns))
+        else:
+            yield name, weight

@@ -1,13 +1,17 @@
 """Find a model (HF folder, hub repo id, .gguf file, or the default) and stream its weights in.
 
 The model is built on the meta device; each tensor is read from disk, converted to the run dtype and
-assigned in place, so peak memory stays near one copy of the weights.
+assigned in place, so peak memory stays near one copy of the weights. A GGUF's quantized weights may
+instead stay in their blocks (`keep_quantized_weights`): their layers become `QuantizedLinear` /
+`QuantizedEmbedding`.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +23,7 @@ from tqdm import tqdm
 from localserve.loading.default_model import HUB_PATTERNS, resolve_default_model
 from localserve.models.config import ModelConfig
 from localserve.models.llama import LlamaForCausalLM
+from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +66,29 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> LoadedModel:
-    """Load a Hugging Face folder or a .gguf file onto `device` in `dtype`."""
+def default_keep_quantized(path: Path, device: torch.device | str) -> bool:
+    """--keep-quantized-weights by default: for a .gguf on CUDA (on a CPU the kernels cannot run)."""
+    return path.suffix == ".gguf" and torch.device(device).type == "cuda"
+
+
+def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+               keep_quantized_weights: bool | None = None) -> LoadedModel:
+    """Load a Hugging Face folder or a .gguf file onto `device` in `dtype`.
+
+    `keep_quantized_weights`: keep a GGUF's quantized linear and embedding weights in their blocks on the
+    device (None: `default_keep_quantized`); a model without any is loaded as usual.
+    """
     dtype = dtype or default_dtype(device)
+    if keep_quantized_weights is None:
+        keep_quantized_weights = default_keep_quantized(path, device)
+    if keep_quantized_weights:
+        _check_kernels_can_run(device)
     if path.is_file() and path.suffix == ".gguf":
         from localserve.loading.gguf import gguf_model_config, iter_gguf_weights, open_gguf
 
         gguf_reader = open_gguf(path)  # parsing the metadata takes seconds: once for config, weights, tokenizer
         config = gguf_model_config(path, gguf_reader)
-        weights = iter_gguf_weights(path, config, gguf_reader)
+        weights = iter_gguf_weights(path, config, gguf_reader, keep_quantized=keep_quantized_weights)
     elif path.is_dir():
         gguf_reader = None
         config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
@@ -82,7 +101,29 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
     _stream_weights(model, weights, dtype, device, source=path)
     model.init_rope(device)
     model.eval()
+    log.info("weights: %s", describe_weights(model))
     return LoadedModel(model=model, config=config, path=path, gguf_reader=gguf_reader)
+
+
+def _check_kernels_can_run(device: torch.device | str) -> None:
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ModelLoadError("--keep-quantized-weights needs a CUDA device: its Triton kernels run on a CPU only "
+                             "in Triton's interpreter (TRITON_INTERPRET=1, for tests)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ModelLoadError("--keep-quantized-weights needs Triton (pip install triton)") from None
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """The weights' size as held (quantized blocks at their stored size) and which layers stay quantized."""
+    tensors = [*model.parameters(), *model.buffers()]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    kept = collections.Counter(m.format.name for m in model.modules() if isinstance(m, QuantizedLinear))
+    text = f"{size / 2**30:.2f} GiB"
+    if kept:
+        text += " (quantized blocks kept: " + ", ".join(f"{count} {name}" for name, count in sorted(kept.items())) + ")"
+    return text
 
 
 def _read_json(path: Path) -> dict:
@@ -121,8 +162,8 @@ def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]
             raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})") from None
 
 
-def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                    device: torch.device | str, source: Path) -> None:
+def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]],
+                    dtype: torch.dtype, device: torch.device | str, source: Path) -> None:
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     with tqdm(total=len(expected), desc=f"loading {source.name}", unit="tensor", leave=False) as progress:
@@ -135,11 +176,27 @@ def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.
                 raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the config implies {tuple(expected[name].shape)}")
             module_name, _, attr = name.rpartition(".")
-            parameter = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
-            setattr(model.get_submodule(module_name), attr, parameter)
+            if isinstance(tensor, QuantizedTensor):
+                _keep_quantized(model, module_name, tensor, dtype, device)
+            else:
+                parameter = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+                setattr(model.get_submodule(module_name), attr, parameter)
             loaded.add(name)
             progress.update()
     missing = sorted(set(expected) - loaded)
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ModelLoadError(f"{source}: missing tensors {shown}")
+
+
+def _keep_quantized(model: torch.nn.Module, module_name: str, weight: QuantizedTensor, dtype: torch.dtype,
+                    device: torch.device | str) -> None:
+    """Replace the linear layer or embedding `module_name` by its quantized twin holding `weight`'s blocks."""
+    parent_name, _, child = module_name.rpartition(".")
+    old = model.get_submodule(module_name)
+    on_device = QuantizedTensor(weight.blocks.to(device), weight.qtype, weight.shape)
+    if isinstance(old, torch.nn.Embedding):
+        new: torch.nn.Module = QuantizedEmbedding(on_device, dtype)
+    else:
+        new = QuantizedLinear(on_device, old.bias)  # the bias: still on meta, or loaded already
+    setattr(model.get_submodule(parent_name), child, new)

@@ -127,7 +127,8 @@ class LocalServer(ServerState):
         if path == "/v1/models":
             return _json(connection, HTTPStatus.OK, {"object": "list", "data": [
                 {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                 "max_model_len": self.engine_thread.engine.max_model_len}]})
+                 "max_model_len": self.engine_thread.engine.max_model_len,
+                 "sampling_defaults": self.config.sampling_defaults.to_json()}]})
         if path == "/slots":
             snapshot = await self.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
             return _json(connection, HTTPStatus.OK, slots_json(snapshot, self.monitor_hello))

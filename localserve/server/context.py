@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localserve.engine.engine_thread import EngineThread
+from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
 from localserve.server.requests import RequestLimits
@@ -53,7 +54,8 @@ class ServerConfig:
     max_stored_responses: int = 1024  # conversations kept for previous_response_id (LRU)
     max_stored_chars: int = 64 << 20  # and at most this much text in all of them
     default_max_output_tokens: int = 1024  # when response.create gives no max_output_tokens
-    default_temperature: float = 1.0  # when response.create gives no temperature (OpenAI's default)
+    # Sampling for what a response.create leaves out (per field); `localserve serve` takes the model's.
+    sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
     limits: RequestLimits = field(default_factory=RequestLimits)
 

@@ -108,7 +108,9 @@ async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: di
     await connection.send(json.dumps({"type": "monitor.hello", **hello}))
     closed = asyncio.create_task(connection.wait_closed())
     try:
+        loop = asyncio.get_running_loop()
         while not closed.done():
+            cycle_started = loop.time()
             snapshot = await hub.latest(interval_s)
             events, missed = hub.events_after(cursor)
             if events:
@@ -122,7 +124,9 @@ async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: di
                 await close_within(connection, 1008, "the monitor client stopped reading")
                 break
             send.result()
-            await asyncio.wait([closed], timeout=interval_s)
+            # The interval is from one frame to the next: reading the snapshot waits for the engine's
+            # step to end, and sleeping a whole interval on top would send fewer frames than asked for.
+            await asyncio.wait([closed], timeout=max(0.0, interval_s - (loop.time() - cycle_started)))
     except ConnectionClosed:
         pass
     finally:

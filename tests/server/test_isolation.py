@@ -154,9 +154,12 @@ def test_a_step_that_fails_outside_any_request_fails_the_running_ones_and_the_th
     assert collector.finals["after"].error is None
 
 
-def test_a_request_that_can_never_be_readmitted_fails_instead_of_blocking_the_queue(tiny_model_dir):
-    """Four samples preempted by recompute come back on their own: together they outgrow the pool,
-    though one fitted. With nothing else left running, nothing could ever admit them."""
+def test_a_request_that_can_never_be_admitted_fails_instead_of_blocking_the_queue(tiny_model_dir):
+    """The engine refuses at arrival a request that could never fit the pool; should one get past that
+    (here: the check is skipped), the engine thread fails it as soon as a step schedules nothing while
+    nothing holds the pool, instead of stepping empty batches with everyone behind it waiting for ever.
+    (Before the scheduler's exact fit check, n samples preempted by recompute did exactly that: the load
+    test lost turns.)"""
     from localserve.engine.config import EngineConfig
     from localserve.engine.engine import LLMEngine
     from localserve.loading.hf import load_model
@@ -164,18 +167,21 @@ def test_a_request_that_can_never_be_readmitted_fails_instead_of_blocking_the_qu
     folder, _ = tiny_model_dir("llama")
     engine = LLMEngine(load_model(folder).model, None, EngineConfig(num_kv_blocks=8, max_num_seqs=8,
                                                                   max_num_batched_tokens=64))
+    too_long = list(range(3, 250)) + list(range(3, 13))  # 257 tokens: 17 blocks, the pool has 8
+    with pytest.raises(ValueError, match="can never run"):
+        engine.validate(too_long, greedy(4))
+    validate = engine.validate
     thread = EngineThread(engine)
     thread.start()
     try:
         collector = Collector()
-        thread.submit(list(range(10, 30)), greedy(60), collector.callback("first"))
-        thread.submit(list(range(40, 60)), SamplingParams(temperature=1.0, n=4, max_tokens=60, ignore_eos=True),
-                      collector.callback("samples"))
+        engine.validate = lambda prompt, params: None  # on the engine thread too, until the end
+        thread.submit(too_long, greedy(4), collector.callback("too long"))
         thread.submit(list(range(70, 80)), greedy(8), collector.callback("behind"))
-        collector.wait({"first", "samples", "behind"}, timeout=60)
+        collector.wait({"too long", "behind"}, timeout=60)
         wait_until_idle(thread)
     finally:
+        engine.validate = validate
         thread.stop()
-    assert "can never hold" in collector.finals["samples"].error
-    assert collector.finals["first"].error is None and collector.finals["behind"].error is None
-    assert len(collector.finals["behind"].outputs[0].token_ids) == 8
+    assert "can never be admitted" in collector.finals["too long"].error
+    assert collector.finals["behind"].error is None and len(collector.finals["behind"].outputs[0].token_ids) == 8

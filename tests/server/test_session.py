@@ -7,7 +7,6 @@ import asyncio
 import json
 import threading
 
-from localserve.engine.config import EngineConfig
 from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.server.context import ServerConfig, ServerState
 from localserve.server.session import ResponsesSession
@@ -18,7 +17,6 @@ NUM_TOKENS = 60
 
 class FakeEngine:
     max_model_len = 512
-    config = EngineConfig(num_kv_blocks=256)
 
 
 class FakeEngineThread:

@@ -1,0 +1,268 @@
+"""paged_attention: one kernel for a mixed batch (decode rows and chunked-prefill rows) over the paged pool.
+
+A program takes one query tile of one sequence and one KV head: the tile's rows are (query, head) pairs
+of that KV head's query heads, so each K/V tile is loaded once for the whole group (9:3 included: rows
+need not be a power of two per query). It walks the sequence's keys through its block table in tiles
+of BLOCK_N, dequantizes them in the load (every K and V format, K and V independently), masks causally
+inside a chunk, and keeps an online softmax. With SPLIT_KV the keys of each tile are divided among the
+programs of the grid's third dimension, which write partial outputs and log-sum-exps that
+`_merge_splits_kernel` combines; the split count is a run-time value, so it never costs a recompile.
+Offsets into the pool are 64-bit. The plan (which tile is whose) comes from attention_plan.py.
+
+4-bit means: a key's mean term q . E rope(mu, p) is a sum over frequency pairs of per-query
+coefficients (M q, computed once per layer by the caller) times cos / sin of the key position, so it is
+one extra [rows, D] x [D, keys] product per tile; the value mean is position-independent, so only the
+softmax weight of the keys that use it is accumulated and the mean is added once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from localserve.kernels.attention_plan import AttentionPlan
+from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore
+from localserve.kernels.rounding import cast_round_nearest
+
+LOG2E = 1.4426950408889634
+# The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
+# tl.constexpr globals.
+PLAIN_CODE, Q8_0_CODE, Q4_CODE = tl.constexpr(PLAIN), tl.constexpr(Q8_0), tl.constexpr(Q4)
+
+
+@triton.jit
+def load_kv_tile(data_ptr, scales_ptr, levels_ptr, row, valid, FORMAT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Tile [N, D] of vectors `row` [N] (int64 index of (slot, KV head)) and, for Q4, |scale| and the mean bit.
+
+    PLAIN returns the stored dtype, Q8_0 the dequantized fp32 values, Q4 the levels (the scale applies
+    per key, so the caller folds it into the scores or the softmax weights instead of into D values).
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    magnitude = tl.zeros(row.shape, tl.float32)
+    uses_mean = tl.zeros(row.shape, tl.int1)
+    if FORMAT == PLAIN_CODE:
+        tile = tl.load(data_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+    elif FORMAT == Q8_0_CODE:
+        codes = tl.load(data_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0)
+        scales = tl.load(scales_ptr + row[:, None] * (HEAD_DIM // 32) + (dims // 32)[None, :],
+                         mask=valid[:, None], other=0.0)
+        tile = codes.to(tl.float32) * scales.to(tl.float32)
+    else:
+        packed = tl.load(data_ptr + row[:, None] * (HEAD_DIM // 2) + (dims // 2)[None, :],
+                         mask=valid[:, None], other=0)
+        codes = (packed >> ((dims % 2) * 4).to(tl.uint8)[None, :]) & 0xF
+        tile = tl.load(levels_ptr + codes.to(tl.int32))
+        scale = tl.load(scales_ptr + row, mask=valid, other=0.0)
+        magnitude = tl.abs(scale.to(tl.float32))
+        uses_mean = scale.to(tl.int16, bitcast=True) < 0  # the sign bit: -0.0 counts
+    return tile, magnitude, uses_mean
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,  # [T, H, D] query in the key store's domain, model dtype
+    out_ptr,  # [T, H, D] model dtype (without SPLIT_KV)
+    partial_out_ptr,  # [T, H, S, D] fp32, S = the grid's third size: the splits (SPLIT_KV)
+    partial_lse_ptr,  # [T, H, S] fp32, log2 of each split's softmax denominator plus its max (SPLIT_KV)
+    k_data_ptr, k_scales_ptr, k_levels_ptr,  # key store (see kv_format.py) and its [16] levels (Q4)
+    v_data_ptr, v_scales_ptr, v_levels_ptr,  # value store and its levels
+    key_coeff_ptr,  # [T, H, D] fp32 per-query coefficients of the 4-bit key mean (KEY_MEAN)
+    trig_ptr,  # [P, D] fp32 cos | sin halves at positions 0..P-1, P >= the longest context (KEY_MEAN)
+    value_mean_ptr,  # [Hkv, D] fp32 stored-domain value mean (VALUE_MEAN)
+    block_table_ptr,  # [S, max_blocks] int32
+    query_start_ptr,  # [S + 1] int32 first query token of each sequence in the batch
+    seq_len_ptr,  # [S] int32 context length of each sequence, its new tokens included
+    tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile; -1: a padding tile
+    tile_start_ptr,  # [num_tiles] int32 first query of each tile within its sequence's new tokens
+    qk_scale,  # float: softmax scale * log2(e)
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,  # elements; the last stride is 1
+    stride_table,  # elements between block-table rows
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    QUERIES_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # the keys are divided among the grid's third dimension, merged afterwards
+    K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, KEY_MEAN: tl.constexpr, VALUE_MEAN: tl.constexpr,
+    COMPUTE: tl.constexpr,  # dtype of the tl.dot operands: the model's on a GPU, fp32 in the interpreter
+    DOT_PRECISION: tl.constexpr,  # "ieee" when COMPUTE is fp32 (no TF32), else the backend's default
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq < 0:
+        return
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    seq_len = tl.load(seq_len_ptr + seq)
+    tile_start = tl.load(tile_start_ptr + tile)
+
+    rows = tl.arange(0, BLOCK_M)
+    query_index = tile_start + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < QUERIES_PER_TILE * GROUP) & (query_index < query_len)
+    token = (query_start + query_index).to(tl.int64)
+    query_pos = seq_len - query_len + query_index  # causal: row sees keys 0..query_pos
+    dims = tl.arange(0, HEAD_DIM)
+    query = tl.load(query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                    mask=row_valid[:, None], other=0.0).to(COMPUTE)
+    if KEY_MEAN:
+        coeff = tl.load(key_coeff_ptr + (token[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + dims[None, :],
+                        mask=row_valid[:, None], other=0.0)
+
+    last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
+    kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
+    # (a + b - 1) // b rather than tl.cdiv: a nested jit call is slow in Triton's interpreter.
+    num_key_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_key_tiles + num_splits - 1) // num_splits
+    first_tile = split * tiles_per_split
+    end_tile = tl.minimum(first_tile + tiles_per_split, num_key_tiles)
+
+    # A finite floor for the running max: fully masked rows then give exp2(-inf - floor) = 0, never NaN.
+    running_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    denominator = tl.zeros([BLOCK_M], tl.float32)
+    mean_weight = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table
+    for key_tile in range(first_tile, end_tile):
+        keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_valid = keys < kv_end
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_row = (block * BLOCK_SIZE + keys % BLOCK_SIZE) * NUM_KV_HEADS + kv_head  # 64-bit from here on
+
+        key, key_scale, key_uses_mean = load_kv_tile(k_data_ptr, k_scales_ptr, k_levels_ptr, kv_row, key_valid,
+                                                     K_FORMAT, HEAD_DIM)
+        scores = tl.dot(query, tl.trans(key.to(COMPUTE)), input_precision=DOT_PRECISION)
+        if K_FORMAT == Q4_CODE:
+            scores = scores * key_scale[None, :]
+        if KEY_MEAN:
+            trig = tl.load(trig_ptr + keys.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+                           mask=key_valid[:, None], other=0.0)
+            mean_scores = tl.dot(coeff, tl.trans(trig), input_precision="ieee")
+            scores += tl.where(key_uses_mean[None, :], mean_scores, 0.0)
+        visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        rescale = tl.exp2(running_max - new_max)
+        weights = tl.exp2(scores - new_max[:, None])
+        denominator = denominator * rescale + tl.sum(weights, 1)
+        value, value_scale, value_uses_mean = load_kv_tile(v_data_ptr, v_scales_ptr, v_levels_ptr, kv_row,
+                                                           key_valid, V_FORMAT, HEAD_DIM)
+        if VALUE_MEAN:
+            mean_weight = mean_weight * rescale + tl.sum(tl.where(value_uses_mean[None, :], weights, 0.0), 1)
+        if V_FORMAT == Q4_CODE:
+            weights = weights * value_scale[None, :]
+        acc = acc * rescale[:, None] + tl.dot(weights.to(COMPUTE), value.to(COMPUTE), input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    if VALUE_MEAN:
+        acc += mean_weight[:, None] * tl.load(value_mean_ptr + kv_head * HEAD_DIM + dims)[None, :]
+    output = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
+    if not SPLIT_KV:
+        tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
+                 cast_round_nearest(output, out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        partial_row = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(partial_out_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], output, mask=row_valid[:, None])
+        has_keys = denominator > 0
+        lse = tl.where(has_keys, running_max + tl.log2(tl.where(has_keys, denominator, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + partial_row, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr,  # [T, H, S, D] fp32
+    partial_lse_ptr,  # [T, H, S] fp32 (log2)
+    out_ptr,  # [T, H, D] model dtype
+    num_tokens_ptr,  # [1] int32 real tokens of the batch (the rest of T is padding, left unwritten)
+    num_splits,  # S
+    stride_o_token, stride_o_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,  # powers of two >= NUM_HEADS, >= S
+):
+    token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(num_tokens_ptr):
+        return
+    heads = tl.arange(0, BLOCK_H)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, HEAD_DIM)
+    lse_rows = partial_lse_ptr + (token * NUM_HEADS + heads) * num_splits
+    lse_mask = (heads < NUM_HEADS)[:, None] & (splits < num_splits)[None, :]
+    lse = tl.load(lse_rows[:, None] + splits[None, :], mask=lse_mask, other=float("-inf"))
+    max_lse = tl.max(lse, 1)
+    max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
+    total = tl.sum(tl.exp2(lse - max_lse[:, None]), 1)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(lse_rows + split, mask=heads < NUM_HEADS, other=float("-inf")) - max_lse)
+        partial = tl.load(partial_out_ptr + ((token * NUM_HEADS + heads) * num_splits + split)[:, None] * HEAD_DIM
+                          + dims[None, :], mask=(heads < NUM_HEADS)[:, None], other=0.0)
+        acc += weight[:, None] * partial
+    output = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :],
+             cast_round_nearest(output, out_ptr.dtype.element_ty), mask=(heads < NUM_HEADS)[:, None])
+
+
+_COMPUTE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStore, key_format: KernelFormat,
+                    value_format: KernelFormat, plan: AttentionPlan, sm_scale: float,
+                    key_mean_coeff: torch.Tensor | None = None, trig_table: torch.Tensor | None = None,
+                    output: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of query [T, H, D] (in the key store's domain) over the paged K/V stores, as `plan` says.
+
+    Returns output [T, H, D] in the value store's domain; rows of padding tokens are left unwritten.
+    A 4-bit key mean needs `key_mean_coeff` [T, H, D] fp32 (M @ query per head) and `trig_table` [P, D]
+    fp32 (cos | sin halves at positions 0..P-1, P >= the longest context).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_store.data.shape[2]
+    key_store.check(key_format.code, num_kv_heads, head_dim)
+    value_store.check(value_format.code, num_kv_heads, head_dim)
+    if query.stride(-1) != 1 or num_heads % num_kv_heads:
+        raise ValueError("paged_attention needs a query with unit last stride and H a multiple of Hkv")
+    if query.dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"paged_attention computes in fp16, bf16 or fp32, not {query.dtype}")
+    key_mean = key_format.key_mean is not None
+    if key_mean and (key_mean_coeff is None or trig_table is None or trig_table.shape[0] < plan.max_seq_len):
+        raise ValueError("a 4-bit key mean needs key_mean_coeff and a trig_table covering the longest context")
+    output = torch.empty_like(query) if output is None else output
+    unused = plan.tile_seq  # the pointer of an argument the formats do not read
+    num_splits = plan.num_splits
+    partial_out = partial_lse = unused
+    if num_splits > 1:
+        partial_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                                  device=query.device)
+        partial_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    # Triton's interpreter runs tl.dot through numpy, which has no bf16: compute in fp32 there.
+    compute = tl.float32 if query.device.type != "cuda" else _COMPUTE_DTYPES[query.dtype]
+    grid = (plan.tile_seq.shape[0], num_kv_heads, num_splits)
+    group = num_heads // num_kv_heads
+    _paged_attention_kernel[grid](
+        query, output, partial_out, partial_lse,
+        key_store.data, key_store.scales if key_store.scales is not None else unused,
+        key_format.levels if key_format.levels is not None else unused,
+        value_store.data, value_store.scales if value_store.scales is not None else unused,
+        value_format.levels if value_format.levels is not None else unused,
+        key_mean_coeff if key_mean else unused, trig_table if key_mean else unused,
+        value_format.value_mean if value_format.value_mean is not None else unused,
+        plan.block_tables, plan.query_start, plan.seq_lens, plan.tile_seq, plan.tile_start,
+        sm_scale * LOG2E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        plan.block_tables.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_store.data.shape[1],
+        GROUP=group, QUERIES_PER_TILE=plan.block_m // group, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        SPLIT_KV=num_splits > 1,
+        K_FORMAT=key_format.code, V_FORMAT=value_format.code, KEY_MEAN=key_mean,
+        VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
+        DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens,)](
+            partial_out, partial_lse, output, plan.query_start[-1:], num_splits, output.stride(0),
+            output.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return output

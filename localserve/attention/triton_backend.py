@@ -1,0 +1,164 @@
+"""The Triton attention backend: store_kv and paged_attention over the same paged pool as the torch backend.
+
+It reads and writes the bytes the torch codecs define (kv/formats.py): each layer's codecs are turned
+once into the kernels' format parameters, the query is mapped into the key store's domain and the output
+back from the value store's domain exactly as the torch backend does, and the per-step plan (tiles,
+splits) is built once per step, by the first layer, and shared by the others.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from localserve.attention.base import AttentionBackend, AttentionInputs
+from localserve.kernels.attention_plan import AttentionPlan, plan_attention
+from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore, fold_key_mean, q4_midpoints
+from localserve.kernels.paged_attention import paged_attention
+from localserve.kernels.store_kv import store_kv
+from localserve.kv.formats import PASSTHROUGH_DTYPES, KVCodec, KVFormatSpec, PassthroughCodec, Q4Codec, Q8Codec
+
+if TYPE_CHECKING:
+    from localserve.kv.cache import PagedKVCache
+
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # model dtypes, and the plain formats read
+
+
+def search_factors(device: torch.device) -> torch.Tensor:
+    """The 16 RMS factors of the 4-bit scale search, computed as quantize_codebook computes them."""
+    return torch.exp(torch.linspace(math.log(0.6), math.log(1.7), 16, device=device))
+
+
+def kernel_format(codec: KVCodec, device: torch.device) -> KernelFormat:
+    """The kernels' description of `codec`'s format, its tensors on `device`."""
+    def on_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=device, dtype=torch.float32).contiguous()
+
+    heads, dim = codec.num_kv_heads, codec.head_dim
+    if isinstance(codec, PassthroughCodec):
+        return KernelFormat(PLAIN)
+    if isinstance(codec, Q8Codec):
+        rotation = on_device(codec.rotation).expand(heads, dim, dim) if codec.rotated else None
+        return KernelFormat(Q8_0, encode_matrix=rotation)
+    if not isinstance(codec, Q4Codec):
+        raise ValueError(f"the Triton kernels do not know the {codec.name} format")
+    encode = on_device(codec.encode_matrix)
+    key_mean = value_mean = None
+    if codec.mean is not None and codec.kind == "key":
+        key_mean = fold_key_mean(encode, on_device(codec.mean))
+    elif codec.mean is not None:
+        value_mean = torch.einsum("ged,gd->ge", encode, on_device(codec.mean)).contiguous()
+    levels = on_device(codec.levels)
+    return KernelFormat(Q4, encode_matrix=encode if codec.rotated else None, levels=levels,
+                        midpoints=q4_midpoints(levels),
+                        search_factors=search_factors(device) if codec.options.codebook else None,
+                        key_mean=key_mean, value_mean=value_mean)
+
+
+def kv_store(store: dict[str, torch.Tensor]) -> KVStore:
+    """The kernels' view of one layer's K or V tensors of a PagedKVCache."""
+    return KVStore(store["values"]) if "values" in store else KVStore(store["codes"], store["scales"])
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's inputs and its kernel plan: built by the first layer (which knows the head counts), or
+    given up front (a captured CUDA graph's static plan)."""
+
+    inputs: AttentionInputs
+    plan: AttentionPlan | None = None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through the Triton kernels: compiled on CUDA; in Triton's interpreter on a CPU
+    (TRITON_INTERPRET=1), which only the tests use."""
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        self.num_splits = num_splits  # None: chosen per step from the batch and the device
+        self._formats: dict[tuple[PagedKVCache, int], tuple[KernelFormat, KernelFormat]] = {}
+        self._trig_table: torch.Tensor | None = None
+        self._num_sms: int | None = None
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str,
+                           head_dim: int) -> str | None:
+        if device.type != "cuda":
+            return "its kernels compile for CUDA devices only"
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            return f"its kernels need a head size that is a power of two >= 16, this model's is {head_dim}"
+        import triton  # noqa: F401  (an ImportError says it is missing)
+
+        for name in (cache_type_k, cache_type_v):
+            fmt = KVFormatSpec.parse(name).name
+            if fmt in PASSTHROUGH_DTYPES and PASSTHROUGH_DTYPES[fmt] not in COMPUTE_DTYPES:
+                return f"its kernels do not read a {fmt} KV cache"
+        return None
+
+    def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(inputs)
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: PagedKVCache, metadata: TritonAttentionMetadata) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D]; writes key/value into the pool first."""
+        key_format, value_format = self.layer_formats(kv_cache, layer, query.device)
+        inputs = metadata.inputs
+        token_trig = None
+        if key_format.key_mean is not None:
+            table = self.rotary_table(kv_cache, max(inputs.context_lens, default=1), query.device)
+            token_trig = table.index_select(0, inputs.positions)
+        store_kv(key, inputs.slot_mapping, kv_store(kv_cache.key_stores[layer]), key_format, token_trig)
+        store_kv(value, inputs.slot_mapping, kv_store(kv_cache.value_stores[layer]), value_format)
+        return self.attend(layer, query, kv_cache, metadata)
+
+    def attend(self, layer: int, query: torch.Tensor, kv_cache: PagedKVCache,
+               metadata: TritonAttentionMetadata) -> torch.Tensor:
+        """Attention of query [T, H, D] over what the pool holds (the step's own K/V already written)."""
+        if query.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"the Triton attention backend computes in fp16, bf16 or fp32, not {query.dtype}")
+        key_format, value_format = self.layer_formats(kv_cache, layer, query.device)
+        if metadata.plan is None:
+            metadata.plan = self.plan(metadata.inputs, query.shape[1], kv_cache.key_codecs[layer].num_kv_heads,
+                                      query.device)
+        transformed = kv_cache.transform_query(layer, query)
+        coeff = trig_table = None
+        if key_format.key_mean is not None:
+            grouped = transformed.float().unflatten(1, (kv_cache.key_codecs[layer].num_kv_heads, -1))
+            coeff = torch.einsum("gje,tgke->tgkj", key_format.key_mean, grouped).flatten(1, 2).contiguous()
+            trig_table = self.rotary_table(kv_cache, metadata.plan.max_seq_len, query.device)
+        output = paged_attention(transformed.contiguous(), kv_store(kv_cache.key_stores[layer]),
+                                 kv_store(kv_cache.value_stores[layer]), key_format, value_format, metadata.plan,
+                                 1 / math.sqrt(query.shape[-1]), coeff, trig_table)
+        return kv_cache.restore_output(layer, output)
+
+    def plan(self, inputs: AttentionInputs, num_heads: int, num_kv_heads: int, device: torch.device,
+             num_tiles: int | None = None) -> AttentionPlan:
+        """The kernel plan of a step: query tiles, tile shape and KV splits (`num_tiles`: pad to a fixed grid)."""
+        if self._num_sms is None and device.type == "cuda":
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return plan_attention(inputs.query_lens, inputs.context_lens, inputs.block_tables, num_heads,
+                              num_kv_heads, num_splits=self.num_splits, num_sms=self._num_sms, num_tiles=num_tiles)
+
+    def layer_formats(self, kv_cache: PagedKVCache, layer: int,
+                      device: torch.device) -> tuple[KernelFormat, KernelFormat]:
+        """The kernel formats of one layer's K and V, built on first use."""
+        key = (kv_cache, layer)
+        if key not in self._formats:
+            self._formats[key] = (kernel_format(kv_cache.key_codecs[layer], device),
+                                  kernel_format(kv_cache.value_codecs[layer], device))
+        return self._formats[key]
+
+    def rotary_table(self, kv_cache: PagedKVCache, length: int, device: torch.device) -> torch.Tensor:
+        """cos | sin halves [P, D] fp32 at positions 0..P-1, P >= length, from the 4-bit keys' rotary
+        embedding; grown by doubling, then reused (a captured graph reserves its whole length first)."""
+        if self._trig_table is None or self._trig_table.shape[0] < length:
+            rope = next(codec.rope for codec in kv_cache.key_codecs if codec.needs_positions)
+            size = max(256, 1 << max(length - 1, 1).bit_length())
+            cos, sin = rope(torch.arange(size, device=device))
+            half = cos.shape[-1] // 2
+            self._trig_table = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
+        return self._trig_table

@@ -1,0 +1,61 @@
+"""Shared by the benchmark scripts: the machine they ran on, percentiles, raw results next to the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, torch threads and versions: printed by every benchmark and saved with its numbers."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return info
+
+
+def print_machine(info: dict[str, Any]) -> None:
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} with {info['torch_threads']} "
+          f"threads{', ' + info['cuda'] if info['cuda'] else ''}; {info['date']}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def save_raw(name: str, info: dict[str, Any], results: Any) -> Path:
+    """Write docs/bench/NAME.json with the machine and the raw numbers, so a later run can be compared."""
+    DOCS.mkdir(parents=True, exist_ok=True)
+    path = DOCS / f"{name}.json"
+    path.write_text(json.dumps({"machine": info, "results": results}, indent=1) + "\n")
+    return path
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

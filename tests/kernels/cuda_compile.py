@@ -1,0 +1,180 @@
+"""Compile every Triton kernel of the project for a CUDA target on a machine without a GPU.
+
+Triton's interpreter runs kernel code as Python, so it accepts what the compiler refuses (a global that
+is not a tl.constexpr, a shape that is not a compile-time constant); Triton ships ptxas, so the kernels
+can be compiled to a cubin here. The host wrappers run on CPU tensors with the kernel launch replaced by
+a recorder, so each kernel is compiled with the arguments and compile-time constants its wrapper really
+passes (CUDA's tiling for the GGUF kernels; the model dtype for tl.dot operands, which the wrappers
+choose by device), and the registers and spills of each are printed (`cuobjdump -res-usage`).
+
+Run from the repository root, without TRITON_INTERPRET: python -m tests.kernels.cuda_compile [--arch 90]
+(about a minute on 2 cores). `--frontend-only` stops at Triton's IR, where the errors the interpreter
+lets through are raised (a second for every kernel; tests/kernels/test_cuda_compile.py runs that).
+Exits 1 if a kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
+                 torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def cuda_tools() -> Path | None:
+    """The folder of Triton's bundled ptxas and cuobjdump, or None without them."""
+    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return folder if (folder / "ptxas").exists() and (folder / "cuobjdump").exists() else None
+
+
+def record_launches(drive) -> list[tuple[JITFunction, dict]]:
+    """Run `drive()` with every kernel launch recorded instead of run: (kernel, its bound arguments)."""
+    launches = []
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        bound = kernel.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        launches.append((kernel, dict(bound.arguments)))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        drive()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype: torch.dtype,
+                   frontend_only: bool = False):
+    """triton.compile the kernel for sm_`arch` with these arguments' types and constants, the tl.dot
+    operand dtype set to what a CUDA device gets (`model_dtype`); -> (the compiled kernel, or None when
+    `frontend_only` stopped at Triton's IR, and the constants)."""
+    signature, constants, attributes = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = arguments[param.name]
+        if param.is_constexpr:
+            if param.name == "COMPUTE" and value == tl.float32 and model_dtype in TL_DTYPES:
+                value = TL_DTYPES[model_dtype]
+            if param.name == "DOT_PRECISION" and model_dtype in TL_DTYPES:
+                value = "tf32"
+            signature[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = POINTER_TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attributes[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0 and value != 0:
+                attributes[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[param.name] = "fp32"
+    source = ASTSource(kernel, signature=signature, constexprs=constants, attrs=attributes)
+    target = GPUTarget("cuda", arch, 32)
+    if frontend_only:
+        try:
+            from triton._C.libtriton import ir
+            from triton.compiler.compiler import make_backend
+
+            backend = make_backend(target)
+            options = backend.parse_options({})
+            context = ir.context()
+            ir.load_dialects(context)
+            backend.load_dialects(context)
+            make_ir = source.make_ir
+        except (ImportError, AttributeError):  # another Triton's internals: compile it all instead
+            pass
+        else:
+            make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+            return None, constants
+    return triton.compile(source, target=target), constants
+
+
+def resource_usage(compiled, tools: Path) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    match = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", report, re.S)
+    return f"registers {match.group(1)}, stack {match.group(2)}, local {match.group(3)}" if match else "?"
+
+
+def drive_gguf(dtype: torch.dtype) -> None:
+    """Every GGUF format's gemv, and one format's every kernel, with CUDA's tiling."""
+    from localserve.kernels.gguf_blocks import QUANT_FORMATS
+    from localserve.kernels.gguf_matmul import CUDA, dequantize_rows, quantized_matmul
+
+    for name, fmt in QUANT_FORMATS.items():
+        in_features = 4 * 256
+        blocks = torch.zeros(48, fmt.row_bytes(in_features), dtype=torch.uint8)
+        x = torch.zeros(17, in_features, dtype=dtype)
+        quantized_matmul(x[:1], blocks, fmt, in_features, method="gemv", config=CUDA)
+        if name == "Q4_K":
+            quantized_matmul(x[:4], blocks, fmt, in_features, method="gemv", config=CUDA)
+            quantized_matmul(x, blocks, fmt, in_features, method="fused", config=CUDA)
+            dequantize_rows(blocks, fmt, in_features, dtype, rows=torch.arange(3), config=CUDA)
+
+
+def drive_attention(dtype: torch.dtype) -> None:
+    """store_kv and paged_attention (split and not) for every KV format the kernels read."""
+    from localserve.attention.triton_backend import TritonAttentionBackend
+    from tests.helpers.kv_pools import fill_batch
+
+    for k_type, v_type, splits in (("bf16", "bf16", 1), ("q8_0", "q4_rot", 4), ("q4_rot", "q8_0", 1)):
+        batch = fill_batch([(1, 40), (5, 18)], k_type, v_type, 8, 2, 128, dtype)
+        backend = TritonAttentionBackend(num_splits=splits)
+        backend.forward(0, batch.query, batch.key, batch.value, batch.cache, backend.build_metadata(batch.inputs))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
+    parser.add_argument("--only", choices=("gguf", "attention"), help="one family of kernels")
+    parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
+    tools = cuda_tools()
+    if tools is None and not args.frontend_only:
+        sys.exit("this Triton has no bundled ptxas / cuobjdump (--frontend-only needs neither)")
+    dtype = torch.bfloat16
+    launches = []
+    if args.only in (None, "gguf"):
+        launches += record_launches(lambda: drive_gguf(dtype))
+    if args.only in (None, "attention"):
+        launches += record_launches(lambda: drive_attention(dtype))
+    failures, seen = 0, set()
+    for kernel, arguments in launches:
+        try:
+            compiled, constants = compile_launch(kernel, arguments, args.arch, dtype, args.frontend_only)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit code says so
+            failures += 1
+            print(f"FAILED {kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
+            continue
+        shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
+        if (kernel.__name__, shown) not in seen:
+            seen.add((kernel.__name__, shown))
+            usage = "to Triton's IR" if compiled is None else resource_usage(compiled, tools)
+            print(f"ok {kernel.__name__} [{shown}]: {usage}", flush=True)
+    print(f"{len(seen)} kernels compiled for sm_{args.arch}, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`localserve chat`: slash commands, the stats line, and, in a real terminal (a pty), line editing with
+history and keys typed during a reply kept out of it. Against a scripted Responses server that streams
+a fixed reply slowly enough to type into."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+from websockets.sync.server import serve
+
+from localserve.server.chat_client import run_chat
+
+REPLY_WORDS = ["Paris ", "is ", "the ", "capital ", "of ", "France."]
+
+
+@contextmanager
+def scripted_server(delay_s: float = 0.0):
+    """A /v1/responses stand-in: every response.create gets REPLY_WORDS as deltas, `delay_s` apart, then
+    response.completed with fixed usage; yields (port, the response.create events received)."""
+    received: list[dict] = []
+
+    def handle(connection) -> None:
+        for message in connection:
+            event = json.loads(message)
+            if event["type"] != "response.create":
+                continue
+            received.append(event)
+            response_id = f"resp_{len(received)}"
+            connection.send(json.dumps({"type": "response.created", "response": {"id": response_id}}))
+            for word in REPLY_WORDS:
+                time.sleep(delay_s)
+                connection.send(json.dumps({"type": "response.output_text.delta", "delta": word}))
+            usage = {"input_tokens": 40, "output_tokens": 6, "total_tokens": 46,
+                     "input_tokens_details": {"cached_tokens": 32}}
+            connection.send(json.dumps({"type": "response.completed",
+                                        "response": {"id": response_id, "usage": usage}}))
+
+    with serve(handle, "127.0.0.1", 0) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server.socket.getsockname()[1], received
+        finally:
+            server.shutdown()
+            thread.join(timeout=10)
+
+
+def test_slash_commands_change_what_the_next_turns_send():
+    lines = io.StringIO("/temp 0.5\n/max 7\n/system be brief\nhello\n/temp\n/reset\nhi there\n"
+                        "/temp 3\n/max many\n/bogus\n/quit\nnever sent\n")
+    out, err = io.StringIO(), io.StringIO()
+    with scripted_server() as (port, received):
+        assert run_chat(f"127.0.0.1:{port}", lines=lines, out=out, err=err) == 0
+    first, second = received  # /quit left before "never sent"
+    assert (first["input"], first["temperature"], first["max_output_tokens"], first["instructions"]) == \
+        ("hello", 0.5, 7, "be brief")
+    assert "previous_response_id" not in first
+    assert second["input"] == "hi there" and "temperature" not in second  # /temp alone: the server's default
+    assert second["max_output_tokens"] == 7 and second["instructions"] == "be brief"
+    assert "previous_response_id" not in second  # /reset
+    assert out.getvalue() == "Paris is the capital of France.\n" * 2  # stdout holds the replies only
+    messages = err.getvalue()
+    assert "/temp must be between 0 and 2, got 3" in messages
+    assert "/max needs an integer, got 'many'" in messages
+    assert "unknown command /bogus" in messages
+    assert messages.count("[6 tokens · ") == 2 and "32 of 40 prompt tokens from the cache]" in messages
+
+
+def test_turns_continue_the_previous_response_until_reset():
+    lines = io.StringIO("one\ntwo\n/reset\nthree\n")
+    with scripted_server() as (port, received):
+        assert run_chat(f"127.0.0.1:{port}", lines=lines, out=io.StringIO(), err=io.StringIO()) == 0
+    assert [event.get("previous_response_id") for event in received] == [None, "resp_1", None]
+
+
+def test_help_lists_every_command():
+    err = io.StringIO()
+    with scripted_server() as (port, _):
+        run_chat(f"127.0.0.1:{port}", lines=io.StringIO("/help\n"), out=io.StringIO(), err=err)
+    for command in ("/help", "/reset", "/system TEXT", "/temp X", "/max N", "/quit"):
+        assert command in err.getvalue()
+
+
+class Terminal:
+    """A child process on a pseudo-terminal, and everything it wrote so far."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.fd, child_fd = pty.openpty()
+        self.process = subprocess.Popen(command, stdin=child_fd, stdout=child_fd, stderr=child_fd, env=env,
+                                        close_fds=True, start_new_session=True)
+        os.close(child_fd)
+        self.screen = ""
+
+    def read_until(self, text: str, timeout_s: float = 30.0, start: int = 0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.screen[start:]:
+            assert time.monotonic() < deadline, f"no {text!r} in {self.screen!r}"
+            if select.select([self.fd], [], [], 0.05)[0]:
+                try:
+                    self.screen += os.read(self.fd, 4096).decode(errors="replace")
+                except OSError:  # the child closed the terminal
+                    break
+
+    def type(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """The child's exit code, reading its output meanwhile (a full pty would block its writes)."""
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None:
+            assert time.monotonic() < deadline, "the child did not exit"
+            if select.select([self.fd], [], [], 0.05)[0]:
+                try:
+                    self.screen += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:
+                    pass
+        return self.process.returncode
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        os.close(self.fd)
+
+
+def test_in_a_terminal_typing_during_a_reply_stays_out_and_up_recalls_history(tmp_path):
+    env = dict(os.environ, LOCALSERVE_CACHE=str(tmp_path), TERM="xterm")
+    with scripted_server(delay_s=0.3) as (port, received):
+        terminal = Terminal([sys.executable, "-m", "localserve.cli", "chat", f"127.0.0.1:{port}"], env)
+        try:
+            terminal.read_until("> ")
+            terminal.type("hello\r")
+            terminal.read_until("Paris ")
+            terminal.type("zzz")  # typed while the reply streams
+            terminal.read_until("prompt tokens from the cache]")
+            mark = terminal.screen.index("prompt tokens from the cache]")
+            terminal.read_until("> ", start=mark)
+            time.sleep(0.3)
+            terminal.type("\x1b[A\r")  # up: the previous line, then enter
+            terminal.read_until("prompt tokens from the cache]", start=mark + 1)
+            terminal.type("\x04")  # Ctrl-D
+            assert terminal.wait() == 0
+        finally:
+            terminal.close()
+    assert "Paris is the capital of France." in terminal.screen  # not split by what was typed
+    assert "zzz" not in terminal.screen  # neither echoed into the reply nor carried to the next prompt
+    assert [event["input"] for event in received] == ["hello", "hello"]
+    assert (tmp_path / "chat_history").read_text().splitlines()[-1] == "hello"

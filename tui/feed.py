@@ -1,0 +1,285 @@
+"""The `/v1/monitor` feed as typed data (docs/PROTOCOL.md, "/v1/monitor").
+
+A connection gets one `monitor.hello` frame (what stays fixed while the server runs), then a
+`monitor.snapshot` frame every interval. `parse_hello` and `parse_snapshot` turn the decoded JSON
+into frozen dataclasses and raise `FeedError`, naming the field, on anything that does not follow
+the protocol, so a server that drifts from the documented schema fails loudly instead of drawing a
+wrong map. Block states arrive run-length encoded; `decode_block_states` expands them into a numpy
+array of `BlockState` codes, which is what the block map draws from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+
+class FeedError(ValueError):
+    """A monitor frame that does not follow docs/PROTOCOL.md."""
+
+
+class BlockState(IntEnum):
+    """The state of one block, GPU or swap pool. The values index numpy arrays of states."""
+
+    EMPTY = 0  # free, holding nothing ('.')
+    CACHED = 1  # free, still holding cached contents the prefix cache can take back ('c')
+    USED = 2  # in one sequence's block table ('u')
+    SHARED = 3  # in several block tables ('s')
+    SWAPPED = 4  # swap pool only: holding a swapped-out block ('w')
+
+
+GPU_STATE_CHARS = {".": BlockState.EMPTY, "c": BlockState.CACHED, "u": BlockState.USED, "s": BlockState.SHARED}
+CPU_STATE_CHARS = {".": BlockState.EMPTY, "w": BlockState.SWAPPED}
+REQUEST_STATES = ("waiting", "prefill", "decode", "preempted", "swapped")
+
+
+def decode_block_states(encoded: str, state_chars: dict[str, BlockState], num_blocks: int,
+                        name: str = "blocks") -> np.ndarray:
+    """Expand a run-length encoded state string (`u3s2c5.1014`) into `num_blocks` state codes (uint8).
+
+    Vectorized, because a fragmented pool of 65,536 blocks is a string of up to 65,536 runs and a
+    Python loop over them would take most of a frame's time budget.
+    """
+    if not isinstance(encoded, str):
+        raise FeedError(f"'{name}' must be a string, got {type(encoded).__name__}")
+    if not encoded.isascii():
+        raise FeedError(f"'{name}' holds characters that are not block states")
+    chars = np.frombuffer(encoded.encode("ascii"), dtype=np.uint8)
+    is_digit = (chars >= ord("0")) & (chars <= ord("9"))
+    if chars.size and is_digit[0]:
+        raise FeedError(f"'{name}' starts with a run length instead of a state: {encoded[:40]!r}")
+    state_positions = np.flatnonzero(~is_digit)
+    lookup = np.full(256, 255, dtype=np.uint8)
+    for char, state in state_chars.items():
+        lookup[ord(char)] = state
+    codes = lookup[chars[state_positions]]
+    if (codes == 255).any():
+        unknown = chr(chars[state_positions[np.argmax(codes == 255)]])
+        raise FeedError(f"'{name}' has unknown block state {unknown!r} (expected one of {''.join(state_chars)!r})")
+    # A run's length is the digits after its state character, or 1 when there are none.
+    run_of_char = np.cumsum(~is_digit) - 1
+    digit_positions = np.flatnonzero(is_digit)
+    run_of_digit = run_of_char[digit_positions]
+    run_ends = np.append(state_positions[1:], chars.size) - 1  # last position of each run's text
+    place_values = 10.0 ** (run_ends[run_of_digit] - digit_positions)
+    digit_values = (chars[digit_positions] - ord("0")) * place_values
+    counts = np.bincount(run_of_digit, weights=digit_values, minlength=codes.size).astype(np.int64)
+    has_digits = np.bincount(run_of_digit, minlength=codes.size) > 0
+    if (counts[has_digits] < 1).any():
+        raise FeedError(f"'{name}' has a run of length 0")
+    counts[~has_digits] = 1
+    if int(counts.sum()) != num_blocks:
+        raise FeedError(f"'{name}' describes {int(counts.sum())} blocks, the pool has {num_blocks}")
+    return np.repeat(codes, counts)
+
+
+def _take(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """data[key], checked to be of `kind` (booleans are never numbers)."""
+    if key not in data:
+        raise FeedError(f"{where} has no '{key}'")
+    value = data[key]
+    numeric = kind in (int, float) or (isinstance(kind, tuple) and int in kind)
+    if not isinstance(value, kind) or (numeric and isinstance(value, bool)):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise FeedError(f"{where}.{key} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _number(data: dict[str, Any], key: str, where: str) -> float:
+    return float(_take(data, key, (int, float), where))
+
+
+def _fill(cls: type, data: Any, where: str, **given: Any) -> Any:
+    """An instance of the dataclass `cls`: fields in `given` as they are, the others (int, str or float)
+    checked and taken from `data` (extra keys ignored)."""
+    if not isinstance(data, dict):
+        raise FeedError(f"{where} must be an object, got {type(data).__name__}")
+    values = dict(given)
+    for item in fields(cls):
+        if item.name in given:
+            continue
+        if item.type == "int":
+            values[item.name] = _take(data, item.name, int, where)
+        elif item.type == "str":
+            values[item.name] = _take(data, item.name, str, where)
+        else:
+            values[item.name] = _number(data, item.name, where)
+    return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class FormatCapacity:
+    """How many tokens the server's KV memory would hold in one KV format."""
+
+    format: str
+    bytes_per_token: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorHello:
+    """The first frame of a connection: what does not change while the server runs."""
+
+    model: str
+    block_size: int
+    num_blocks: int
+    num_cpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    cache_type_k: str
+    cache_type_v: str
+    kv_cache_bytes: int
+    capacity: tuple[FormatCapacity, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """One request in the engine, as the slots table shows it."""
+
+    label: str
+    state: str
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    num_output_tokens: int
+    num_seqs: int
+    num_preemptions: int
+    num_cached_tokens: int
+    tokens_per_s: float
+    block_tables: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def block_ids(self) -> frozenset[int]:
+        """Every physical block any of the request's sequences points at."""
+        return frozenset(block for table in self.block_tables for block in table)
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """Values now."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    num_requests_swapped: int
+    kv_cache_usage_ratio: float
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    num_free_cpu_blocks: int
+    last_step_s: float
+    last_step_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Totals since the server started; they only grow."""
+
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swap_fallbacks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    cow_copies: int
+    cached_block_evictions: int
+    num_requests_finished: int
+    num_requests_failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorEvent:
+    """One of the engine's events; `details` holds the fields particular to its kind."""
+
+    seq: int
+    time: float
+    event: str
+    request: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorSnapshot:
+    """One `monitor.snapshot` frame, block states decoded."""
+
+    time: float
+    num_steps: int
+    blocks: np.ndarray  # uint8 BlockState per GPU block
+    cpu_blocks: np.ndarray  # uint8 BlockState per swap-pool block
+    requests: tuple[RequestInfo, ...]
+    gauges: Gauges
+    counters: Counters
+    events: tuple[MonitorEvent, ...]
+    missed_events: int
+
+
+def _type_of(frame: Any, expected: str) -> None:
+    if not isinstance(frame, dict):
+        raise FeedError(f"a monitor frame must be a JSON object, got {type(frame).__name__}")
+    if frame.get("type") != expected:
+        raise FeedError(f"expected a '{expected}' frame, got type {frame.get('type')!r}")
+
+
+def parse_hello(frame: Any) -> MonitorHello:
+    """The typed `monitor.hello` frame."""
+    _type_of(frame, "monitor.hello")
+    capacity_list = _take(frame, "capacity", list, "monitor.hello")
+    capacity = tuple(_fill(FormatCapacity, entry, f"monitor.hello.capacity[{index}]")
+                     for index, entry in enumerate(capacity_list))
+    return _fill(MonitorHello, frame, "monitor.hello", capacity=capacity)
+
+
+def _parse_request(data: Any, where: str, num_blocks: int) -> RequestInfo:
+    if not isinstance(data, dict):
+        raise FeedError(f"{where} must be an object, got {type(data).__name__}")
+    state = _take(data, "state", str, where)
+    if state not in REQUEST_STATES:
+        raise FeedError(f"{where}.state must be one of {', '.join(REQUEST_STATES)}, got {state!r}")
+    tables = _take(data, "block_tables", list, where)
+    block_tables = []
+    for index, table in enumerate(tables):
+        # set(map(type, ...)) runs in C: a pool of 65,536 blocks puts that many numbers in a frame.
+        if not isinstance(table, list) or not set(map(type, table)) <= {int}:
+            raise FeedError(f"{where}.block_tables[{index}] must be a list of block numbers")
+        if table and (min(table) < 0 or max(table) >= num_blocks):
+            outside = next(block for block in table if not 0 <= block < num_blocks)
+            raise FeedError(f"{where}.block_tables[{index}] points at block {outside}, "
+                            f"outside the pool of {num_blocks}")
+        block_tables.append(tuple(table))
+    return _fill(RequestInfo, data, where, state=state, block_tables=tuple(block_tables))
+
+
+def _parse_event(data: Any, where: str) -> MonitorEvent:
+    if not isinstance(data, dict):
+        raise FeedError(f"{where} must be an object, got {type(data).__name__}")
+    request = data.get("request")
+    if request is not None and not isinstance(request, str):
+        raise FeedError(f"{where}.request must be a string, got {type(request).__name__}")
+    details = {key: value for key, value in data.items() if key not in ("seq", "time", "event", "request")}
+    return MonitorEvent(seq=_take(data, "seq", int, where), time=_number(data, "time", where),
+                        event=_take(data, "event", str, where), request=request, details=details)
+
+
+def parse_snapshot(frame: Any, hello: MonitorHello) -> MonitorSnapshot:
+    """The typed `monitor.snapshot` frame of a connection that began with `hello`."""
+    _type_of(frame, "monitor.snapshot")
+    where = "monitor.snapshot"
+    blocks = decode_block_states(_take(frame, "blocks", str, where), GPU_STATE_CHARS, hello.num_blocks, "blocks")
+    cpu_blocks = decode_block_states(_take(frame, "cpu_blocks", str, where), CPU_STATE_CHARS,
+                                     hello.num_cpu_blocks, "cpu_blocks")
+    requests = tuple(_parse_request(entry, f"{where}.requests[{index}]", hello.num_blocks)
+                     for index, entry in enumerate(_take(frame, "requests", list, where)))
+    events = tuple(_parse_event(entry, f"{where}.events[{index}]")
+                   for index, entry in enumerate(_take(frame, "events", list, where)))
+    missed_events = _take(frame, "missed_events", int, where)
+    if missed_events < 0:
+        raise FeedError(f"{where}.missed_events must be >= 0, got {missed_events}")
+    return MonitorSnapshot(time=_number(frame, "time", where), num_steps=_take(frame, "num_steps", int, where),
+                           blocks=blocks, cpu_blocks=cpu_blocks, requests=requests,
+                           gauges=_fill(Gauges, _take(frame, "gauges", dict, where), f"{where}.gauges"),
+                           counters=_fill(Counters, _take(frame, "counters", dict, where), f"{where}.counters"),
+                           events=events, missed_events=missed_events)
