@@ -3,8 +3,8 @@
 A step is built in this order: (1) make room for the running requests' decodes, preempting if the
 pool is short; (2) append each decoding sequence's last sampled token and schedule the decodes,
 oldest request first; (3) prefill chunks of running requests (long or readmitted prompts); then,
-unless this step preempted, (4) swapped-out requests come back and (5) waiting requests are
-admitted, both in arrival order, while slots (`max_num_seqs`), the token budget
+unless this step preempted, (4) swapped-out requests come back and waiting requests are admitted,
+in arrival order across both queues, while slots (`max_num_seqs`), the token budget
 (`max_num_batched_tokens`) and blocks allow.
 
 The rules, and why (docs/ARCHITECTURE.md, "Scheduling rules", says the same):
@@ -15,9 +15,10 @@ full blocks of their common prefix, each adds its own tail; after a swap, its di
 headroom: one block for every sequence running after it (samples and beams count, and a request not
 yet forked counts its `n`), its own capped by what it can still grow to (`peak_blocks`). So a
 (re)admitted request is not preempted again by the next decodes, and the `n - 1` copy-on-write copies
-after a fork have room. Slots count the same sequences. Queues are served strictly in arrival order,
-swapped before waiting, and nothing passes a request that does not fit yet: no request waits behind
-a later one. Fairness bound: a request that fits the pool alone (checked when it is added: its
+after a fork have room. Slots count the same sequences. The swapped and waiting queues are served
+as one, strictly in arrival order (a request that fell back from swap to recompute does not wait
+behind one swapped out after it), and nothing passes a request that does not fit yet: no request
+waits behind a later one. Fairness bound: a request that fits the pool alone (checked when it is added: its
 `peak_blocks` against the pool) is admitted at the latest once every request ahead of it is admitted
 and the running requests have finished; when nothing runs its headroom is at most its own growth, so
 it fits. Nothing is readmitted in a step that preempted: that step was short of blocks.
@@ -116,10 +117,7 @@ class Scheduler:
                 if seq.num_uncomputed_tokens > 1 and seq not in request.followers:
                     budget -= self._add_prefill(batch, request, seq, budget)
         if not batch.preempted:
-            slots_in_use = sum(r.num_slots for r in self.running)
-            slots_in_use = self._swap_in(batch, slots_in_use)
-            if not self.swapped:
-                self._admit(batch, budget, slots_in_use)
+            self._admit(batch, budget)
         bm = self.block_manager
         batch.step_input.chunks = [
             SeqChunk(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + q], seq.num_computed_tokens,
@@ -176,62 +174,70 @@ class Scheduler:
                     budget -= 1
         return budget
 
-    def _swap_in(self, batch: Batch, slots_in_use: int) -> int:
-        """Swapped requests come back in arrival order while they fit; returns the slots then in use."""
-        bm = self.block_manager
-        while self.swapped:
-            request = self.swapped[0]
-            seq_ids = [s.seq_id for s in request.live_seqs]
-            if not self._fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
-                break
-            moves = bm.swap_in(seq_ids)
-            batch.step_input.swap_in += moves
-            self.swapped.pop(0)
-            slots_in_use += request.num_slots
-            self.events.append(EventKind.SWAPPED_IN, request.label, num_blocks=len(moves))
-            self.events.append(EventKind.RESUMED, request.label)
-            request.state = RequestState.RUNNING
-            request.just_readmitted = True
-            self._insert_running(request)  # its pending tokens are appended by the next step's decodes
-        return slots_in_use
-
-    def _admit(self, batch: Batch, budget: int, slots_in_use: int) -> None:
-        """Waiting requests (new, or preempted by recompute) in arrival order while they fit."""
-        bm = self.block_manager
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            seqs = request.live_seqs
-            num_shared_blocks = self._num_shared_blocks(seqs)
-            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
-                -(-seq.num_tokens // bm.block_size) - num_shared_blocks for seq in seqs[1:])
-            if not self._fits(request, need, slots_in_use):
-                break
-            self.waiting.pop(0)
-            slots_in_use += request.num_slots
-            leader = seqs[0]
-            leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
-            for seq in seqs[1:]:
-                if num_shared_blocks:
-                    seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
-                                                                  num_shared_blocks)
-                else:
-                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
-            request.followers = [seq for seq in seqs[1:] if bm.awaits_leader(seq.seq_id)]
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = leader.num_computed_tokens
-                self.events.append(EventKind.ADMITTED, request.label,
-                                   num_prompt_tokens=len(request.prompt_token_ids))
-                if request.num_cached_tokens:
-                    self.events.append(EventKind.PREFIX_HIT, request.label,
-                                       num_cached_tokens=request.num_cached_tokens)
+    def _admit(self, batch: Batch, budget: int) -> None:
+        """Swapped and waiting requests (new, or preempted by recompute) come in arrival order across
+        both queues while the next one fits; a waiting one also needs a token of the budget."""
+        slots_in_use = sum(r.num_slots for r in self.running)
+        while self.swapped or self.waiting:
+            if self.swapped and (not self.waiting or self.swapped[0].arrival < self.waiting[0].arrival):
+                if not self._swap_in(batch, self.swapped[0], slots_in_use):
+                    return
+                request = self.swapped.pop(0)
             else:
-                request.just_readmitted = True
-                self.events.append(EventKind.RESUMED, request.label)
+                request = self.waiting[0]
+                used = self._admit_waiting(batch, request, budget, slots_in_use) if budget > 0 else None
+                if used is None:
+                    return
+                self.waiting.pop(0)
+                budget -= used
+            slots_in_use += request.num_slots
             request.state = RequestState.RUNNING
             self._insert_running(request)
-            for seq in seqs:
-                if seq not in request.followers:
-                    budget -= self._add_prefill(batch, request, seq, budget)
+
+    def _swap_in(self, batch: Batch, request: Request, slots_in_use: int) -> bool:
+        """Bring a swapped request back if it fits; its pending tokens are appended by the next step."""
+        bm = self.block_manager
+        seq_ids = [s.seq_id for s in request.live_seqs]
+        if not self._fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
+            return False
+        moves = bm.swap_in(seq_ids)
+        batch.step_input.swap_in += moves
+        self.events.append(EventKind.SWAPPED_IN, request.label, num_blocks=len(moves))
+        self.events.append(EventKind.RESUMED, request.label)
+        request.just_readmitted = True
+        return True
+
+    def _admit_waiting(self, batch: Batch, request: Request, budget: int, slots_in_use: int) -> int | None:
+        """Give a waiting request its blocks and prefill chunks if it fits; returns the tokens scheduled."""
+        bm = self.block_manager
+        seqs = request.live_seqs
+        num_shared_blocks = self._num_shared_blocks(seqs)
+        need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
+            -(-seq.num_tokens // bm.block_size) - num_shared_blocks for seq in seqs[1:])
+        if not self._fits(request, need, slots_in_use):
+            return None
+        leader = seqs[0]
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+        for seq in seqs[1:]:
+            if num_shared_blocks:
+                seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
+                                                              num_shared_blocks)
+            else:
+                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+        request.followers = [seq for seq in seqs[1:] if bm.awaits_leader(seq.seq_id)]
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = leader.num_computed_tokens
+            self.events.append(EventKind.ADMITTED, request.label, num_prompt_tokens=len(request.prompt_token_ids))
+            if request.num_cached_tokens:
+                self.events.append(EventKind.PREFIX_HIT, request.label, num_cached_tokens=request.num_cached_tokens)
+        else:
+            request.just_readmitted = True
+            self.events.append(EventKind.RESUMED, request.label)
+        used = 0
+        for seq in seqs:
+            if seq not in request.followers:
+                used += self._add_prefill(batch, request, seq, budget - used)
+        return used
 
     # ---- helpers ----
     def _fits(self, request: Request, num_blocks: int, slots_in_use: int) -> bool:
