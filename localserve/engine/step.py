@@ -9,9 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqChunk:
-    """One sequence's part of a step: `token_ids` are new tokens at positions start_pos, start_pos + 1, ..."""
+    """One sequence's part of a step: `token_ids` are new tokens at positions start_pos, start_pos + 1, ...
+
+    `block_table` is the block manager's own table of the sequence, not a copy (one per sequence per
+    step would cost O(context) each): read it during the step, never change it, keep none past it.
+    """
 
     token_ids: list[int]
     start_pos: int
@@ -23,7 +27,7 @@ class SeqChunk:
         return self.start_pos + len(self.token_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepInput:
     """Everything the model runner needs for one forward pass, block moves included.
 
