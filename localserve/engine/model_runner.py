@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs
+from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.step import StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.models.llama import ForwardContext, LlamaForCausalLM
@@ -26,6 +27,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.block_tables = BlockTableRows()
         self.decode_graphs = None
         if self.device.type == "cuda" and backend.name == "triton" and max_model_len:
             from localserve.engine.cuda_graphs import DecodeGraphs  # imports triton: only where it runs
@@ -52,19 +54,16 @@ class ModelRunner:
     def prepare_inputs(self, step: StepInput) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor]:
         """The step's attention inputs, its token ids [T] and the rows [num logits] whose logits are wanted.
 
-        Python touches each sequence a few times and reads each block id once, into numpy at C speed
-        (`np.fromiter`); padding, positions and slots are computed on whole arrays.
+        Python touches each sequence a few times; block tables are kept between steps (`BlockTableRows`),
+        so only the block ids that changed are read; positions and slots are computed on whole arrays.
         """
         block_size = self.kv_cache.block_size
         chunks = step.chunks
         num_seqs = len(chunks)
         query_lens = [len(chunk.token_ids) for chunk in chunks]
         starts = np.fromiter([chunk.start_pos for chunk in chunks], np.int64, num_seqs)
-        tables = [chunk.block_table for chunk in chunks]
-        table_lens = np.fromiter(map(len, tables), np.int64, num_seqs)
-        block_tables = np.zeros((num_seqs, int(table_lens.max())), np.int64)
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            chain.from_iterable(tables), np.int64, int(table_lens.sum()))
+        block_tables = self.block_tables.gather([chunk.seq_id for chunk in chunks],
+                                                [chunk.block_table for chunk in chunks])
         num_tokens = sum(query_lens)
         input_ids = np.fromiter(chain.from_iterable(chunk.token_ids for chunk in chunks), np.int64, num_tokens)
         if num_tokens == num_seqs:  # decodes only: one token each, at its start position

@@ -106,6 +106,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 class Sampler:
     """Chooses one token per row of `rows`, reading logits [R, V] (float32 or float64) in place."""
 
+    @torch.inference_mode()  # the runner's logits are inference tensors: changed in place only in this mode
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  logit_rows: torch.Tensor | None = None) -> SamplerOutput:
         """Row i of `rows` reads `logits[logit_rows[i]]` (`logits[i]` when None: no copy at all).

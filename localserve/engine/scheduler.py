@@ -193,7 +193,8 @@ class Scheduler:
                         seqs.append(seq)
                         requests.append(request)
                         query_lens.append(1)
-                        chunks.append(SeqChunk([token_ids[-1]], position, live_block_table(seq.seq_id)))
+                        seq_id = seq.seq_id
+                        chunks.append(SeqChunk([token_ids[-1]], position, live_block_table(seq_id), True, seq_id))
                         budget -= 1
                 elif seq.num_computed_tokens < position and seq not in request.followers:
                     prefills.append((request, seq))
@@ -301,7 +302,7 @@ class Scheduler:
             batch.query_lens.append(num_tokens)
             batch.step_input.chunks.append(SeqChunk(
                 seq.token_ids[start:start + num_tokens], start, self.block_manager.live_block_table(seq.seq_id),
-                needs_logits=num_tokens == remaining))
+                needs_logits=num_tokens == remaining, seq_id=seq.seq_id))
             self.events.append(EventKind.PREFILL_CHUNK, request.label, num_tokens=num_tokens,
                                num_computed_tokens=start)
         return num_tokens

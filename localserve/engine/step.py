@@ -21,6 +21,9 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]  # physical block of each logical block, covering at least context_len tokens
     needs_logits: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Names the sequence across steps, so the runner can keep its table and copy only what changed
+    # (engine/block_tables.py); None: a one-off chunk whose table is copied whole.
+    seq_id: int | None = None
 
     @property
     def context_len(self) -> int:
