@@ -37,7 +37,7 @@ from localserve.models.config import ModelConfig
 from localserve.models.llama import LlamaForCausalLM
 
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
+from localserve.engine.engine import LLMEngine, settle_garbage_collector
 from localserve.engine.sampling_params import SamplingParams
 
 VOCAB = 49_152  # SmolLM2's
@@ -137,8 +137,8 @@ def run(num_seqs: int, num_blocks: int, vocab: int, steps: int, seed: int, stage
         setattr(engine.scheduler, name, core.wrap(getattr(engine.scheduler, name)))
     for name in BLOCK_MANAGER_CALLS:
         setattr(engine.block_manager, name, core.wrap(getattr(engine.block_manager, name)))
-    gc.collect()
-    gc.freeze()  # as LLM does once the model is loaded
+    threshold = gc.get_threshold()
+    settle_garbage_collector()  # as LLM does once the model is loaded
     stage_clocks: dict[str, Clock] = {}
     if stages:
         for label, path, method in STAGES:
@@ -186,6 +186,7 @@ def run(num_seqs: int, num_blocks: int, vocab: int, steps: int, seed: int, stage
     finally:
         gc.callbacks.remove(on_gc)
         gc.unfreeze()
+        gc.set_threshold(*threshold)
     starts = [t for phase, t in full_collections if phase == "start"]
     stops = [t for phase, t in full_collections if phase == "stop"]
     return {"records": records, "peak_used_blocks": peak_used, "preemptions": engine.num_preemptions,
@@ -209,6 +210,68 @@ def summarize(result: dict) -> dict:
             "full_collection_ms": result["full_collection_ms"]}
 
 
+def load_nano_vllm():
+    """The installed nano-vllm-fork's Scheduler, Sequence and SamplingParams, or None when it is not installed.
+
+    Its package __init__ imports its model runner (flash-attn, CUDA): the package is set up empty and only
+    its scheduler, block manager and sequence modules are imported. Nothing of it is copied here.
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("nanovllm")
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    package = types.ModuleType("nanovllm")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules.setdefault("nanovllm", package)
+    scheduler = importlib.import_module("nanovllm.engine.scheduler")
+    sequence = importlib.import_module("nanovllm.engine.sequence")
+    sampling = importlib.import_module("nanovllm.sampling_params")
+    sequence.Sequence.block_size = BLOCK_SIZE
+    return scheduler.Scheduler, sequence.Sequence, sampling.SamplingParams
+
+
+def run_nano_vllm(nano, num_seqs: int, num_blocks: int, steps: int, seed: int) -> dict:
+    """The same workload through nano-vllm-fork's scheduler and block manager (schedule + postprocess),
+    random tokens for the model; per pure decode step (its steps are prefill-only or decode-only)."""
+    from types import SimpleNamespace
+
+    scheduler_class, sequence_class, params_class = nano
+    scheduler = scheduler_class(SimpleNamespace(max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs + 16384,
+                                                eos=-1, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=num_blocks))
+    rng = random.Random(seed)
+
+    def add(residual: bool = False) -> None:
+        prompt, params = new_request(rng, residual)
+        scheduler.add(sequence_class(prompt, params_class(max_tokens=params.max_tokens, ignore_eos=True)))
+
+    for _ in range(num_seqs):
+        add(residual=True)
+    times, sizes = [], []
+    for index in range(30 + steps):
+        start = time.thread_time()
+        seqs, is_prefill = scheduler.schedule()
+        middle = time.thread_time()
+        token_ids = [rng.randrange(VOCAB) for _ in seqs]
+        resumed = time.thread_time()
+        scheduler.postprocess(seqs, token_ids)
+        end = time.thread_time()
+        if index >= 30 and not is_prefill:
+            times.append(middle - start + end - resumed)
+            sizes.append(len(seqs))
+        for seq in seqs:
+            if seq.is_finished:
+                add()
+    if not times:
+        return {"decode_steps": 0}
+    seqs = statistics.median(sizes)
+    return {"decode_steps": len(times), "seqs": seqs, "core_us": statistics.median(times) * 1e6,
+            "core_us_per_seq": statistics.median(times) * 1e6 / seqs}
+
+
 def argmax_us(num_seqs: int, repeats: int = 15) -> float:
     """One argmax over a fresh [num_seqs, VOCAB] float32 tensor, median microseconds."""
     logits = torch.rand(num_seqs, VOCAB)
@@ -226,6 +289,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="measured steps with the one-token vocabulary")
     parser.add_argument("--vocab-steps", type=int, default=80, help="measured steps with the full vocabulary")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-pressure", action="store_true", help="only the pool that never preempts")
     parser.add_argument("--profile", type=int, default=256, help="N whose steps are split into stages")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the machine's two cores are shared; one thread keeps the figures steady
@@ -235,6 +299,8 @@ def main() -> None:
     print(f"load average at start: {info['load_average'][0]:.2f} {info['load_average'][1]:.2f} "
           f"{info['load_average'][2]:.2f}", flush=True)
     results: dict = defaultdict(dict)
+    nano = load_nano_vllm()
+    print("nano-vllm-fork: " + ("installed, run side by side" if nano else "not installed, left out"), flush=True)
     for num_seqs in args.sizes:
         roomy_blocks = num_seqs * -(-2000 // BLOCK_SIZE) + 16
         pools = [("roomy", roomy_blocks)]
@@ -244,10 +310,14 @@ def main() -> None:
                                         stages=num_seqs == args.profile))
                 results[f"{pool} N={num_seqs}"][f"vocab {vocab}"] = summary
                 print(f"N={num_seqs} {pool} pool ({num_blocks} blocks) vocab {vocab}: {summary}", flush=True)
-                if pool == "roomy" and vocab == 1 and num_seqs > 1:
+                if pool == "roomy" and vocab == 1 and num_seqs > 1 and not args.no_pressure:
                     # A request alone must still fit: at N=1 a 0.6x pool would refuse the longest ones.
                     pools.append(("0.6x peak", int(0.6 * summary["peak_used_blocks"])))
         results[f"argmax N={num_seqs}"] = argmax_us(num_seqs)
+        if nano:
+            results[f"nano-vllm-fork N={num_seqs}"] = summary = run_nano_vllm(
+                nano, num_seqs, num_seqs * -(-2000 // BLOCK_SIZE) + 16, args.steps, args.seed)
+            print(f"N={num_seqs} nano-vllm-fork, roomy pool: {summary}", flush=True)
     info["load_average_end"] = os.getloadavg()
     print_tables(results, args)
     print(f"\nraw numbers: {save_raw('step_overhead', info, results)}")
@@ -263,7 +333,7 @@ def print_tables(results: dict, args) -> None:
                "vocab-sized work us/step", "one argmax us", "ratio", "full GCs (ms)"]
     rows = []
     for key, by_vocab in results.items():
-        if key.startswith("argmax"):
+        if key.startswith(("argmax", "nano")):
             continue
         pool, n = key.rsplit(" N=", 1)
         small, full = by_vocab["vocab 1"], by_vocab[f"vocab {VOCAB}"]
@@ -281,6 +351,12 @@ def print_tables(results: dict, args) -> None:
                      f"{gcs} ({small['full_collection_ms'] + full['full_collection_ms']:.0f})"])
     print()
     print(markdown_table(headers, rows))
+    nano_rows = [[n, f"{results[f'roomy N={n}']['vocab 1']['core_us_per_seq']:.2f}",
+                  f"{results[f'nano-vllm-fork N={n}']['core_us_per_seq']:.2f}"]
+                 for n in args.sizes if results.get(f"nano-vllm-fork N={n}", {}).get("decode_steps")]
+    if nano_rows:
+        print("\nscheduler + block manager side by side, roomy pool, us per sequence per decode step:")
+        print(markdown_table(["N", "localserve", "nano-vllm-fork"], nano_rows))
     profile = results.get(f"roomy N={args.profile}")
     if profile:
         print(f"\nwhere the time of a pure decode step goes, roomy pool, N={args.profile} (median us per step):")

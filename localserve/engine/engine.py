@@ -7,6 +7,7 @@ behind thread-safe queues for the server.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -45,6 +46,22 @@ class StepRecord:
     num_seqs: int
     num_preempted: int
     duration_s: float
+
+
+YOUNG_COLLECTION_THRESHOLD = 50_000  # new container objects between two young collections (Python's is 700)
+
+
+def settle_garbage_collector() -> None:
+    """Once the model is loaded: collect, then freeze what is alive (weights, modules, the engine's own
+    books: they live as long as the process, and no collection walks them again), and let a young
+    collection wait for 50,000 new objects instead of 700. A decode step makes a few objects per
+    sequence (its chunk, its output) that die by the next step: at 700 several collections a step walk
+    them and promote the survivors, which later collections walk again; at 50,000 one collection every
+    tens of steps meets one step's worth, and full collections become rare (gc.callbacks in
+    scripts/bench_step_overhead.py counts them)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def kv_format_args(model: LlamaForCausalLM, tokenizer, cache_type_k: str | None,
@@ -172,7 +189,8 @@ class LLMEngine:
         moved: dict[str, Request] = {request.request_id: request for request in batch.failed}
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
         rows: list[SamplingRow] = []  # what the sampler reads, one per sampled sequence
-        targets: list[tuple[Request, Sequence]] = []
+        sampled_requests: list[Request] = []  # the request and sequence of each entry of rows
+        sampled_seqs: list[Sequence] = []
         logit_rows: list[int] = []  # the logits row of each entry of rows
         row = 0
         for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
@@ -186,26 +204,27 @@ class LLMEngine:
                 beam_rows.setdefault(request.request_id, []).append((seq, row))
             else:
                 rows.append(seq.sampling_row or self._sampling_row(request, seq))
-                targets.append((request, seq))
+                sampled_requests.append(request)
+                sampled_seqs.append(seq)
                 logit_rows.append(row)
                 if not request.forked:
                     request.forked = True
                     for index in range(1, request.params.n):
                         child = self.fork(request, seq, index)
                         rows.append(self._sampling_row(request, child))
-                        targets.append((request, child))
+                        sampled_requests.append(request)
+                        sampled_seqs.append(child)
                         logit_rows.append(row)
             row += 1
         if rows:
             # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
             # place; else the row index is built once, on the device.
             identity = len(logit_rows) == row and not beam_rows
-            index = None if identity else torch.tensor(logit_rows, device=logits.device)
-            result = self.sampler(logits, rows, index)
-            top_logprobs = result.top_logprobs
-            for i, (request, seq) in enumerate(targets):
-                self._append(request, seq, result.token_ids[i], result.logprobs[i],
-                             top_logprobs[i] if top_logprobs else None)
+            result = self.sampler(logits, rows, None if identity else torch.tensor(logit_rows, device=logits.device))
+            top_logprobs = result.top_logprobs or [None] * len(rows)
+            for request, seq, token_id, logprob, top in zip(sampled_requests, sampled_seqs, result.token_ids,
+                                                            result.logprobs, top_logprobs):
+                self._append(request, seq, token_id, logprob, top)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
             for seq, logit_row in entries:

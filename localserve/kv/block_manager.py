@@ -262,15 +262,14 @@ class BlockManager(SwapMixin):
         if not self._free_queue:
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
         block_id = self._take_free_block()
-        copies: list[tuple[int, int]] = []
+        seq.token_ids.append(token_id)
         if needs_new_block:
             block_table.append(block_id)
-        else:
-            self._ref_counts[block_table[-1]] -= 1  # stays >= 1: the other holders keep it
-            copies.append((block_table[-1], block_id))
-            block_table[-1] = block_id
-            self.cow_copies += 1
-        seq.token_ids.append(token_id)
+            return []
+        self._ref_counts[block_table[-1]] -= 1  # stays >= 1: the other holders keep it
+        copies = [(block_table[-1], block_id)]
+        block_table[-1] = block_id
+        self.cow_copies += 1
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
