@@ -31,6 +31,7 @@ import statistics
 import time
 from collections import defaultdict
 
+import step_overhead_alone
 import torch
 from benchlib import machine, markdown_table, print_machine, save_raw
 from localserve.models.config import ModelConfig
@@ -210,68 +211,6 @@ def summarize(result: dict) -> dict:
             "full_collection_ms": result["full_collection_ms"]}
 
 
-def load_nano_vllm():
-    """The installed nano-vllm-fork's Scheduler, Sequence and SamplingParams, or None when it is not installed.
-
-    Its package __init__ imports its model runner (flash-attn, CUDA): the package is set up empty and only
-    its scheduler, block manager and sequence modules are imported. Nothing of it is copied here.
-    """
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    spec = importlib.util.find_spec("nanovllm")
-    if spec is None or spec.submodule_search_locations is None:
-        return None
-    package = types.ModuleType("nanovllm")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules.setdefault("nanovllm", package)
-    scheduler = importlib.import_module("nanovllm.engine.scheduler")
-    sequence = importlib.import_module("nanovllm.engine.sequence")
-    sampling = importlib.import_module("nanovllm.sampling_params")
-    sequence.Sequence.block_size = BLOCK_SIZE
-    return scheduler.Scheduler, sequence.Sequence, sampling.SamplingParams
-
-
-def run_nano_vllm(nano, num_seqs: int, num_blocks: int, steps: int, seed: int) -> dict:
-    """The same workload through nano-vllm-fork's scheduler and block manager (schedule + postprocess),
-    random tokens for the model; per pure decode step (its steps are prefill-only or decode-only)."""
-    from types import SimpleNamespace
-
-    scheduler_class, sequence_class, params_class = nano
-    scheduler = scheduler_class(SimpleNamespace(max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs + 16384,
-                                                eos=-1, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=num_blocks))
-    rng = random.Random(seed)
-
-    def add(residual: bool = False) -> None:
-        prompt, params = new_request(rng, residual)
-        scheduler.add(sequence_class(prompt, params_class(max_tokens=params.max_tokens, ignore_eos=True)))
-
-    for _ in range(num_seqs):
-        add(residual=True)
-    times, sizes = [], []
-    for index in range(30 + steps):
-        start = time.thread_time()
-        seqs, is_prefill = scheduler.schedule()
-        middle = time.thread_time()
-        token_ids = [rng.randrange(VOCAB) for _ in seqs]
-        resumed = time.thread_time()
-        scheduler.postprocess(seqs, token_ids)
-        end = time.thread_time()
-        if index >= 30 and not is_prefill:
-            times.append(middle - start + end - resumed)
-            sizes.append(len(seqs))
-        for seq in seqs:
-            if seq.is_finished:
-                add()
-    if not times:
-        return {"decode_steps": 0}
-    seqs = statistics.median(sizes)
-    return {"decode_steps": len(times), "seqs": seqs, "core_us": statistics.median(times) * 1e6,
-            "core_us_per_seq": statistics.median(times) * 1e6 / seqs}
-
-
 def argmax_us(num_seqs: int, repeats: int = 15) -> float:
     """One argmax over a fresh [num_seqs, VOCAB] float32 tensor, median microseconds."""
     logits = torch.rand(num_seqs, VOCAB)
@@ -283,11 +222,22 @@ def argmax_us(num_seqs: int, repeats: int = 15) -> float:
     return statistics.median(times) * 1e6
 
 
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def spread(runs: list[dict], key: str) -> str:
+    values = sorted(run[key] for run in runs)
+    middle = f"{statistics.median(values):.2f}"
+    return f"{middle} ({values[0]:.2f}-{values[-1]:.2f})" if len(values) > 1 else middle
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 256, 512])
     parser.add_argument("--steps", type=int, default=300, help="measured steps with the one-token vocabulary")
-    parser.add_argument("--vocab-steps", type=int, default=80, help="measured steps with the full vocabulary")
+    parser.add_argument("--vocab-steps", type=int, default=60, help="measured steps with the full vocabulary")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (medians of medians)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pressure", action="store_true", help="only the pool that never preempts")
     parser.add_argument("--profile", type=int, default=256, help="N whose steps are split into stages")
@@ -298,74 +248,88 @@ def main() -> None:
     print_machine(info)
     print(f"load average at start: {info['load_average'][0]:.2f} {info['load_average'][1]:.2f} "
           f"{info['load_average'][2]:.2f}", flush=True)
-    results: dict = defaultdict(dict)
-    nano = load_nano_vllm()
+    results: dict = defaultdict(lambda: defaultdict(list))
+    nano = step_overhead_alone.load_nano_vllm()
     print("nano-vllm-fork: " + ("installed, run side by side" if nano else "not installed, left out"), flush=True)
     for num_seqs in args.sizes:
         roomy_blocks = num_seqs * -(-2000 // BLOCK_SIZE) + 16
+        for _ in range(args.repeats):
+            alone = results[f"alone N={num_seqs}"]
+            alone["localserve"].append(step_overhead_alone.run_localserve(
+                new_request, num_seqs, roomy_blocks, args.steps, args.seed, VOCAB))
+            if nano:
+                alone["nano-vllm-fork"].append(step_overhead_alone.run_nano_vllm(
+                    nano, new_request, num_seqs, roomy_blocks, args.steps, args.seed, VOCAB))
+        print(f"N={num_seqs} alone: {dict(results[f'alone N={num_seqs}'])}", flush=True)
         pools = [("roomy", roomy_blocks)]
         for pool, num_blocks in pools:
             for vocab, steps in ((1, args.steps), (VOCAB, args.vocab_steps)):
-                summary = summarize(run(num_seqs, num_blocks, vocab, steps, args.seed,
-                                        stages=num_seqs == args.profile))
-                results[f"{pool} N={num_seqs}"][f"vocab {vocab}"] = summary
-                print(f"N={num_seqs} {pool} pool ({num_blocks} blocks) vocab {vocab}: {summary}", flush=True)
+                for _ in range(args.repeats):
+                    summary = summarize(run(num_seqs, num_blocks, vocab, steps, args.seed,
+                                            stages=num_seqs == args.profile))
+                    results[f"{pool} N={num_seqs}"][f"vocab {vocab}"].append(summary)
+                    print(f"N={num_seqs} {pool} pool ({num_blocks} blocks) vocab {vocab}: {summary}", flush=True)
                 if pool == "roomy" and vocab == 1 and num_seqs > 1 and not args.no_pressure:
                     # A request alone must still fit: at N=1 a 0.6x pool would refuse the longest ones.
-                    pools.append(("0.6x peak", int(0.6 * summary["peak_used_blocks"])))
-        results[f"argmax N={num_seqs}"] = argmax_us(num_seqs)
-        if nano:
-            results[f"nano-vllm-fork N={num_seqs}"] = summary = run_nano_vllm(
-                nano, num_seqs, num_seqs * -(-2000 // BLOCK_SIZE) + 16, args.steps, args.seed)
-            print(f"N={num_seqs} nano-vllm-fork, roomy pool: {summary}", flush=True)
+                    peak = max(r["peak_used_blocks"] for r in results[f"roomy N={num_seqs}"]["vocab 1"])
+                    pools.append(("0.6x peak", int(0.6 * peak)))
+        results[f"argmax N={num_seqs}"]["us"].append(argmax_us(num_seqs))
     info["load_average_end"] = os.getloadavg()
     print_tables(results, args)
     print(f"\nraw numbers: {save_raw('step_overhead', info, results)}")
-    print(f"load average at end: {info['load_average_end'][0]:.2f}")
-    final = results.get("roomy N=256", {}).get("vocab 1")
-    if final and final["decode_steps"]:
-        print(f"scheduler+block manager: {final['core_us_per_seq']:.2f} us/seq/step at N=256")
+    print(f"load average at end: {info['load_average_end'][0]:.2f} {info['load_average_end'][1]:.2f} "
+          f"{info['load_average_end'][2]:.2f}")
+    final = results.get("alone N=256", {}).get("localserve")
+    if final and all(run["decode_steps"] for run in final):
+        print(f"scheduler+block manager: {median_of(final, 'core_us_per_seq'):.2f} us/seq/step at N=256")
 
 
 def print_tables(results: dict, args) -> None:
-    headers = ["pool", "N", "running (median)", "decode steps", "preemptions", "sched+BM us/step", "sched+BM us/seq",
-               "outside model, vocab 1: us/step", "us/seq", "outside model, vocab 49,152: us/step", "us/seq",
-               "vocab-sized work us/step", "one argmax us", "ratio", "full GCs (ms)"]
+    print("\nscheduler + block manager alone, roomy pool, us per sequence per pure decode step "
+          "(median of the runs' medians, range over the runs):")
+    rows = []
+    for n in args.sizes:
+        alone = results[f"alone N={n}"]
+        ours = alone["localserve"]
+        if not all(run["decode_steps"] for run in ours):
+            continue
+        theirs = alone.get("nano-vllm-fork")
+        rows.append([n, f"{median_of(ours, 'core_us'):.0f}", spread(ours, "core_us_per_seq")]
+                    + ([f"{median_of(theirs, 'core_us'):.0f}", spread(theirs, "core_us_per_seq")] if theirs else []))
+    print(markdown_table(["N", "localserve us/step", "us/seq"]
+                         + (["nano-vllm-fork us/step", "us/seq"] if results["alone N=" + str(args.sizes[0])]
+                            .get("nano-vllm-fork") else []), rows))
+    headers = ["pool", "N", "running", "decode steps", "preemptions", "sched+BM in the step, us/seq",
+               "outside model, vocab 1: us/step", "us/seq", "vocab 49,152: us/step", "us/seq",
+               "vocab-sized work us/step", "one argmax us", "ratio", "full GCs"]
     rows = []
     for key, by_vocab in results.items():
-        if key.startswith(("argmax", "nano")):
+        if not key.startswith(("roomy", "0.6x")):
             continue
         pool, n = key.rsplit(" N=", 1)
         small, full = by_vocab["vocab 1"], by_vocab[f"vocab {VOCAB}"]
-        if not small["decode_steps"] or not full["decode_steps"]:
-            rows.append([pool, n, "-", 0] + ["-"] * 11)
+        if not all(r["decode_steps"] for r in small + full):
+            rows.append([pool, n, "-", 0] + ["-"] * 10)
             continue
-        vocab_work = full["outside_us"] - small["outside_us"]
-        argmax = results[f"argmax N={n}"]
-        gcs = small["full_collections"] + full["full_collections"]
-        rows.append([pool, n, f"{small['seqs']:.0f}", small["decode_steps"], small["preemptions"],
-                     f"{small['core_us']:.0f}", f"{small['core_us_per_seq']:.2f}", f"{small['outside_us']:.0f}",
-                     f"{small['outside_us_per_seq']:.2f}", f"{full['outside_us']:.0f}",
-                     f"{full['outside_us_per_seq']:.2f}", f"{vocab_work:.0f}", f"{argmax:.0f}",
-                     f"{vocab_work / argmax:.2f}x",
-                     f"{gcs} ({small['full_collection_ms'] + full['full_collection_ms']:.0f})"])
-    print()
+        vocab_work = median_of(full, "outside_us") - median_of(small, "outside_us")
+        argmax = results[f"argmax N={n}"]["us"][0]
+        gcs = sum(r["full_collections"] for r in small + full)
+        rows.append([pool, n, f"{median_of(small, 'seqs'):.0f}", sum(r["decode_steps"] for r in small),
+                     sum(r["preemptions"] for r in small), spread(small, "core_us_per_seq"),
+                     f"{median_of(small, 'outside_us'):.0f}", spread(small, "outside_us_per_seq"),
+                     f"{median_of(full, 'outside_us'):.0f}", spread(full, "outside_us_per_seq"),
+                     f"{vocab_work:.0f}", f"{argmax:.0f}", f"{vocab_work / argmax:.2f}x", gcs])
+    print("\nthe engine's step outside the model, per pure decode step (medians of the runs' medians; ranges):")
     print(markdown_table(headers, rows))
-    nano_rows = [[n, f"{results[f'roomy N={n}']['vocab 1']['core_us_per_seq']:.2f}",
-                  f"{results[f'nano-vllm-fork N={n}']['core_us_per_seq']:.2f}"]
-                 for n in args.sizes if results.get(f"nano-vllm-fork N={n}", {}).get("decode_steps")]
-    if nano_rows:
-        print("\nscheduler + block manager side by side, roomy pool, us per sequence per decode step:")
-        print(markdown_table(["N", "localserve", "nano-vllm-fork"], nano_rows))
     profile = results.get(f"roomy N={args.profile}")
     if profile:
-        print(f"\nwhere the time of a pure decode step goes, roomy pool, N={args.profile} (median us per step):")
+        print(f"\nwhere the time of a pure decode step goes, roomy pool, N={args.profile} (us per step, first run):")
         stage_rows = []
         for vocab_key in ("vocab 1", f"vocab {VOCAB}"):
-            summary = profile[vocab_key]
+            summary = profile[vocab_key][0]
             if not summary["decode_steps"]:
                 continue
-            named = sum(summary["stages_us"].values())
+            named = sum(v for k, v in summary["stages_us"].items() if not k.startswith("garbage"))
             for label, value in summary["stages_us"].items():
                 stage_rows.append([vocab_key, label, f"{value:.0f}", f"{value / summary['seqs']:.2f}"])
             stage_rows.append([vocab_key, "rest of the step (engine loop, stop rules, bookkeeping)",

@@ -123,8 +123,8 @@ class Scheduler:
         """After the forward pass: the step's tokens have their KV; followers take what their leader computed."""
         mark_computed = self.block_manager.mark_computed
         for seq, num_tokens in zip(batch.seqs, batch.query_lens):
-            seq.num_computed_tokens += num_tokens
-            mark_computed(seq.seq_id, seq.num_computed_tokens)
+            seq.num_computed_tokens = num_computed = seq.num_computed_tokens + num_tokens
+            mark_computed(seq.seq_id, num_computed)
         if self._with_followers:
             self._catch_up_followers()
 
@@ -132,6 +132,8 @@ class Scheduler:
     def _make_room(self, batch: Batch) -> None:
         """Preempt (module doc, "Victims") until every pending token of the running requests has a block."""
         bm = self.block_manager
+        if bm.num_available_blocks >= self.config.max_num_seqs:
+            return  # a pending append takes at most one block, and at most max_num_seqs sequences run
         block_size = bm.block_size
         need = 0  # all the pending appends together, first: when they fit, nobody is preempted
         for request in self.running:

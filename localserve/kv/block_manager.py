@@ -279,9 +279,8 @@ class BlockManager(SwapMixin):
         already registered to another block (that mapping is kept). The count never decreases.
         """
         seq = self._seqs[seq_id]
-        if seq.is_swapped:
-            self._gpu_seq(seq_id)  # raises
-        if not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+        if seq.is_swapped or not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+            self._gpu_seq(seq_id)  # raises if swapped
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{seq.num_computed_tokens}, "
                              f"{len(seq.token_ids)}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
