@@ -3,8 +3,10 @@
 Every sequence owns a `torch.Generator` (seeded from the request's seed when given), so a seeded
 request samples the same tokens whatever else shares its batch. The step's logits stay one buffer:
 greedy rows take their argmax in place, penalties are applied in place to the rows that have them,
-only sampled rows and rows asking for logprobs are read again. Nothing is read back from the device
-but one copy per step: the sampled ids (with their logprobs, when asked for).
+sampled rows are copied out once and filtered together (temperature, top-k, top-p, min-p as per-row
+tensors; only the random draw is per row, from each row's generator), and only rows asking for
+logprobs get a log-softmax. Nothing is read back from the device but one copy per step: the sampled
+ids (with their logprobs, when asked for).
 """
 
 from __future__ import annotations
@@ -79,27 +81,46 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     one that reaches top_p all stay (transformers keeps whichever its sort put first), so that, like
     top-k's, the result depends on the values alone. The most likely token always stays.
     """
+    return filter_rows(logits[None], [params])[0]
+
+
+def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filter_logits` for a batch [S, V], row i with params[i]: each step one operation over the batch,
+    the per-row parameters as tensors (a row without a filter gets the value that keeps everything)."""
+    num_rows, vocab = logits.shape
+    dtype, device = logits.dtype, logits.device
+    neg_inf = float("-inf")
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
     # Shifting the largest logit to 0 changes no probability, and no temperature can then overflow a
     # logit to +inf (which would turn the softmax into NaN); nor can one so small that the dtype rounds
     # it to 0 (0 / 0): below the smallest normal number every temperature has the same effect.
-    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
-    logits = (logits - logits.max()) / temperature
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits = torch.sort(logits, descending=True).values
-        mass_before = sorted_logits.softmax(-1).cumsum(-1).roll(1)
-        mass_before[0] = 0.0
+    tiny = torch.finfo(dtype).tiny
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / column([max(p.temperature, tiny) for p in params])
+    top_k = [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
+    with_top_k, with_top_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in params)
+    if with_top_k or with_top_p:
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values
+    if with_top_k:  # the k-th largest value; k = V keeps every token
+        kth = sorted_logits.gather(1, torch.tensor(top_k, device=device)[:, None] - 1)
+        logits = logits.masked_fill(logits < kth, neg_inf)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)  # still sorted: a suffix
+    if with_top_p:
+        mass_before = sorted_logits.softmax(-1).cumsum(-1).roll(1, dims=-1)
+        mass_before[:, 0] = 0.0
         # The probability mass before a token only grows along the sorted row, so the tokens it leaves
         # below top_p are a prefix; the last of them reaches top_p. Its value is the threshold (ties stay).
         # At least one: a top_p below the dtype's smallest number compares as 0.
-        num_kept = (mass_before < params.top_p).sum().clamp(min=1)
-        threshold = sorted_logits.gather(0, (num_kept - 1).view(1))
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if params.min_p > 0.0:
+        top_p = column([p.top_p for p in params])
+        num_kept = (mass_before < top_p).sum(-1, keepdim=True).clamp(min=1)
+        threshold = sorted_logits.gather(1, num_kept - 1).masked_fill(top_p >= 1.0, neg_inf)
+        logits = logits.masked_fill(logits < threshold, neg_inf)
+    if any(p.min_p > 0.0 for p in params):
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        logits = logits.masked_fill(probs < column([p.min_p for p in params]) * probs.max(-1, keepdim=True).values,
+                                    neg_inf)
     return logits
 
 
@@ -118,14 +139,17 @@ class Sampler:
         if any(row.has_penalties for row in rows):
             apply_penalties(logits, rows)
         chosen = logits.max(dim=-1).indices  # greedy rows are done; max() is faster than argmax() on the CPU
-        for i, row in enumerate(rows):
-            if not row.greedy:
-                probs = filter_logits(logits[i], row.params).softmax(-1)
-                # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this row's generator.
-                # E is kept off 0 (CUDA's exponential_ has been seen to return it), else a removed token, p = 0,
-                # could win with 0 / 0.
-                noise = torch.empty_like(probs).exponential_(generator=row.generator)
-                chosen[i] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax()
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if sampled:  # together: one filter pass over their rows, then each row's own random draw
+            index = torch.tensor(sampled, device=logits.device)
+            probs = filter_rows(logits.index_select(0, index), [rows[i].params for i in sampled]).softmax(-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, each row with its own generator.
+            # E is kept off 0 (CUDA's exponential_ has been seen to return it), else a removed token, p = 0,
+            # could win with 0 / 0.
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(sampled):
+                noise[j].exponential_(generator=rows[i].generator)
+            chosen.index_copy_(0, index, (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1))
         # A full log-softmax over the vocabulary only for rows that ask for logprobs, and for parallel
         # samples (n > 1), which are returned with their cumulative log-probability.
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None or row.params.n > 1]
