@@ -29,11 +29,15 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     greedy: bool = field(init=False)
     has_penalties: bool = field(init=False)
+    # A full log-softmax over the vocabulary only for rows that ask for logprobs, and for parallel samples
+    # (n > 1), which are returned with their cumulative log-probability.
+    wants_logprobs: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         self.greedy = p.greedy
         self.has_penalties = p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+        self.wants_logprobs = p.logprobs is not None or p.n > 1
 
 
 @dataclass
@@ -150,9 +154,7 @@ class Sampler:
             for j, i in enumerate(sampled):
                 noise[j].exponential_(generator=rows[i].generator)
             chosen.index_copy_(0, index, (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1))
-        # A full log-softmax over the vocabulary only for rows that ask for logprobs, and for parallel
-        # samples (n > 1), which are returned with their cumulative log-probability.
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None or row.params.n > 1]
+        wanted = [i for i, row in enumerate(rows) if row.wants_logprobs]
         if not wanted:
             return SamplerOutput(token_ids=chosen.tolist(), logprobs=[None] * len(rows))
         index = torch.tensor(wanted, device=logits.device)
