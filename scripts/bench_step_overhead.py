@@ -3,22 +3,25 @@
 The workload: N requests in flight at all times (a finished request is replaced at once by a new one),
 prompts of 100-1000 random tokens, 100-1000 output tokens (ignore_eos), greedy, 16-token blocks,
 prefix caching on, chunked prefill with a budget of N + 16384 tokens, a fixed seed. The model is a
-stand-in that returns random logits (a fresh [rows, vocab] tensor each step, cloned from a few
-random tables), so only the engine's own work is left: scheduling, the block manager, building the
-step's tensors and attention metadata, sampling, stop rules and outputs. Each N runs with a pool that
-never preempts, then with one of 0.6x the blocks that run peaked at (preemption by recompute).
+stand-in that returns random logits (copied from a few random tables into one reused buffer), so only
+the engine's own work is left: scheduling, the block manager, building the step's tensors, sampling,
+stop rules and outputs. Each N runs with a pool that never preempts, then with one of 0.6x the blocks
+that run peaked at (preemption by recompute).
 
 Per pure decode step (no prefill, no preemption in the step), medians of CPU time (time.thread_time:
-on a shared machine the wall clock also counts the time other processes held the core):
-- scheduler + block manager: time inside Scheduler.schedule / mark_computed / finish and
-  BlockManager.free as the engine calls them;
+on a shared machine the wall clock also counts the time other processes held the core), each
+configuration run --repeats times:
+- scheduler + block manager alone (scripts/step_overhead_alone.py), beside nano-vllm-fork's when that
+  package is installed; and the same entry points (Scheduler.schedule / mark_computed / finish,
+  BlockManager.free) timed inside the engine's steps;
 - the whole engine step outside the model (the stand-in's time and the attention backend's per-step
   metadata, the attention kernels' own input, subtracted), with a one-token and with
   SmolLM2's 49,152-token vocabulary; their difference is the vocabulary-sized work, set against one
   argmax over a [N, 49152] float32 tensor;
-- full garbage collections (gc.callbacks) during the measured steps.
+- full garbage collections (gc.callbacks) during the measured steps; and, at --profile N, the stages.
+The last line: `scheduler+block manager: X.XX us/seq/step at N=256` (alone).
 
-    python scripts/bench_step_overhead.py [--sizes 1 64 256 512] [--steps 300] [--vocab-steps 80]
+    python scripts/bench_step_overhead.py [--sizes 1 64 256 512] [--steps 300] [--vocab-steps 60]
 """
 
 from __future__ import annotations
