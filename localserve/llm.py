@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
+from localserve.engine.engine import LLMEngine, settle_garbage_collector
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model, resolve_model_path
@@ -38,6 +38,7 @@ class LLM:
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)
         self.engine = LLMEngine(loaded.model, self.tokenizer, engine_config)
+        settle_garbage_collector()
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids); returns one output per prompt, in order."""

@@ -82,6 +82,7 @@ def beam_search_step(engine: BeamHost, request: Request, entries: list[tuple[Seq
         for beam in request.live_seqs:
             engine.block_manager.free(beam.seq_id)
             beam.finish_reason = "length"
+            beam.pending_append = False
         if len(request.finished_beams) >= width:  # early stop: the finished hypotheses are the answer
             request.seqs = []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -46,6 +47,22 @@ class StepRecord:
     num_seqs: int
     num_preempted: int
     duration_s: float
+
+
+YOUNG_COLLECTION_THRESHOLD = 50_000  # new container objects between two young collections (Python's is 700)
+
+
+def settle_garbage_collector() -> None:
+    """Once the model is loaded: collect, then freeze what is alive (weights, modules, the engine's own
+    books: they live as long as the process, and no collection walks them again), and let a young
+    collection wait for 50,000 new objects instead of 700. A decode step makes a few objects per
+    sequence (its chunk, its output) that die by the next step: at 700 several collections a step walk
+    them and promote the survivors, which later collections walk again; at 50,000 one collection every
+    tens of steps meets one step's worth, and full collections become rare (gc.callbacks in
+    scripts/bench_step_overhead.py counts them)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def kv_format_args(model: LlamaForCausalLM, tokenizer, cache_type_k: str | None,
@@ -192,42 +209,49 @@ class LLMEngine:
         return outputs
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled: list[tuple[Request, Sequence, int]] = []  # (request, seq, logits row)
-        row = 0
         self.scheduler.mark_computed(batch)
-        for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
-            if len(chunk.token_ids) > 1 or not seq.output_token_ids:
-                self.num_prompt_tokens += len(chunk.token_ids)
-            if chunk.needs_logits:
-                sampled.append((request, seq, row))
-                row += 1
         moved: dict[str, Request] = {request.request_id: request for request in batch.failed}
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
-        rows: list[SamplingRow] = []
-        targets: list[tuple[Request, Sequence, int]] = []
-        for request, seq, logit_row in sampled:
+        rows: list[SamplingRow] = []  # what the sampler reads, one per sampled sequence
+        sampled_requests: list[Request] = []  # the request and sequence of each entry of rows
+        sampled_seqs: list[Sequence] = []
+        logit_rows: list[int] = []  # the logits row of each entry of rows
+        row = 0
+        for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
+            num_tokens = len(chunk.token_ids)
+            if num_tokens > 1 or len(seq.token_ids) == seq.prompt_len:
+                self.num_prompt_tokens += num_tokens
+            if not chunk.needs_logits:
+                continue
             moved[request.request_id] = request
             if request.params.beam_search:
-                beam_rows.setdefault(request.request_id, []).append((seq, logit_row))
-                continue
-            seqs = [seq]
-            if not request.forked:
-                request.forked = True
-                with self._serving(request):
-                    for index in range(1, request.params.n):
-                        seqs.append(self.fork(request, seq, index))
-                if request.is_finished:
-                    continue
-            for s in seqs:
-                rows.append(SamplingRow(request.params, s.generator, request.prompt_token_ids, s.output_token_ids))
-                targets.append((request, s, logit_row))
-        if rows:
-            result = self.sampler(logits[[t[2] for t in targets]], rows)
-            for i, (request, seq, _) in enumerate(targets):
-                top = result.top_logprobs[i] if result.top_logprobs else None
-                if not request.is_finished:
+                beam_rows.setdefault(request.request_id, []).append((seq, row))
+            else:
+                rows.append(seq.sampling_row or self._sampling_row(request, seq))
+                sampled_requests.append(request)
+                sampled_seqs.append(seq)
+                logit_rows.append(row)
+                if not request.forked:
+                    request.forked = True
                     with self._serving(request):
-                        self._append(request, seq, result.token_ids[i], result.logprobs[i], top)
+                        for index in range(1, request.params.n):
+                            child = self.fork(request, seq, index)
+                            rows.append(self._sampling_row(request, child))
+                            sampled_requests.append(request)
+                            sampled_seqs.append(child)
+                            logit_rows.append(row)
+            row += 1
+        if rows:
+            # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
+            # place; else the row index is built once, on the device.
+            identity = len(logit_rows) == row and not beam_rows
+            result = self.sampler(logits, rows, None if identity else torch.tensor(logit_rows, device=logits.device))
+            top_logprobs = result.top_logprobs or [None] * len(rows)
+            for request, seq, token_id, logprob, top in zip(sampled_requests, sampled_seqs, result.token_ids,
+                                                            result.logprobs, top_logprobs):
+                if not request.is_finished:  # failed alone earlier in this step
+                    with self._serving(request):
+                        self._append(request, seq, token_id, logprob, top)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
             for seq, logit_row in entries:
@@ -245,6 +269,13 @@ class LLMEngine:
             with self._serving(request):
                 beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
         return [self._finish_or_report(request) for request in moved.values()]
+
+    @staticmethod
+    def _sampling_row(request: Request, seq: Sequence) -> SamplingRow:
+        """The sequence's row for the sampler, made once: its output is a live view, nothing is copied."""
+        seq.sampling_row = SamplingRow(request.params, seq.generator, request.prompt_token_ids,
+                                       seq.output_span(live=True))
+        return seq.sampling_row
 
     def _new_sequence(self, token_ids: list[int], prompt_len: int, seed: int | None,
                       with_decoder: bool = True) -> Sequence:
@@ -278,7 +309,7 @@ class LLMEngine:
                 top: list[tuple[int, float]] | None) -> None:
         """Add a sampled token to a sequence and decide whether it stops there."""
         params = request.params
-        seq.token_ids.append(token_id)
+        seq.token_ids.append(token_id)  # the block manager gets it when the next step schedules it
         seq.pending_append = True
         request.just_readmitted = False
         if logprob is not None:
@@ -289,22 +320,23 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             self.events.append(EventKind.FIRST_TOKEN, request.label)
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        if not is_eos and token_id not in params.stop_token_ids and seq.decoder is not None:
+        token_ids = seq.token_ids
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            self._finish_seq(seq, "stop")
+            return
+        if seq.decoder is not None:
             new_from = len(seq.text)
             seq.text += seq.decoder.step(token_id)
-            cut = stop_string_cut(seq.text, params.stop, new_from)
-            if cut is not None:
+            if params.stop and (cut := stop_string_cut(seq.text, params.stop, new_from)) is not None:
                 seq.text = seq.text[:cut]
                 self._finish_seq(seq, "stop")
                 return
-        if is_eos or token_id in params.stop_token_ids:
-            self._finish_seq(seq, "stop")
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(token_ids) - seq.prompt_len >= params.max_tokens or len(token_ids) >= self.max_model_len:
             self._finish_seq(seq, "length")
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        seq.pending_append = False
         self.block_manager.free(seq.seq_id)  # a finished sample gives its blocks back at once
 
     def _finish_or_report(self, request: Request) -> RequestOutput:

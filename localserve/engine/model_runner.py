@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from itertools import accumulate, chain
+
+import numpy as np
 import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs
+from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.step import StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.models.llama import ForwardContext, LlamaForCausalLM
@@ -23,6 +27,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.block_tables = BlockTableRows()
         self.decode_graphs = None
         if self.device.type == "cuda" and backend.name == "triton" and max_model_len:
             from localserve.engine.cuda_graphs import DecodeGraphs  # imports triton: only where it runs
@@ -47,31 +52,35 @@ class ModelRunner:
         return self._forward(input_ids, inputs, logit_rows)
 
     def prepare_inputs(self, step: StepInput) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor]:
-        """The step's attention inputs, its token ids [T] and the rows [num logits] whose logits are wanted."""
+        """The step's attention inputs, its token ids [T] and the rows [num logits] whose logits are wanted.
+
+        Python touches each sequence a few times; block tables are kept between steps (`BlockTableRows`),
+        so only the block ids that changed are read; positions and slots are computed on whole arrays.
+        """
         block_size = self.kv_cache.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        for chunk in step.chunks:
-            table = chunk.block_table
-            for pos in range(chunk.start_pos, chunk.context_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            positions.extend(range(chunk.start_pos, chunk.context_len))
-            input_ids.extend(chunk.token_ids)
-            if chunk.needs_logits:
-                logit_rows.append(len(input_ids) - 1)
-        width = max(len(chunk.block_table) for chunk in step.chunks)
-        tables = [chunk.block_table + [0] * (width - len(chunk.block_table)) for chunk in step.chunks]
+        chunks = step.chunks
+        num_seqs = len(chunks)
+        query_lens = [len(chunk.token_ids) for chunk in chunks]
+        starts = np.fromiter([chunk.start_pos for chunk in chunks], np.int64, num_seqs)
+        block_tables = self.block_tables.gather([chunk.seq_id for chunk in chunks],
+                                                [chunk.block_table for chunk in chunks])
+        num_tokens = sum(query_lens)
+        input_ids = np.fromiter(chain.from_iterable(chunk.token_ids for chunk in chunks), np.int64, num_tokens)
+        if num_tokens == num_seqs:  # decodes only: one token each, at its start position
+            seq_of_token, positions = np.arange(num_seqs), starts
+        else:
+            lens = np.array(query_lens, np.int64)
+            seq_of_token = np.repeat(np.arange(num_seqs), lens)
+            positions = starts[seq_of_token] + np.arange(num_tokens) - (np.cumsum(lens) - lens)[seq_of_token]
+        slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        ends = list(accumulate(query_lens))
+        logit_rows = [end - 1 for end, chunk in zip(ends, chunks) if chunk.needs_logits]
         device = self.device
         inputs = AttentionInputs(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
-            query_lens=[len(chunk.token_ids) for chunk in step.chunks],
-            context_lens=[chunk.context_len for chunk in step.chunks],
-            block_size=block_size)
-        return (inputs, torch.tensor(input_ids, dtype=torch.int64, device=device),
+            slot_mapping=torch.from_numpy(slots).to(device), positions=torch.from_numpy(positions).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device), query_lens=query_lens,
+            context_lens=(starts + query_lens).tolist(), block_size=block_size)
+        return (inputs, torch.from_numpy(input_ids).to(device),
                 torch.tensor(logit_rows, dtype=torch.int64, device=device))
 
     @torch.inference_mode()

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from localserve.engine.sequence import TokenSpan
 
 if TYPE_CHECKING:
     from localserve.engine.sequence import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence (a sample or a beam)."""
 
     index: int
     text: str
-    token_ids: list[int]
+    # The generated ids: a list once the request has finished; before that a read-only TokenSpan on the
+    # sequence's own list (fixed at this step's length), so a step copies no whole output.
+    token_ids: Sequence[int]
     cumulative_logprob: float | None  # for n > 1, beams and when logprobs are asked for; else None
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[float] = field(default_factory=list)  # of each chosen token
@@ -24,7 +29,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step; `finished` once every sequence is done."""
 
@@ -41,7 +46,7 @@ class RequestOutput:
         return self.outputs[0].text if self.outputs else ""
 
     @property
-    def token_ids(self) -> list[int]:
+    def token_ids(self) -> Sequence[int]:
         """The first output's generated token ids."""
         return self.outputs[0].token_ids if self.outputs else []
 
@@ -64,25 +69,30 @@ def stop_string_cut(text: str, stops: list[str], new_from: int) -> int | None:
 
 
 def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutput:
-    """The request's outputs; deltas hold what is new since the last call (which this call records)."""
+    """The request's outputs; deltas hold what is new since the last call (which this call records).
+
+    Nothing here is O(output length) but the final call: a delta is sliced from the tail of the text and
+    of the token ids, and the token ids of an unfinished output are a view, not a copy.
+    """
     params = request.params
     seqs = request.seqs
     if params.beam_search:
         seqs = sorted(request.seqs + request.finished_beams, key=lambda s: -s.cumulative_logprob)[:params.n]
     # Text that may still turn into the start of a stop string is held back until it cannot.
-    hold_back = max((len(stop) for stop in params.stop), default=1) - 1
+    hold_back = max(map(len, params.stop)) - 1 if params.stop else 0
     outputs = []
     for index, seq in enumerate(seqs):
         text = seq.text
         if params.beam_search:
             text = tokenizer.decode(seq.output_token_ids) if tokenizer and finished else ""
-        visible = text if seq.finished or finished else text[:max(seq.num_emitted_chars, len(text) - hold_back)]
-        output_ids = seq.output_token_ids
+        num_visible = len(text)
+        if hold_back and not (seq.finish_reason or finished):
+            num_visible = min(num_visible, max(seq.num_emitted_chars, num_visible - hold_back))
+        token_ids, prompt_len = seq.token_ids, seq.prompt_len
         outputs.append(CompletionOutput(
-            index, text, list(output_ids), seq.cumulative_logprob if seq.logprobs else None,
-            seq.finish_reason, seq.logprobs,
-            seq.top_logprobs, delta_text=visible[seq.num_emitted_chars:],
-            delta_token_ids=output_ids[seq.num_emitted_tokens:]))
-        seq.num_emitted_chars, seq.num_emitted_tokens = len(visible), len(output_ids)
+            index, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, len(token_ids)),
+            seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
+            text[seq.num_emitted_chars:num_visible], token_ids[prompt_len + seq.num_emitted_tokens:]))
+        seq.num_emitted_chars, seq.num_emitted_tokens = num_visible, len(token_ids) - prompt_len
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
                          request.num_cached_tokens, request.error)

@@ -3,8 +3,8 @@
 A step is built in this order: (1) make room for the running requests' decodes, preempting if the
 pool is short; (2) append each decoding sequence's last sampled token and schedule the decodes,
 oldest request first; (3) prefill chunks of running requests (long or readmitted prompts); then,
-unless this step preempted, (4) swapped-out requests come back and (5) waiting requests are
-admitted, both in arrival order, while slots (`max_num_seqs`), the token budget
+unless this step preempted, (4) swapped-out requests come back and waiting requests are admitted,
+in arrival order across both queues, while slots (`max_num_seqs`), the token budget
 (`max_num_batched_tokens`) and blocks allow.
 
 The rules, and why (docs/ARCHITECTURE.md, "Scheduling rules", says the same):
@@ -15,9 +15,10 @@ full blocks of their common prefix, each adds its own tail; after a swap, its di
 headroom: one block for every sequence running after it (samples and beams count, and a request not
 yet forked counts its `n`), its own capped by what it can still grow to (`peak_blocks`). So a
 (re)admitted request is not preempted again by the next decodes, and the `n - 1` copy-on-write copies
-after a fork have room. Slots count the same sequences. Queues are served strictly in arrival order,
-swapped before waiting, and nothing passes a request that does not fit yet: no request waits behind
-a later one. Fairness bound: a request that fits the pool alone (checked when it is added: its
+after a fork have room. Slots count the same sequences. The swapped and waiting queues are served
+as one, strictly in arrival order (a request that fell back from swap to recompute does not wait
+behind one swapped out after it), and nothing passes a request that does not fit yet: no request
+waits behind a later one. Fairness bound: a request that fits the pool alone (checked when it is added: its
 `peak_blocks` against the pool) is admitted at the latest once every request ahead of it is admitted
 and the running requests have finished; when nothing runs its headroom is at most its own growth, so
 it fits. Nothing is readmitted in a step that preempted: that step was short of blocks.
@@ -94,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_swap_fallbacks = 0  # swap asked for but the swap pool was full: recompute instead
+        self._with_followers: list[Request] = []  # requests whose samples wait for their leader's prefill
         # Recent preemptions: (request id, its output tokens at that moment); bounded for long runs.
         self.preemption_log: deque[tuple[str, int]] = deque(maxlen=10_000)
 
@@ -110,38 +112,39 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         self._make_room(batch)
-        budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
-        for request in self.running:  # prefill chunks, arrival order
-            for seq in request.live_seqs:
-                if seq.num_uncomputed_tokens > 1 and seq not in request.followers:
-                    budget -= self._add_prefill(batch, request, seq, budget)
+        budget, slots_in_use, prefills = self._schedule_decodes(batch)
+        for request, seq in prefills:  # prefill chunks of running requests, arrival order
+            budget -= self._add_prefill(batch, request, seq, budget)
         if not batch.preempted:
-            slots_in_use = sum(r.num_slots for r in self.running)
-            slots_in_use = self._swap_in(batch, slots_in_use)
-            if not self.swapped:
-                self._admit(batch, budget, slots_in_use)
-        bm = self.block_manager
-        batch.step_input.chunks = [
-            SeqChunk(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + q], seq.num_computed_tokens,
-                     bm.block_table(seq.seq_id), needs_logits=seq.num_computed_tokens + q == seq.num_tokens)
-            for seq, q in zip(batch.seqs, batch.query_lens)]
+            self._admit(batch, budget, slots_in_use)
         return batch
 
     def mark_computed(self, batch: Batch) -> None:
         """After the forward pass: the step's tokens have their KV; followers take what their leader computed."""
-        bm = self.block_manager
+        mark_computed = self.block_manager.mark_computed
         for seq, num_tokens in zip(batch.seqs, batch.query_lens):
-            seq.num_computed_tokens += num_tokens
-            bm.mark_computed(seq.seq_id, seq.num_computed_tokens)
-        for request in {id(r): r for r in batch.requests if r.followers}.values():
-            for seq in request.followers:
-                seq.num_computed_tokens = bm.num_computed_tokens(seq.seq_id)
-            request.followers = [seq for seq in request.followers if bm.awaits_leader(seq.seq_id)]
+            seq.num_computed_tokens = num_computed = seq.num_computed_tokens + num_tokens
+            mark_computed(seq.seq_id, num_computed)
+        if self._with_followers:
+            self._catch_up_followers()
 
     # ---- the steps of schedule() ----
     def _make_room(self, batch: Batch) -> None:
         """Preempt (module doc, "Victims") until every pending token of the running requests has a block."""
         bm = self.block_manager
+        if bm.num_available_blocks >= self.config.max_num_seqs:
+            return  # a pending append takes at most one block, and at most max_num_seqs sequences run
+        block_size = bm.block_size
+        need = 0  # all the pending appends together, first: when they fit, nobody is preempted
+        for request in self.running:
+            seqs = request.seqs
+            if len(seqs) == 1:  # a lone sequence's partly filled last block is its own: no copy-on-write
+                seq = seqs[0]
+                need += seq.pending_append and seq.finish_reason is None and (len(seq.token_ids) - 1) % block_size == 0
+            elif pending := [seq.seq_id for seq in seqs if seq.pending_append and seq.finish_reason is None]:
+                need += bm.num_blocks_to_append(pending)
+        if need <= bm.num_available_blocks:
+            return
         num_planned = 0  # blocks the appends of the requests kept so far take
         for request in list(self.running):
             if request.state is not RequestState.RUNNING:
@@ -160,78 +163,111 @@ class Scheduler:
             else:
                 num_planned += need
 
-    def _schedule_decodes(self, batch: Batch, budget: int) -> int:
-        """Append the last sampled tokens (the room is made) and schedule one-token steps, oldest first."""
+    def _schedule_decodes(self, batch: Batch) -> tuple[int, int, list[tuple[Request, Sequence]]]:
+        """Append the last sampled tokens (the room is made) and schedule one-token steps, oldest first.
+
+        Returns the budget left, the slots in use, and the sequences with prompt tokens left (arrival order).
+        """
         bm = self.block_manager
+        append_token, live_block_table = bm.append_token, bm.live_block_table
+        budget = self.config.max_num_batched_tokens
+        seqs, requests, query_lens = batch.seqs, batch.requests, batch.query_lens
+        step = batch.step_input
+        chunks = step.chunks
+        prefills: list[tuple[Request, Sequence]] = []
+        slots_in_use = 0
         for request in self.running:
-            for seq in request.live_seqs:
+            num_live = 0
+            for seq in request.seqs:
+                if seq.finish_reason is not None:
+                    continue
+                num_live += 1
+                token_ids = seq.token_ids
                 if seq.pending_append:
-                    copies = bm.append_token(seq.seq_id, seq.token_ids[-1])
+                    copies = append_token(seq.seq_id, token_ids[-1])
                     if copies:
-                        batch.step_input.block_copies += copies
+                        step.block_copies += copies
                         self.events.append(EventKind.COPY_ON_WRITE, request.label, num_blocks=len(copies))
                     seq.pending_append = False
-                if seq.num_uncomputed_tokens == 1 and budget > 0:
-                    self._add(batch, request, seq, 1)
-                    budget -= 1
-        return budget
-
-    def _swap_in(self, batch: Batch, slots_in_use: int) -> int:
-        """Swapped requests come back in arrival order while they fit; returns the slots then in use."""
-        bm = self.block_manager
-        while self.swapped:
-            request = self.swapped[0]
-            seq_ids = [s.seq_id for s in request.live_seqs]
-            if not self._fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
-                break
-            moves = bm.swap_in(seq_ids)
-            batch.step_input.swap_in += moves
-            self.swapped.pop(0)
-            slots_in_use += request.num_slots
-            self.events.append(EventKind.SWAPPED_IN, request.label, num_blocks=len(moves))
-            self.events.append(EventKind.RESUMED, request.label)
-            request.state = RequestState.RUNNING
-            request.just_readmitted = True
-            self._insert_running(request)  # its pending tokens are appended by the next step's decodes
-        return slots_in_use
+                position = len(token_ids) - 1
+                if seq.num_computed_tokens == position:
+                    if budget > 0:
+                        seqs.append(seq)
+                        requests.append(request)
+                        query_lens.append(1)
+                        seq_id = seq.seq_id
+                        chunks.append(SeqChunk([token_ids[-1]], position, live_block_table(seq_id), True, seq_id))
+                        budget -= 1
+                elif seq.num_computed_tokens < position and seq not in request.followers:
+                    prefills.append((request, seq))
+            slots_in_use += num_live if request.forked else request.params.n
+        return budget, slots_in_use, prefills
 
     def _admit(self, batch: Batch, budget: int, slots_in_use: int) -> None:
-        """Waiting requests (new, or preempted by recompute) in arrival order while they fit."""
-        bm = self.block_manager
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            seqs = request.live_seqs
-            num_shared_blocks = self._num_shared_blocks(seqs)
-            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
-                -(-seq.num_tokens // bm.block_size) - num_shared_blocks for seq in seqs[1:])
-            if not self._fits(request, need, slots_in_use):
-                break
-            self.waiting.pop(0)
-            slots_in_use += request.num_slots
-            leader = seqs[0]
-            leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
-            for seq in seqs[1:]:
-                if num_shared_blocks:
-                    seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
-                                                                  num_shared_blocks)
-                else:
-                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
-            request.followers = [seq for seq in seqs[1:] if bm.awaits_leader(seq.seq_id)]
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = leader.num_computed_tokens
-                self.events.append(EventKind.ADMITTED, request.label,
-                                   num_prompt_tokens=len(request.prompt_token_ids))
-                if request.num_cached_tokens:
-                    self.events.append(EventKind.PREFIX_HIT, request.label,
-                                       num_cached_tokens=request.num_cached_tokens)
+        """Swapped and waiting requests (new, or preempted by recompute) come in arrival order across
+        both queues while the next one fits; a waiting one also needs a token of the budget."""
+        while self.swapped or self.waiting:
+            if self.swapped and (not self.waiting or self.swapped[0].arrival < self.waiting[0].arrival):
+                if not self._swap_in(batch, self.swapped[0], slots_in_use):
+                    return
+                request = self.swapped.pop(0)
             else:
-                request.just_readmitted = True
-                self.events.append(EventKind.RESUMED, request.label)
+                request = self.waiting[0]
+                used = self._admit_waiting(batch, request, budget, slots_in_use) if budget > 0 else None
+                if used is None:
+                    return
+                self.waiting.pop(0)
+                budget -= used
+            slots_in_use += request.num_slots
             request.state = RequestState.RUNNING
             self._insert_running(request)
-            for seq in seqs:
-                if seq not in request.followers:
-                    budget -= self._add_prefill(batch, request, seq, budget)
+
+    def _swap_in(self, batch: Batch, request: Request, slots_in_use: int) -> bool:
+        """Bring a swapped request back if it fits; its pending tokens are appended by the next step."""
+        bm = self.block_manager
+        seq_ids = [s.seq_id for s in request.live_seqs]
+        if not self._fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
+            return False
+        moves = bm.swap_in(seq_ids)
+        batch.step_input.swap_in += moves
+        self.events.append(EventKind.SWAPPED_IN, request.label, num_blocks=len(moves))
+        self.events.append(EventKind.RESUMED, request.label)
+        request.just_readmitted = True
+        return True
+
+    def _admit_waiting(self, batch: Batch, request: Request, budget: int, slots_in_use: int) -> int | None:
+        """Give a waiting request its blocks and prefill chunks if it fits; returns the tokens scheduled."""
+        bm = self.block_manager
+        seqs = request.live_seqs
+        num_shared_blocks = self._num_shared_blocks(seqs)
+        need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
+            -(-seq.num_tokens // bm.block_size) - num_shared_blocks for seq in seqs[1:])
+        if not self._fits(request, need, slots_in_use):
+            return None
+        leader = seqs[0]
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+        for seq in seqs[1:]:
+            if num_shared_blocks:
+                seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
+                                                              num_shared_blocks)
+            else:
+                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+        request.followers = [seq for seq in seqs[1:] if bm.awaits_leader(seq.seq_id)]
+        if request.followers and request not in self._with_followers:
+            self._with_followers.append(request)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = leader.num_computed_tokens
+            self.events.append(EventKind.ADMITTED, request.label, num_prompt_tokens=len(request.prompt_token_ids))
+            if request.num_cached_tokens:
+                self.events.append(EventKind.PREFIX_HIT, request.label, num_cached_tokens=request.num_cached_tokens)
+        else:
+            request.just_readmitted = True
+            self.events.append(EventKind.RESUMED, request.label)
+        used = 0
+        for seq in seqs:
+            if seq not in request.followers:
+                used += self._add_prefill(batch, request, seq, budget - used)
+        return used
 
     # ---- helpers ----
     def _fits(self, request: Request, num_blocks: int, slots_in_use: int) -> bool:
@@ -251,14 +287,10 @@ class Scheduler:
             common = next((i for i, (a, b) in enumerate(zip(first[:common], seq.token_ids)) if a != b), common)
         return common // self.block_manager.block_size
 
-    def _add(self, batch: Batch, request: Request, seq: Sequence, num_tokens: int) -> None:
-        batch.seqs.append(seq)
-        batch.requests.append(request)
-        batch.query_lens.append(num_tokens)
-
     def _add_prefill(self, batch: Batch, request: Request, seq: Sequence, budget: int) -> int:
         """Schedule as much of the sequence's uncomputed tokens as the budget allows; returns tokens used."""
-        remaining = seq.num_uncomputed_tokens
+        start = seq.num_computed_tokens
+        remaining = len(seq.token_ids) - start
         if self.config.enable_chunked_prefill:
             num_tokens = min(remaining, budget)
         elif remaining <= budget or batch.num_prefill_tokens == 0:
@@ -267,10 +299,25 @@ class Scheduler:
         else:
             num_tokens = 0
         if num_tokens > 0:
-            self._add(batch, request, seq, num_tokens)
+            batch.seqs.append(seq)
+            batch.requests.append(request)
+            batch.query_lens.append(num_tokens)
+            batch.step_input.chunks.append(SeqChunk(
+                seq.token_ids[start:start + num_tokens], start, self.block_manager.live_block_table(seq.seq_id),
+                needs_logits=num_tokens == remaining, seq_id=seq.seq_id))
             self.events.append(EventKind.PREFILL_CHUNK, request.label, num_tokens=num_tokens,
-                               num_computed_tokens=seq.num_computed_tokens)
+                               num_computed_tokens=start)
         return num_tokens
+
+    def _catch_up_followers(self) -> None:
+        """Followers take the blocks their leader has computed; a request whose followers all caught up
+        leaves the list (so does one preempted or finished meanwhile: its followers are cleared)."""
+        bm = self.block_manager
+        for request in self._with_followers:
+            for seq in request.followers:
+                seq.num_computed_tokens = bm.num_computed_tokens(seq.seq_id)
+            request.followers = [seq for seq in request.followers if bm.awaits_leader(seq.seq_id)]
+        self._with_followers = [request for request in self._with_followers if request.followers]
 
     def _insert_running(self, request: Request) -> None:
         index = len(self.running)
@@ -331,10 +378,11 @@ class Scheduler:
         queue.insert(index, request)
 
     def finish(self, request: Request) -> None:
-        """Take a request out of the queues and free the blocks of its live sequences."""
-        for queue in (self.running, self.waiting, self.swapped):
-            if request in queue:
-                queue.remove(request)
+        """Take a request out of its queue and free the blocks of its live sequences."""
+        queue = {RequestState.RUNNING: self.running, RequestState.WAITING: self.waiting,
+                 RequestState.SWAPPED: self.swapped}.get(request.state)
+        if queue is not None:
+            queue.remove(request)
         if request.state in (RequestState.RUNNING, RequestState.SWAPPED):
             for seq in request.live_seqs:
                 self.block_manager.free(seq.seq_id)

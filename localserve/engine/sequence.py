@@ -3,13 +3,53 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from localserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from localserve.engine.sampler import SamplingRow
+
+
+class TokenSpan(SequenceABC):
+    """A read-only window [start, stop) on a token list that only ever grows (stop None: its current end).
+
+    It spares copying a sequence's whole output every step: a window with a fixed stop keeps reading the
+    same tokens however many are appended after it, so an output can hand one to another thread.
+    """
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int | None = None) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return (len(self._tokens) if self._stop is None else self._stop) - self._start
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        length = len(self)
+        if not -length <= index < length:
+            raise IndexError("token index out of range")
+        return self._tokens[self._start + index % length]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._tokens, self._start, self._start + len(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, TokenSpan)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 class RequestState(enum.Enum):
@@ -38,10 +78,20 @@ class Sequence:
     pending_append: bool = False
     num_emitted_chars: int = 0  # text already reported to a streaming client
     num_emitted_tokens: int = 0
+    sampling_row: SamplingRow | None = None  # what the sampler reads of it, made at its first sampling
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy of the generated tokens (O(output length): not for every step; see `output_span`)."""
         return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def output_span(self, live: bool = False) -> TokenSpan:
+        """The generated tokens without a copy: as of now, or (live) as they will grow."""
+        return TokenSpan(self.token_ids, self.prompt_len, None if live else len(self.token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +137,11 @@ class Request:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.finished]
+        """The unfinished sequences (read-only: for a lone sequence this is `seqs` itself, not a copy)."""
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs if seqs[0].finish_reason is None else []
+        return [seq for seq in seqs if seq.finish_reason is None]
 
     @property
     def num_slots(self) -> int:
@@ -96,7 +150,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return sum(len(seq.output_token_ids) for seq in self.seqs + self.finished_beams)
+        return sum(seq.num_output_tokens for seq in self.seqs + self.finished_beams)
 
     @property
     def is_finished(self) -> bool:

@@ -9,21 +9,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqChunk:
-    """One sequence's part of a step: `token_ids` are new tokens at positions start_pos, start_pos + 1, ..."""
+    """One sequence's part of a step: `token_ids` are new tokens at positions start_pos, start_pos + 1, ...
+
+    `block_table` is the block manager's own table of the sequence, not a copy (one per sequence per
+    step would cost O(context) each): read it during the step, never change it, keep none past it.
+    """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]  # physical block of each logical block, covering at least context_len tokens
     needs_logits: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    # Names the sequence across steps, so the runner can keep its table and copy only what changed
+    # (engine/block_tables.py); None: a one-off chunk whose table is copied whole.
+    seq_id: int | None = None
 
     @property
     def context_len(self) -> int:
         return self.start_pos + len(self.token_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepInput:
     """Everything the model runner needs for one forward pass, block moves included.
 

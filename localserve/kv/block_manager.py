@@ -116,6 +116,11 @@ class BlockManager(SwapMixin):
         """A copy of the sequence's block table (CPU block ids while it is swapped out)."""
         return list(self._seqs[seq_id].block_table)
 
+    def live_block_table(self, seq_id: int) -> list[int]:
+        """The sequence's block table itself, not a copy: read-only, and true only until the sequence's
+        next operation (the step contract carries tables this way, sparing a copy per sequence a step)."""
+        return self._seqs[seq_id].block_table
+
     def num_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence, including appended ones whose KV is not written yet."""
         return len(self._seqs[seq_id].token_ids)
@@ -222,14 +227,17 @@ class BlockManager(SwapMixin):
         """
         num_blocks = 0
         writers_per_shared_block: dict[int, int] = {}
+        block_size, ref_counts, seqs = self.block_size, self._ref_counts, self._seqs
         for seq_id in seq_ids:
-            seq = self._gpu_seq(seq_id)
-            if len(seq.token_ids) % self.block_size == 0:
+            seq = seqs[seq_id]
+            if seq.is_swapped:
+                self._gpu_seq(seq_id)  # raises
+            if len(seq.token_ids) % block_size == 0:
                 num_blocks += 1
-            elif self._ref_counts[last_block_id := seq.block_table[-1]] > 1:
+            elif ref_counts[last_block_id := seq.block_table[-1]] > 1:
                 writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
         for block_id, num_writers in writers_per_shared_block.items():
-            num_blocks += num_writers if num_writers < self._ref_counts[block_id] else num_writers - 1
+            num_blocks += num_writers if num_writers < ref_counts[block_id] else num_writers - 1
         return num_blocks
 
     def can_append(self, seq_ids: Iterable[int]) -> bool:
@@ -243,21 +251,25 @@ class BlockManager(SwapMixin):
         the sequence switches to a copy of it (copy-on-write) and the others keep the original. Returns
         the (source, destination) block copies the model runner must make first: [] or one pair.
         """
-        seq = self._gpu_seq(seq_id)
-        copies: list[tuple[int, int]] = []
+        seq = self._seqs[seq_id]
+        if seq.is_swapped:
+            self._gpu_seq(seq_id)  # raises
+        block_table = seq.block_table
         needs_new_block = len(seq.token_ids) % self.block_size == 0
-        if needs_new_block or self._ref_counts[seq.block_table[-1]] > 1:
-            if not self._free_queue:
-                raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
-            block_id = self._take_free_block()
-            if needs_new_block:
-                seq.block_table.append(block_id)
-            else:
-                self._ref_counts[seq.block_table[-1]] -= 1  # stays >= 1: the other holders keep it
-                copies.append((seq.block_table[-1], block_id))
-                seq.block_table[-1] = block_id
-                self.cow_copies += 1
+        if not needs_new_block and self._ref_counts[block_table[-1]] == 1:
+            seq.token_ids.append(token_id)  # the common case: room in its own last block
+            return []
+        if not self._free_queue:
+            raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
+        block_id = self._take_free_block()
         seq.token_ids.append(token_id)
+        if needs_new_block:
+            block_table.append(block_id)
+            return []
+        self._ref_counts[block_table[-1]] -= 1  # stays >= 1: the other holders keep it
+        copies = [(block_table[-1], block_id)]
+        block_table[-1] = block_id
+        self.cow_copies += 1
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
@@ -266,13 +278,15 @@ class BlockManager(SwapMixin):
         Each block this makes full and computed is registered in the prefix cache, unless its key is
         already registered to another block (that mapping is kept). The count never decreases.
         """
-        seq = self._gpu_seq(seq_id)
-        if not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+        seq = self._seqs[seq_id]
+        if seq.is_swapped or not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+            self._gpu_seq(seq_id)  # raises if swapped
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{seq.num_computed_tokens}, "
                              f"{len(seq.token_ids)}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
-        if self.enable_prefix_caching:
-            for index in range(len(seq.block_hashes), num_computed_tokens // self.block_size):
+        num_full_blocks = num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and num_full_blocks > len(seq.block_hashes):
+            for index in range(len(seq.block_hashes), num_full_blocks):
                 content = self._block_content(seq, index)
                 seq.block_hashes.append(hash_block(*content))
                 self._register(seq.block_table[index], seq.block_hashes[index], content)

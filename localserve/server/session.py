@@ -97,7 +97,10 @@ class ResponsesSession:
             self._abandon_all()
             # asyncio.wait_for may swallow a cancellation that meets a finished send: the flag above
             # ends those loops anyway, and nothing here waits on them for more than a moment
-            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+            ended, _ = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+            for task in ended:  # whatever they raised, the connection is over
+                if not task.cancelled():
+                    task.exception()
             await close_within(self.connection, self.close_code, self.close_reason)
 
     def shut_down(self) -> None:

@@ -3,7 +3,8 @@
 Workloads mix prompts that share prefixes, n = 1-4 parallel samples or beams, max_tokens 1-40, requests
 arriving and aborted at random steps, pools of 4-40 blocks with 0-8 swap blocks, both preemption
 modes, chunked prefill and prefix caching on and off. Every step is checked by `StepChecker` (budget,
-slots, states, block moves replayed on a model of the pool, progress). At the end every request has
+slots, states, block moves replayed on a model of the pool, progress, (re)admission in arrival order,
+the victim rule, work conservation). At the end every request has
 finished, was aborted, or was refused with a reason exactly when it could never fit; no livelock
 (see `step_bound`); every greedy, seeded or beam request that finished equals itself run alone.
 """

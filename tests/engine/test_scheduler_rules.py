@@ -149,3 +149,20 @@ def test_a_request_alone_in_a_pool_too_small_for_it_fails_with_a_reason():
     batch = scheduler.schedule()
     assert batch.failed == [request] and "too small" in request.error and request.is_finished
     assert scheduler.block_manager.num_used_blocks == 0 and not scheduler.has_work()
+
+
+def test_readmission_follows_arrival_across_the_swapped_and_waiting_queues():
+    # r0 fell back to recompute (the swap pool was full of r1, preempted by swap before it). Either
+    # fits the 4 blocks, not both (r0: 2 blocks + 1 of growth; r1 beside it: 1 + 1 + 1): r0 comes back first.
+    scheduler = make_scheduler(4, "swap")
+    fallback = make_request(0, list(range(3, 23)), [[5]])
+    fallback.num_preemptions = 1
+    scheduler.waiting.append(fallback)
+    swapped = run(scheduler, make_request(1, list(range(30, 40)), [[7]]), RequestState.SWAPPED)
+    batch = scheduler.schedule()
+    assert [r.label for r in batch.requests] == ["r0"] and fallback.state is RequestState.RUNNING
+    assert not batch.step_input.swap_in and scheduler.swapped == [swapped]
+    finish_step(scheduler, batch)
+    scheduler.finish(fallback)
+    batch = scheduler.schedule()
+    assert batch.step_input.swap_in and swapped.state is RequestState.RUNNING

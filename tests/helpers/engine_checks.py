@@ -13,14 +13,28 @@ after each `engine.step()`. Every step is then checked for:
   the step moves, and a preempted request has nothing left in the step and was not readmitted
   without sampling since;
 - progress: a step taken while there is work computes at least one token, swaps a request in, or
-  fails a request.
+  fails a request;
+- order (docs/ARCHITECTURE.md, "Scheduling rules"): requests are admitted or readmitted (new,
+  preempted by recompute, swapped out) in arrival order, and none while an earlier one still waits,
+  so a preempted request comes back before every request that arrived after it;
+- victims: a step preempts only when the pending appends of the running requests need more blocks
+  than are available, and each victim is the newest request still running except those readmitted
+  and not yet sampled since (anti-thrashing), which are never victims;
+- work conservation: every running sequence with tokens to compute gets them all unless the token
+  budget ran out (without chunked prefill: unless its whole prompt no longer fits beside another
+  prefill), and, in a step that did not preempt, the oldest request still waiting or swapped does
+  not fit by the admission rule (slots, a token left for a prompt, its blocks plus one block of
+  headroom per running sequence and its own growth), which the checker works out on its own.
 """
 
 from __future__ import annotations
 
+import os
+
 from localserve.engine.engine import LLMEngine
-from localserve.engine.scheduler import Batch
-from localserve.engine.sequence import Request
+from localserve.engine.events import EventKind
+from localserve.engine.scheduler import Batch, peak_blocks
+from localserve.engine.sequence import Request, Sequence
 
 CORRUPT = (-1,)  # a block written mid-way over contents that were not this sequence's prefix
 
@@ -41,8 +55,13 @@ class StepChecker:
 
         def checked_schedule() -> Batch:
             self.had_work = engine.scheduler.has_work()
+            before = self.running_before()
+            last_event = engine.events.last_seq
             self.batch = schedule()
             self.check_moves(self.batch)
+            self.check_admission_order(last_event)
+            self.check_victims(self.batch, before)
+            self.check_work_conserving(self.batch)
             return self.batch
 
         def checked_execute(step_input):
@@ -110,6 +129,77 @@ class StepChecker:
                 intact = start == index * size or (held is not None and held[:start] == tokens[:start])
                 self.gpu_kv[block] = tokens[:end] if intact else CORRUPT
 
+    # ---- order, victims and work conservation, right after schedule() ----
+    def running_before(self) -> tuple[list[Request], set[int], int, int]:
+        """Before schedule(): the running requests, those protected from preemption (readmitted, not
+        sampled since), the blocks their pending appends need, and the blocks available."""
+        scheduler, bm = self.engine.scheduler, self.engine.block_manager
+        running = sorted(scheduler.running, key=lambda r: r.arrival)
+        pending = [seq.seq_id for r in running for seq in r.live_seqs if seq.pending_append]
+        need = bm.num_blocks_to_append(pending) if pending else 0
+        return running, {id(r) for r in running if r.just_readmitted}, need, bm.num_available_blocks
+
+    def check_admission_order(self, last_event: int) -> None:
+        events, missed = self.engine.events.since(last_event)
+        assert not missed
+        admitted = [int(e.request[1:]) for e in events if e.kind in (EventKind.ADMITTED, EventKind.RESUMED)]
+        assert admitted == sorted(admitted), f"(re)admitted out of arrival order: {admitted}"
+        scheduler = self.engine.scheduler
+        still_waiting = [r.arrival for r in scheduler.waiting + scheduler.swapped]
+        if admitted and still_waiting:
+            assert max(admitted) < min(still_waiting), \
+                f"r{max(admitted)} (re)admitted while r{min(still_waiting)}, which arrived before it, still waits"
+
+    def check_victims(self, batch: Batch, before: tuple[list[Request], set[int], int, int]) -> None:
+        running, protected, need, available = before
+        if batch.preempted:
+            assert need > available, f"preempted with {available} blocks available for appends needing {need}"
+        remaining = [r for r in running if r not in batch.failed]
+        for victim in batch.preempted:
+            assert id(victim) not in protected, f"{victim.label} preempted again before it sampled"
+            assert victim in remaining, f"{victim.label} preempted but was not running"
+            remaining.remove(victim)
+            spared = [r.label for r in remaining if r.arrival > victim.arrival and id(r) not in protected]
+            assert not spared, f"{victim.label} preempted while newer {spared} kept running"
+
+    def check_work_conserving(self, batch: Batch) -> None:
+        scheduler, bm = self.engine.scheduler, self.engine.block_manager
+        config = scheduler.config
+        left = config.max_num_batched_tokens - batch.num_tokens
+        scheduled = {id(seq): q for seq, q in zip(batch.seqs, batch.query_lens)}
+        for request in scheduler.running:
+            for seq in request.live_seqs:
+                if seq.pending_append or seq in request.followers:
+                    continue  # swapped in by this step (decodes from the next), or waiting for its leader
+                todo, done = seq.num_uncomputed_tokens, scheduled.get(id(seq), 0)
+                if done == todo:
+                    continue
+                if config.enable_chunked_prefill or todo == 1:
+                    assert left <= 0, f"seq {seq.seq_id} of {request.label} got {done} of its {todo} tokens " \
+                                      f"with {left} of the budget left"
+                else:
+                    assert done == 0 and todo > left and batch.num_prefill_tokens > 0, \
+                        f"seq {seq.seq_id} of {request.label}: prompt of {todo} left out, {left} of the budget left"
+        queued = scheduler.waiting + scheduler.swapped
+        if batch.preempted or not queued:
+            return
+        head = min(queued, key=lambda r: r.arrival)
+        seqs = head.live_seqs
+        slots_in_use = sum(len(r.live_seqs) if r.forked else r.params.n for r in scheduler.running)
+        slots = len(seqs) if head.forked else head.params.n
+        if head in scheduler.swapped:
+            need = bm.num_blocks_to_swap_in([seq.seq_id for seq in seqs])
+        else:
+            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
+                -(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
+        growth = min(slots, max(0, peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots,
+                                               bm.block_size) - need))
+        fits = (slots_in_use + slots <= config.max_num_seqs and (head in scheduler.swapped or left > 0)
+                and need + slots_in_use + growth <= bm.num_available_blocks)
+        assert not fits, f"{head.label} waits though it fits: {slots_in_use} + {slots} of {config.max_num_seqs} " \
+                         f"slots, {left} tokens of the budget left, needs {need} + {slots_in_use} + {growth} of " \
+                         f"{bm.num_available_blocks} blocks"
+
     # ---- after the step ----
     def after_step(self) -> None:
         engine, batch = self.engine, self.batch
@@ -124,8 +214,6 @@ class StepChecker:
         num_running = sum(len(r.live_seqs) for r in scheduler.running)
         assert num_running <= config.max_num_seqs, f"{num_running} sequences running, max {config.max_num_seqs}"
         assert len(batch.seqs) <= config.max_num_seqs
-        for victim in batch.preempted:  # anti-thrashing: readmitted requests sample before they go again
-            assert not victim.just_readmitted, f"{victim.label} preempted again before it sampled"
         if self.had_work:  # a request swapped in decodes in the next step
             assert batch.num_tokens > 0 or batch.failed or batch.step_input.swap_in, "a step with work did nothing"
         self.check_states()
@@ -158,3 +246,9 @@ class StepChecker:
                     assert holds and swapped == (place == "swapped"), \
                         f"seq {seq.seq_id} of {request.label} ({place}, finished {seq.finished}) has " \
                         f"{'CPU' if swapped else 'GPU'} blocks"
+
+
+def _shared_blocks(seqs: list[Sequence], block_size: int) -> int:
+    """Full blocks of the sequences' common prefix, each keeping at least its last token to compute."""
+    common = len(os.path.commonprefix([seq.token_ids for seq in seqs]))
+    return min(common, min(seq.num_tokens for seq in seqs) - 1) // block_size
