@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: serve test lint
+.PHONY: serve test lint bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,13 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+
+# One benchmark from a fresh checkout: `make bench NAME=throughput ARGS="--requests 64"` runs
+# scripts/bench_throughput.py (NAME=profile_step runs scripts/profile_step.py).
+NAME ?= throughput
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[test,bench]"
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(BIN)/python scripts/$(if $(filter profile_step,$(NAME)),$(NAME),bench_$(NAME)).py $(ARGS)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from benchlib import DOCS, machine, markdown_table, percentile, print_machine, save_raw
+from benchlib import DOCS, bar_chart, machine, markdown_table, percentile, print_machine, save_raw
 from websockets.asyncio.client import connect
 
 CLOSING = ("response.completed", "response.incomplete", "response.failed", "error")
@@ -142,8 +142,9 @@ async def prefix_cache(url: str, headers: dict, system_words: int, seed: int) ->
     cached, _ = await one_request(url, {**question, "instructions": cold_system, "input": "Is it long?"}, headers)
     warm = {"type": "response.create", "generate": False, "instructions": warm_system, "input": []}
     _, warm_id = await one_request(url, warm, headers)
-    warmed, _ = await one_request(url, {**question, "previous_response_id": warm_id, "input": "Who wrote this?"},
-                                  headers)
+    # Instructions are not inherited through previous_response_id (as in OpenAI's API): sent again.
+    warmed, _ = await one_request(url, {**question, "previous_response_id": warm_id, "instructions": warm_system,
+                                        "input": "Who wrote this?"}, headers)
     return {"system_words": system_words,
             "cold": {"ttft": cold.ttft, "cached_tokens": cold.cached_tokens},
             "cached": {"ttft": cached.ttft, "cached_tokens": cached.cached_tokens},
@@ -228,7 +229,11 @@ def main() -> None:
             print(markdown_table(["system prompt", "TTFT (ms)", "cached tokens"], rows))
             print(f"\ncold / cached: {result['cold']['ttft'] / result['cached']['ttft']:.1f}x, "
                   f"cold / warmed: {result['cold']['ttft'] / result['warmed']['ttft']:.1f}x")
-            print(f"raw numbers: {save_raw('prefix_cache', info, result)}")
+            png = bar_chart(args.png.with_name("prefix_cache.png"), f"TTFT, {words}-word system prompt",
+                            ["cold", "cached", "warmed"],
+                            {"TTFT (ms)": [result[name]["ttft"] * 1000 for name in ("cold", "cached", "warmed")]},
+                            "ms", log=True)
+            print(f"plot: {png}; raw numbers: {save_raw('prefix_cache', info, result)}")
             return
         runs = []
         for concurrency in args.concurrency:

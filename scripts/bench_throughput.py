@@ -13,7 +13,10 @@ exactly its output length (EOS ignored), greedy.
 Also the workload of llama.cpp's batched bench (128-token prompts, 128 generated tokens, 1 / 8 / 32
 sequences): prompt processing and generation tokens/s, to put beside llama.cpp's 200 / 69 / 132 / 135.
 
-    python scripts/bench_throughput.py [--requests 64] [--batch 16] [--skip-hf] [--skip-batched]
+    python scripts/bench_throughput.py [--requests 64] [--batch 16] [--dtype float32] [--skip-hf] [--skip-batched]
+
+`--dtype` sets the weights and activations of both systems (float32 is what `localserve serve` uses on
+a CPU).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import machine, markdown_table, print_machine, save_raw
+from benchlib import DOCS, bar_chart, machine, markdown_table, print_machine, save_raw
 
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
@@ -34,6 +37,8 @@ from localserve.loading.hf import load_model
 from localserve.tokenizer.tokenizer import Tokenizer
 
 TEXTS = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1")
+# llama.cpp's batched bench on this kind of machine (issue #14): generation tokens/s by sequences.
+LLAMA_CPP_GENERATION = {1: 69, 8: 132, 32: 135}
 
 
 def workload(tokenizer: Tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
@@ -93,21 +98,37 @@ def batched_bench(model, num_seqs: int, prompt_len: int = 128, gen_len: int = 12
     return num_seqs * prompt_len / (prefilled - start), num_seqs * (gen_len - 1) / (done - prefilled)
 
 
+def plot(results: dict, info: dict, path: Path) -> Path:
+    """Output tokens/s of localserve beside the reference of each workload (transformers, llama.cpp)."""
+    categories, ours, reference = [f"{results['workload']['requests']} mixed requests"], [], []
+    ours.append(results["localserve"]["output_tokens_per_s"])
+    reference.append(results.get("transformers", {}).get("output_tokens_per_s", 0.0))
+    for num_seqs, rates in results.get("batched", {}).items():
+        categories.append(f"batched bench, {num_seqs} seq")
+        ours.append(rates["generation_tokens_per_s"])
+        reference.append(float(LLAMA_CPP_GENERATION[num_seqs]))
+    return bar_chart(path, f"SmolLM2-135M {results['dtype']} on {info['cores']} CPU cores", categories,
+                     {"localserve": ours, "transformers (mixed) / llama.cpp Q4_1 (batched)": reference},
+                     "output tokens/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-batched", action="store_true")
     args = parser.parse_args()
     info = machine()
     print_machine(info)
     path = resolve_default_model()
-    loaded = load_model(path, dtype=torch.float32)
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model(path, dtype=dtype)
     tokenizer = Tokenizer.from_gguf(loaded.gguf_reader)
     requests = workload(tokenizer, args.requests, args.seed)
-    results: dict = {"workload": {"requests": len(requests), "batch": args.batch,
+    results: dict = {"dtype": args.dtype, "workload": {"requests": len(requests), "batch": args.batch,
                                   "prompt_tokens": sum(len(p) for p, _ in requests),
                                   "output_tokens": sum(n for _, n in requests)}}
     rows = []
@@ -118,7 +139,7 @@ def main() -> None:
         import transformers
 
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+            str(path.parent), gguf_file=path.name, dtype=dtype).eval()
         hf_elapsed, hf_generated = run_hf(hf_model, requests, args.batch, tokenizer.token_to_id("<|endoftext|>") or 0)
         results["transformers"] = {"seconds": hf_elapsed, "output_tokens_per_s": hf_generated / hf_elapsed}
         ratio = (generated / elapsed) / (hf_generated / hf_elapsed)
@@ -131,17 +152,16 @@ def main() -> None:
     print(markdown_table(["system", "seconds", "output tokens/s", "relative"], rows))
     if not args.skip_batched:
         batched_rows, results["batched"] = [], {}
-        llama_cpp = {1: 69, 8: 132, 32: 135}
         for num_seqs in (1, 8, 32):
             prompt_rate, gen_rate = batched_bench(loaded.model, num_seqs)
             results["batched"][num_seqs] = {"prompt_tokens_per_s": prompt_rate, "generation_tokens_per_s": gen_rate}
-            batched_rows.append([num_seqs, f"{prompt_rate:.0f}", f"{gen_rate:.1f}", llama_cpp[num_seqs]])
+            batched_rows.append([num_seqs, f"{prompt_rate:.0f}", f"{gen_rate:.1f}", LLAMA_CPP_GENERATION[num_seqs]])
         print("\n128-token prompts, 128 generated tokens (llama.cpp batched-bench workload; llama.cpp: Q4_1 "
               "weights, 2 threads, prompt processing ~200 tokens/s)\n")
         print(markdown_table(["sequences", "prompt tokens/s", "generation tokens/s",
                               "llama.cpp generation tokens/s"], batched_rows))
-    print(f"\nraw numbers: {save_raw('throughput', info, results)}")
-
+    png = plot(results, info, DOCS / f"throughput_{args.dtype}.png")
+    print(f"\nplot: {png}; raw numbers: {save_raw(f'throughput_{args.dtype}', info, results)}")
 
 if __name__ == "__main__":
     main()

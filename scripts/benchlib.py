@@ -59,3 +59,33 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def bar_chart(path: Path, title: str, categories: list[str], series: dict[str, list[float]], ylabel: str,
+              log: bool = False) -> Path:
+    """Grouped bars (one group per category, one bar per series) saved as a PNG; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) * len(series)), 4))
+    x = np.arange(len(categories))
+    width = 0.8 / len(series)
+    for index, (name, values) in enumerate(series.items()):
+        bars = axis.bar(x + (index - (len(series) - 1) / 2) * width, values, width, label=name)
+        axis.bar_label(bars, fmt="%.3g", fontsize=7)
+    long_labels = max(len(c) for c in categories) > 10
+    axis.set_xticks(x, categories, rotation=30 if long_labels else 0, ha="right" if long_labels else "center")
+    axis.set_ylabel(ylabel)
+    if log:
+        axis.set_yscale("log")
+    axis.set_title(title)
+    if len(series) > 1:
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -20,7 +20,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from benchlib import machine, markdown_table, print_machine, save_raw
+from benchlib import DOCS, bar_chart, machine, markdown_table, print_machine, save_raw
 
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
@@ -155,7 +155,10 @@ def main() -> None:
     rows.append(["**whole step + sending**"] + [f"{results[b]['per_step_s'] * 1000:.1f}" for b in args.batches])
     print()
     print(markdown_table(headers, rows))
-    print(f"\nraw numbers: {save_raw('profile_step', info, results)}")
+    png = bar_chart(DOCS / "profile_step.png", "Where a step's time goes (ms per step)", list(STAGES),
+                    {f"{b} seq": [results[b]["stages_s"][name] * 1000 for name in STAGES] for b in args.batches},
+                    "ms per step", log=True)
+    print(f"\nplot: {png}; raw numbers: {save_raw('profile_step', info, results)}")
 
 
 if __name__ == "__main__":
