@@ -64,7 +64,8 @@ class LocalServer(ServerState):
         self.port = self._server.sockets[0].getsockname()[1]
         self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
                                                 config.allowed_origins, config.api_key)
-        log.info("serving %s on http://%s:%d/v1 (HTTP and websockets)", self.served_name, config.host, self.port)
+        log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.served_name, config.host,
+                 self.port, config.host, self.port)
 
     async def serve_forever(self) -> None:
         """Start (if needed) and serve until `shutdown()` or `close()`."""

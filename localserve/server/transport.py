@@ -18,10 +18,13 @@ transport to reset and no write limit.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState as UvicornState
@@ -89,6 +92,19 @@ class HttpConnection(H11Protocol):
         self._cancel_head_timer()
         self._uncount()  # the websocket side counts it from its handshake on
         super().handle_websocket_upgrade(event)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse, in OpenAI's error shape; uvicorn calls this inside its `except`, so
+        the parser's own reason (`Found multiple Host: headers`, `Missing mandatory Host: header`) is at hand."""
+        reason = str(sys.exc_info()[1] or msg)
+        code = "duplicate_header" if reason.startswith("Found multiple") else "invalid_http_request"
+        body = json.dumps({"error": {"message": f"the HTTP request is malformed: {reason[:200]}",
+                                     "type": "invalid_request_error", "param": None, "code": code}}) + "\n"
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body.encode()), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def reset(self) -> None:
         """Drop the connection at once (a client that stopped reading cannot take a graceful close)."""
