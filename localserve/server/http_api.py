@@ -202,22 +202,19 @@ class HttpApi:
                       wake: asyncio.Event) -> None:
         """Server-sent events as the engine produces them, coalesced while the client reads slower."""
         await exchange.start(200, EVENT_STREAM, SSE_HEADERS)
-        while True:
-            if exchange.disconnected:
-                return
+        while not exchange.disconnected:
+            done = stream.is_done  # read once: the stream may end while a write below awaits the client
             if view is None:
                 pieces = [sse(event, event["type"]) for event in stream.drain()]
             else:
                 pieces = [sse(chunk) for chunk in view.chunks()]
-            if stream.is_done and view is not None:
+            if done and view is not None:
                 if not view.ended_normally:
                     pieces.append(sse(error_body(_ending_error(stream))))
                 pieces.append(sse("[DONE]"))
-            if pieces:
-                await exchange.write(b"".join(pieces), more=not stream.is_done)
-            if stream.is_done:
-                if not pieces:
-                    await exchange.write(b"", more=False)
+            if pieces or done:
+                await exchange.write(b"".join(pieces), more=not done)
+            if done:
                 return
             await wake.wait()
             wake.clear()
