@@ -23,6 +23,7 @@ from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchan
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, slots_json
 from localserve.server.requests import ResponseRequest, parse_response_create
 from localserve.server.response_events import ResponseStream, new_id
+from localserve.server.transport import MAX_HEAD_BYTES
 from localserve.server.validation import ProtocolError, check_type, shown
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ class HttpApi:
 
     async def _dispatch(self, exchange: HttpExchange) -> None:
         server, method, path = self.server, exchange.method, exchange.path
+        head_bytes = sum(len(name) + len(value) for name, value in exchange.scope["headers"])
+        if head_bytes > MAX_HEAD_BYTES:  # h11 bounds a head that arrives in pieces; one read can hold more
+            raise ProtocolError("request_header_too_large", f"the request's headers hold {head_bytes} bytes; at "
+                                f"most {MAX_HEAD_BYTES} are accepted", status=431)
         if path == "/health" and method == "GET":
             return await exchange.respond_json(200, {"status": "ok"})
         refusal = check_access(exchange.headers, server.access_policy, needs_key=method != "OPTIONS")
