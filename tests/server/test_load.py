@@ -16,8 +16,8 @@ import asyncio
 import gc
 import random
 import time
-from collections import Counter
 import urllib.request
+from collections import Counter
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
