@@ -5,6 +5,7 @@ Origin or Host, no key, a saturated server) get a 4xx in OpenAI's error shape, n
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import select
@@ -228,3 +229,25 @@ def test_paths_methods_models_and_a_saturated_server(server):
     status, body = post(connect(server), server, "/v1/completions", {"model": "default", "prompt": "hi",
                                                                      "max_tokens": 1})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_shutdown_ends_http_streams_with_their_reason(server):  # last: it stops the module's server
+    streams = []
+    for path, body in [("/v1/chat/completions", {**CHAT, "max_tokens": 400, "stream": True}),
+                       ("/v1/responses", {"model": "default", "input": "hello", "max_output_tokens": 400,
+                                          "temperature": 0, "localserve": {"stop": "never said"}, "stream": True})]:
+        connection = connect(server)
+        connection.request("POST", path, json.dumps(body), headers(server))
+        response = connection.getresponse()
+        assert response.status == 200
+        while b"delta" not in response.readline():  # streaming text
+            pass
+        streams.append(response)
+    asyncio.run_coroutine_threadsafe(server.server.shutdown(), server.loop).result(30)
+    chat_rest, responses_rest = (response.read().decode() for response in streams)
+    last_chunks = [line for line in chat_rest.split("\n") if line.startswith("data: ")][-2:]
+    assert json.loads(last_chunks[0][6:])["error"]["code"] == "server_shutdown" and last_chunks[1] == "data: [DONE]"
+    final = json.loads([line for line in responses_rest.split("\n") if line.startswith("data: ")][-1][6:])
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "server_shutdown"}
+    wait_until_idle(server.server.engine_thread, timeout=5)
