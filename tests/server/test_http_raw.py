@@ -109,6 +109,18 @@ def test_a_client_closing_mid_stream_frees_every_block_at_once(server):
     wait_until_idle(engine_thread, timeout=5)  # every block free or cached, the request gone
     assert time.monotonic() - start < 2.0
     assert not server.server.http_api.in_flight
+    # a client waiting for a whole (non-streamed) answer that goes away is noticed too
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    body = json.dumps({**CHAT, "max_tokens": 400}).encode()
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 10
+    while not engine_busy(server):
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.02)
+    sock.close()
+    start = time.monotonic()
+    wait_until_idle(engine_thread, timeout=5)
+    assert time.monotonic() - start < 2.0
 
 
 def test_keep_alive_carries_several_requests_on_one_connection(server):
