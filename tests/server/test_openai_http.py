@@ -198,3 +198,18 @@ def test_errors_in_the_sdk_shape(client):
             client.chat.completions.create(**fields, extra_body=extra)
         body = raised.value.body
         assert set(body) == {"message", "type", "param", "code"} and body["message"], body
+
+
+def test_seed_and_the_llama_cpp_sampling_fields_are_honoured(client):
+    def sample(**fields):
+        return client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=8, temperature=1.0, **fields).choices[0].message.content
+
+    assert sample(seed=7) == sample(seed=7)
+    assert len({sample(seed=seed) for seed in range(4)}) > 1
+    greedy = greedy_chat(client, max_tokens=8).choices[0].message.content
+    assert sample(seed=3, extra_body={"top_k": 1}) == greedy  # one candidate: the likeliest
+    assert sample(seed=3, extra_body={"min_p": 0.999}) == greedy  # only tokens about as likely as the top one
+    with pytest.raises(openai.BadRequestError) as refused:
+        sample(extra_body={"repetition_penalty": 0})
+    assert refused.value.body["param"] == "repetition_penalty"
