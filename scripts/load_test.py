@@ -2,7 +2,8 @@
 
 For each preemption mode, a server on loopback (a tiny random model with a word-level chat tokenizer,
 written to a temporary folder; torch on one thread) takes a warm-up round and then `--rounds` rounds
-of `--clients` websocket clients at once (multi-turn conversations with previous_response_id, lanes,
+of `--clients` clients at once (`--http-fraction` of them stream chat completions over HTTP keep-alive,
+the others are websocket clients; multi-turn conversations with previous_response_id, lanes,
 random sampling, 10% cancelling and 10% disconnecting mid-stream) with a KV pool small enough to
 preempt. After each round: no lost response, the block manager's books balanced with every block free
 or cached, no open connection (the num_connections gauge), the process's RSS. At the end every greedy
@@ -10,6 +11,7 @@ answer of every round is sent again alone and compared. Prints a Markdown table 
 docs/BENCHMARKS.md ("Reliability").
 
     python scripts/load_test.py [--clients 256] [--rounds 3] [--max-output-tokens 32] [--blocks 12]
+        [--http-fraction 0.25]
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace) -> dict:
         num_kv_blocks=args.blocks, max_num_seqs=args.slots, max_num_batched_tokens=256, preemption_mode=mode,
         max_model_len=512))
     load = LoadConfig(num_clients=args.clients, min_turns=args.min_turns, max_turns=args.max_turns,
-                      max_output_tokens=args.max_output_tokens)
+                      max_output_tokens=args.max_output_tokens, http_fraction=args.http_fraction)
     row = {"mode": mode, "responses": 0, "lost": 0, "greedy": 0, "mismatches": 0, "rss": [], "seconds": [],
            "outcomes": {}}
     with running_server(llm, max_connections=args.clients) as server:
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--max-output-tokens", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=12, help="KV blocks of 16 tokens (small: preemption)")
     parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--http-fraction", type=float, default=0.25, help="share of clients over HTTP")
     parser.add_argument("--modes", nargs="+", default=["recompute", "swap"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # every preemption is a warning: thousands of lines

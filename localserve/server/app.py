@@ -1,11 +1,12 @@
-"""The websocket server: `/v1/responses` and `/v1/monitor`, plus plain GETs on the same port.
+"""The server: OpenAI's HTTP API and the websocket endpoints on one port.
 
-One asyncio loop (the `websockets` library) serves every connection; the engine runs on its own
-thread behind `EngineThread`, and the loop reads engine state only through `EngineThread.call`.
-Before any upgrade, `process_request` checks access (server/access.py: duplicate headers, the Host
-header, a browser Origin, the API key), answers `/health`, `/metrics`, `/v1/models` and `/slots`,
-an unknown path (404) and connections beyond the limit (503). `shutdown()` ends every response in
-flight with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
+One asyncio loop serves every connection; the engine runs on its own thread behind `EngineThread`, and
+the loop reads engine state only through `EngineThread.call`. Each connection starts as HTTP/1.1
+(uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
+a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
+duplicate headers, the Host header, a browser Origin, the API key; the path; the connection limit)
+before `/v1/responses` or `/v1/monitor` is served. `shutdown()` ends every response in flight, on
+either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
 from localserve.server.access import AccessPolicy, check_access
 from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
-from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor, slots_json
+from localserve.server.http_api import HttpApi
+from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor
 from localserve.server.session import ResponsesSession
+from localserve.server.transport import HttpConnection, SharedPort
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +46,26 @@ class LocalServer(ServerState):
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=self.engine_thread.engine.events.last_seq)
         self.monitor_hello = monitor_hello(self.engine_thread.engine, self.served_name)
         self.sessions: set[ResponsesSession] = set()
+        self.http_api = HttpApi(self)
         self._connections: set[ServerConnection] = set()  # every websocket connection being served
         self._monitors: set[ServerConnection] = set()
         self._server: Server | None = None
-        self._policy: AccessPolicy | None = None
+        self._port: SharedPort | None = None
+        self.access_policy: AccessPolicy | None = None
         self.metrics.num_connections.set_function(lambda: self.num_connections)
 
     async def start(self) -> None:
         """Bind and start accepting connections (self.port is the bound port afterwards)."""
         config = self.config
-        # websockets' own keepalive closes with 1011; the session's keepalive cuts with 1008 instead.
-        self._server = await serve(self._handle_connection, config.host, config.port,
-                                   process_request=self._process_request, max_size=config.max_message_bytes,
-                                   server_header="localserve", ping_interval=None, close_timeout=CLOSE_TIMEOUT_S,
-                                   write_limit=config.write_limit_bytes)
+        self._port = SharedPort(self.http_api, self, max_message_bytes=config.max_message_bytes,
+                                write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S)
+        self._server = await self._port.listen(config.host, config.port, self._process_request,
+                                               self._handle_connection)
         self.port = self._server.sockets[0].getsockname()[1]
-        self._policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts, config.allowed_origins,
-                                          config.api_key)
-        log.info("serving %s on ws://%s:%d%s", self.served_name, config.host, self.port, RESPONSES_PATH)
+        self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
+                                                config.allowed_origins, config.api_key)
+        log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.served_name, config.host,
+                 self.port, config.host, self.port)
 
     async def serve_forever(self) -> None:
         """Start (if needed) and serve until `shutdown()` or `close()`."""
@@ -76,63 +81,68 @@ class LocalServer(ServerState):
         self._server.close(close_connections=False)  # stop listening; connections go on for now
         for session in list(self.sessions):
             session.shut_down()
+        self.http_api.shut_down()
+        for connection in self._port.http_connections:
+            connection.shutdown()  # idle ones close now, busy ones after their response
         await asyncio.gather(*(close_within(monitor, 1001, "server shutting down") for monitor in self._monitors))
         try:
-            await asyncio.wait_for(self._server.wait_closed(), self.config.shutdown_timeout_s)
+            await asyncio.wait_for(self._all_closed(), self.config.shutdown_timeout_s)
         except asyncio.TimeoutError:
             log.warning("clients still connected after %.1f s of shutdown: closing them",
                         self.config.shutdown_timeout_s)
             await self.close()
 
     async def close(self) -> None:
-        """Close every connection now (1001) and stop; clients that read nothing are reset."""
+        """Close every connection now (websockets 1001) and stop; clients that read nothing are reset."""
         if self._server is None:
             return
         self._server.close()  # websockets' own close waits for each client to take its close frame
+        self.http_api.shut_down()
+        for connection in self._port.http_connections:
+            connection.shutdown()
         try:
-            await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S + 1)
+            await asyncio.wait_for(self._all_closed(), CLOSE_TIMEOUT_S + 1)
         except asyncio.TimeoutError:
-            for connection in list(self._connections):
+            for connection in [*self._connections, *self._port.http_connections]:
                 connection.transport.abort()
             try:
-                await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S + 1)
+                await asyncio.wait_for(self._all_closed(), CLOSE_TIMEOUT_S + 1)
             except asyncio.TimeoutError:
                 log.error("the server did not close within %.0f s", 2 * CLOSE_TIMEOUT_S + 2)
+
+    async def _all_closed(self) -> None:
+        await self._server.wait_closed()
+        while self._port.http_connections or self._port.uvicorn_state.tasks:
+            await asyncio.sleep(0.02)
 
     async def _read_monitor(self, after_seq: int):
         return await self.engine_call(lambda engine: (engine.snapshot(), *engine.events.since(after_seq)))
 
-    # ------------------------------------------------------------------ HTTP, before any upgrade
+    # ------------------------------------------------------------------ connection counts (transport hooks)
+    def http_connection_opened(self, connection: HttpConnection) -> bool:
+        self.num_connections += 1
+        return self.num_connections <= self.config.max_connections
+
+    def http_connection_closed(self, connection: HttpConnection) -> None:
+        self.num_connections -= 1
+
+    # ------------------------------------------------------------------ websocket handshakes
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
-        if path == "/health":
-            return _json(connection, HTTPStatus.OK, {"status": "ok"})
-        refusal = check_access(request.headers, self._policy)
+        refusal = check_access(request.headers, self.access_policy)
         if refusal is not None:
             response = _json(connection, refusal.status, _http_error(refusal.code, refusal.message))
             if refusal.status == HTTPStatus.UNAUTHORIZED:
                 response.headers["WWW-Authenticate"] = "Bearer"
             return response
-        if path in (RESPONSES_PATH, MONITOR_PATH):
-            if self.num_connections >= self.config.max_connections:
-                return _json(connection, HTTPStatus.SERVICE_UNAVAILABLE, _http_error(
-                    "too_many_connections", f"the server holds its limit of {self.config.max_connections} "
-                    "connections; retry later"))
-            return None  # the websocket handshake goes on
-        if path == "/metrics":
-            stats = await self.engine_call(lambda engine: engine.stats())
-            response = connection.respond(HTTPStatus.OK, self.metrics.render(stats).decode())
-            _set_content_type(response, "text/plain; version=0.0.4; charset=utf-8")
-            return response
-        if path == "/v1/models":
-            return _json(connection, HTTPStatus.OK, {"object": "list", "data": [
-                {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                 "max_model_len": self.engine_thread.engine.max_model_len,
-                 "sampling_defaults": self.config.sampling_defaults.to_json()}]})
-        if path == "/slots":
-            snapshot = await self.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
-            return _json(connection, HTTPStatus.OK, slots_json(snapshot, self.monitor_hello))
-        return _json(connection, HTTPStatus.NOT_FOUND, _http_error("not_found", f"no such path: {path[:200]}"))
+        if path not in (RESPONSES_PATH, MONITOR_PATH):
+            return _json(connection, HTTPStatus.NOT_FOUND, _http_error(
+                "not_found", f"no websocket endpoint at {path[:200]}: use {RESPONSES_PATH} or {MONITOR_PATH}"))
+        if self.num_connections >= self.config.max_connections:
+            return _json(connection, HTTPStatus.TOO_MANY_REQUESTS, _http_error(
+                "too_many_connections", f"the server holds its limit of {self.config.max_connections} "
+                "connections; retry later", "rate_limit_error"))
+        return None  # the websocket handshake goes on
 
     # ------------------------------------------------------------------ websockets
     async def _handle_connection(self, connection: ServerConnection) -> None:
@@ -170,8 +180,8 @@ class LocalServer(ServerState):
             self._monitors.discard(connection)
 
 
-def _http_error(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"type": "invalid_request_error", "code": code, "message": message}}
+def _http_error(code: str, message: str, error_type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": None, "code": code}}
 
 
 def _set_content_type(response: Response, content_type: str) -> None:

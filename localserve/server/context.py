@@ -43,7 +43,9 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host header names allowed besides loopback names and --host
     model_alias: str | None = None  # the name clients use and /v1/models lists (default: the model's)
     max_message_bytes: int = 1 << 20  # a bigger client message closes the connection with 1009
-    max_connections: int = 256
+    max_connections: int = 256  # open connections of every kind (HTTP and websocket) at once
+    max_running_responses: int = 1024  # responses submitted and not ended, every transport; more: 429
+    http_body_timeout_s: float = 30.0  # an HTTP request body must arrive within this long
     max_lanes: int = 16  # stream_id lanes with a response running or queued, per connection
     max_queued_requests: int = 16  # response.create events waiting for their lane, per connection
     send_queue_size: int = 256  # error events waiting to be sent, per connection; a full queue cuts it

@@ -27,7 +27,9 @@ from localserve.server.validation import (
 
 # Sampling settings OpenAI's API has no field for; clients put them in this object of response.create.
 EXTENSION_FIELD = "localserve"
-EXTENSION_PARAMS = {"top_k": int, "min_p": float, "seed": int, "stop": (str, list), "n": int, "logprobs": int}
+EXTENSION_PARAMS = {"top_k": int, "min_p": float, "seed": int, "stop": (str, list), "n": int, "logprobs": int,
+                    "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float}
+MIN_REPETITION_PENALTY = 1e-3
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = ("input_text", "output_text")
 STREAM_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,256}")
@@ -78,6 +80,7 @@ class ResponseRequest:
     """A checked `response.create`: what to say (messages) and how to sample (everything else)."""
 
     input_messages: list[dict[str, str]]  # this turn's input, roles user/assistant/system
+    prompt: str | None = None  # instead of messages: text tokenized as it is, no chat template (completions)
     instructions: str | None = None
     model: str | None = None
     max_output_tokens: int | None = None
@@ -91,6 +94,10 @@ class ResponseRequest:
     logprobs: int | None = None  # alternatives per token, when log-probabilities are wanted
     extension: dict[str, Any] = field(default_factory=dict)  # checked EXTENSION_PARAMS
     echo: dict[str, Any] = field(default_factory=dict)  # accepted OpenAI fields echoed as requested
+    # how errors name the fields: the HTTP chat and completions bodies spell them differently
+    extension_prefix: str = f"{EXTENSION_FIELD}."
+    max_tokens_field: str = "max_output_tokens"
+    input_field: str = "input"
 
     @property
     def num_samples(self) -> int:
@@ -98,7 +105,8 @@ class ResponseRequest:
 
     @property
     def num_input_chars(self) -> int:
-        return sum(len(message["content"]) for message in self.input_messages) + len(self.instructions or "")
+        return (sum(len(message["content"]) for message in self.input_messages) + len(self.instructions or "")
+                + len(self.prompt or ""))
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams for this request; a value SamplingParams refuses becomes a ProtocolError."""
@@ -108,11 +116,13 @@ class ResponseRequest:
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, max_tokens=max_tokens,
                 top_k=ext.get("top_k"), min_p=ext.get("min_p", 0.0), seed=ext.get("seed"),
-                stop=list(ext.get("stop", [])), n=self.num_samples, logprobs=self.logprobs)
+                stop=list(ext.get("stop", [])), n=self.num_samples, logprobs=self.logprobs,
+                presence_penalty=ext.get("presence_penalty", 0.0), frequency_penalty=ext.get("frequency_penalty", 0.0),
+                repetition_penalty=ext.get("repetition_penalty", 1.0))
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0].removeprefix("SamplingParams.")
-            param = {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}.get(
-                name, f"{EXTENSION_FIELD}.{name}")
+            param = {"max_tokens": self.max_tokens_field, "temperature": "temperature", "top_p": "top_p"}.get(
+                name, f"{self.extension_prefix}{name}")
             message = str(exc).replace(f"SamplingParams.{name}", param)
             raise ProtocolError("invalid_value", message, param) from None
 
@@ -245,25 +255,37 @@ def _parse_extension(event: dict[str, Any], limits: RequestLimits) -> dict[str, 
         if name not in EXTENSION_PARAMS:
             raise ProtocolError("unknown_parameter", f"'{EXTENSION_FIELD}.{shown(name, 40)}' is not a parameter; "
                                 f"known: {', '.join(EXTENSION_PARAMS)}", f"{EXTENSION_FIELD}.{name}")
+    return check_sampling_extras(extension, limits, f"{EXTENSION_FIELD}.")
+
+
+def check_sampling_extras(values: dict[str, Any], limits: RequestLimits, prefix: str = "") -> dict[str, Any]:
+    """The EXTENSION_PARAMS present in `values`, type- and range-checked (errors name `prefix` + the field).
+
+    The websocket mode takes them in the `localserve` object; the HTTP chat and completions endpoints
+    as top-level fields, as llama.cpp and vLLM do."""
     checked: dict[str, Any] = {}
     for name, kind in EXTENSION_PARAMS.items():
-        value = check_type(extension, name, kind, f"{EXTENSION_FIELD}.{name}")
+        value = check_type(values, name, kind, f"{prefix}{name}")
         if value is not None:
             checked[name] = value
     stop = checked.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
-        param = f"{EXTENSION_FIELD}.stop"
+        param = f"{prefix}stop"
         check_length(stop, param, limits.max_stop_strings)
         for index, string in enumerate(stop):
             if not isinstance(string, str):
                 raise ProtocolError("invalid_type", f"'{param}' must be a string or an array of strings", param)
             check_length(string, f"{param}[{index}]", limits.max_stop_chars)
         checked["stop"] = stop
-    check_range(checked.get("top_k"), f"{EXTENSION_FIELD}.top_k", 1, INT64_MAX, integer=True)
-    check_range(checked.get("seed"), f"{EXTENSION_FIELD}.seed", INT64_MIN, INT64_MAX, integer=True)
-    check_range(checked.get("n"), f"{EXTENSION_FIELD}.n", 1, limits.max_parallel_samples, integer=True)
-    check_range(checked.get("logprobs"), f"{EXTENSION_FIELD}.logprobs", 0, 20, integer=True)
+    check_range(checked.get("top_k"), f"{prefix}top_k", 1, INT64_MAX, integer=True)
+    check_range(checked.get("seed"), f"{prefix}seed", INT64_MIN, INT64_MAX, integer=True)
+    check_range(checked.get("n"), f"{prefix}n", 1, limits.max_parallel_samples, integer=True)
+    check_range(checked.get("logprobs"), f"{prefix}logprobs", 0, 20, integer=True)
+    for name in ("presence_penalty", "frequency_penalty"):
+        check_range(checked.get(name), f"{prefix}{name}", -2, 2)
+    # > 0 (a penalty divides positive logits); larger than this only ever bans every seen token
+    check_range(checked.get("repetition_penalty"), f"{prefix}repetition_penalty", MIN_REPETITION_PENALTY, 10)
     return checked
 
 

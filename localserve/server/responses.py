@@ -55,6 +55,10 @@ class ResponseService:
         """Submit `request` for connection `owner`; raises ProtocolError if it cannot run."""
         state = self.state
         state.check_model(request.model)
+        if self.num_running >= state.config.max_running_responses:
+            raise ProtocolError("server_busy", f"the server is running its limit of "
+                                f"{state.config.max_running_responses} responses; retry later",
+                                error_type="rate_limit_error", status=429)
         history: list[dict[str, str]] = []
         if request.previous_response_id is not None:
             found = state.conversations.get(request.previous_response_id, owner)
@@ -69,10 +73,13 @@ class ResponseService:
         num_chars = sum(len(message["content"]) for message in conversation) + len(request.instructions or "")
         if num_chars > limit:
             raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
-                                f"most {limit} are accepted: start a new one", "input")
-        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-        prompt_ids = await self._encode_chat(system + conversation, add_generation_prompt=request.generate)
+                                f"most {limit} are accepted: start a new one", request.input_field)
+        if request.prompt is not None:
+            prompt_ids = await self._encode_text(request.prompt)
+        else:
+            system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+            # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
+            prompt_ids = await self._encode_chat(system + conversation, request.generate, request.input_field)
         defaults = state.config.sampling_defaults  # each field the request leaves out
         if request.temperature is None:
             request.temperature = defaults.temperature
@@ -115,15 +122,22 @@ class ResponseService:
             self._store(run)
         run.on_update(stream)
 
-    async def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    async def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                           field: str) -> list[int]:
         tokenizer = self.state.tokenizer
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
             prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt)
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
-                                f"{type(exc).__name__}: {str(exc)[:300]}", "input") from None
+                                f"{type(exc).__name__}: {str(exc)[:300]}", field) from None
         if not prompt_ids:
-            raise ProtocolError("invalid_prompt", "the input renders to an empty prompt", "input")
+            raise ProtocolError("invalid_prompt", "the input renders to an empty prompt", field)
+        return prompt_ids
+
+    async def _encode_text(self, text: str) -> list[int]:
+        prompt_ids = await asyncio.to_thread(self.state.tokenizer.encode, text)
+        if not prompt_ids:
+            raise ProtocolError("invalid_prompt", "the prompt is empty", "prompt")
         return prompt_ids
 
     def _max_tokens(self, request: ResponseRequest, num_prompt_tokens: int) -> int:
@@ -132,10 +146,10 @@ class ResponseService:
         if num_prompt_tokens >= max_model_len:
             raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; the "
                                 f"context holds {max_model_len}, and generating needs room for one more",
-                                "input")
+                                request.input_field)
         if request.max_output_tokens is not None and request.max_output_tokens > max_model_len:
-            raise ProtocolError("integer_above_max_value", f"'max_output_tokens' must be <= {max_model_len} "
-                                f"(the context length), got {request.max_output_tokens}", "max_output_tokens")
+            raise ProtocolError("integer_above_max_value", f"'{request.max_tokens_field}' must be <= {max_model_len} "
+                                f"(the context length), got {request.max_output_tokens}", request.max_tokens_field)
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees
         wanted = request.max_output_tokens or self.state.config.default_max_output_tokens
@@ -147,7 +161,7 @@ class ResponseService:
                 raise ProtocolError("invalid_value", f"log-probabilities for {request.num_samples} sample(s) of "
                                     f"up to {max_tokens} tokens with {request.logprobs} alternatives are "
                                     f"{entries} entries, more than {bound}: lower max_output_tokens, the "
-                                    "number of alternatives or of samples", "max_output_tokens")
+                                    "number of alternatives or of samples", request.max_tokens_field)
         return max_tokens
 
     def _on_output(self, run: _Run, output: RequestOutput) -> None:

@@ -1,4 +1,5 @@
-"""A load of many websocket clients over loopback, for the load test and scripts/load_test.py.
+"""A load of many clients over loopback, for the load test and scripts/load_test.py: websocket clients,
+and a share (`http_fraction`) of HTTP clients streaming `/v1/chat/completions` (tests/helpers/load_http.py).
 
 Each client holds one connection with one or two lanes (`stream_id`; one client in two uses the
 default lane for its first), and on each lane a conversation of a few turns chained with
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from tests.helpers.load_http import run_http_client
 from tests.helpers.server import WORDS
 
 CLOSINGS = {"response.completed": "completed", "response.incomplete": "incomplete", "response.failed": "failed"}
@@ -37,6 +39,7 @@ class LoadConfig:
     cancel_fraction: float = 0.1
     disconnect_fraction: float = 0.1
     two_lane_fraction: float = 0.3
+    http_fraction: float = 0.25  # clients that stream chat completions over HTTP instead of a websocket
     seed: int = 0
     event_timeout_s: float = 120.0  # no event for this long on a lane waiting for one: the turn is lost
 
@@ -209,7 +212,12 @@ async def run_load(port: int, config: LoadConfig) -> LoadReport:
     report = LoadReport()
     url = f"ws://127.0.0.1:{port}/v1/responses"
     start = time.monotonic()
-    await asyncio.gather(*(_Client(index, url, config, report).run() for index in range(config.num_clients)))
+
+    def over_http(index: int) -> bool:  # spread evenly among the clients
+        return int((index + 1) * config.http_fraction) > int(index * config.http_fraction)
+
+    await asyncio.gather(*(run_http_client(index, port, config, report, WORDS) if over_http(index)
+                           else _Client(index, url, config, report).run() for index in range(config.num_clients)))
     report.duration_s = time.monotonic() - start
     return report
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from email.message import Message
 
 import openai
 import pytest
@@ -31,13 +32,13 @@ def server(tiny_chat_llm):
         yield server
 
 
-def get(server, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+def get(server, path: str, headers: dict | None = None) -> tuple[int, Message, bytes]:
     request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 def run(coroutine):
@@ -162,7 +163,7 @@ def test_foreign_origin_is_refused_own_and_allowed_origins_are_not(server):
     assert get(server, "/slots", {"Origin": "http://evil.example"})[0] == 403
 
 
-def test_connections_beyond_the_limit_get_503(server):
+def test_connections_beyond_the_limit_get_429(server):
     async def main():
         url = f"ws://127.0.0.1:{server.port}/v1/responses"
         held = [await connect(url) for _ in range(4)]
@@ -174,7 +175,7 @@ def test_connections_beyond_the_limit_get_503(server):
             for connection in held:
                 await connection.close()
 
-    assert run(main()) == 503
+    assert run(main()) == 429  # OpenAI's status for "saturated, retry later"
 
 
 @pytest.fixture(scope="module")

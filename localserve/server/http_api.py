@@ -1,0 +1,233 @@
+"""The HTTP side of the port: an ASGI app for OpenAI's HTTP API and the plain GETs.
+
+`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
+events or whole), `GET /health`, `/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`. Every request
+passes the same access checks as a websocket handshake (server/access.py), then its body is read within
+bounds (server/http_exchange.py) and checked into the shared request model (server/requests.py,
+server/chat_requests.py); the `ResponseService` runs it as it runs a websocket's response. A client
+that disconnects, or stops reading for `send_timeout_s`, has its response aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from localserve.server.access import check_access
+from localserve.server.chat_requests import parse_chat_completion, parse_completion
+from localserve.server.completion_events import CompletionView
+from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
+from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, slots_json
+from localserve.server.requests import ResponseRequest, parse_response_create
+from localserve.server.response_events import ResponseStream, new_id
+from localserve.server.transport import MAX_HEAD_BYTES
+from localserve.server.validation import ProtocolError, check_type, shown
+
+if TYPE_CHECKING:
+    from localserve.server.app import LocalServer
+
+log = logging.getLogger(__name__)
+
+WEBSOCKET_PATHS = ("/v1/responses", "/v1/monitor")
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class HttpApi:
+    """The ASGI application of one LocalServer."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.in_flight: set[ResponseStream] = set()  # HTTP responses the engine is still running
+        self.shutting_down = False
+        self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
+            ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
+            ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self._responses}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":  # lifespan is off; websockets never reach the app
+            return
+        exchange = HttpExchange(scope, receive, send, self.server.config.send_timeout_s)
+        try:
+            await self._dispatch(exchange)
+        except ClientGone:
+            pass
+        except ProtocolError as error:
+            await self._answer_error(exchange, error)
+        except Exception as exc:  # a bug: this request fails with a reason, nothing else does
+            log.exception("HTTP %s %s failed", exchange.method, exchange.path[:200])
+            await self._answer_error(exchange, ProtocolError("server_error", f"the request failed: "
+                                                             f"{type(exc).__name__}", error_type="server_error",
+                                                             status=500))
+
+    def shut_down(self) -> None:
+        """The server is stopping: end every HTTP response in flight (reason `server_shutdown`)."""
+        self.shutting_down = True
+        for stream in list(self.in_flight):
+            self.server.responses.shut_down(stream)
+
+    async def _answer_error(self, exchange: HttpExchange, error: ProtocolError) -> None:
+        if exchange.disconnected:
+            return
+        if exchange.started:  # the status line is out: the connection cannot tell the error any more
+            exchange.reset()
+            return
+        headers = [(b"www-authenticate", b"Bearer")] if error.status == HTTPStatus.UNAUTHORIZED else []
+        try:
+            await exchange.respond_error(error, headers)
+        except ClientGone:
+            pass
+
+    async def _dispatch(self, exchange: HttpExchange) -> None:
+        server, method, path = self.server, exchange.method, exchange.path
+        head_bytes = sum(len(name) + len(value) for name, value in exchange.scope["headers"])
+        if head_bytes > MAX_HEAD_BYTES:  # h11 bounds a head that arrives in pieces; one read can hold more
+            raise ProtocolError("request_header_too_large", f"the request's headers hold {head_bytes} bytes; at "
+                                f"most {MAX_HEAD_BYTES} are accepted", status=431)
+        if path == "/health" and method == "GET":
+            return await exchange.respond_json(200, {"status": "ok"})
+        refusal = check_access(exchange.headers, server.access_policy, needs_key=method != "OPTIONS")
+        if refusal is not None:
+            raise ProtocolError(refusal.code, refusal.message, status=refusal.status)
+        exchange.cors_origin = exchange.headers.get("Origin")
+        if exchange.connection is not None and exchange.connection.over_limit:
+            raise ProtocolError("too_many_connections", f"the server holds its limit of "
+                                f"{server.config.max_connections} connections; retry later",
+                                error_type="rate_limit_error", status=429)
+        if self.shutting_down:
+            raise ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error",
+                                status=503)
+        if method == "OPTIONS":  # a browser's CORS preflight, from an allowed origin
+            return await exchange.respond_empty(204, exchange.cors_preflight_headers())
+        handler = self.routes.get((method, path))
+        if handler is None and method == "GET" and path.startswith("/v1/models/"):
+            handler = self._model
+        if handler is not None:
+            return await handler(exchange)
+        if path in WEBSOCKET_PATHS and method == "GET":
+            raise ProtocolError("websocket_required", f"GET {path} is a websocket endpoint: send an upgrade",
+                                status=426)
+        if any(route_path == path for _, route_path in self.routes) or path in WEBSOCKET_PATHS:
+            raise ProtocolError("method_not_allowed", f"{shown(method, 20)} is not allowed on {path}", status=405)
+        raise ProtocolError("not_found", f"no such path: {path[:200]}", status=404)
+
+    # ------------------------------------------------------------------ plain GETs
+    async def _metrics(self, exchange: HttpExchange) -> None:
+        server = self.server
+        stats = await server.engine_call(lambda engine: engine.stats())
+        data = server.metrics.render(stats)
+        await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8",
+                             [(b"content-length", str(len(data)).encode())])
+        await exchange.write(data, more=False)
+
+    def _model_object(self) -> dict[str, Any]:
+        server = self.server
+        return {"id": server.served_name, "object": "model", "created": 0, "owned_by": "localserve",
+                "max_model_len": server.engine_thread.engine.max_model_len,
+                "sampling_defaults": server.config.sampling_defaults.to_json()}
+
+    async def _models(self, exchange: HttpExchange) -> None:
+        await exchange.respond_json(200, {"object": "list", "data": [self._model_object()]})
+
+    async def _model(self, exchange: HttpExchange) -> None:
+        self.server.check_model(exchange.path.removeprefix("/v1/models/"))
+        await exchange.respond_json(200, self._model_object())
+
+    async def _slots(self, exchange: HttpExchange) -> None:
+        server = self.server
+        snapshot = await server.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
+        await exchange.respond_json(200, slots_json(snapshot, server.monitor_hello))
+
+    # ------------------------------------------------------------------ generation
+    async def _body(self, exchange: HttpExchange) -> dict[str, Any]:
+        config = self.server.config
+        return await exchange.read_json(config.max_message_bytes, config.http_body_timeout_s)
+
+    async def _chat_completions(self, exchange: HttpExchange) -> None:
+        generation = parse_chat_completion(await self._body(exchange), self.server.config.limits)
+        await self._generate(exchange, generation.request, generation.stream,
+                             lambda stream: CompletionView(stream, chat=True, include_usage=generation.include_usage))
+
+    async def _completions(self, exchange: HttpExchange) -> None:
+        generation = parse_completion(await self._body(exchange), self.server.config.limits)
+        await self._generate(exchange, generation.request, generation.stream,
+                             lambda stream: CompletionView(stream, chat=False, include_usage=generation.include_usage))
+
+    async def _responses(self, exchange: HttpExchange) -> None:
+        body = await self._body(exchange)
+        stream = check_type(body, "stream", bool) is True
+        if body.get("stream_id") is not None:
+            raise ProtocolError("unsupported_parameter", "'stream_id' is not supported over HTTP: lanes exist on a "
+                                "websocket connection (ws://.../v1/responses)", "stream_id")
+        await self._generate(exchange, parse_response_create(body, self.server.config.limits), stream, None)
+
+    async def _generate(self, exchange: HttpExchange, request: ResponseRequest, streamed: bool,
+                        make_view: Callable[[ResponseStream], CompletionView] | None) -> None:
+        """Run one response for this exchange; `make_view` shapes chat or text completions (None: Responses)."""
+        server = self.server
+        owner = new_id("http")  # a store: false response belongs to this request alone
+        wake = asyncio.Event()
+        stream = await server.responses.start(request, owner, lambda _: wake.set())
+        self.in_flight.add(stream)
+
+        async def watch_disconnect() -> None:
+            await exchange.wait_disconnect()
+            wake.set()
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            view = make_view(stream) if make_view is not None else None
+            if streamed:
+                await self._stream(exchange, stream, view, wake)
+            else:
+                while not stream.is_done and not exchange.disconnected:
+                    await wake.wait()
+                    wake.clear()
+                if not exchange.disconnected:
+                    await self._respond_whole(exchange, stream, view)
+        finally:
+            watcher.cancel()
+            self.in_flight.discard(stream)
+            if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
+                server.responses.abandon(stream)
+            server.conversations.drop_owner(owner)
+
+    async def _respond_whole(self, exchange: HttpExchange, stream: ResponseStream,
+                             view: CompletionView | None) -> None:
+        if view is None:  # a Responses object tells every outcome itself (failed, incomplete)
+            return await exchange.respond_json(200, stream.response_object(stream.status))
+        if view.ended_normally:
+            return await exchange.respond_json(200, view.completion())
+        raise _ending_error(stream)
+
+    async def _stream(self, exchange: HttpExchange, stream: ResponseStream, view: CompletionView | None,
+                      wake: asyncio.Event) -> None:
+        """Server-sent events as the engine produces them, coalesced while the client reads slower."""
+        await exchange.start(200, EVENT_STREAM, SSE_HEADERS)
+        while not exchange.disconnected:
+            done = stream.is_done  # read once: the stream may end while a write below awaits the client
+            if view is None:
+                pieces = [sse(event, event["type"]) for event in stream.drain()]
+            else:
+                pieces = [sse(chunk) for chunk in view.chunks()]
+            if done and view is not None:
+                if not view.ended_normally:
+                    pieces.append(sse(error_body(_ending_error(stream))))
+                pieces.append(sse("[DONE]"))
+            if pieces or done:
+                await exchange.write(b"".join(pieces), more=not done)
+            if done:
+                return
+            await wake.wait()
+            wake.clear()
+
+
+def _ending_error(stream: ResponseStream) -> ProtocolError:
+    """Why a chat or text completion did not end normally (over HTTP nothing else cancels a response)."""
+    if stream.status == "failed":
+        return ProtocolError("server_error", f"the request failed: {stream.error_message}",
+                             error_type="server_error", status=500)
+    return ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error", status=503)

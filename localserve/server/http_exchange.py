@@ -1,0 +1,148 @@
+"""One HTTP request and its response over ASGI, with this server's bounds (no knowledge of any endpoint).
+
+The body is read within `http_body_timeout_s` and up to `max_message_bytes` (413 beyond, checked on
+Content-Length first); errors go out in OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`; a streamed body is written piece by piece, each piece taken by the client within
+`send_timeout_s` or the connection is reset (a client that stops reading holds nothing: asyncio's
+graceful close would wait for it forever). Browser origins that passed the access check get CORS headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from websockets.datastructures import Headers
+
+from localserve.server.validation import ProtocolError, find_invalid_unicode
+
+JSON = b"application/json"
+EVENT_STREAM = b"text/event-stream; charset=utf-8"
+CORS_METHODS = b"GET, POST, OPTIONS"
+CORS_HEADERS = b"Authorization, Content-Type"
+CLOSING_ERRORS = ("request_too_large", "request_timeout", "too_many_connections")
+
+
+class ClientGone(Exception):
+    """The client disconnected, or stopped reading and was reset: nobody is left to answer."""
+
+
+def error_body(error: ProtocolError) -> dict[str, Any]:
+    """OpenAI's HTTP error object for a ProtocolError."""
+    return {"error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.code}}
+
+
+class HttpExchange:
+    """One request (method, path, headers, body) and the response written to it."""
+
+    def __init__(self, scope: dict[str, Any], receive: Any, send: Any, send_timeout_s: float) -> None:
+        self.scope, self._receive, self._send = scope, receive, send
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.headers = Headers([(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]])
+        self.connection = scope.get("state", {}).get("connection")  # transport.HttpConnection
+        self.send_timeout_s = send_timeout_s
+        self.started = False
+        self.disconnected = False
+        self.cors_origin: str | None = None  # set once the Origin passed the access check
+
+    # ------------------------------------------------------------------ reading
+    async def read_json(self, max_bytes: int, timeout_s: float) -> dict[str, Any]:
+        """The body as a JSON object; a ProtocolError (400, 408, 413) for anything else."""
+        body = await self._read_body(max_bytes, timeout_s)
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested deeper than the parser goes
+            raise ProtocolError("invalid_json", f"the body is not valid JSON: {str(exc)[:200]}") from None
+        if not isinstance(value, dict):
+            raise ProtocolError("invalid_json", "the body must be a JSON object")
+        where = find_invalid_unicode(value)
+        if where is not None:
+            raise ProtocolError("invalid_value", f"'{where}' is not valid Unicode (it holds a lone surrogate)", where)
+        return value
+
+    async def _read_body(self, max_bytes: int, timeout_s: float) -> bytes:
+        too_large = ProtocolError("request_too_large", f"the body exceeds {max_bytes} bytes", status=413)
+        length = self.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            raise too_large
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        parts, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(self._receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise ProtocolError("request_timeout", f"the body did not arrive within {timeout_s:g} s",
+                                    status=408) from None
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                raise ClientGone
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > max_bytes:
+                raise too_large
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    async def wait_disconnect(self) -> None:
+        """Return when the client goes away (call only once the body has been read)."""
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+
+    # ------------------------------------------------------------------ writing
+    async def respond_json(self, status: int, body: Any, headers: list[tuple[bytes, bytes]] | None = None,
+                           close: bool = False) -> None:
+        """A whole JSON response (`close`: end the connection after it, as when a body was left unread)."""
+        data = (json.dumps(body) + "\n").encode()
+        extra = list(headers or []) + ([(b"connection", b"close")] if close else [])
+        await self.start(status, JSON, extra + [(b"content-length", str(len(data)).encode())])
+        await self.write(data, more=False)
+
+    async def respond_error(self, error: ProtocolError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        # a refused body may be unread (413, 408): the connection cannot carry another request
+        await self.respond_json(error.status, error_body(error), headers, close=error.code in CLOSING_ERRORS)
+
+    async def respond_empty(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self.start(status, None, headers + [(b"content-length", b"0")])
+        await self.write(b"", more=False)
+
+    async def start(self, status: int, content_type: bytes | None, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the status line and headers."""
+        all_headers = list(headers)
+        if content_type is not None:
+            all_headers.append((b"content-type", content_type))
+        if self.cors_origin is not None:
+            all_headers += [(b"access-control-allow-origin", self.cors_origin.encode("latin-1")), (b"vary", b"Origin")]
+        self.started = True
+        await self._timed(self._send({"type": "http.response.start", "status": int(status), "headers": all_headers}))
+
+    async def write(self, data: bytes, more: bool = True) -> None:
+        """Send a piece of the body; the client must take it within send_timeout_s (else ClientGone)."""
+        await self._timed(self._send({"type": "http.response.body", "body": data, "more_body": more}))
+
+    async def _timed(self, send: Any) -> None:
+        try:
+            await asyncio.wait_for(send, self.send_timeout_s)
+        except asyncio.TimeoutError:
+            self.reset()
+            raise ClientGone from None
+
+    def reset(self) -> None:
+        """Drop the connection without a goodbye (a client that reads nothing can take none)."""
+        self.disconnected = True
+        if self.connection is not None:
+            self.connection.reset()
+
+    def cors_preflight_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"access-control-allow-methods", CORS_METHODS), (b"access-control-allow-headers", CORS_HEADERS),
+                (b"access-control-max-age", b"600")]
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event: `event:` (the Responses API names each) and one `data:` line of JSON."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {text}\n\n".encode()
+

@@ -1,0 +1,168 @@
+"""A hypothesis fuzzer for the HTTP bodies (tiny model): random and adversarial requests to
+/v1/chat/completions, /v1/completions and /v1/responses, streamed or not, read whole or dropped
+mid-stream, over one keep-alive connection (opened again whenever the server closes it).
+
+Invariants: never a 5xx; every refusal is a 4xx in OpenAI's error shape; every 200 parses into the
+`openai` SDK's types (whole) or is a well-formed event stream ending in `[DONE]` or a closing event;
+the keep-alive connection stays usable after every refusal of a body; /health stays ok; at the end
+every block is free or cached and the engine thread is alive.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
+
+from tests.helpers.server import CLOSING_EVENTS, running_server, wait_until_idle
+from tests.server.test_fuzz import extreme_numbers, json_values, maybe, nasty_text
+
+NUM_CASES = 300
+MAX_BODY_BYTES = 16 * 1024
+ENDPOINTS = {"/v1/chat/completions": ChatCompletion, "/v1/completions": Completion, "/v1/responses": Response}
+REFUSALS = {400, 404, 405, 413, 429}
+
+roles = maybe(st.sampled_from(["user", "assistant", "system", "developer", "tool", "function"]))
+chat_messages = st.lists(st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text | st.lists(
+    st.fixed_dictionaries({"type": maybe(st.sampled_from(["text", "image_url"])), "text": maybe(nasty_text)}),
+    max_size=2))}, optional={"name": maybe(nasty_text), "tool_calls": json_values}), max_size=3)
+sampling = {
+    "model": maybe(st.sampled_from(["default", "gpt-4o"])), "max_tokens": maybe(st.integers(1, 4) | extreme_numbers),
+    "temperature": maybe(extreme_numbers), "top_p": maybe(extreme_numbers), "n": maybe(st.integers(0, 4)),
+    "seed": maybe(extreme_numbers), "stop": maybe(nasty_text | st.lists(nasty_text, max_size=5)),
+    "top_k": maybe(extreme_numbers), "min_p": maybe(extreme_numbers), "presence_penalty": maybe(extreme_numbers),
+    "frequency_penalty": maybe(extreme_numbers), "repetition_penalty": maybe(extreme_numbers),
+    "stream": maybe(st.booleans()), "stream_options": maybe(st.fixed_dictionaries(
+        {}, optional={"include_usage": maybe(st.booleans())})), "logit_bias": maybe(st.just({"5": 1})),
+    "user": maybe(nasty_text), "unknown_field": json_values,
+}
+chat_bodies = st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hello"}]) | maybe(
+    chat_messages)}, optional={**sampling, "max_completion_tokens": maybe(st.integers(1, 4) | extreme_numbers),
+                               "logprobs": maybe(st.booleans()), "top_logprobs": maybe(extreme_numbers),
+                               "tools": maybe(st.just([{"type": "function"}])), "response_format": maybe(
+                                   st.sampled_from([{"type": "text"}, {"type": "json_object"}]))})
+completion_bodies = st.fixed_dictionaries({"prompt": st.just("hello world") | maybe(
+    nasty_text | st.lists(nasty_text, max_size=2))}, optional={**sampling, "logprobs": maybe(extreme_numbers),
+                                                             "echo": maybe(st.booleans())})
+response_bodies = st.fixed_dictionaries({"input": st.just("hello") | maybe(nasty_text)}, optional={
+    "model": sampling["model"], "stream": sampling["stream"], "max_output_tokens": maybe(st.integers(1, 4)),
+    "temperature": maybe(extreme_numbers), "instructions": maybe(nasty_text), "store": maybe(st.booleans()),
+    "previous_response_id": maybe(st.sampled_from(["resp_nope"])), "stream_id": maybe(st.just("a")),
+    "localserve": maybe(st.fixed_dictionaries({}, optional={"n": maybe(st.integers(0, 3))}))})
+valid_sampling = {"max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2), "n": st.integers(1, 2),
+                  "stream": st.booleans(), "stop": st.text(min_size=1, max_size=3), "seed": st.integers(0, 99),
+                  "top_k": st.integers(1, 300), "stream_options": st.just({"include_usage": True})}
+valid_requests = st.one_of(
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"messages": st.just([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])},
+        optional={**valid_sampling, "logprobs": st.just(True)})),
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {"prompt": st.sampled_from(["hello world", "the cat"])}, optional={**valid_sampling,
+                                                                          "logprobs": st.integers(0, 2)})),
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({"input": st.just("hello")}, optional={
+        "stream": st.booleans(), "max_output_tokens": st.integers(1, 4), "temperature": st.floats(0, 2)})),
+).map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
+requests = st.one_of(
+    valid_requests, valid_requests,
+    st.tuples(st.just("/v1/chat/completions"), chat_bodies.map(json.dumps).map(str.encode)),
+    st.tuples(st.just("/v1/completions"), completion_bodies.map(json.dumps).map(str.encode)),
+    st.tuples(st.just("/v1/responses"), response_bodies.map(json.dumps).map(str.encode)),
+    st.tuples(st.sampled_from(list(ENDPOINTS)), st.binary(max_size=40) | json_values.map(json.dumps).map(str.encode)),
+    st.tuples(st.sampled_from(list(ENDPOINTS)), st.integers(MAX_BODY_BYTES + 1, 4 * MAX_BODY_BYTES).map(
+        lambda size: json.dumps({"prompt": "x" * size}).encode())),
+)
+
+
+class HttpFuzzer:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.connection: http.client.HTTPConnection | None = None
+        self.outcomes: Counter[str] = Counter()  # the fuzzer must reach every kind of answer
+
+    def send(self, path: str, body: bytes, drop_after: int | None) -> None:
+        if self.connection is None:
+            self.connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        self.connection.request("POST", path, body, {"Content-Type": "application/json"})
+        response = self.connection.getresponse()
+        status, content_type = response.status, response.getheader("Content-Type", "")
+        assert status == 200 or status in REFUSALS, (status, response.read()[:300])
+        self.outcomes[str(status) if status != 200 else "stream" if "event-stream" in content_type else "whole"] += 1
+        if status != 200:
+            error = json.loads(response.read())["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        elif content_type.startswith("text/event-stream"):
+            if not self.read_stream(response, path, drop_after):
+                self.reconnect()
+                return
+        else:
+            ENDPOINTS[path].model_validate(json.loads(response.read()))
+        if response.will_close:
+            self.reconnect()
+
+    def read_stream(self, response, path: str, drop_after: int | None) -> bool:
+        """Read server-sent events to their end (True), or drop the connection after a few (False)."""
+        data_lines = 0
+        while line := response.readline():
+            if not line.startswith(b"data: "):
+                assert line in (b"\n",) or line.startswith(b"event: "), line
+                continue
+            data_lines += 1
+            if drop_after is not None and data_lines >= drop_after:
+                return False
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                assert path != "/v1/responses"
+                break
+            event = json.loads(payload)
+            if path == "/v1/responses" and event["type"] in CLOSING_EVENTS:
+                assert event["type"] != "response.failed", event
+                Response.model_validate(event["response"])
+                break
+            assert "error" not in event or event["error"]["code"] != "server_error", event
+        assert response.read() == b"\n"  # the body ends with the last event (and its blank line)
+        return True
+
+    def reconnect(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+        self.connection = None
+
+
+def health_ok(port: int) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/health")
+    ok = json.loads(connection.getresponse().read()) == {"status": "ok"}
+    connection.close()
+    return ok
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_llm):
+    with running_server(tiny_chat_llm, max_message_bytes=MAX_BODY_BYTES, default_max_output_tokens=4,
+                        send_timeout_s=5.0) as server:
+        yield server
+
+
+def test_http_bodies_never_break_the_server(server):
+    fuzzer = HttpFuzzer(server.port)
+
+    @settings(max_examples=NUM_CASES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @given(request=requests, drop_after=st.none() | st.integers(1, 3))
+    def one_case(request, drop_after):
+        fuzzer.send(*request, drop_after)
+
+    one_case()
+    fuzzer.reconnect()
+    assert min(fuzzer.outcomes["stream"], fuzzer.outcomes["whole"], fuzzer.outcomes["400"]) >= 10, fuzzer.outcomes
+    assert health_ok(server.port)
+    wait_until_idle(server.server.engine_thread)
+    assert server.server.engine_thread._thread.is_alive()
+    assert not server.server.http_api.in_flight
