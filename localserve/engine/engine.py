@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,10 @@ class LLMEngine:
             raise
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
                                  with_decoder=not params.beam_search)
-        request = Request(request_id, arrival, list(prompt_token_ids), params, [seq])
+        eos_ids = () if params.ignore_eos else self.eos_token_ids
+        request = Request(request_id, arrival, list(prompt_token_ids), params, [seq],
+                          stop_ids=frozenset(params.stop_token_ids).union(eos_ids),
+                          max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -193,14 +197,15 @@ class LLMEngine:
         sampled_seqs: list[Sequence] = []
         logit_rows: list[int] = []  # the logits row of each entry of rows
         row = 0
+        num_prompt_tokens = 0
         for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
             num_tokens = len(chunk.token_ids)
             if num_tokens > 1 or len(seq.token_ids) == seq.prompt_len:
-                self.num_prompt_tokens += num_tokens
+                num_prompt_tokens += num_tokens
             if not chunk.needs_logits:
                 continue
             moved[request.request_id] = request
-            if request.params.beam_search:
+            if request.beam_search:
                 beam_rows.setdefault(request.request_id, []).append((seq, row))
             else:
                 rows.append(seq.sampling_row or self._sampling_row(request, seq))
@@ -216,15 +221,22 @@ class LLMEngine:
                         sampled_seqs.append(child)
                         logit_rows.append(row)
             row += 1
+        self.num_prompt_tokens += num_prompt_tokens
         if rows:
             # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
             # place; else the row index is built once, on the device.
             identity = len(logit_rows) == row and not beam_rows
             result = self.sampler(logits, rows, None if identity else torch.tensor(logit_rows, device=logits.device))
-            top_logprobs = result.top_logprobs or [None] * len(rows)
-            for request, seq, token_id, logprob, top in zip(sampled_requests, sampled_seqs, result.token_ids,
-                                                            result.logprobs, top_logprobs):
-                self._append(request, seq, token_id, logprob, top)
+            self.num_generation_tokens += len(rows)
+            if result.top_logprobs:
+                for request, seq, token_id, logprob, top in zip(sampled_requests, sampled_seqs, result.token_ids,
+                                                                result.logprobs, result.top_logprobs):
+                    self._append(request, seq, token_id, logprob, top)
+            else:
+                append = self._append
+                for request, seq, token_id, logprob in zip(sampled_requests, sampled_seqs, result.token_ids,
+                                                           result.logprobs):
+                    append(request, seq, token_id, logprob)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
             for seq, logit_row in entries:
@@ -240,7 +252,7 @@ class LLMEngine:
                 request.first_token_time = time.monotonic()
                 self.events.append(EventKind.FIRST_TOKEN, request.label)
             beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
-        return [self._finish_or_report(request) for request in moved.values()]
+        return self._report(moved.values())
 
     @staticmethod
     def _sampling_row(request: Request, seq: Sequence) -> SamplingRow:
@@ -278,32 +290,30 @@ class LLMEngine:
         return child
 
     def _append(self, request: Request, seq: Sequence, token_id: int, logprob: float | None,
-                top: list[tuple[int, float]] | None) -> None:
+                top: list[tuple[int, float]] | None = None) -> None:
         """Add a sampled token to a sequence and decide whether it stops there."""
-        params = request.params
-        seq.token_ids.append(token_id)  # the block manager gets it when the next step schedules it
+        token_ids = seq.token_ids
+        token_ids.append(token_id)  # the block manager gets it when the next step schedules it
         seq.pending_append = True
         request.just_readmitted = False
         if logprob is not None:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top or [])
-        self.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
             self.events.append(EventKind.FIRST_TOKEN, request.label)
-        token_ids = seq.token_ids
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if token_id in request.stop_ids:
             self._finish_seq(seq, "stop")
             return
         if seq.decoder is not None:
             new_from = len(seq.text)
             seq.text += seq.decoder.step(token_id)
-            if params.stop and (cut := stop_string_cut(seq.text, params.stop, new_from)) is not None:
+            if request.stop_strings and (cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
                 seq.text = seq.text[:cut]
                 self._finish_seq(seq, "stop")
                 return
-        if len(token_ids) - seq.prompt_len >= params.max_tokens or len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= request.max_num_tokens:
             self._finish_seq(seq, "length")
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
@@ -311,19 +321,23 @@ class LLMEngine:
         seq.pending_append = False
         self.block_manager.free(seq.seq_id)  # a finished sample gives its blocks back at once
 
-    def _finish_or_report(self, request: Request) -> RequestOutput:
-        finished = not request.live_seqs
-        if finished:
-            self.scheduler.finish(request)
-            self.requests.pop(request.request_id, None)
-            if request.error is not None:
-                self.num_requests_failed += 1  # the scheduler logged the failed event
-            else:
-                self.num_requests_finished += 1
-                best = request.finished_beams or request.seqs
-                self.events.append(EventKind.FINISHED, request.label,
-                                   reason=best[0].finish_reason if best else "stop")
-        return make_output(request, finished, self.tokenizer)
+    def _report(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Each request's output for this step; a request whose sequences have all finished leaves."""
+        outputs = []
+        for request in requests:
+            finished = not request.live_seqs
+            if finished:
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+                if request.error is not None:
+                    self.num_requests_failed += 1  # the scheduler logged the failed event
+                else:
+                    self.num_requests_finished += 1
+                    best = request.finished_beams or request.seqs
+                    self.events.append(EventKind.FINISHED, request.label,
+                                       reason=best[0].finish_reason if best else "stop")
+            outputs.append(make_output(request, finished, self.tokenizer))
+        return outputs
 
     # ------------------------------------------------------------------ convenience
     def run_to_completion(self) -> dict[str, RequestOutput]:

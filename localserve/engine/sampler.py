@@ -19,7 +19,7 @@ import torch
 from localserve.engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One sequence's view for the sampler (the engine keeps one per sequence, its output a live view)."""
 

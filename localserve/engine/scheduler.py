@@ -183,22 +183,30 @@ class Scheduler:
                     continue
                 num_live += 1
                 token_ids = seq.token_ids
+                seq_id = seq.seq_id
                 if seq.pending_append:
-                    copies = append_token(seq.seq_id, token_ids[-1])
-                    if copies:
+                    if copies := append_token(seq_id, token_ids[-1]):
                         step.block_copies += copies
                         self.events.append(EventKind.COPY_ON_WRITE, request.label, num_blocks=len(copies))
                     seq.pending_append = False
                 position = len(token_ids) - 1
-                if seq.num_computed_tokens == position:
+                num_computed = seq.num_computed_tokens
+                if num_computed == position:
                     if budget > 0:
                         seqs.append(seq)
                         requests.append(request)
                         query_lens.append(1)
-                        seq_id = seq.seq_id
-                        chunks.append(SeqChunk([token_ids[-1]], position, live_block_table(seq_id), True, seq_id))
+                        # The sequence's decode chunk is rewritten each step rather than made anew: a step
+                        # input lives one step (engine/step.py).
+                        chunk = seq.decode_chunk
+                        if chunk is None:
+                            chunk = seq.decode_chunk = SeqChunk([0], 0, [], True, seq_id)
+                        chunk.token_ids[0] = token_ids[-1]
+                        chunk.start_pos = position
+                        chunk.block_table = live_block_table(seq_id)
+                        chunks.append(chunk)
                         budget -= 1
-                elif seq.num_computed_tokens < position and seq not in request.followers:
+                elif num_computed < position and seq not in request.followers:
                     prefills.append((request, seq))
             slots_in_use += num_live if request.forked else request.params.n
         return budget, slots_in_use, prefills

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
 from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
@@ -36,10 +36,11 @@ class _Sequence:
     extra_key: bytes
     is_swapped: bool = False
     # A follower shares its leader's first `num_shared_blocks` blocks before the leader has computed them
-    # (see `allocate_sharing`); the leader lists its followers until they have caught up.
+    # (see `allocate_sharing`); the leader lists its followers until they have caught up. A tuple: almost
+    # every sequence has none, and the shared empty tuple costs no object per sequence.
     leader: int | None = None
     num_shared_blocks: int = 0
-    followers: list[int] = field(default_factory=list)
+    followers: tuple[int, ...] = ()
 
 
 class BlockManager(SwapMixin):
@@ -210,7 +211,7 @@ class BlockManager(SwapMixin):
                         num_shared_blocks=num_shared_blocks)
         self._seqs[seq_id] = seq
         if not self._catch_up(seq, leader):
-            leader.followers.append(seq_id)
+            leader.followers += (seq_id,)
         return seq.num_computed_tokens
 
     def awaits_leader(self, seq_id: int) -> bool:
@@ -279,19 +280,22 @@ class BlockManager(SwapMixin):
         already registered to another block (that mapping is kept). The count never decreases.
         """
         seq = self._seqs[seq_id]
-        if seq.is_swapped or not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+        num_before = seq.num_computed_tokens
+        if seq.is_swapped or not num_before <= num_computed_tokens <= len(seq.token_ids):
             self._gpu_seq(seq_id)  # raises if swapped
-            raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{seq.num_computed_tokens}, "
+            raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{num_before}, "
                              f"{len(seq.token_ids)}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
+        # A sequence holds the key of each of its full computed blocks (check_integrity: one key per
+        # block_size computed tokens), so keys are due only when the count crosses a block's end.
         num_full_blocks = num_computed_tokens // self.block_size
-        if self.enable_prefix_caching and num_full_blocks > len(seq.block_hashes):
+        if num_full_blocks > num_before // self.block_size and self.enable_prefix_caching:
             for index in range(len(seq.block_hashes), num_full_blocks):
                 content = self._block_content(seq, index)
                 seq.block_hashes.append(hash_block(*content))
                 self._register(seq.block_table[index], seq.block_hashes[index], content)
         if seq.followers:
-            seq.followers = [f for f in seq.followers if not self._catch_up(self._seqs[f], seq)]
+            seq.followers = tuple(f for f in seq.followers if not self._catch_up(self._seqs[f], seq))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1).
@@ -319,7 +323,8 @@ class BlockManager(SwapMixin):
         """
         seq = self._seqs.pop(seq_id)
         if seq.leader is not None:
-            self._seqs[seq.leader].followers.remove(seq_id)
+            leader = self._seqs[seq.leader]
+            leader.followers = tuple(f for f in leader.followers if f != seq_id)
         for follower_id in seq.followers:  # freed with it by the scheduler; on its own it computes itself
             self._seqs[follower_id].leader = None
         if seq.is_swapped:
