@@ -52,7 +52,7 @@ BLOCK_MANAGER_CALLS = ("free",)
 # Coarse stages of the step outside the model for the profile table: (label, object path, method).
 STAGES = (("schedule", "scheduler", "schedule"), ("mark computed", "scheduler", "mark_computed"),
           ("runner: step tensors", "runner", "prepare_inputs"), ("sampler", "", "sampler"),
-          ("outputs", "", "_finish_or_report"))
+          ("outputs", "", "_report"))
 
 
 class Clock:

@@ -23,7 +23,7 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.outputs import RequestOutput, make_output, stop_string_cut
-from localserve.engine.sampler import Sampler, SamplingRow, make_generator
+from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Batch, Scheduler, peak_blocks
 from localserve.engine.sequence import Request, Sequence
@@ -227,16 +227,7 @@ class LLMEngine:
             # place; else the row index is built once, on the device.
             identity = len(logit_rows) == row and not beam_rows
             result = self.sampler(logits, rows, None if identity else torch.tensor(logit_rows, device=logits.device))
-            self.num_generation_tokens += len(rows)
-            if result.top_logprobs:
-                for request, seq, token_id, logprob, top in zip(sampled_requests, sampled_seqs, result.token_ids,
-                                                                result.logprobs, result.top_logprobs):
-                    self._append(request, seq, token_id, logprob, top)
-            else:
-                append = self._append
-                for request, seq, token_id, logprob in zip(sampled_requests, sampled_seqs, result.token_ids,
-                                                           result.logprobs):
-                    append(request, seq, token_id, logprob)
+            self._append_sampled(sampled_requests, sampled_seqs, result)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
             for seq, logit_row in entries:
@@ -289,32 +280,36 @@ class LLMEngine:
         request.seqs.append(child)
         return child
 
-    def _append(self, request: Request, seq: Sequence, token_id: int, logprob: float | None,
-                top: list[tuple[int, float]] | None = None) -> None:
-        """Add a sampled token to a sequence and decide whether it stops there."""
-        token_ids = seq.token_ids
-        token_ids.append(token_id)  # the block manager gets it when the next step schedules it
-        seq.pending_append = True
-        request.just_readmitted = False
-        if logprob is not None:
-            seq.cumulative_logprob += logprob
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top or [])
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-            self.events.append(EventKind.FIRST_TOKEN, request.label)
-        if token_id in request.stop_ids:
-            self._finish_seq(seq, "stop")
-            return
-        if seq.decoder is not None:
-            new_from = len(seq.text)
-            seq.text += seq.decoder.step(token_id)
-            if request.stop_strings and (cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
-                seq.text = seq.text[:cut]
+    def _append_sampled(self, requests: list[Request], seqs: list[Sequence], result: SamplerOutput) -> None:
+        """Add each sampled token to its sequence and decide whether the sequence stops there."""
+        self.num_generation_tokens += len(seqs)
+        top_logprobs = result.top_logprobs or itertools.repeat(None)
+        for request, seq, token_id, logprob, top in zip(requests, seqs, result.token_ids, result.logprobs,
+                                                        top_logprobs):
+            token_ids = seq.token_ids
+            token_ids.append(token_id)  # the block manager gets it when the next step schedules it
+            seq.pending_append = True
+            request.just_readmitted = False
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
+                seq.logprobs.append(logprob)
+                seq.top_logprobs.append(top or [])
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+                self.events.append(EventKind.FIRST_TOKEN, request.label)
+            if token_id in request.stop_ids:
                 self._finish_seq(seq, "stop")
-                return
-        if len(token_ids) >= request.max_num_tokens:
-            self._finish_seq(seq, "length")
+                continue
+            if seq.decoder is not None:
+                new_from = len(seq.text)
+                seq.text += seq.decoder.step(token_id)
+                if request.stop_strings and (
+                        cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
+                    seq.text = seq.text[:cut]
+                    self._finish_seq(seq, "stop")
+                    continue
+            if len(token_ids) >= request.max_num_tokens:
+                self._finish_seq(seq, "length")
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -76,6 +76,17 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
     """
     seqs = request.seqs
     beam_search = request.beam_search
+    if len(seqs) == 1 and not beam_search and not request.stop_strings:  # the common case, in short
+        seq = seqs[0]
+        text, token_ids, prompt_len = seq.text, seq.token_ids, seq.prompt_len
+        num_tokens = len(token_ids)
+        output = CompletionOutput(
+            0, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
+            seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
+            text[seq.num_emitted_chars:], token_ids[prompt_len + seq.num_emitted_tokens:])
+        seq.num_emitted_chars, seq.num_emitted_tokens = len(text), num_tokens - prompt_len
+        return RequestOutput(request.request_id, request.prompt_token_ids, [output], finished,
+                             request.num_cached_tokens, request.error)
     if beam_search:
         seqs = sorted(request.seqs + request.finished_beams, key=lambda s: -s.cumulative_logprob)[:request.params.n]
     # Text that may still turn into the start of a stop string is held back until it cannot.
