@@ -38,9 +38,9 @@ class _Sequence:
     # A follower shares its leader's first `num_shared_blocks` blocks before the leader has computed them
     # (see `allocate_sharing`); the leader lists its followers until they have caught up. A tuple: almost
     # every sequence has none, and the shared empty tuple costs no object per sequence.
+    followers: tuple[int, ...] = ()
     leader: int | None = None
     num_shared_blocks: int = 0
-    followers: tuple[int, ...] = ()
 
 
 class BlockManager(SwapMixin):
