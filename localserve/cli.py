@@ -123,9 +123,10 @@ def stream_completion(engine, prompt_ids: list[int], params: SamplingParams) -> 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve the model over websockets (DESIGN.md section 7) until Ctrl-C."""
+    """Serve the model over websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0."""
     import asyncio
     import os
+    import signal
 
     from localserve.engine.engine_thread import EngineThread
     from localserve.server.app import LocalServer
@@ -133,8 +134,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("LOCALSERVE_API_KEY")
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
-                          allowed_origins=tuple(args.allowed_origins), model_alias=args.alias,
-                          max_connections=args.max_connections, default_max_output_tokens=args.max_tokens,
+                          allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
+                          model_alias=args.alias, max_connections=args.max_connections,
+                          default_max_output_tokens=args.max_tokens,
                           monitor_interval_s=args.monitor_interval)
     check_bind_safety(config)  # before minutes of loading, not after
     # Only in a terminal: with any stream redirected (a log file, a pipe, a service) plain logs are wanted.
@@ -147,11 +149,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_thread = EngineThread(llm.engine)
     engine_thread.start()
     server = LocalServer(engine_thread, llm.tokenizer, llm.model_config.name, config)
+
+    async def serve_until_signalled() -> None:
+        shutdowns: list[asyncio.Task] = []
+
+        def on_signal(signum: int) -> None:  # end responses with a final event, then exit 0
+            if not shutdowns:
+                log.info("%s: shutting down", signal.Signals(signum).name)
+                shutdowns.append(asyncio.create_task(server.shutdown()))
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal, signum)
+        await server.serve_forever()
+        await asyncio.gather(*shutdowns)
+
     try:
         if show_tui:
             serve_with_tui(server, api_key)
         else:
-            asyncio.run(server.serve_forever())
+            asyncio.run(serve_until_signalled())
     finally:
         engine_thread.stop()
     return 0
@@ -205,6 +222,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $LOCALSERVE_API_KEY)")
     g.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="browser origins allowed besides the server's own, e.g. http://localhost:3000")
+    g.add_argument("--allowed-hosts", nargs="*", default=[], metavar="NAME",
+                   help="Host header names answered besides loopback names, IP addresses and --host "
+                        "('*': any; guards against DNS rebinding)")
     g.add_argument("--alias", help="the model name clients send and /v1/models lists")
     g.add_argument("--max-connections", type=int, default=256)
     g.add_argument("--max-tokens", "-n", type=int, default=1024,

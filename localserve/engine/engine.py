@@ -6,6 +6,7 @@ behind thread-safe queues for the server.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -130,9 +131,8 @@ class LLMEngine:
             raise
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
                                  with_decoder=not params.beam_search)
-        eos_ids = () if params.ignore_eos else self.eos_token_ids
         request = Request(request_id, arrival, list(prompt_token_ids), params, [seq],
-                          stop_ids=frozenset(params.stop_token_ids).union(eos_ids),
+                          eos_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -170,6 +170,32 @@ class LLMEngine:
             seq.finish_reason = "abort"
         self.num_requests_finished += 1
         self.events.append(EventKind.FINISHED, request.label, reason="abort")
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """End a request that cannot go on: its blocks go back, `reason` is its error. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self._fail(request, reason)
+            self.num_requests_failed += 1
+
+    def _fail(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request)
+        request.error = reason
+        for seq in request.seqs:
+            seq.finish_reason = seq.finish_reason or "error"
+        self.events.append(EventKind.FAILED, request.label, reason=reason)
+
+    @contextlib.contextmanager
+    def _serving(self, request: Request):
+        """Fail only `request` if serving it raises; the step goes on for the others."""
+        try:
+            yield
+        except Exception as exc:
+            self._fail_alone(request, exc)
+
+    def _fail_alone(self, request: Request, exc: Exception) -> None:
+        log.exception("serving request %s failed; failing it alone", request.request_id)
+        self._fail(request, f"internal error: {type(exc).__name__}: {exc}")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -214,12 +240,13 @@ class LLMEngine:
                 logit_rows.append(row)
                 if not request.forked:
                     request.forked = True
-                    for index in range(1, request.params.n):
-                        child = self.fork(request, seq, index)
-                        rows.append(self._sampling_row(request, child))
-                        sampled_requests.append(request)
-                        sampled_seqs.append(child)
-                        logit_rows.append(row)
+                    with self._serving(request):
+                        for index in range(1, request.params.n):
+                            child = self.fork(request, seq, index)
+                            rows.append(self._sampling_row(request, child))
+                            sampled_requests.append(request)
+                            sampled_seqs.append(child)
+                            logit_rows.append(row)
             row += 1
         self.num_prompt_tokens += num_prompt_tokens
         if rows:
@@ -242,7 +269,8 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
                 self.events.append(EventKind.FIRST_TOKEN, request.label)
-            beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
+            with self._serving(request):
+                beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
         return self._report(moved.values())
 
     @staticmethod
@@ -281,35 +309,45 @@ class LLMEngine:
         return child
 
     def _append_sampled(self, requests: list[Request], seqs: list[Sequence], result: SamplerOutput) -> None:
-        """Add each sampled token to its sequence and decide whether the sequence stops there."""
+        """Add each sampled token to its sequence and decide whether the sequence stops there. A request
+        whose bookkeeping raises fails alone and the loop goes on with the next entry (one try around
+        the loop, not a guard per token: entering a try costs nothing, a context manager a microsecond)."""
         self.num_generation_tokens += len(seqs)
-        top_logprobs = result.top_logprobs or itertools.repeat(None)
-        for request, seq, token_id, logprob, top in zip(requests, seqs, result.token_ids, result.logprobs,
-                                                        top_logprobs):
-            token_ids = seq.token_ids
-            token_ids.append(token_id)  # the block manager gets it when the next step schedules it
-            seq.pending_append = True
-            request.just_readmitted = False
-            if logprob is not None:
-                seq.cumulative_logprob += logprob
-                seq.logprobs.append(logprob)
-                seq.top_logprobs.append(top or [])
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-                self.events.append(EventKind.FIRST_TOKEN, request.label)
-            if token_id in request.stop_ids:
-                self._finish_seq(seq, "stop")
-                continue
-            if seq.decoder is not None:
-                new_from = len(seq.text)
-                seq.text += seq.decoder.step(token_id)
-                if request.stop_strings and (
-                        cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
-                    seq.text = seq.text[:cut]
-                    self._finish_seq(seq, "stop")
-                    continue
-            if len(token_ids) >= request.max_num_tokens:
-                self._finish_seq(seq, "length")
+        entries = zip(requests, seqs, result.token_ids, result.logprobs,
+                      result.top_logprobs or itertools.repeat(None))
+        request = None
+        while True:
+            try:
+                for request, seq, token_id, logprob, top in entries:
+                    if request.error is not None:  # failed alone earlier in this step
+                        continue
+                    token_ids = seq.token_ids
+                    token_ids.append(token_id)  # the block manager gets it when the next step schedules it
+                    seq.pending_append = True
+                    request.just_readmitted = False
+                    if logprob is not None:
+                        seq.cumulative_logprob += logprob
+                        seq.logprobs.append(logprob)
+                        seq.top_logprobs.append(top or [])
+                    if request.first_token_time is None:
+                        request.first_token_time = time.monotonic()
+                        self.events.append(EventKind.FIRST_TOKEN, request.label)
+                    if token_id in request.eos_ids or token_id in request.params.stop_token_ids:
+                        self._finish_seq(seq, "stop")
+                        continue
+                    if seq.decoder is not None:
+                        new_from = len(seq.text)
+                        seq.text += seq.decoder.step(token_id)
+                        if request.stop_strings and (
+                                cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
+                            seq.text = seq.text[:cut]
+                            self._finish_seq(seq, "stop")
+                            continue
+                    if len(token_ids) >= request.max_num_tokens:
+                        self._finish_seq(seq, "length")
+                return
+            except Exception as exc:
+                self._fail_alone(request, exc)
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

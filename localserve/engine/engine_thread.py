@@ -3,6 +3,11 @@
 The asyncio server never touches torch; it submits requests with a callback, and the engine thread
 calls that callback with each step's `RequestOutput` (the server hops back onto its loop with
 `loop.call_soon_threadsafe`). Aborts are honoured before the next step, so blocks return at once.
+
+The thread survives anything: a request that cannot be added fails alone; an exception while serving
+one request fails that request (the engine's guard); a step that fails outside any guard fails the
+requests it may have left half done; a request that can never be admitted (while nothing else holds
+the pool) fails instead of blocking the queue; a callback that raises is logged and its request aborted.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class EngineThread:
         self._ids = iter(range(1 << 62))
         self._id_lock = threading.Lock()
         self._running = False
+        self._consecutive_failures = 0  # steps in a row that raised outside any one request
         self._thread = threading.Thread(target=self._loop, name="localserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -66,15 +72,21 @@ class EngineThread:
 
     def _loop(self) -> None:
         while self._running:
-            # Block while idle; otherwise take whatever arrived and step.
-            self._handle(self._inbox.get() if not self.engine.has_unfinished_requests() else None)
-            while True:
-                try:
-                    self._handle(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            if self._running and self.engine.has_unfinished_requests():
-                self._step()
+            try:
+                self._turn()
+            except Exception:  # a bug outside any one request: log it, keep serving
+                log.exception("engine thread: unexpected error; going on")
+
+    def _turn(self) -> None:
+        # Block while idle; otherwise take whatever arrived and step.
+        self._handle(self._inbox.get() if not self.engine.has_unfinished_requests() else None)
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if self._running and self.engine.has_unfinished_requests():
+            self._step()
 
     def _handle(self, command: tuple[Any, ...] | None) -> None:
         if command is None:
@@ -85,8 +97,10 @@ class EngineThread:
             try:
                 self.engine.add_request(prompt, params, request_id)
                 self._callbacks[request_id] = on_output
-            except ValueError as exc:
-                on_output(RequestOutput(request_id, prompt, [], True, error=str(exc)))
+            except Exception as exc:  # only this request is refused, whatever went wrong
+                if not isinstance(exc, ValueError):
+                    log.exception("adding request %s failed", request_id)
+                self._deliver(on_output, RequestOutput(request_id, prompt, [], True, error=_reason(exc)))
         elif kind == "abort":
             self._callbacks.pop(command[1], None)
             self.engine.abort_request(command[1])
@@ -101,25 +115,71 @@ class EngineThread:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            # A failed step must not take the server down: fail what was running, free its blocks.
-            log.exception("engine step failed; failing the running requests")
-            for request_id in list(self.engine.requests):
-                callback = self._callbacks.pop(request_id, None)
-                request = self.engine.requests[request_id]
-                self.engine.abort_request(request_id)
-                if callback is not None:
-                    callback(RequestOutput(request_id, request.prompt_token_ids, [], True,
-                                           error=f"internal error: {type(exc).__name__}: {exc}"))
+            self._recover(exc)
             return
+        self._consecutive_failures = 0
+        if self._stalled():
+            self._fail_unschedulable()
         for output in outputs:
             callback = self._callbacks.get(output.request_id)
             if callback is None:
                 continue
             if output.finished:
                 del self._callbacks[output.request_id]
-            try:
-                callback(output)
-            except Exception:
-                log.exception("output callback for %s failed; aborting it", output.request_id)
+            if not self._deliver(callback, output):
                 self._callbacks.pop(output.request_id, None)
                 self.engine.abort_request(output.request_id)
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised outside any one request's guard: fail the requests it may have left half done.
+
+        Those are the running ones. If the next step fails too, the cause may sit with a request that
+        was not running (waiting or swapped): then every request fails, so the engine makes progress.
+        """
+        self._consecutive_failures += 1
+        everyone = self._consecutive_failures > 1
+        log.exception("engine step failed; failing the %s requests", "unfinished" if everyone else "running",
+                      exc_info=exc)
+        engine = self.engine
+        suspects = list(engine.requests) if everyone else [r.request_id for r in engine.scheduler.running]
+        for request_id in suspects:
+            request = engine.requests.get(request_id)
+            engine.fail_request(request_id, _reason(exc))
+            callback = self._callbacks.pop(request_id, None)
+            if callback is not None and request is not None:
+                self._deliver(callback, RequestOutput(request_id, request.prompt_token_ids, [], True,
+                                                      error=_reason(exc)))
+
+    def _stalled(self) -> bool:
+        """The step ran nothing while nothing holds the pool, yet requests wait: the first of them (n
+        samples after a preemption, say) can never be admitted, and everyone behind it would wait forever."""
+        engine, scheduler = self.engine, self.engine.scheduler
+        return bool(engine.step_history and engine.step_history[-1].num_tokens == 0 and scheduler.waiting
+                    and not scheduler.running and not scheduler.swapped)
+
+    def _fail_unschedulable(self) -> None:
+        engine = self.engine
+        request = engine.scheduler.waiting[0]
+        reason = (f"this request can never be admitted: no other request holds the KV pool "
+                  f"({engine.block_manager.num_blocks} blocks), and it still does not fit")
+        log.warning("request %s failed: %s", request.request_id, reason)
+        engine.fail_request(request.request_id, reason)
+        callback = self._callbacks.pop(request.request_id, None)
+        if callback is not None:
+            self._deliver(callback, RequestOutput(request.request_id, request.prompt_token_ids, [], True,
+                                                  error=reason))
+
+    @staticmethod
+    def _deliver(callback: OutputCallback, output: RequestOutput) -> bool:
+        """Hand an output to its callback; a callback that raises is logged, never propagated."""
+        try:
+            callback(output)
+            return True
+        except Exception:
+            log.exception("output callback for %s failed", output.request_id)
+            return False
+
+
+def _reason(exc: Exception) -> str:
+    """What a client is told: a refusal's own message, or the kind of internal error."""
+    return str(exc) if isinstance(exc, ValueError) else f"internal error: {type(exc).__name__}: {exc}"

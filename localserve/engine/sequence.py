@@ -134,16 +134,15 @@ class Request:
     finished_beams: list[Sequence] = field(default_factory=list)
     beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # next-token logits of ready beams
     # What every step asks of params, kept here so that a step reads the request alone. The engine passes
-    # the first two (the model's end-of-sequence ids, its context length); else they come from params.
-    stop_ids: frozenset[int] | None = None  # a sampled id among these ends its sequence with "stop"
+    # the first two (the model's end-of-sequence ids unless ignore_eos, its context length); else they come
+    # from params. The caller's own stop_token_ids are read from params at each token (a list, mostly empty).
+    eos_ids: frozenset[int] = frozenset()  # a sampled id among these ends its sequence with "stop"
     max_num_tokens: int | None = None  # a sequence reaching this many tokens ends with "length"
     stop_strings: list[str] = field(init=False)
     beam_search: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params
-        if self.stop_ids is None:
-            self.stop_ids = frozenset(params.stop_token_ids)
         if self.max_num_tokens is None:
             self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
         self.stop_strings = params.stop

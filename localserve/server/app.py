@@ -2,15 +2,15 @@
 
 One asyncio loop (the `websockets` library) serves every connection; the engine runs on its own
 thread behind `EngineThread`, and the loop reads engine state only through `EngineThread.call`.
-Before any upgrade, `process_request` answers `/health`, `/metrics`, `/v1/models` and `/slots`, and
-refuses a missing or wrong API key (401), a browser Origin other than the server's own (403), an
-unknown path (404) and connections beyond the limit (503).
+Before any upgrade, `process_request` checks access (server/access.py: duplicate headers, the Host
+header, a browser Origin, the API key), answers `/health`, `/metrics`, `/v1/models` and `/slots`,
+an unknown path (404) and connections beyond the limit (503). `shutdown()` ends every response in
+flight with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -20,10 +20,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from localserve.server.context import ServerState
+from localserve.server.access import AccessPolicy, check_access
+from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor, slots_json
 from localserve.server.session import ResponsesSession
 
@@ -35,38 +35,69 @@ MONITOR_PATH = "/v1/monitor"
 
 @dataclass
 class LocalServer(ServerState):
-    """The server for one model; `await start()` binds, `await close()` stops."""
+    """The server for one model; `await start()` binds, `await shutdown()` or `await close()` stops."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.num_connections = 0
         self.port = self.config.port
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=self.engine_thread.engine.events.last_seq)
         self.monitor_hello = monitor_hello(self.engine_thread.engine, self.served_name)
+        self.sessions: set[ResponsesSession] = set()
+        self._connections: set[ServerConnection] = set()  # every websocket connection being served
+        self._monitors: set[ServerConnection] = set()
         self._server: Server | None = None
-        self._allowed_origins: set[str] = set()
+        self._policy: AccessPolicy | None = None
+        self.metrics.num_connections.set_function(lambda: self.num_connections)
 
     async def start(self) -> None:
         """Bind and start accepting connections (self.port is the bound port afterwards)."""
         config = self.config
+        # websockets' own keepalive closes with 1011; the session's keepalive cuts with 1008 instead.
         self._server = await serve(self._handle_connection, config.host, config.port,
                                    process_request=self._process_request, max_size=config.max_message_bytes,
-                                   server_header="localserve")
+                                   server_header="localserve", ping_interval=None, close_timeout=CLOSE_TIMEOUT_S,
+                                   write_limit=config.write_limit_bytes)
         self.port = self._server.sockets[0].getsockname()[1]
-        own = {f"http://{host}:{self.port}" for host in ("127.0.0.1", "localhost", "[::1]", config.host)}
-        self._allowed_origins = own | {origin.rstrip("/") for origin in config.allowed_origins}
+        self._policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts, config.allowed_origins,
+                                          config.api_key)
         log.info("serving %s on ws://%s:%d%s", self.served_name, config.host, self.port, RESPONSES_PATH)
 
     async def serve_forever(self) -> None:
-        """Start (if needed) and serve until cancelled."""
+        """Start (if needed) and serve until `shutdown()` or `close()`."""
         if self._server is None:
             await self.start()
-        await self._server.serve_forever()
+        await self._server.wait_closed()
+
+    async def shutdown(self) -> None:
+        """Stop accepting; end every response in flight (incomplete, `server_shutdown`), tell its client,
+        then close every connection; each step bounded by `shutdown_timeout_s`."""
+        if self._server is None:
+            return
+        self._server.close(close_connections=False)  # stop listening; connections go on for now
+        for session in list(self.sessions):
+            session.shut_down()
+        await asyncio.gather(*(close_within(monitor, 1001, "server shutting down") for monitor in self._monitors))
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), self.config.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("clients still connected after %.1f s of shutdown: closing them",
+                        self.config.shutdown_timeout_s)
+            await self.close()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        """Close every connection now (1001) and stop; clients that read nothing are reset."""
+        if self._server is None:
+            return
+        self._server.close()  # websockets' own close waits for each client to take its close frame
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S + 1)
+        except asyncio.TimeoutError:
+            for connection in list(self._connections):
+                connection.transport.abort()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S + 1)
+            except asyncio.TimeoutError:
+                log.error("the server did not close within %.0f s", 2 * CLOSE_TIMEOUT_S + 2)
 
     async def _read_monitor(self, after_seq: int):
         return await self.engine_call(lambda engine: (engine.snapshot(), *engine.events.since(after_seq)))
@@ -76,15 +107,11 @@ class LocalServer(ServerState):
         path = urlsplit(request.path).path
         if path == "/health":
             return _json(connection, HTTPStatus.OK, {"status": "ok"})
-        origin = request.headers.get("Origin")
-        if origin is not None and origin.rstrip("/") not in self._allowed_origins:
-            return _json(connection, HTTPStatus.FORBIDDEN, _http_error(
-                "origin_not_allowed", f"Origin {origin!r} may not use this server; start it with "
-                "--allowed-origins to allow it"))
-        if self.config.api_key is not None and not _has_key(request.headers, self.config.api_key):
-            response = _json(connection, HTTPStatus.UNAUTHORIZED, _http_error(
-                "invalid_api_key", "missing or wrong API key: send 'Authorization: Bearer KEY'"))
-            response.headers["WWW-Authenticate"] = "Bearer"
+        refusal = check_access(request.headers, self._policy)
+        if refusal is not None:
+            response = _json(connection, refusal.status, _http_error(refusal.code, refusal.message))
+            if refusal.status == HTTPStatus.UNAUTHORIZED:
+                response.headers["WWW-Authenticate"] = "Bearer"
             return response
         if path in (RESPONSES_PATH, MONITOR_PATH):
             if self.num_connections >= self.config.max_connections:
@@ -105,33 +132,42 @@ class LocalServer(ServerState):
         if path == "/slots":
             snapshot = await self.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
             return _json(connection, HTTPStatus.OK, slots_json(snapshot, self.monitor_hello))
-        return _json(connection, HTTPStatus.NOT_FOUND, _http_error("not_found", f"no such path: {path}"))
+        return _json(connection, HTTPStatus.NOT_FOUND, _http_error("not_found", f"no such path: {path[:200]}"))
 
     # ------------------------------------------------------------------ websockets
     async def _handle_connection(self, connection: ServerConnection) -> None:
         self.num_connections += 1
+        self._connections.add(connection)
         try:
             target = urlsplit(connection.request.path)
             if target.path == RESPONSES_PATH:
-                await ResponsesSession(self, connection).run()
-            else:
-                wanted = parse_qs(target.query).get("interval", [str(self.config.monitor_interval_s)])[0]
+                session = ResponsesSession(self, connection)
+                self.sessions.add(session)
                 try:
-                    interval_s = max(MIN_MONITOR_INTERVAL_S, float(wanted))
-                except ValueError:
-                    await connection.close(1008, "interval must be a number of seconds")
-                    return
-                await serve_monitor(connection, self.monitor_hub, self.monitor_hello, interval_s)
+                    await session.run()
+                finally:
+                    self.sessions.discard(session)
+            else:
+                await self._serve_monitor(connection, target.query)
         except Exception:
             log.exception("connection handler failed")
-            await connection.close(1011, "internal error")
+            await close_within(connection, 1011, "internal error")
         finally:
+            self._connections.discard(connection)
             self.num_connections -= 1
 
-
-def _has_key(headers: Headers, api_key: str) -> bool:
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    async def _serve_monitor(self, connection: ServerConnection, query: str) -> None:
+        wanted = parse_qs(query).get("interval", [str(self.config.monitor_interval_s)])[0]
+        try:
+            interval_s = max(MIN_MONITOR_INTERVAL_S, float(wanted))
+        except ValueError:
+            await close_within(connection, 1008, "interval must be a number of seconds")
+            return
+        self._monitors.add(connection)
+        try:
+            await serve_monitor(connection, self.monitor_hub, self.monitor_hello, interval_s)
+        finally:
+            self._monitors.discard(connection)
 
 
 def _http_error(code: str, message: str) -> dict[str, Any]:

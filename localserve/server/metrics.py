@@ -2,14 +2,14 @@
 
 The engine's own counters (tokens, preemptions, prefix-cache lookups) and gauges (running, waiting,
 KV usage) are read from an `EngineStats` taken on the engine thread at scrape time; the latency
-histograms are observed by the server as it streams.
+histograms are observed by the server as it streams, and the connection gauge is read from the server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -66,6 +66,9 @@ class ServerMetrics:
         self._engine_collector = _EngineStatsCollector(model_name)
         self.registry.register(self._engine_collector)
         labels = ["model_name"]
+        self.num_connections = Gauge(
+            f"{PREFIX}_num_connections", "Open websocket connections (/v1/responses and /v1/monitor).", labels,
+            registry=self.registry).labels(model_name)
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Time from request arrival to its first token.", labels,
             registry=self.registry, buckets=TTFT_BUCKETS).labels(model_name)

@@ -23,6 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from localserve.engine.events import EngineEvent
 from localserve.engine.snapshot import EngineSnapshot
 from localserve.kv.memory_plan import kv_bytes_per_token
+from localserve.server.context import close_within
 
 MIN_MONITOR_INTERVAL_S = 0.05
 SEND_TIMEOUT_S = 30.0  # a monitor client that takes no frame for this long is disconnected
@@ -120,7 +121,7 @@ async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: di
             await asyncio.wait([send, closed], timeout=SEND_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
             if not send.done():
                 send.cancel()
-                await connection.close(1008, "the monitor client stopped reading")
+                await close_within(connection, 1008, "the monitor client stopped reading")
                 break
             send.result()
             # The interval is from one frame to the next: reading the snapshot waits for the engine's

@@ -37,7 +37,7 @@ class ResponseStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.token_text = token_text
         self.created_at = int(time.time())
-        num_items = request.extension.get("n", 1)
+        num_items = request.num_samples if request.generate else 0  # a warm-up answers with no output
         self.item_ids = [new_id("msg") for _ in range(num_items)]
         self.texts = [""] * num_items
         self.pending_texts = [""] * num_items
@@ -47,6 +47,7 @@ class ResponseStream:
         self.finish_reasons: list[str | None] = [None] * num_items
         self.num_cached_tokens = 0
         self.status = "in_progress"  # -> completed | incomplete | cancelled | failed
+        self.incomplete_reason = "max_output_tokens"  # or "server_shutdown"
         self.error_message: str | None = None
         self._next_sequence_number = 0
         self._started = False
@@ -73,7 +74,7 @@ class ResponseStream:
             self.texts[index] += completion.delta_text
             self.num_output_tokens[index] = len(completion.token_ids)
             self.finish_reasons[index] = completion.finish_reason
-            if self.request.extension.get("logprobs") is not None and completion.delta_token_ids:
+            if self.request.logprobs is not None and completion.delta_token_ids:
                 first = len(completion.token_ids) - len(completion.delta_token_ids)
                 for offset, token_id in enumerate(completion.delta_token_ids):
                     entry = self._logprob_entry(token_id, completion.logprobs[first + offset],
@@ -90,6 +91,11 @@ class ResponseStream:
         """The client cancelled: close with what was generated so far."""
         if not self.is_done:
             self.status = "cancelled"
+
+    def shut_down(self) -> None:
+        """The server is stopping: close as incomplete (reason `server_shutdown`) with the text so far."""
+        if not self.is_done:
+            self.status, self.incomplete_reason = "incomplete", "server_shutdown"
 
     def fail(self, message: str) -> None:
         """The engine failed this request; it closes with `response.failed`."""
@@ -151,12 +157,11 @@ class ResponseStream:
             "output": [self._message_item(i, "completed" if status == "completed" else "incomplete")
                        for i in range(len(self.item_ids))] if done else [],
             "error": {"code": "server_error", "message": self.error_message} if status == "failed" else None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": {"reason": self.incomplete_reason} if status == "incomplete" else None,
             "max_output_tokens": request.max_output_tokens, "metadata": request.metadata,
-            "previous_response_id": request.previous_response_id, "parallel_tool_calls": False,
-            "temperature": request.temperature, "top_p": request.top_p, "tool_choice": "none", "tools": [],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "usage": self.usage() if done else None,
+            "previous_response_id": request.previous_response_id, "temperature": request.temperature,
+            "top_p": request.top_p, "store": request.store, "usage": self.usage() if done else None,
+            **request.echo,
         }
 
     def usage(self) -> dict[str, Any]:

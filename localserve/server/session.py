@@ -1,10 +1,17 @@
-"""One `/v1/responses` websocket connection: its receive loop, its sender task and its response.
+"""One `/v1/responses` websocket connection: its receive loop, its lanes, its sender and its keepalive.
 
-The receive loop checks each client event and submits `response.create` to the engine thread. The
-engine thread's callback hops onto the event loop (`call_soon_threadsafe`) and only absorbs the
-output into the `ResponseStream` and wakes the sender; the sender task alone writes to the socket,
-fed by one bounded queue, so a slow client stalls only itself and text piles up as fewer, longer
-deltas rather than as a growing queue. A client that goes away aborts its request at once.
+The receive loop checks each client event and never waits on anything else: a `response.create`
+joins its lane (`stream_id`; no `stream_id` is the default lane). Lanes run at the same time; within
+a lane, responses run one after another in arrival order, each started by that lane's task through
+the `ResponseService`. The service absorbs the engine's outputs into each response's stream on the
+event loop and wakes the sender; the sender alone writes to the socket, draining every live stream
+(text piles up as fewer, longer deltas for a slow reader, never as a growing queue).
+
+Every wait on the client is bounded: while `send_queue_size` error events wait to be sent, nothing
+more is read from the client (one that floods and never reads is cut after `send_timeout_s`), each
+frame must be taken within `send_timeout_s` (the write buffer is capped by `write_limit_bytes`), and a
+ping must be answered within that time. A cut or vanished client's
+responses are aborted at once and its connection slot returned.
 """
 
 from __future__ import annotations
@@ -12,210 +19,246 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from localserve.engine.outputs import RequestOutput
-from localserve.server.context import ServerState
+from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
 from localserve.server.requests import (
-    ProtocolError,
     ResponseRequest,
-    error_event,
+    check_stream_id,
+    event_stream_id,
     parse_client_event,
     parse_response_create,
 )
 from localserve.server.response_events import ResponseStream, new_id
+from localserve.server.validation import ProtocolError, error_event, shown
 
 log = logging.getLogger(__name__)
 
-_WAKE = object()  # queue item: the current stream has events to drain
-_STOP = object()  # queue item: the connection is over
+class ClientTooSlow(Exception):
+    """The client stopped taking frames: it is cut (close code 1008)."""
+
+
+@dataclass
+class Lane:
+    """The responses of one `stream_id`: the one running and those waiting for it, in order."""
+
+    stream_id: str | None
+    waiting: deque[ResponseRequest] = field(default_factory=deque)
+    current: ResponseStream | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set when `current` ends
+    task: asyncio.Task | None = None
+    starting: bool = False  # a response is being tokenized and submitted
+    cancel_on_start: bool = False  # response.cancel arrived before the next response had started
 
 
 class ResponsesSession:
-    """Serves one client: at most one response in flight, as in OpenAI's WebSocket mode."""
+    """Serves one client: lanes of responses over one connection, as in OpenAI's WebSocket mode."""
 
     def __init__(self, server: ServerState, connection: ServerConnection) -> None:
         self.server = server
+        self.config = server.config
         self.connection = connection
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(server.config.send_queue_size)
-        self.streams: deque[ResponseStream] = deque()  # streams whose events are not all sent, in order
-        self.stream: ResponseStream | None = None  # the latest response of this connection
-        self.conversation: list[dict[str, str]] = []  # its messages, stored with the reply when it ends
-        self._wake_queued = False
-        self._arrival_time = 0.0
-        self._last_token_time: float | None = None
+        self.owner = new_id("conn")  # whose store: false conversations these are
+        self.lanes: dict[str | None, Lane] = {}
+        self.streams: list[ResponseStream] = []  # started and not all sent, in start order
+        self.errors: deque[dict[str, Any]] = deque()
+        self._wake = asyncio.Event()
+        self._shutting_down = False
+        self._ending = False  # the connection is over: loops stop even if a cancellation got lost
+        self._errors_taken = asyncio.Event()  # the sender took error events off the queue
+        self.close_code, self.close_reason = 1000, ""
 
     @property
-    def in_flight(self) -> bool:
-        return self.stream is not None and not self.stream.is_done
+    def num_waiting(self) -> int:
+        return sum(len(lane.waiting) for lane in self.lanes.values())
 
     async def run(self) -> None:
-        """Serve until the client goes away; then abort whatever is still running."""
-        sender = asyncio.create_task(self._send_loop())
+        """Serve until the client goes away or is cut; then abort whatever is still running."""
+        tasks = [asyncio.create_task(coroutine) for coroutine in (
+            self._receive_loop(), self._send_loop(), self._keepalive())]
         try:
-            async for frame in self.connection:
-                await self._handle_frame(frame)
-        except ConnectionClosed:
-            pass  # too big a message (1009) or a vanished client: nothing more to read
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if isinstance(error, ClientTooSlow):
+                    self.close_code, self.close_reason = 1008, str(error)
+                elif error is not None and not isinstance(error, ConnectionClosed):
+                    raise error
         finally:
-            if self.in_flight:
-                self.server.engine_thread.abort(self.stream.response_id)
-                self.stream.cancel()
-            if self.queue.full():
-                sender.cancel()
-            else:
-                self.queue.put_nowait(_STOP)
+            self._ending = True
+            self._wake.set()
+            for task in tasks:
+                task.cancel()
+            self._abandon_all()
+            # asyncio.wait_for may swallow a cancellation that meets a finished send: the flag above
+            # ends those loops anyway, and nothing here waits on them for more than a moment
+            ended, _ = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+            for task in ended:  # whatever they raised, the connection is over
+                if not task.cancelled():
+                    task.exception()
+            await close_within(self.connection, self.close_code, self.close_reason)
+
+    def shut_down(self) -> None:
+        """The server is stopping: end every response (`server_shutdown`), send what is left, then close."""
+        self._shutting_down = True
+        self.close_code, self.close_reason = 1001, "server shutting down"
+        for lane in list(self.lanes.values()):
+            for request in lane.waiting:
+                self._send_error(ProtocolError("server_shutdown", "the server is shutting down; this request "
+                                               "never started", status=503), request.stream_id)
+            lane.waiting.clear()
+            if lane.current is not None:
+                self.server.responses.shut_down(lane.current)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ receiving
+    async def _receive_loop(self) -> None:
+        async for frame in self.connection:
+            if self._shutting_down:
+                continue
+            if len(self.errors) >= self.config.send_queue_size:
+                await self._wait_for_errors_taken()
+            stream_id = None
             try:
-                await sender
-            except (asyncio.CancelledError, ConnectionClosed):
-                pass
+                event = parse_client_event(frame)
+                stream_id = event_stream_id(event)
+                if event["type"] == "response.create":
+                    self._queue(parse_response_create(event, self.config.limits))
+                elif event["type"] == "response.cancel":
+                    self._cancel(check_stream_id(event))
+                else:
+                    raise ProtocolError("unknown_event_type", f"unknown event type {shown(event['type'], 80)}; "
+                                        "this server accepts response.create and response.cancel", "type")
+            except ProtocolError as error:
+                self._send_error(error, stream_id)
 
-    async def _handle_frame(self, frame: str | bytes) -> None:
-        stream_id = None
+    def _queue(self, request: ResponseRequest) -> None:
+        lane = self.lanes.get(request.stream_id)
+        if lane is None and len(self.lanes) >= self.config.max_lanes:
+            raise ProtocolError("too_many_streams", f"{len(self.lanes)} lanes (stream_id) are active on this "
+                                f"connection, the most allowed; wait for one to finish", "stream_id", status=429)
+        if self.num_waiting >= self.config.max_queued_requests:
+            raise ProtocolError("too_many_queued_requests", f"{self.num_waiting} responses are already waiting "
+                                "for their lanes on this connection; wait for some to finish", status=429)
+        if lane is None:
+            lane = self.lanes[request.stream_id] = Lane(request.stream_id)
+            lane.task = asyncio.create_task(self._run_lane(lane))
+        lane.waiting.append(request)
+
+    async def _run_lane(self, lane: Lane) -> None:
+        """Start the lane's responses one after another; the lane ends when none is left."""
         try:
-            event = parse_client_event(frame)
-            stream_id = event.get("stream_id") if isinstance(event.get("stream_id"), str) else None
-            if event["type"] == "response.create":
-                await self._create(event)
-            elif event["type"] == "response.cancel":
-                self._cancel()
-            else:
-                raise ProtocolError("unknown_event_type", f"unknown event type {event['type'][:80]!r}; this "
-                                    "server accepts response.create and response.cancel", "type")
-        except ProtocolError as error:
-            await self.queue.put(error_event(error, stream_id))
+            while lane.waiting:
+                request = lane.waiting.popleft()
+                lane.starting = True
+                try:
+                    stream = await self.server.responses.start(request, self.owner, self._on_update)
+                except ProtocolError as error:
+                    lane.cancel_on_start = False  # the cancel meant this one, which never ran
+                    self._send_error(error, request.stream_id)
+                    continue
+                except Exception as exc:  # a bug: this request fails, with a reason; the lane goes on
+                    log.exception("starting a response failed")
+                    lane.cancel_on_start = False
+                    self._send_error(ProtocolError("server_error", f"the response could not start: "
+                                                   f"{type(exc).__name__}", error_type="server_error",
+                                                   status=500), request.stream_id)
+                    continue
+                finally:
+                    lane.starting = False
+                lane.current, lane.done = stream, asyncio.Event()
+                self.streams.append(stream)
+                if self._shutting_down:  # it was being tokenized when the shutdown began
+                    self.server.responses.shut_down(stream)
+                elif lane.cancel_on_start:
+                    lane.cancel_on_start = False
+                    self.server.responses.cancel(stream)
+                self._wake.set()
+                await lane.done.wait()
+                lane.current = None
+        finally:
+            if self.lanes.get(lane.stream_id) is lane:
+                del self.lanes[lane.stream_id]
 
-    async def _create(self, event: dict[str, Any]) -> None:
-        if self.in_flight:
-            raise ProtocolError("response_already_in_flight", "a response is already in progress on this "
-                                "connection; wait for it to end or send response.cancel (open another "
-                                "connection to run responses in parallel)", status=409)
-        server = self.server
-        request = parse_response_create(event)
-        server.check_model(request.model)
-        history: list[dict[str, str]] = []
-        if request.previous_response_id is not None:
-            found = server.conversations.get(request.previous_response_id)
-            if found is None:
-                raise ProtocolError("previous_response_not_found", f"previous response "
-                                    f"{request.previous_response_id!r} is not stored here (unknown, or "
-                                    "evicted); send the whole conversation instead", "previous_response_id")
-            history = found
-        conversation = history + request.input_messages
-        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        prompt_ids = await self._encode_chat(system + conversation)
-        defaults = server.config.sampling_defaults  # each field the request leaves out
-        if request.temperature is None:
-            request.temperature = defaults.temperature
-        if request.top_p is None:
-            request.top_p = defaults.top_p
-        request.extension = {"top_k": defaults.top_k, "min_p": defaults.min_p} | request.extension
-        params = request.sampling_params(self._max_tokens(request, len(prompt_ids)))
-        response_id = new_id("resp")
-        stream = ResponseStream(request, response_id, server.served_name, len(prompt_ids), server.token_text)
+    def _on_update(self, stream: ResponseStream) -> None:
+        """From the ResponseService: the stream has new events (and may have ended)."""
+        self._wake.set()
+        lane = self.lanes.get(stream.request.stream_id)
+        if stream.is_done and lane is not None and lane.current is stream:
+            lane.done.set()
+
+    def _cancel(self, stream_id: str | None) -> None:
+        lane = self.lanes.get(stream_id)
+        if lane is not None and lane.current is not None and not lane.current.is_done:
+            self.server.responses.cancel(lane.current)
+        elif lane is not None and (lane.starting or lane.waiting):
+            lane.cancel_on_start = True  # the response it means has not started yet
+        else:
+            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel"
+                                + ("" if stream_id is None else f" on stream {stream_id!r}"))
+
+    def _abandon_all(self) -> None:
+        """The connection is over: stop its responses, forget its store: false conversations."""
+        for lane in list(self.lanes.values()):
+            lane.waiting.clear()
+            if lane.current is not None:
+                self.server.responses.abandon(lane.current)
+            if lane.task is not None:
+                lane.task.cancel()  # one still tokenizing never submits
+        self.server.conversations.drop_owner(self.owner)
+
+    # ------------------------------------------------------------------ sending
+    async def _wait_for_errors_taken(self) -> None:
+        """Read no more from a client whose answers pile up, until it takes them, for a bounded time."""
+        self._errors_taken.clear()
         try:
-            server.engine_thread.submit(prompt_ids, params, lambda output: self._from_engine(stream, output),
-                                        request_id=response_id)
-        except ValueError as exc:
-            raise ProtocolError("invalid_request", str(exc)) from None
-        self._arrival_time, self._last_token_time = time.monotonic(), None
-        self.stream, self.conversation = stream, conversation
-        self.streams.append(stream)
-        self._wake()
+            await asyncio.wait_for(self._errors_taken.wait(), self.config.send_timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientTooSlow(f"{len(self.errors)} error events wait for a client that does not read "
+                                "them") from None
 
-    async def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        try:  # rendering and tokenizing a long prompt must not hold up the other connections
-            prompt_ids = await asyncio.to_thread(self.server.tokenizer.encode_chat, messages)
-        except ValueError as exc:  # no chat template, or a template that raised on these messages
-            raise ProtocolError("invalid_prompt", f"the chat template could not render the input: {exc}",
-                                "input") from None
-        if not prompt_ids:
-            raise ProtocolError("invalid_prompt", "the input renders to an empty prompt", "input")
-        return prompt_ids
-
-    def _max_tokens(self, request: ResponseRequest, num_prompt_tokens: int) -> int:
-        """max_output_tokens, cut to what the context has room for after the prompt."""
-        max_model_len = self.server.engine_thread.engine.max_model_len
-        if num_prompt_tokens >= max_model_len:
-            raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; the "
-                                f"context holds {max_model_len}, and generating needs room for one more",
-                                "input")
-        if request.max_output_tokens is not None and request.max_output_tokens > max_model_len:
-            raise ProtocolError("integer_above_max_value", f"'max_output_tokens' must be <= {max_model_len} "
-                                f"(the context length), got {request.max_output_tokens}", "max_output_tokens")
-        wanted = request.max_output_tokens or self.server.config.default_max_output_tokens
-        return max(1, min(wanted, max_model_len - num_prompt_tokens))
-
-    def _cancel(self) -> None:
-        if not self.in_flight:
-            raise ProtocolError("response_cancel_not_active", "there is no response in progress to cancel")
-        self.server.engine_thread.abort(self.stream.response_id)
-        self.stream.cancel()
-        self._finish(self.stream)
-
-    def _from_engine(self, stream: ResponseStream, output: RequestOutput) -> None:
-        """Called on the engine thread: hand the output to the event loop, never block."""
-        self.loop.call_soon_threadsafe(self._on_output, stream, output)
-
-    def _on_output(self, stream: ResponseStream, output: RequestOutput) -> None:
-        if stream.is_done:  # cancelled or disconnected while this output was on its way
-            return
-        now = time.monotonic()
-        metrics = self.server.metrics
-        if any(completion.delta_token_ids for completion in output.outputs):
-            if self._last_token_time is None:
-                metrics.time_to_first_token.observe(now - self._arrival_time)
-            else:
-                metrics.inter_token_latency.observe(now - self._last_token_time)
-            self._last_token_time = now
-        stream.absorb(output)
-        if stream.is_done:
-            metrics.e2e_request_latency.observe(now - self._arrival_time)
-            self._finish(stream)
-        self._wake()
-
-    def _finish(self, stream: ResponseStream) -> None:
-        """Store the conversation with its reply, so a follow-up can name this response."""
-        if stream.status != "failed":
-            reply = {"role": "assistant", "content": stream.texts[0]}
-            self.server.conversations.put(stream.response_id, self.conversation + [reply])
-        self._wake()
-
-    def _wake(self) -> None:
-        # At most one wake-up waits in the queue; when the queue is full the sender drains anyway
-        # after the item it is on, so nothing is lost.
-        if not self._wake_queued and not self.queue.full():
-            self._wake_queued = True
-            self.queue.put_nowait(_WAKE)
+    def _send_error(self, error: ProtocolError, stream_id: str | None) -> None:
+        # Unbounded only in appearance: the receive loop stops reading while this queue is full, and
+        # each lane adds at most one error per request it holds.
+        self.errors.append(error_event(error, stream_id))
+        self._wake.set()
 
     async def _send_loop(self) -> None:
-        try:
-            await self._send_events()
-        except ConnectionClosed:
-            raise
-        except Exception:  # a bug here must not leave the client waiting forever
-            log.exception("sending to a client failed; closing its connection")
-            await self.connection.close(1011, "internal error")
-
-    async def _send_events(self) -> None:
         while True:
-            item = await self.queue.get()
-            if item is _STOP:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._ending:
                 return
-            if item is _WAKE:
-                self._wake_queued = False
-            else:
-                await self.connection.send(json.dumps(item))
-            while self.streams:
-                stream = self.streams[0]
+            while self.errors:
+                await self._send(self.errors.popleft())
+                self._errors_taken.set()
+            for stream in list(self.streams):
                 for event in stream.drain():
-                    await self.connection.send(json.dumps(event))
-                if stream.has_unsent_events or not stream.is_done:
-                    break
-                self.streams.popleft()
+                    await self._send(event)
+                if stream.is_done and not stream.has_unsent_events:
+                    self.streams.remove(stream)
+            if self._shutting_down and not self.lanes and not self.streams and not self.errors:
+                return
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(self.connection.send(json.dumps(event)), self.config.send_timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientTooSlow(f"the client took no frame for {self.config.send_timeout_s:g} s") from None
+
+    async def _keepalive(self) -> None:
+        """Ping now and then: a client that stops reading entirely is cut even when nothing is sent."""
+        while not self._ending:
+            await asyncio.sleep(self.config.keepalive_interval_s)
+            try:
+                await asyncio.wait_for(self._ping(), self.config.send_timeout_s)
+            except asyncio.TimeoutError:
+                raise ClientTooSlow(f"no answer to a ping for {self.config.send_timeout_s:g} s") from None
+
+    async def _ping(self) -> None:
+        await (await self.connection.ping())

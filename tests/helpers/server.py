@@ -49,20 +49,31 @@ def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_l
 
 @contextmanager
 def running_server(llm, **config):
-    """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer."""
+    """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer.
+
+    torch runs on one thread meanwhile: on a shared 2-core machine, intra-op threads of a tiny model
+    spin against the clients and the other processes (a step is ~10x slower with two).
+    """
+    import torch
+
     from localserve.engine.engine_thread import EngineThread
     from localserve.server.app import BackgroundServer, LocalServer
     from localserve.server.context import ServerConfig
 
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine_thread = EngineThread(llm.engine)
     engine_thread.start()
-    server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
-                                          ServerConfig(port=0, **config))).start()
     try:
-        yield server
+        server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
+                                              ServerConfig(port=0, **config))).start()
+        try:
+            yield server
+        finally:
+            server.stop()
     finally:
-        server.stop()
         engine_thread.stop()
+        torch.set_num_threads(num_threads)
 
 
 async def collect_response(connection) -> list[dict]:
@@ -112,3 +123,8 @@ class SlowConnection:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         self.closed.set()
+
+    async def ping(self) -> asyncio.Future:
+        pong = asyncio.get_running_loop().create_future()
+        pong.set_result(0.0)  # answered at once: this client always reads
+        return pong

@@ -140,7 +140,7 @@ def test_chat_client_holds_a_conversation(server):
                     max_output_tokens=3, temperature=0) == 0
     assert out.getvalue().count("\n") == 2  # two replies
     conversations = server.server.conversations
-    stored = max((conversations.get(key) for key in list(conversations._conversations)), key=len)
+    stored = max((conversations.get(key, "any connection") for key in list(conversations._entries)), key=len)
     assert [m["role"] for m in stored] == ["user", "assistant", "user", "assistant"]
     assert stored[2]["content"] == "and the cat"
 
@@ -225,18 +225,24 @@ def test_listening_beyond_loopback_without_a_key_refuses_to_start(capsys, tmp_pa
 
 
 def test_conversation_store_is_bounded_in_count_and_characters():
-    from localserve.server.context import ConversationStore
+    from localserve.server.conversations import ConversationStore
 
     store = ConversationStore(capacity=3, max_chars=10)
     for index in range(4):
-        store.put(f"r{index}", [{"role": "user", "content": "ab"}])
-    assert len(store) == 3 and store.get("r0") is None
-    assert store.get("r1") == [{"role": "user", "content": "ab"}]  # r1 is now the most recent
+        assert store.put(f"r{index}", [{"role": "user", "content": "ab"}])
+    assert len(store) == 3 and store.get("r0", "c") is None
+    assert store.get("r1", "c") == [{"role": "user", "content": "ab"}]  # r1 is now the most recent
     store.put("r4", [{"role": "user", "content": "x" * 7}])
-    assert store.get("r2") is None and store.get("r3") is None and store.get("r1") is not None
+    assert store.get("r2", "c") is None and store.get("r3", "c") is None and store.get("r1", "c") is not None
     assert store.num_chars == 9
-    store.put("big", [{"role": "user", "content": "y" * 50}])  # kept alone, even over the budget
-    assert len(store) == 1 and store.get("big")
+    # a conversation larger than the whole budget is not kept, and evicts nothing
+    assert not store.put("big", [{"role": "user", "content": "y" * 50}])
+    assert store.get("big", "c") is None and len(store) == 2 and store.num_chars == 9
+    # a store: false conversation is its connection's alone, and goes with it
+    store.put("private", [{"role": "user", "content": "z"}], owner="c1")
+    assert store.get("private", "c2") is None and store.get("private", "c1") is not None
+    store.drop_owner("c1")
+    assert store.get("private", "c1") is None and store.num_chars == 9
 
 
 def test_serve_command_serves_until_interrupted(tiny_chat_model_dir):
@@ -253,7 +259,7 @@ def test_serve_command_serves_until_interrupted(tiny_chat_model_dir):
         events = run(respond_once(int(found[1])))
         assert events[-1]["type"] in CLOSING_EVENTS
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 130
+        assert process.wait(timeout=30) == 0
     finally:
         process.kill()
         process.wait()

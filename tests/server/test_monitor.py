@@ -130,3 +130,30 @@ def test_slow_reader_is_told_how_many_events_it_missed():
         if previous is not None:
             assert seqs[0] - previous - 1 == frame["missed_events"]
         previous = seqs[-1]
+
+
+def test_many_monitor_clients_share_one_snapshot_per_interval():
+    num_reads = 0
+
+    async def read(after_seq: int):
+        nonlocal num_reads
+        num_reads += 1  # each read builds a whole-pool snapshot on the engine thread
+        return FakeSnapshot(), [], 0
+
+    async def main():
+        hub = MonitorHub(read)
+        clients = [SlowConnection([], send_delay_s=0) for _ in range(8)]
+        for client in clients:
+            client.wait_closed = client.closed.wait
+        tasks = [asyncio.create_task(serve_monitor(client, hub, {"model": "fake"}, interval_s=0.05))
+                 for client in clients]
+        await asyncio.sleep(1.0)
+        for client in clients:
+            await client.close()
+        await asyncio.gather(*tasks)
+        return [len(client.sent) - 1 for client in clients]
+
+    frames = asyncio.run(asyncio.wait_for(main(), 30))
+    assert min(frames) >= 5  # every client got its snapshots...
+    assert num_reads <= 1.0 / 0.05 + 3  # ...from one read per interval, not one per client
+    assert num_reads < sum(frames) / 4

@@ -8,8 +8,9 @@ import pytest
 from openai.types.responses import ResponsesServerEvent
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
-from localserve.server.requests import ProtocolError, error_event, parse_client_event, parse_response_create
+from localserve.server.requests import parse_client_event, parse_response_create
 from localserve.server.response_events import ResponseStream
+from localserve.server.validation import ProtocolError, error_event
 
 SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
 
@@ -41,11 +42,11 @@ def test_sampling_fields_and_the_extension_map_onto_sampling_params():
 
 
 @pytest.mark.parametrize("event, code, param", [
-    ({"input": "hi", "stream_id": 5}, "invalid_type", "stream_id"),
+    ({"input": "hi", "stream_id": 5}, "invalid_stream_id", "stream_id"),
     ({"input": "hi", "temperature": float("nan")}, "invalid_value", "temperature"),
     ({"input": "hi", "temperature": 2.5}, "decimal_above_max_value", "temperature"),
     ({"input": "hi", "metadata": {"k": 1}}, "invalid_value", "metadata"),
-    ({"input": "hi", "background": True}, "unsupported_value", "background"),
+    ({"input": "hi", "background": True}, "unsupported_parameter", "background"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "unsupported_value", "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]}, "invalid_type",
      "input[0].content[0].text"),

@@ -36,7 +36,7 @@ class FakeEngineThread:
 
 
 class FakeTokenizer:
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, add_generation_prompt=True):
         return [5] * 10
 
     def decode(self, ids, skip_special_tokens=True):
@@ -74,7 +74,6 @@ def test_slow_client_gets_fewer_longer_deltas_and_all_the_text():
 
         await asyncio.to_thread(engine)
         while not connection.sent or connection.sent[-1]["type"] != "response.incomplete":
-            assert session.queue.qsize() <= session.queue.maxsize
             await asyncio.sleep(0.01)
         await connection.close()
         await runner
