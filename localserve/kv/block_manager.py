@@ -35,9 +35,11 @@ class _Sequence:
     block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
     extra_key: bytes
     is_swapped: bool = False
+    # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
+    # count only then. Clear: the last block, if partly filled, is the sequence's own.
+    may_share_last_block: bool = False
     # A follower shares its leader's first `num_shared_blocks` blocks before the leader has computed them
-    # (see `allocate_sharing`); the leader lists its followers until they have caught up. A tuple: almost
-    # every sequence has none, and the shared empty tuple costs no object per sequence.
+    # (`allocate_sharing`); the leader lists its followers until they caught up (a tuple: mostly empty).
     followers: tuple[int, ...] = ()
     leader: int | None = None
     num_shared_blocks: int = 0
@@ -220,12 +222,9 @@ class BlockManager(SwapMixin):
 
     # ---- decoding ----
     def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
-        """Blocks taken from the free queue if each of these sequences appends one token, in any order.
-
-        A sequence whose last block is full needs a new block. Writers into a shared, partly filled
-        last block need a copy each, except that when all its holders write, the last one finds itself
-        sole owner and writes in place.
-        """
+        """Blocks taken from the free queue if each of these sequences appends one token, in any order:
+        one per full last block; writers into a shared, partly filled last block need a copy each, except
+        that when all its holders write, the last one finds itself sole owner and writes in place."""
         num_blocks = 0
         writers_per_shared_block: dict[int, int] = {}
         block_size, ref_counts, seqs = self.block_size, self._ref_counts, self._seqs
@@ -235,7 +234,7 @@ class BlockManager(SwapMixin):
                 self._gpu_seq(seq_id)  # raises
             if len(seq.token_ids) % block_size == 0:
                 num_blocks += 1
-            elif ref_counts[last_block_id := seq.block_table[-1]] > 1:
+            elif seq.may_share_last_block and ref_counts[last_block_id := seq.block_table[-1]] > 1:
                 writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
         for block_id, num_writers in writers_per_shared_block.items():
             num_blocks += num_writers if num_writers < ref_counts[block_id] else num_writers - 1
@@ -246,24 +245,23 @@ class BlockManager(SwapMixin):
         return self.num_blocks_to_append(seq_ids) <= len(self._free_queue)
 
     def append_token(self, seq_id: int, token_id: int) -> list[tuple[int, int]]:
-        """Grow the sequence by one token, whose KV the next forward pass writes.
-
-        Takes a new block when the last one is full. When the last block is partly filled and shared,
-        the sequence switches to a copy of it (copy-on-write) and the others keep the original. Returns
-        the (source, destination) block copies the model runner must make first: [] or one pair.
-        """
+        """Grow the sequence by one token, whose KV the next forward pass writes: a new block when the
+        last one is full; a copy of a shared, partly filled last block (copy-on-write; the others keep
+        the original). Returns the (source, destination) block copies to make first: [] or one pair."""
         seq = self._seqs[seq_id]
         if seq.is_swapped:
             self._gpu_seq(seq_id)  # raises
-        block_table = seq.block_table
         needs_new_block = len(seq.token_ids) % self.block_size == 0
-        if not needs_new_block and self._ref_counts[block_table[-1]] == 1:
+        if not needs_new_block and (not seq.may_share_last_block or self._ref_counts[seq.block_table[-1]] == 1):
             seq.token_ids.append(token_id)  # the common case: room in its own last block
+            seq.may_share_last_block = False  # its other holders, if any, have left
             return []
         if not self._free_queue:
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
         block_id = self._take_free_block()
         seq.token_ids.append(token_id)
+        seq.may_share_last_block = False  # a new block, or a copy of its last: its own
+        block_table = seq.block_table
         if needs_new_block:
             block_table.append(block_id)
             return []
@@ -298,11 +296,9 @@ class BlockManager(SwapMixin):
             seq.followers = tuple(f for f in seq.followers if not self._catch_up(self._seqs[f], seq))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
-        """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1).
-
-        The parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so
-        shared blocks never receive writes: each sample or beam then appends its own token.
-        """
+        """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1). The
+        parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so shared
+        blocks never receive writes: each sample or beam then appends its own token."""
         parent = self._gpu_seq(parent_seq_id)
         if parent.num_computed_tokens != len(parent.token_ids):
             raise ValueError(f"sequence {parent_seq_id} has tokens whose KV is not written; fork after "
@@ -313,12 +309,12 @@ class BlockManager(SwapMixin):
             self._ref_counts[block_id] += 1
         self._seqs[child_seq_id] = _Sequence(list(parent.token_ids), list(parent.block_table),
                                              parent.num_computed_tokens, list(parent.block_hashes),
-                                             parent.extra_key)
+                                             parent.extra_key, may_share_last_block=True)
+        parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
-        """Forget the sequence (swapped or not): its blocks lose one count each, last block first.
-
-        A GPU block reaching 0 joins the free-queue tail, keeping its prefix-cache entry if it has one,
+        """Forget the sequence (swapped or not): its blocks lose one count each, last block first. A GPU
+        block reaching 0 joins the free-queue tail, keeping its prefix-cache entry if it has one,
         so a conversation's deep blocks are overwritten before its first ones.
         """
         seq = self._seqs.pop(seq_id)
