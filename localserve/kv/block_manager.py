@@ -142,11 +142,9 @@ class BlockManager(SwapMixin):
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
-        """Blocks that admitting this prompt now would take out of the free queue.
-
-        That is every block of the prompt except prefix hits on blocks in use: a hit on a cached block
-        counts, as it leaves the free queue too. So `can_allocate` is exactly this <= num_available_blocks.
-        """
+        """Blocks that admitting this prompt now would take out of the free queue: every block of the
+        prompt except prefix hits on blocks in use (a hit on a cached block counts, as it leaves the free
+        queue too). So `can_allocate` is exactly this <= num_available_blocks."""
         return self._plan_allocation(token_ids, extra_key)[1]
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
@@ -387,11 +385,13 @@ class BlockManager(SwapMixin):
         return block_id
 
     def _release_blocks(self, block_ids: list[int]) -> None:
+        ref_counts, free_queue, block_hashes, num_cached = self._ref_counts, self._free_queue, self._block_hashes, 0
         for block_id in reversed(block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free_queue[block_id] = None
-                self._num_cached_blocks += self._block_hashes[block_id] is not None
+            ref_counts[block_id] = count = ref_counts[block_id] - 1
+            if not count:
+                free_queue[block_id] = None
+                num_cached += block_hashes[block_id] is not None
+        self._num_cached_blocks += num_cached
 
     def _register(self, block_id: int, block_hash: bytes, content: BlockContent) -> None:
         if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
