@@ -272,10 +272,12 @@ def main() -> None:
     for num_seqs in args.sizes:
         roomy_blocks = num_seqs * -(-2000 // BLOCK_SIZE) + 16
         for _ in range(args.repeats):
+            gc.collect()  # the previous configuration's engines and requests are gone before each run starts
             alone = results[f"alone N={num_seqs}"]
             alone["localserve"].append(step_overhead_alone.run_localserve(
                 new_request, num_seqs, roomy_blocks, args.steps, args.seed, VOCAB))
             if nano:
+                gc.collect()
                 alone["nano-vllm-fork"].append(step_overhead_alone.run_nano_vllm(
                     nano, new_request, num_seqs, roomy_blocks, args.steps, args.seed, VOCAB))
         print(f"N={num_seqs} alone: {dict(results[f'alone N={num_seqs}'])}", flush=True)
@@ -317,17 +319,19 @@ def print_tables(results: dict, args) -> None:
         if not all(run["decode_steps"] for run in ours):
             continue
         theirs = alone.get("nano-vllm-fork")
-        rows.append([n, f"{median_of(ours, 'core_us'):.0f}", spread(ours, "core_us_per_seq")]
-                    + ([f"{median_of(theirs, 'core_us'):.0f}", spread(theirs, "core_us_per_seq")] if theirs else []))
-    print(markdown_table(["N", "localserve us/step", "us/seq"]
-                         + (["nano-vllm-fork us/step", "us/seq"] if results["alone N=" + str(args.sizes[0])]
-                            .get("nano-vllm-fork") else []), rows))
+        rows.append([n, f"{median_of(ours, 'core_us'):.0f}", spread(ours, "core_us_per_seq"),
+                     spread(ours, "mean_us_per_seq")]
+                    + ([f"{median_of(theirs, 'core_us'):.0f}", spread(theirs, "core_us_per_seq"),
+                        spread(theirs, "mean_us_per_seq")] if theirs else []))
+    with_nano = bool(results[f"alone N={args.sizes[0]}"].get("nano-vllm-fork"))
+    print(markdown_table(["N", "localserve us/step", "us/seq", "mean us/seq"]
+                         + (["nano-vllm-fork us/step", "us/seq", "mean us/seq"] if with_nano else []), rows))
     if all(f"alone N={n}" in results for n in (64, 512)):
         for name in ("localserve", "nano-vllm-fork"):
             if name in results["alone N=64"]:
-                ratio = (median_of(results["alone N=512"][name], "core_us_per_seq")
-                         / median_of(results["alone N=64"][name], "core_us_per_seq"))
-                print(f"{name}: N=512 / N=64 = {ratio:.2f}x")
+                ratios = [median_of(results["alone N=512"][name], key) / median_of(results["alone N=64"][name], key)
+                          for key in ("core_us_per_seq", "mean_us_per_seq")]
+                print(f"{name}: N=512 / N=64 = {ratios[0]:.2f}x (of the means: {ratios[1]:.2f}x)")
     headers = ["pool", "N", "running", "decode steps", "preemptions", "sched+BM in the step, us/seq",
                "outside model, vocab 1: us/step", "us/seq", "vocab 49,152: us/step", "us/seq",
                "vocab-sized work us/step", "one argmax us", "ratio", "full GCs"]
