@@ -68,6 +68,8 @@ def run_localserve(new_request: NewRequest, num_seqs: int, num_blocks: int, step
         for (seq, request), token_id in zip(sampled, token_ids):
             seq.token_ids.append(token_id)
             seq.pending_append = True
+            if not request.forked:  # at its first sampled token, as the engine marks it (n = 1: no copies)
+                request.forked = True
             if len(seq.token_ids) >= request.max_num_tokens:  # max_tokens, as the engine checks it
                 seq.finish_reason = "length"
                 seq.pending_append = False
