@@ -18,10 +18,13 @@ configuration run --repeats times:
   metadata, the attention kernels' own input, subtracted), with a one-token and with
   SmolLM2's 49,152-token vocabulary; their difference is the vocabulary-sized work, set against one
   argmax over a [N, 49152] float32 tensor;
-- full garbage collections (gc.callbacks) during the measured steps; and, at --profile N, the stages.
+- full garbage collections (gc.callbacks) during the measured steps; and, at --profile N, the stages
+  (each timed once a step: a timer per request or sequence would cost more than what it measures) and
+  a longer run whose windows of 250 steps show the step outside the model as contexts reach their
+  steady state.
 The last line: `scheduler+block manager: X.XX us/seq/step at N=256` (alone).
 
-    python scripts/bench_step_overhead.py [--sizes 1 64 256 512] [--steps 300] [--vocab-steps 60]
+    python scripts/bench_step_overhead.py [--sizes 1 64 256 512] [--steps 300] [--vocab-steps 60] [--steady-steps 2000]
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ BLOCK_MANAGER_CALLS = ("free",)
 # Coarse stages of the step outside the model for the profile table: (label, object path, method).
 STAGES = (("schedule", "scheduler", "schedule"), ("mark computed", "scheduler", "mark_computed"),
           ("runner: step tensors", "runner", "prepare_inputs"), ("sampler", "", "sampler"),
-          ("outputs", "", "_finish_or_report"))
+          ("outputs", "", "_report"))
 
 
 class Clock:
@@ -181,7 +184,8 @@ def run(num_seqs: int, num_blocks: int, vocab: int, steps: int, seed: int, stage
             record = engine.step_history[-1]
             peak_used = max(peak_used, engine.block_manager.num_used_blocks)
             if index >= warmup and record.num_prefill_tokens == 0 and record.num_preempted == 0:
-                records.append({"seqs": record.num_seqs, "step": elapsed, "core": core.total - marks[0],
+                records.append({"index": index - warmup, "seqs": record.num_seqs, "step": elapsed,
+                                "core": core.total - marks[0],
                                 "model": stand_in.clock.total - marks[1], "gc": collector["time"] - marks[3],
                                 "stages": {k: c.total - marks[2][k] for k, c in stage_clocks.items()}})
             for output in outputs:
@@ -214,6 +218,14 @@ def summarize(result: dict) -> dict:
             "full_collection_ms": result["full_collection_ms"]}
 
 
+def drift(result: dict, width: int) -> list[float]:
+    """The step outside the model, us per sequence, median over each window of `width` measured steps."""
+    by_window: dict[int, list[float]] = defaultdict(list)
+    for r in result["records"]:
+        by_window[r["index"] // width].append((r["step"] - r["model"]) * 1e6 / r["seqs"])
+    return [statistics.median(by_window[w]) for w in sorted(by_window)]
+
+
 def argmax_us(num_seqs: int, repeats: int = 15) -> float:
     """One argmax over a fresh [num_seqs, VOCAB] float32 tensor, median microseconds."""
     logits = torch.rand(num_seqs, VOCAB)
@@ -244,6 +256,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pressure", action="store_true", help="only the pool that never preempts")
     parser.add_argument("--profile", type=int, default=256, help="N whose steps are split into stages")
+    parser.add_argument("--steady-steps", type=int, default=2000,
+                        help="a longer run at the --profile N (vocab 1, roomy), in windows of 250 steps: the step "
+                             "outside the model while contexts grow to their steady state (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the machine's two cores are shared; one thread keeps the figures steady
     info = machine()
@@ -257,10 +272,12 @@ def main() -> None:
     for num_seqs in args.sizes:
         roomy_blocks = num_seqs * -(-2000 // BLOCK_SIZE) + 16
         for _ in range(args.repeats):
+            gc.collect()  # the previous configuration's engines and requests are gone before each run starts
             alone = results[f"alone N={num_seqs}"]
             alone["localserve"].append(step_overhead_alone.run_localserve(
                 new_request, num_seqs, roomy_blocks, args.steps, args.seed, VOCAB))
             if nano:
+                gc.collect()
                 alone["nano-vllm-fork"].append(step_overhead_alone.run_nano_vllm(
                     nano, new_request, num_seqs, roomy_blocks, args.steps, args.seed, VOCAB))
         print(f"N={num_seqs} alone: {dict(results[f'alone N={num_seqs}'])}", flush=True)
@@ -276,6 +293,11 @@ def main() -> None:
                     # A request alone must still fit: at N=1 a 0.6x pool would refuse the longest ones.
                     peak = max(r["peak_used_blocks"] for r in results[f"roomy N={num_seqs}"]["vocab 1"])
                     pools.append(("0.6x peak", int(0.6 * peak)))
+        if num_seqs == args.profile and args.steady_steps:
+            for _ in range(args.repeats):
+                windows = drift(run(num_seqs, roomy_blocks, 1, args.steady_steps, args.seed, stages=False), 250)
+                results[f"steady N={num_seqs}"]["windows"].append(windows)
+                print(f"N={num_seqs} steady state, us/seq per 250 steps: {[round(w, 2) for w in windows]}", flush=True)
         results[f"argmax N={num_seqs}"]["us"].append(argmax_us(num_seqs))
     info["load_average_end"] = os.getloadavg()
     print_tables(results, args)
@@ -297,11 +319,19 @@ def print_tables(results: dict, args) -> None:
         if not all(run["decode_steps"] for run in ours):
             continue
         theirs = alone.get("nano-vllm-fork")
-        rows.append([n, f"{median_of(ours, 'core_us'):.0f}", spread(ours, "core_us_per_seq")]
-                    + ([f"{median_of(theirs, 'core_us'):.0f}", spread(theirs, "core_us_per_seq")] if theirs else []))
-    print(markdown_table(["N", "localserve us/step", "us/seq"]
-                         + (["nano-vllm-fork us/step", "us/seq"] if results["alone N=" + str(args.sizes[0])]
-                            .get("nano-vllm-fork") else []), rows))
+        rows.append([n, f"{median_of(ours, 'core_us'):.0f}", spread(ours, "core_us_per_seq"),
+                     spread(ours, "mean_us_per_seq")]
+                    + ([f"{median_of(theirs, 'core_us'):.0f}", spread(theirs, "core_us_per_seq"),
+                        spread(theirs, "mean_us_per_seq")] if theirs else []))
+    with_nano = bool(results[f"alone N={args.sizes[0]}"].get("nano-vllm-fork"))
+    print(markdown_table(["N", "localserve us/step", "us/seq", "mean us/seq"]
+                         + (["nano-vllm-fork us/step", "us/seq", "mean us/seq"] if with_nano else []), rows))
+    if all(f"alone N={n}" in results for n in (64, 512)):
+        for name in ("localserve", "nano-vllm-fork"):
+            if name in results["alone N=64"]:
+                ratios = [median_of(results["alone N=512"][name], key) / median_of(results["alone N=64"][name], key)
+                          for key in ("core_us_per_seq", "mean_us_per_seq")]
+                print(f"{name}: N=512 / N=64 = {ratios[0]:.2f}x (of the means: {ratios[1]:.2f}x)")
     headers = ["pool", "N", "running", "decode steps", "preemptions", "sched+BM in the step, us/seq",
                "outside model, vocab 1: us/step", "us/seq", "vocab 49,152: us/step", "us/seq",
                "vocab-sized work us/step", "one argmax us", "ratio", "full GCs"]
@@ -324,6 +354,15 @@ def print_tables(results: dict, args) -> None:
                      f"{vocab_work:.0f}", f"{argmax:.0f}", f"{vocab_work / argmax:.2f}x", gcs])
     print("\nthe engine's step outside the model, per pure decode step (medians of the runs' medians; ranges):")
     print(markdown_table(headers, rows))
+    steady = results.get(f"steady N={args.profile}")
+    if steady:
+        print(f"\nthe step outside the model, vocab 1, roomy pool, N={args.profile}, us/seq per window of 250 measured "
+              "steps (after 30 of warm-up), each run and their median:")
+        runs = steady["windows"]
+        print(markdown_table(["steps"] + [f"run {i + 1}" for i in range(len(runs))] + ["median"], [
+            [f"{250 * w}-{250 * (w + 1)}"] + [f"{run[w]:.2f}" for run in runs]
+            + [f"{statistics.median(run[w] for run in runs):.2f}"]
+            for w in range(min(map(len, runs)))]))
     profile = results.get(f"roomy N={args.profile}")
     if profile:
         print(f"\nwhere the time of a pure decode step goes, roomy pool, N={args.profile} (us per step, first run):")

@@ -25,8 +25,8 @@ class AttentionGroup:
     """Sequences attended together: all decodes in one group, each prefill chunk in its own."""
 
     token_index: torch.Tensor | slice  # rows of the batch's query tokens: [S] for decodes, a slice for a chunk
-    key_slots: torch.Tensor  # [S, L] flat KV slots each sequence attends to (L: longest context)
-    mask: torch.Tensor  # [S, 1, Q, L] bool: causal, and past-the-end keys masked
+    key_blocks: torch.Tensor  # [S, B] each sequence's first B blocks (B: the longest context's blocks)
+    mask: torch.Tensor  # [S, 1, Q, B * block_size] bool: causal, and keys past each context masked
     num_query: int  # Q
 
 
@@ -56,14 +56,17 @@ def _group(inputs: AttentionInputs, token_index, rows: list[int], num_query: int
     device = inputs.block_tables.device
     block_size = inputs.block_size
     context_lens = [inputs.context_lens[i] for i in rows]
-    key_pos = torch.arange(max(context_lens), device=device)
-    tables = inputs.block_tables[rows][:, key_pos // block_size]  # [S, L]
-    key_slots = tables * block_size + key_pos % block_size
+    # Keys are gathered by whole blocks: the step's index is one id per block, not one slot per key (a
+    # per-key index is N x context int64s a step, several MB that push the engine's books out of the
+    # caches); the mask hides the keys past each context.
+    num_blocks = -(-max(context_lens) // block_size)
+    key_blocks = inputs.block_tables[rows, :num_blocks]  # [S, B]
+    key_pos = torch.arange(num_blocks * block_size, device=device)
     context = torch.tensor(context_lens, device=device)
     # Query j of a sequence sits at position context - Q + j and sees the keys up to that position.
     query_pos = context[:, None] - num_query + torch.arange(num_query, device=device)[None, :]
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
-    return AttentionGroup(token_index, key_slots, mask[:, None], num_query)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, B * block_size]
+    return AttentionGroup(token_index, key_blocks, mask[:, None], num_query)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -83,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         num_heads, head_dim = query.shape[1:]
         for group in metadata.groups:
-            key_ctx, value_ctx = kv_cache.gather(layer, group.key_slots)  # [S, L, Hkv, D]
+            key_ctx, value_ctx = kv_cache.gather_blocks(layer, group.key_blocks)  # [S, B * block_size, Hkv, D]
             key_ctx, value_ctx = key_ctx.transpose(1, 2).to(query.dtype), value_ctx.transpose(1, 2).to(query.dtype)
             group_query = query[group.token_index]
             if group.num_query == 1:

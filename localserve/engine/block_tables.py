@@ -19,13 +19,14 @@ import numpy as np
 
 
 class _Row:
-    __slots__ = ("index", "table", "num_mirrored", "last_block")
+    __slots__ = ("index", "table", "num_mirrored", "last_block", "step")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.table: list[int] | None = None  # the block manager's list this row mirrors
         self.num_mirrored = 0
         self.last_block = -1  # table[num_mirrored - 1] when mirrored
+        self.step = 0  # the last step that gathered it
 
 
 class BlockTableRows:
@@ -35,41 +36,53 @@ class BlockTableRows:
         self._array = np.zeros((num_rows, width), np.int64)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._rows: dict[int, _Row] = {}
+        self._step = 0
 
     def gather(self, seq_ids: Sequence[int | None], tables: Sequence[list[int]]) -> np.ndarray:
         """The step's tables in order, zero-padded; a None seq id is not kept for the next step."""
-        previous, kept = self._rows, {}
+        self._step = step = self._step + 1
+        rows = self._rows
         released: list[_Row] = []  # rows of chunks without a sequence id: this step only
         indices = []
         widest = 1
         for seq_id, table in zip(seq_ids, tables):
-            row = previous.pop(seq_id, None) if seq_id is not None else None
+            row = rows.get(seq_id) if seq_id is not None else None
             if row is None:
                 row = _Row(self._take_row())
+                if seq_id is None:
+                    released.append(row)
+                else:
+                    rows[seq_id] = row
+            row.step = step
             num_blocks = len(table)
-            start = row.num_mirrored
-            if row.table is not table or start > num_blocks:
-                self._array[row.index, num_blocks:start] = 0  # a shorter list than the one mirrored
-                start = 0
-            elif start and table[start - 1] != row.last_block:
-                start -= 1  # its last block was copied on write
-            if start < num_blocks:
-                if num_blocks > self._array.shape[1]:
-                    self._widen(num_blocks)
-                self._array[row.index, start:num_blocks] = table[start:]
-            row.table, row.num_mirrored, row.last_block = table, num_blocks, table[-1] if table else -1
-            widest = max(widest, num_blocks)
+            # Most steps of most sequences change nothing: the same list, as long, ending in the same block.
+            if row.table is not table or row.num_mirrored != num_blocks or (num_blocks and table[-1] != row.last_block):
+                self._mirror(row, table)
+            if num_blocks > widest:
+                widest = num_blocks
             indices.append(row.index)
-            if seq_id is not None:
-                kept[seq_id] = row
-            else:
-                released.append(row)
         tables_array = self._array[indices, :widest]
-        for row in [*previous.values(), *released]:  # sequences not in this step give their rows back, zeroed
+        if len(rows) + len(released) > len(indices):  # some sequences left since the last step
+            released += [rows.pop(seq_id) for seq_id in [s for s, row in rows.items() if row.step != step]]
+        for row in released:  # their rows go back, zeroed
             self._array[row.index, :row.num_mirrored] = 0
             self._free_rows.append(row.index)
-        self._rows = kept
         return tables_array
+
+    def _mirror(self, row: _Row, table: list[int]) -> None:
+        """Write what changed of `table` into the row: its new entries, a replaced last block, or all of it."""
+        num_blocks = len(table)
+        start = row.num_mirrored
+        if row.table is not table or start > num_blocks:
+            self._array[row.index, num_blocks:start] = 0  # a shorter list than the one mirrored
+            start = 0
+        elif start and table[start - 1] != row.last_block:
+            start -= 1  # its last block was copied on write
+        if start < num_blocks:
+            if num_blocks > self._array.shape[1]:
+                self._widen(num_blocks)
+            self._array[row.index, start:num_blocks] = table[start:]
+        row.table, row.num_mirrored, row.last_block = table, num_blocks, table[-1] if table else -1
 
     def _take_row(self) -> int:
         if not self._free_rows:

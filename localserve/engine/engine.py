@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.outputs import RequestOutput, make_output, stop_string_cut
-from localserve.engine.sampler import Sampler, SamplingRow, make_generator
+from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Batch, Scheduler, peak_blocks
 from localserve.engine.sequence import Request, Sequence
@@ -130,7 +131,9 @@ class LLMEngine:
             raise
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
                                  with_decoder=not params.beam_search)
-        request = Request(request_id, arrival, list(prompt_token_ids), params, [seq])
+        request = Request(request_id, arrival, list(prompt_token_ids), params, [seq],
+                          eos_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
+                          max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -188,8 +191,11 @@ class LLMEngine:
         try:
             yield
         except Exception as exc:
-            log.exception("serving request %s failed; failing it alone", request.request_id)
-            self._fail(request, f"internal error: {type(exc).__name__}: {exc}")
+            self._fail_alone(request, exc)
+
+    def _fail_alone(self, request: Request, exc: Exception) -> None:
+        log.exception("serving request %s failed; failing it alone", request.request_id)
+        self._fail(request, f"internal error: {type(exc).__name__}: {exc}")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -217,14 +223,15 @@ class LLMEngine:
         sampled_seqs: list[Sequence] = []
         logit_rows: list[int] = []  # the logits row of each entry of rows
         row = 0
+        num_prompt_tokens = 0
         for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
             num_tokens = len(chunk.token_ids)
             if num_tokens > 1 or len(seq.token_ids) == seq.prompt_len:
-                self.num_prompt_tokens += num_tokens
+                num_prompt_tokens += num_tokens
             if not chunk.needs_logits:
                 continue
             moved[request.request_id] = request
-            if request.params.beam_search:
+            if request.beam_search:
                 beam_rows.setdefault(request.request_id, []).append((seq, row))
             else:
                 rows.append(seq.sampling_row or self._sampling_row(request, seq))
@@ -241,17 +248,13 @@ class LLMEngine:
                             sampled_seqs.append(child)
                             logit_rows.append(row)
             row += 1
+        self.num_prompt_tokens += num_prompt_tokens
         if rows:
             # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
             # place; else the row index is built once, on the device.
             identity = len(logit_rows) == row and not beam_rows
             result = self.sampler(logits, rows, None if identity else torch.tensor(logit_rows, device=logits.device))
-            top_logprobs = result.top_logprobs or [None] * len(rows)
-            for request, seq, token_id, logprob, top in zip(sampled_requests, sampled_seqs, result.token_ids,
-                                                            result.logprobs, top_logprobs):
-                if not request.is_finished:  # failed alone earlier in this step
-                    with self._serving(request):
-                        self._append(request, seq, token_id, logprob, top)
+            self._append_sampled(sampled_requests, sampled_seqs, result)
         for request_id, entries in beam_rows.items():
             request = moved[request_id]
             for seq, logit_row in entries:
@@ -268,7 +271,7 @@ class LLMEngine:
                 self.events.append(EventKind.FIRST_TOKEN, request.label)
             with self._serving(request):
                 beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
-        return [self._finish_or_report(request) for request in moved.values()]
+        return self._report(moved.values())
 
     @staticmethod
     def _sampling_row(request: Request, seq: Sequence) -> SamplingRow:
@@ -305,53 +308,69 @@ class LLMEngine:
         request.seqs.append(child)
         return child
 
-    def _append(self, request: Request, seq: Sequence, token_id: int, logprob: float | None,
-                top: list[tuple[int, float]] | None) -> None:
-        """Add a sampled token to a sequence and decide whether it stops there."""
-        params = request.params
-        seq.token_ids.append(token_id)  # the block manager gets it when the next step schedules it
-        seq.pending_append = True
-        request.just_readmitted = False
-        if logprob is not None:
-            seq.cumulative_logprob += logprob
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top or [])
-        self.num_generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-            self.events.append(EventKind.FIRST_TOKEN, request.label)
-        token_ids = seq.token_ids
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-            self._finish_seq(seq, "stop")
-            return
-        if seq.decoder is not None:
-            new_from = len(seq.text)
-            seq.text += seq.decoder.step(token_id)
-            if params.stop and (cut := stop_string_cut(seq.text, params.stop, new_from)) is not None:
-                seq.text = seq.text[:cut]
-                self._finish_seq(seq, "stop")
+    def _append_sampled(self, requests: list[Request], seqs: list[Sequence], result: SamplerOutput) -> None:
+        """Add each sampled token to its sequence and decide whether the sequence stops there. A request
+        whose bookkeeping raises fails alone and the loop goes on with the next entry (one try around
+        the loop, not a guard per token: entering a try costs nothing, a context manager a microsecond)."""
+        self.num_generation_tokens += len(seqs)
+        entries = zip(requests, seqs, result.token_ids, result.logprobs,
+                      result.top_logprobs or itertools.repeat(None))
+        request = None
+        while True:
+            try:
+                for request, seq, token_id, logprob, top in entries:
+                    if request.error is not None:  # failed alone earlier in this step
+                        continue
+                    token_ids = seq.token_ids
+                    token_ids.append(token_id)  # the block manager gets it when the next step schedules it
+                    seq.pending_append = True
+                    request.just_readmitted = False
+                    if logprob is not None:
+                        seq.cumulative_logprob += logprob
+                        seq.logprobs.append(logprob)
+                        seq.top_logprobs.append(top or [])
+                    if request.first_token_time is None:
+                        request.first_token_time = time.monotonic()
+                        self.events.append(EventKind.FIRST_TOKEN, request.label)
+                    if token_id in request.eos_ids or token_id in request.params.stop_token_ids:
+                        self._finish_seq(seq, "stop")
+                        continue
+                    if seq.decoder is not None:
+                        new_from = len(seq.text)
+                        seq.text += seq.decoder.step(token_id)
+                        if request.stop_strings and (
+                                cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
+                            seq.text = seq.text[:cut]
+                            self._finish_seq(seq, "stop")
+                            continue
+                    if len(token_ids) >= request.max_num_tokens:
+                        self._finish_seq(seq, "length")
                 return
-        if len(token_ids) - seq.prompt_len >= params.max_tokens or len(token_ids) >= self.max_model_len:
-            self._finish_seq(seq, "length")
+            except Exception as exc:
+                self._fail_alone(request, exc)
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.pending_append = False
         self.block_manager.free(seq.seq_id)  # a finished sample gives its blocks back at once
 
-    def _finish_or_report(self, request: Request) -> RequestOutput:
-        finished = not request.live_seqs
-        if finished:
-            self.scheduler.finish(request)
-            self.requests.pop(request.request_id, None)
-            if request.error is not None:
-                self.num_requests_failed += 1  # the scheduler logged the failed event
-            else:
-                self.num_requests_finished += 1
-                best = request.finished_beams or request.seqs
-                self.events.append(EventKind.FINISHED, request.label,
-                                   reason=best[0].finish_reason if best else "stop")
-        return make_output(request, finished, self.tokenizer)
+    def _report(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Each request's output for this step; a request whose sequences have all finished leaves."""
+        outputs = []
+        for request in requests:
+            finished = not request.live_seqs
+            if finished:
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+                if request.error is not None:
+                    self.num_requests_failed += 1  # the scheduler logged the failed event
+                else:
+                    self.num_requests_finished += 1
+                    best = request.finished_beams or request.seqs
+                    self.events.append(EventKind.FINISHED, request.label,
+                                       reason=best[0].finish_reason if best else "stop")
+            outputs.append(make_output(request, finished, self.tokenizer))
+        return outputs
 
     # ------------------------------------------------------------------ convenience
     def run_to_completion(self) -> dict[str, RequestOutput]:

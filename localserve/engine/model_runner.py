@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from itertools import accumulate, chain
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -12,6 +13,9 @@ from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.step import StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.models.llama import ForwardContext, LlamaForCausalLM
+
+_start_pos, _seq_id, _block_table, _token_ids, _needs_logits = map(
+    attrgetter, ("start_pos", "seq_id", "block_table", "token_ids", "needs_logits"))
 
 
 class ModelRunner:
@@ -51,8 +55,9 @@ class ModelRunner:
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
         return self._forward(input_ids, inputs, logit_rows)
 
-    def prepare_inputs(self, step: StepInput) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor]:
-        """The step's attention inputs, its token ids [T] and the rows [num logits] whose logits are wanted.
+    def prepare_inputs(self, step: StepInput) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor | None]:
+        """The step's attention inputs, its token ids [T] and the rows [num logits] whose logits are wanted
+        (None: every token's, as in a step of decodes only).
 
         Python touches each sequence a few times; block tables are kept between steps (`BlockTableRows`),
         so only the block ids that changed are read; positions and slots are computed on whole arrays.
@@ -61,27 +66,29 @@ class ModelRunner:
         chunks = step.chunks
         num_seqs = len(chunks)
         query_lens = [len(chunk.token_ids) for chunk in chunks]
-        starts = np.fromiter([chunk.start_pos for chunk in chunks], np.int64, num_seqs)
-        block_tables = self.block_tables.gather([chunk.seq_id for chunk in chunks],
-                                                [chunk.block_table for chunk in chunks])
         num_tokens = sum(query_lens)
-        input_ids = np.fromiter(chain.from_iterable(chunk.token_ids for chunk in chunks), np.int64, num_tokens)
-        if num_tokens == num_seqs:  # decodes only: one token each, at its start position
+        starts = np.fromiter(map(_start_pos, chunks), np.int64, num_seqs)
+        block_tables = self.block_tables.gather(list(map(_seq_id, chunks)), list(map(_block_table, chunks)))
+        input_ids = np.fromiter(chain.from_iterable(map(_token_ids, chunks)), np.int64, num_tokens)
+        if num_tokens == num_seqs:  # one token each, at its start position: decodes (and one-token chunks)
             seq_of_token, positions = np.arange(num_seqs), starts
+            context_lens = starts + 1
+            logit_rows = None if all(map(_needs_logits, chunks)) else [
+                row for row, chunk in enumerate(chunks) if chunk.needs_logits]
         else:
             lens = np.array(query_lens, np.int64)
             seq_of_token = np.repeat(np.arange(num_seqs), lens)
             positions = starts[seq_of_token] + np.arange(num_tokens) - (np.cumsum(lens) - lens)[seq_of_token]
+            context_lens = starts + lens
+            logit_rows = [end - 1 for end, chunk in zip(accumulate(query_lens), chunks) if chunk.needs_logits]
         slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        ends = list(accumulate(query_lens))
-        logit_rows = [end - 1 for end, chunk in zip(ends, chunks) if chunk.needs_logits]
         device = self.device
         inputs = AttentionInputs(
             slot_mapping=torch.from_numpy(slots).to(device), positions=torch.from_numpy(positions).to(device),
             block_tables=torch.from_numpy(block_tables).to(device), query_lens=query_lens,
-            context_lens=(starts + query_lens).tolist(), block_size=block_size)
+            context_lens=context_lens.tolist(), block_size=block_size)
         return (inputs, torch.from_numpy(input_ids).to(device),
-                torch.tensor(logit_rows, dtype=torch.int64, device=device))
+                None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64, device=device))
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

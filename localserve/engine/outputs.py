@@ -74,25 +74,37 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
     Nothing here is O(output length) but the final call: a delta is sliced from the tail of the text and
     of the token ids, and the token ids of an unfinished output are a view, not a copy.
     """
-    params = request.params
     seqs = request.seqs
-    if params.beam_search:
-        seqs = sorted(request.seqs + request.finished_beams, key=lambda s: -s.cumulative_logprob)[:params.n]
+    beam_search = request.beam_search
+    if len(seqs) == 1 and not beam_search and not request.stop_strings:  # the common case, in short
+        seq = seqs[0]
+        text, token_ids, prompt_len = seq.text, seq.token_ids, seq.prompt_len
+        num_tokens = len(token_ids)
+        output = CompletionOutput(
+            0, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
+            seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
+            text[seq.num_emitted_chars:], token_ids[prompt_len + seq.num_emitted_tokens:])
+        seq.num_emitted_chars, seq.num_emitted_tokens = len(text), num_tokens - prompt_len
+        return RequestOutput(request.request_id, request.prompt_token_ids, [output], finished,
+                             request.num_cached_tokens, request.error)
+    if beam_search:
+        seqs = sorted(request.seqs + request.finished_beams, key=lambda s: -s.cumulative_logprob)[:request.params.n]
     # Text that may still turn into the start of a stop string is held back until it cannot.
-    hold_back = max(map(len, params.stop)) - 1 if params.stop else 0
+    hold_back = max(map(len, request.stop_strings)) - 1 if request.stop_strings else 0
     outputs = []
     for index, seq in enumerate(seqs):
         text = seq.text
-        if params.beam_search:
+        if beam_search:
             text = tokenizer.decode(seq.output_token_ids) if tokenizer and finished else ""
         num_visible = len(text)
         if hold_back and not (seq.finish_reason or finished):
             num_visible = min(num_visible, max(seq.num_emitted_chars, num_visible - hold_back))
         token_ids, prompt_len = seq.token_ids, seq.prompt_len
+        num_tokens = len(token_ids)
         outputs.append(CompletionOutput(
-            index, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, len(token_ids)),
+            index, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
             seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
             text[seq.num_emitted_chars:num_visible], token_ids[prompt_len + seq.num_emitted_tokens:]))
-        seq.num_emitted_chars, seq.num_emitted_tokens = num_visible, len(token_ids) - prompt_len
+        seq.num_emitted_chars, seq.num_emitted_tokens = num_visible, num_tokens - prompt_len
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
                          request.num_cached_tokens, request.error)

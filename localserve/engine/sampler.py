@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
 from localserve.engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One sequence's view for the sampler (the engine keeps one per sequence, its output a live view)."""
 
@@ -128,6 +129,9 @@ def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return logits
 
 
+_has_penalties = attrgetter("has_penalties")
+
+
 class Sampler:
     """Chooses one token per row of `rows`, reading logits [R, V] (float32 or float64) in place."""
 
@@ -140,7 +144,7 @@ class Sampler:
         """
         if logit_rows is not None:  # some logits rows feed several samples (n > 1 at the first token)
             logits = logits.index_select(0, logit_rows)
-        if any(row.has_penalties for row in rows):
+        if any(map(_has_penalties, rows)):
             apply_penalties(logits, rows)
         chosen = logits.max(dim=-1).indices  # greedy rows are done; max() is faster than argmax() on the CPU
         sampled = [i for i, row in enumerate(rows) if not row.greedy]

@@ -37,7 +37,9 @@ request alone in the pool that still does not fit fails with a reason instead of
 
 from __future__ import annotations
 
+import bisect
 import logging
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,6 +50,7 @@ from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
+_arrival = operator.attrgetter("arrival")
 
 
 def peak_blocks(num_prompt_tokens: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
@@ -183,22 +186,29 @@ class Scheduler:
                     continue
                 num_live += 1
                 token_ids = seq.token_ids
+                seq_id = seq.seq_id
                 if seq.pending_append:
-                    copies = append_token(seq.seq_id, token_ids[-1])
-                    if copies:
+                    if copies := append_token(seq_id, token_ids[-1]):
                         step.block_copies += copies
                         self.events.append(EventKind.COPY_ON_WRITE, request.label, num_blocks=len(copies))
                     seq.pending_append = False
                 position = len(token_ids) - 1
-                if seq.num_computed_tokens == position:
+                num_computed = seq.num_computed_tokens
+                if num_computed == position:
                     if budget > 0:
                         seqs.append(seq)
                         requests.append(request)
                         query_lens.append(1)
-                        seq_id = seq.seq_id
-                        chunks.append(SeqChunk([token_ids[-1]], position, live_block_table(seq_id), True, seq_id))
+                        # Its decode chunk is rewritten each step, not made anew (engine/step.py); the block
+                        # manager's table in it stays the same list until (re)admission makes a new chunk.
+                        chunk = seq.decode_chunk
+                        if chunk is None:
+                            chunk = seq.decode_chunk = SeqChunk([0], 0, live_block_table(seq_id), True, seq_id)
+                        chunk.token_ids[0] = token_ids[-1]
+                        chunk.start_pos = position
+                        chunks.append(chunk)
                         budget -= 1
-                elif seq.num_computed_tokens < position and seq not in request.followers:
+                elif num_computed < position and seq not in request.followers:
                     prefills.append((request, seq))
             slots_in_use += num_live if request.forked else request.params.n
         return budget, slots_in_use, prefills
@@ -229,6 +239,8 @@ class Scheduler:
         if not self._fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
             return False
         moves = bm.swap_in(seq_ids)
+        for seq in request.live_seqs:
+            seq.decode_chunk = None  # its block table is another list now
         batch.step_input.swap_in += moves
         self.events.append(EventKind.SWAPPED_IN, request.label, num_blocks=len(moves))
         self.events.append(EventKind.RESUMED, request.label)
@@ -245,6 +257,8 @@ class Scheduler:
         if not self._fits(request, need, slots_in_use):
             return None
         leader = seqs[0]
+        for seq in seqs:
+            seq.decode_chunk = None  # a readmitted sequence's block table is another list now
         leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
         for seq in seqs[1:]:
             if num_shared_blocks:
@@ -320,10 +334,7 @@ class Scheduler:
         self._with_followers = [request for request in self._with_followers if request.followers]
 
     def _insert_running(self, request: Request) -> None:
-        index = len(self.running)
-        while index > 0 and self.running[index - 1].arrival > request.arrival:
-            index -= 1
-        self.running.insert(index, request)
+        bisect.insort_right(self.running, request, key=_arrival)  # after any of the same arrival
 
     def _fail(self, request: Request, batch: Batch, reason: str) -> None:
         self.finish(request)
@@ -372,18 +383,17 @@ class Scheduler:
 
     @staticmethod
     def _insert_by_arrival(queue: list[Request], request: Request) -> None:
-        index = 0
-        while index < len(queue) and queue[index].arrival < request.arrival:
-            index += 1
-        queue.insert(index, request)
+        bisect.insort_left(queue, request, key=_arrival)  # before any of the same arrival
 
     def finish(self, request: Request) -> None:
         """Take a request out of its queue and free the blocks of its live sequences."""
-        queue = {RequestState.RUNNING: self.running, RequestState.WAITING: self.waiting,
-                 RequestState.SWAPPED: self.swapped}.get(request.state)
-        if queue is not None:
-            queue.remove(request)
-        if request.state in (RequestState.RUNNING, RequestState.SWAPPED):
+        state = request.state
+        if state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif state is RequestState.RUNNING or state is RequestState.SWAPPED:
+            queue = self.running if state is RequestState.RUNNING else self.swapped
+            index = bisect.bisect_left(queue, request.arrival, key=_arrival)  # arrival order: no O(N) remove()
+            del queue[index if index < len(queue) and queue[index] is request else queue.index(request)]
             for seq in request.live_seqs:
                 self.block_manager.free(seq.seq_id)
         request.followers = []

@@ -10,6 +10,7 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.step import SeqChunk
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +60,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)  # identity: a sequence is only ever equal to itself
+@dataclass(eq=False, slots=True)  # identity: a sequence is only ever equal to itself
 class Sequence:
     """One line of generation. Its KV covers `num_computed_tokens` of `token_ids`."""
 
@@ -67,18 +68,20 @@ class Sequence:
     prompt_len: int
     token_ids: list[int]  # prompt + generated
     generator: torch.Generator
+    # The fields a decode step reads come first: with __slots__ they share the object's first cache lines.
     num_computed_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # The last sampled token is in token_ids but not yet in the block manager (appended when scheduled).
+    pending_append: bool = False
+    sampling_row: SamplingRow | None = None  # what the sampler reads of it, made at its first sampling
+    decode_chunk: SeqChunk | None = None  # its part of a decode step, rewritten by the scheduler each step
+    decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
+    text: str = ""  # detokenized output so far (stop strings cut off)
+    num_emitted_chars: int = 0  # text already reported to a streaming client
+    num_emitted_tokens: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    text: str = ""  # detokenized output so far (stop strings cut off)
-    decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
-    # The last sampled token is in token_ids but not yet in the block manager (appended when scheduled).
-    pending_append: bool = False
-    num_emitted_chars: int = 0  # text already reported to a streaming client
-    num_emitted_tokens: int = 0
-    sampling_row: SamplingRow | None = None  # what the sampler reads of it, made at its first sampling
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -107,7 +110,7 @@ class Sequence:
         return self.finish_reason is not None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A prompt, its sampling parameters, and the sequences generating from it."""
 
@@ -116,19 +119,34 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    state: RequestState = RequestState.WAITING
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    num_preemptions: int = 0
+    # The fields a decode step reads come first (see Sequence).
+    forked: bool = False  # parallel samples / beams created (at the first sampled token)
     # Readmitted after a preemption and not yet sampled a token since: not the next victim (no thrashing).
     just_readmitted: bool = False
-    forked: bool = False  # parallel samples / beams created (at the first sampled token)
+    first_token_time: float | None = None
+    state: RequestState = RequestState.WAITING
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
     # Sequences readmitted after a recompute that share blocks their leader has not computed yet: they
     # wait for it (the scheduler and BlockManager.allocate_sharing keep this).
     followers: list[Sequence] = field(default_factory=list)
     finished_beams: list[Sequence] = field(default_factory=list)
     beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # next-token logits of ready beams
-    error: str | None = None
-    first_token_time: float | None = None
+    # What every step asks of params, kept here so that a step reads the request alone. The engine passes
+    # the first two (the model's end-of-sequence ids unless ignore_eos, its context length); else they come
+    # from params. The caller's own stop_token_ids are read from params at each token (a list, mostly empty).
+    eos_ids: frozenset[int] = frozenset()  # a sampled id among these ends its sequence with "stop"
+    max_num_tokens: int | None = None  # a sequence reaching this many tokens ends with "length"
+    stop_strings: list[str] = field(init=False)
+    beam_search: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        if self.max_num_tokens is None:
+            self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
+        self.stop_strings = params.stop
+        self.beam_search = params.beam_search
 
     @property
     def label(self) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
 from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
@@ -35,11 +35,14 @@ class _Sequence:
     block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
     extra_key: bytes
     is_swapped: bool = False
+    # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
+    # count only then. Clear: the last block, if partly filled, is the sequence's own.
+    may_share_last_block: bool = False
     # A follower shares its leader's first `num_shared_blocks` blocks before the leader has computed them
-    # (see `allocate_sharing`); the leader lists its followers until they have caught up.
+    # (`allocate_sharing`); the leader lists its followers until they caught up (a tuple: mostly empty).
+    followers: tuple[int, ...] = ()
     leader: int | None = None
     num_shared_blocks: int = 0
-    followers: list[int] = field(default_factory=list)
 
 
 class BlockManager(SwapMixin):
@@ -139,11 +142,9 @@ class BlockManager(SwapMixin):
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
-        """Blocks that admitting this prompt now would take out of the free queue.
-
-        That is every block of the prompt except prefix hits on blocks in use: a hit on a cached block
-        counts, as it leaves the free queue too. So `can_allocate` is exactly this <= num_available_blocks.
-        """
+        """Blocks that admitting this prompt now would take out of the free queue: every block of the
+        prompt except prefix hits on blocks in use (a hit on a cached block counts, as it leaves the free
+        queue too). So `can_allocate` is exactly this <= num_available_blocks."""
         return self._plan_allocation(token_ids, extra_key)[1]
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
@@ -210,7 +211,7 @@ class BlockManager(SwapMixin):
                         num_shared_blocks=num_shared_blocks)
         self._seqs[seq_id] = seq
         if not self._catch_up(seq, leader):
-            leader.followers.append(seq_id)
+            leader.followers += (seq_id,)
         return seq.num_computed_tokens
 
     def awaits_leader(self, seq_id: int) -> bool:
@@ -219,12 +220,9 @@ class BlockManager(SwapMixin):
 
     # ---- decoding ----
     def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
-        """Blocks taken from the free queue if each of these sequences appends one token, in any order.
-
-        A sequence whose last block is full needs a new block. Writers into a shared, partly filled
-        last block need a copy each, except that when all its holders write, the last one finds itself
-        sole owner and writes in place.
-        """
+        """Blocks taken from the free queue if each of these sequences appends one token, in any order:
+        one per full last block; writers into a shared, partly filled last block need a copy each, except
+        that when all its holders write, the last one finds itself sole owner and writes in place."""
         num_blocks = 0
         writers_per_shared_block: dict[int, int] = {}
         block_size, ref_counts, seqs = self.block_size, self._ref_counts, self._seqs
@@ -234,7 +232,7 @@ class BlockManager(SwapMixin):
                 self._gpu_seq(seq_id)  # raises
             if len(seq.token_ids) % block_size == 0:
                 num_blocks += 1
-            elif ref_counts[last_block_id := seq.block_table[-1]] > 1:
+            elif seq.may_share_last_block and ref_counts[last_block_id := seq.block_table[-1]] > 1:
                 writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
         for block_id, num_writers in writers_per_shared_block.items():
             num_blocks += num_writers if num_writers < ref_counts[block_id] else num_writers - 1
@@ -245,24 +243,23 @@ class BlockManager(SwapMixin):
         return self.num_blocks_to_append(seq_ids) <= len(self._free_queue)
 
     def append_token(self, seq_id: int, token_id: int) -> list[tuple[int, int]]:
-        """Grow the sequence by one token, whose KV the next forward pass writes.
-
-        Takes a new block when the last one is full. When the last block is partly filled and shared,
-        the sequence switches to a copy of it (copy-on-write) and the others keep the original. Returns
-        the (source, destination) block copies the model runner must make first: [] or one pair.
-        """
+        """Grow the sequence by one token, whose KV the next forward pass writes: a new block when the
+        last one is full; a copy of a shared, partly filled last block (copy-on-write; the others keep
+        the original). Returns the (source, destination) block copies to make first: [] or one pair."""
         seq = self._seqs[seq_id]
         if seq.is_swapped:
             self._gpu_seq(seq_id)  # raises
-        block_table = seq.block_table
         needs_new_block = len(seq.token_ids) % self.block_size == 0
-        if not needs_new_block and self._ref_counts[block_table[-1]] == 1:
+        if not needs_new_block and (not seq.may_share_last_block or self._ref_counts[seq.block_table[-1]] == 1):
             seq.token_ids.append(token_id)  # the common case: room in its own last block
+            seq.may_share_last_block = False  # its other holders, if any, have left
             return []
         if not self._free_queue:
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
         block_id = self._take_free_block()
         seq.token_ids.append(token_id)
+        seq.may_share_last_block = False  # a new block, or a copy of its last: its own
+        block_table = seq.block_table
         if needs_new_block:
             block_table.append(block_id)
             return []
@@ -279,26 +276,27 @@ class BlockManager(SwapMixin):
         already registered to another block (that mapping is kept). The count never decreases.
         """
         seq = self._seqs[seq_id]
-        if seq.is_swapped or not seq.num_computed_tokens <= num_computed_tokens <= len(seq.token_ids):
+        num_before = seq.num_computed_tokens
+        if seq.is_swapped or not num_before <= num_computed_tokens <= len(seq.token_ids):
             self._gpu_seq(seq_id)  # raises if swapped
-            raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{seq.num_computed_tokens}, "
+            raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{num_before}, "
                              f"{len(seq.token_ids)}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
+        # A sequence holds the key of each of its full computed blocks (check_integrity: one key per
+        # block_size computed tokens), so keys are due only when the count crosses a block's end.
         num_full_blocks = num_computed_tokens // self.block_size
-        if self.enable_prefix_caching and num_full_blocks > len(seq.block_hashes):
+        if num_full_blocks > num_before // self.block_size and self.enable_prefix_caching:
             for index in range(len(seq.block_hashes), num_full_blocks):
                 content = self._block_content(seq, index)
                 seq.block_hashes.append(hash_block(*content))
                 self._register(seq.block_table[index], seq.block_hashes[index], content)
         if seq.followers:
-            seq.followers = [f for f in seq.followers if not self._catch_up(self._seqs[f], seq)]
+            seq.followers = tuple(f for f in seq.followers if not self._catch_up(self._seqs[f], seq))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
-        """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1).
-
-        The parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so
-        shared blocks never receive writes: each sample or beam then appends its own token.
-        """
+        """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1). The
+        parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so shared
+        blocks never receive writes: each sample or beam then appends its own token."""
         parent = self._gpu_seq(parent_seq_id)
         if parent.num_computed_tokens != len(parent.token_ids):
             raise ValueError(f"sequence {parent_seq_id} has tokens whose KV is not written; fork after "
@@ -309,17 +307,18 @@ class BlockManager(SwapMixin):
             self._ref_counts[block_id] += 1
         self._seqs[child_seq_id] = _Sequence(list(parent.token_ids), list(parent.block_table),
                                              parent.num_computed_tokens, list(parent.block_hashes),
-                                             parent.extra_key)
+                                             parent.extra_key, may_share_last_block=True)
+        parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
-        """Forget the sequence (swapped or not): its blocks lose one count each, last block first.
-
-        A GPU block reaching 0 joins the free-queue tail, keeping its prefix-cache entry if it has one,
+        """Forget the sequence (swapped or not): its blocks lose one count each, last block first. A GPU
+        block reaching 0 joins the free-queue tail, keeping its prefix-cache entry if it has one,
         so a conversation's deep blocks are overwritten before its first ones.
         """
         seq = self._seqs.pop(seq_id)
         if seq.leader is not None:
-            self._seqs[seq.leader].followers.remove(seq_id)
+            leader = self._seqs[seq.leader]
+            leader.followers = tuple(f for f in leader.followers if f != seq_id)
         for follower_id in seq.followers:  # freed with it by the scheduler; on its own it computes itself
             self._seqs[follower_id].leader = None
         if seq.is_swapped:
@@ -386,11 +385,13 @@ class BlockManager(SwapMixin):
         return block_id
 
     def _release_blocks(self, block_ids: list[int]) -> None:
+        ref_counts, free_queue, block_hashes, num_cached = self._ref_counts, self._free_queue, self._block_hashes, 0
         for block_id in reversed(block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free_queue[block_id] = None
-                self._num_cached_blocks += self._block_hashes[block_id] is not None
+            ref_counts[block_id] = count = ref_counts[block_id] - 1
+            if not count:
+                free_queue[block_id] = None
+                num_cached += block_hashes[block_id] is not None
+        self._num_cached_blocks += num_cached
 
     def _register(self, block_id: int, block_hash: bytes, content: BlockContent) -> None:
         if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:

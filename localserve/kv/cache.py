@@ -50,7 +50,7 @@ class PagedKVCache:
 
     Each of K and V has its own format (`cache_type_k`, `cache_type_v`; default: `dtype` itself, i.e. no
     quantization). A store is the format's tensors, each [num_blocks, block_size, *shape per token]:
-    write() quantizes, gather() dequantizes only the gathered blocks, and copies and swaps move the stored
+    write() quantizes, gather_blocks() dequantizes only the gathered blocks, and copies and swaps move the stored
     bytes. Quantized 4-bit formats may use per-layer `calibration` (see kv_calibration) and the model's
     rotary embedding (`rope`: positions -> (cos, sin)) for the key mean.
     """
@@ -106,22 +106,24 @@ class PagedKVCache:
                 per_slot = tensor[0, 0].numel()
                 tensor.view(-1, per_slot).index_copy_(0, slot_mapping, encoded.reshape(-1, per_slot))
 
-    def gather(self, layer: int, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at flat slots `key_slots` [S, L] (block * block_size + offset): [S, L, Hkv, D] each.
+    def gather_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks `block_ids` [S, B] (row i: a sequence's first B logical blocks):
+        [S, B * block_size, Hkv, D] each.
 
-        Only the gathered tokens are decoded; a rotated format returns its rotated domain (see
-        transform_query / restore_output). Slot j of each row is taken to hold position j.
+        Only the gathered blocks are decoded; a rotated format returns its rotated domain (see
+        transform_query / restore_output). Token j of each row is taken to hold position j.
         """
-        num_seqs, length = key_slots.shape
-        flat_slots = key_slots.flatten()
+        num_seqs, num_blocks = block_ids.shape
+        length = num_blocks * self.block_size
+        flat_blocks = block_ids.flatten()
         positions = None
         if self.needs_positions:
-            positions = torch.arange(length, device=key_slots.device).repeat(num_seqs)
+            positions = torch.arange(length, device=block_ids.device).repeat(num_seqs)
         out = []
         for codec, store in ((self.key_codecs[layer], self.key_stores[layer]),
                              (self.value_codecs[layer], self.value_stores[layer])):
-            # index_select on a 2-D view is several times faster than advanced indexing on the CPU.
-            gathered = {name: torch.index_select(tensor.view(-1, tensor[0, 0].numel()), 0, flat_slots)
+            # index_select on a 2-D view (a row per block) is several times faster than advanced indexing.
+            gathered = {name: torch.index_select(tensor.view(tensor.shape[0], -1), 0, flat_blocks)
                         .view(-1, *tensor.shape[2:]) for name, tensor in store.items()}
             decoded = codec.decode(gathered, positions)
             out.append(decoded.view(num_seqs, length, *decoded.shape[1:]))

@@ -69,6 +69,10 @@ def check_integrity(manager: BlockManager) -> None:
             registered_hash = None if seq.is_swapped else manager._block_hashes[block_id]
             _check(registered_hash is None or seq.block_hashes[index:index + 1] == [registered_hash],
                    f"seq {seq_id}: block {block_id} is registered under another key")
+    for seq_id, seq in manager._seqs.items():
+        _check(seq.may_share_last_block or not len(seq.token_ids) % manager.block_size
+               or table_refs[seq.is_swapped][seq.block_table[-1]] == 1,
+               f"seq {seq_id}: its partly filled last block has other holders and is not marked as shared")
     num_cached = 0
     for block_id, (count, block_hash, content) in enumerate(
             zip(manager._ref_counts, manager._block_hashes, manager._block_contents, strict=True)):
