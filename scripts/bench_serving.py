@@ -14,7 +14,7 @@ default) is cold, cached by an earlier request, and warmed with `generate: false
 
     python scripts/bench_serving.py [--url ws://127.0.0.1:8080] [--concurrency 1 4 16 64] \
         [--rates inf] [--requests-per-stream 4] [--system-prompt-words 0] [--png docs/bench/serving.png]
-    python scripts/bench_serving.py --prefix-cache [--system-prompt-words 1500]
+    python scripts/bench_serving.py --prefix-cache [--system-prompt-words 1750]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -156,11 +157,13 @@ def start_server(args) -> tuple[subprocess.Popen, int]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "localserve.cli", "serve", "--port", str(port), *args.server_args]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Its log goes to a file: a pipe nobody reads would fill and block the server mid-run.
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench_serving_", suffix=".log", delete=False)
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+            raise SystemExit(f"the server exited: {Path(log.name).read_text()[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
             return server, port
@@ -221,7 +224,7 @@ def main() -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         if args.prefix_cache:
-            words = args.system_prompt_words or 1500
+            words = args.system_prompt_words or 1750  # about 2,000 tokens of SmolLM2
             result = asyncio.run(prefix_cache(url, headers, words, args.seed))
             rows = [[name, f"{result[name]['ttft'] * 1000:.0f}", result[name]["cached_tokens"]]
                     for name in ("cold", "cached", "warmed")]
@@ -253,7 +256,7 @@ def main() -> None:
                               "ITL p90", "ITL p99", "ITL max", "E2E p50 (s)", "req/s", "output tok/s",
                               "preemptions", "ITL p99/p50"], rows))
         plot(runs, args.png)
-        print(f"\nplot: {args.png}; raw numbers: {save_raw('serving', info, runs)}")
+        print(f"\nplot: {args.png}; raw numbers: {save_raw(args.png.stem, info, runs)}")
     finally:
         if server is not None:
             server.terminate()

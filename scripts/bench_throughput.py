@@ -98,6 +98,14 @@ def batched_bench(model, num_seqs: int, prompt_len: int = 128, gen_len: int = 12
     return num_seqs * prompt_len / (prefilled - start), num_seqs * (gen_len - 1) / (done - prefilled)
 
 
+def static_batch_waste(requests: list[tuple[list[int], int]], batch: int) -> float:
+    """Decode slots static batches run (each batch until its longest output) over the tokens asked for: the
+    ratio continuous batching reaches when a sequence-step costs both systems the same."""
+    slots = sum(len(chunk) * max(n for _, n in chunk)
+                for chunk in (requests[first:first + batch] for first in range(0, len(requests), batch)))
+    return slots / sum(n for _, n in requests)
+
+
 def plot(results: dict, info: dict, path: Path) -> Path:
     """Output tokens/s of localserve beside the reference of each workload (transformers, llama.cpp)."""
     categories, ours, reference = [f"{results['workload']['requests']} mixed requests"], [], []
@@ -150,6 +158,9 @@ def main() -> None:
     print(f"\n{len(requests)} requests, {results['workload']['prompt_tokens']} prompt tokens, "
           f"{results['workload']['output_tokens']} output tokens, batch {args.batch}\n")
     print(markdown_table(["system", "seconds", "output tokens/s", "relative"], rows))
+    results["static_batch_waste"] = static_batch_waste(requests, args.batch)
+    print(f"\nstatic batches run {results['static_batch_waste']:.2f}x the decode slots of the tokens asked for "
+          "(the ratio continuous batching reaches at equal cost per sequence-step)")
     if not args.skip_batched:
         batched_rows, results["batched"] = [], {}
         for num_seqs in (1, 8, 32):
