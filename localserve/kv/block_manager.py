@@ -18,11 +18,11 @@ In an engine step the calls come in this order:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
+from localserve.kv.free_queue import FreeBlockQueue
 from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
 from localserve.kv.swap_pool import CpuBlockPool, OutOfBlocksError, SwapMixin
 
@@ -66,7 +66,7 @@ class BlockManager(SwapMixin):
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[bytes | None] = [None] * num_blocks  # set while in the prefix cache
         self._block_contents: list[BlockContent | None] = [None] * num_blocks  # behind each key
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head first
+        self._free_queue = FreeBlockQueue(num_blocks)  # head first
         self._hash_to_block: dict[bytes, int] = {}
         self._num_cached_blocks = 0  # blocks in the free queue with a key
         self._cpu_pool = CpuBlockPool(num_cpu_blocks)
@@ -174,8 +174,7 @@ class BlockManager(SwapMixin):
                 self._num_cached_blocks -= 1
             self._ref_counts[block_id] += 1
         block_table = [block_id for _, block_id in hits]
-        for _ in range(self._num_blocks_for(len(token_ids)) - len(hits)):
-            block_table.append(self._take_free_block())
+        block_table += [self._take_free_block() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
         num_cached_tokens = len(hits) * self.block_size
         self._seqs[seq_id] = _Sequence(list(token_ids), block_table, num_cached_tokens,
                                        [block_hash for block_hash, _ in hits], extra_key)
@@ -374,7 +373,7 @@ class BlockManager(SwapMixin):
 
     def _take_free_block(self) -> int:
         """Pop the free-queue head with ref count 1, evicting its contents from the prefix cache."""
-        block_id, _ = self._free_queue.popitem(last=False)
+        block_id = self._free_queue.popleft()
         block_hash = self._block_hashes[block_id]
         if block_hash is not None:
             del self._hash_to_block[block_hash]
@@ -385,12 +384,13 @@ class BlockManager(SwapMixin):
         return block_id
 
     def _release_blocks(self, block_ids: list[int]) -> None:
-        ref_counts, free_queue, block_hashes, num_cached = self._ref_counts, self._free_queue, self._block_hashes, 0
+        ref_counts, block_hashes, num_cached, freed = self._ref_counts, self._block_hashes, 0, []
         for block_id in reversed(block_ids):
             ref_counts[block_id] = count = ref_counts[block_id] - 1
             if not count:
-                free_queue[block_id] = None
+                freed.append(block_id)
                 num_cached += block_hashes[block_id] is not None
+        self._free_queue.extend(freed)
         self._num_cached_blocks += num_cached
 
     def _register(self, block_id: int, block_hash: bytes, content: BlockContent) -> None:
