@@ -304,7 +304,7 @@ class LLMEngine:
         """A new sequence of `request` sharing all of `parent`'s blocks (a parallel sample or a beam)."""
         seed = None if request.params.seed is None else request.params.seed + index
         child = self.copy_sequence(parent, seed)
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.block_manager.fork(parent.seq_id, child.seq_id, child.token_ids)
         request.seqs.append(child)
         return child
 

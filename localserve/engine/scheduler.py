@@ -259,13 +259,13 @@ class Scheduler:
         leader = seqs[0]
         for seq in seqs:
             seq.decode_chunk = None  # a readmitted sequence's block table is another list now
-        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids)
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, share_token_ids=True)  # 1 list
         for seq in seqs[1:]:
             if num_shared_blocks:
                 seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
-                                                              num_shared_blocks)
+                                                              num_shared_blocks, share_token_ids=True)
             else:
-                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids, share_token_ids=True)
         request.followers = [seq for seq in seqs[1:] if bm.awaits_leader(seq.seq_id)]
         if request.followers and request not in self._with_followers:
             self._with_followers.append(request)

@@ -19,33 +19,15 @@ In an engine step the calls come in this order:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
+from localserve.kv.followers import FollowersMixin, _Sequence
 from localserve.kv.free_queue import FreeBlockQueue
 from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
 from localserve.kv.swap_pool import CpuBlockPool, OutOfBlocksError, SwapMixin
 
 
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    token_ids: list[int]
-    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
-    num_computed_tokens: int
-    block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
-    extra_key: bytes
-    is_swapped: bool = False
-    # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
-    # count only then. Clear: the last block, if partly filled, is the sequence's own.
-    may_share_last_block: bool = False
-    # A follower shares its leader's first `num_shared_blocks` blocks before the leader has computed them
-    # (`allocate_sharing`); the leader lists its followers until they caught up (a tuple: mostly empty).
-    followers: tuple[int, ...] = ()
-    leader: int | None = None
-    num_shared_blocks: int = 0
-
-
-class BlockManager(SwapMixin):
+class BlockManager(FollowersMixin, SwapMixin):
     """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping.
 
     Sequences are named by an int `seq_id` chosen by the caller. For each the manager keeps its block
@@ -126,7 +108,7 @@ class BlockManager(SwapMixin):
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence, including appended ones whose KV is not written yet."""
-        return len(self._seqs[seq_id].token_ids)
+        return self._seqs[seq_id].num_tokens
 
     def num_computed_tokens(self, seq_id: int) -> int:
         """Leading tokens of the sequence whose KV is written (prefix hits included)."""
@@ -151,13 +133,16 @@ class BlockManager(SwapMixin):
         """True when `allocate` of this prompt would succeed now."""
         return self.num_blocks_to_allocate(token_ids, extra_key) <= len(self._free_queue)
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes = b"",
+                 share_token_ids: bool = False) -> int:
         """Give a new sequence blocks for its whole prompt; returns its number of cached tokens.
 
         Leading full blocks found in the prefix cache are shared (ref count + 1, taken out of the free
         queue if they sat there), at most (len(token_ids) - 1) // block_size of them so that the last
         prompt token is always computed. The return value, a multiple of block_size, is where the
-        prefill starts. `extra_key` is mixed into every block's key.
+        prefill starts. `extra_key` is mixed into every block's key. With `share_token_ids` the manager
+        keeps the list `token_ids` itself, not a copy: the caller appends each token to it, then names it
+        to `append_token` (one token list per sequence, not two), and never changes the tokens before.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
@@ -176,46 +161,13 @@ class BlockManager(SwapMixin):
         block_table = [block_id for _, block_id in hits]
         block_table += [self._take_free_block() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
         num_cached_tokens = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(list(token_ids), block_table, num_cached_tokens,
-                                       [block_hash for block_hash, _ in hits], extra_key)
+        self._seqs[seq_id] = _Sequence(token_ids if share_token_ids else list(token_ids), block_table,
+                                       num_cached_tokens, [block_hash for block_hash, _ in hits], extra_key,
+                                       len(token_ids), share_token_ids)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
         return num_cached_tokens
-
-    def allocate_sharing(self, seq_id: int, token_ids: Sequence[int], leader_id: int, num_shared_blocks: int) -> int:
-        """Give a new sequence its leader's first `num_shared_blocks` blocks and new blocks for the rest.
-
-        For the samples or beams of a request readmitted after a preemption by recompute: the leader
-        computes their common prefix once. The shared blocks become this sequence's computed KV as the
-        leader computes them (`mark_computed` on the leader carries it along); until then it must not
-        be scheduled (`awaits_leader`). Takes `len(token_ids)` blocks minus the shared ones; returns its
-        number of computed tokens now.
-        """
-        leader = self._gpu_seq(leader_id)
-        num_shared_tokens = num_shared_blocks * self.block_size
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id} already has blocks")
-        if not (0 < num_shared_tokens < len(token_ids) and num_shared_tokens <= len(leader.token_ids)
-                and list(token_ids[:num_shared_tokens]) == leader.token_ids[:num_shared_tokens]):
-            raise ValueError(f"sequence {seq_id} cannot share {num_shared_blocks} blocks of sequence {leader_id}")
-        num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
-        if num_new_blocks > len(self._free_queue):
-            raise OutOfBlocksError(f"{num_new_blocks} blocks needed, {len(self._free_queue)} available")
-        block_table = leader.block_table[:num_shared_blocks]
-        for block_id in block_table:
-            self._ref_counts[block_id] += 1
-        block_table += [self._take_free_block() for _ in range(num_new_blocks)]
-        seq = _Sequence(list(token_ids), block_table, 0, [], leader.extra_key, leader=leader_id,
-                        num_shared_blocks=num_shared_blocks)
-        self._seqs[seq_id] = seq
-        if not self._catch_up(seq, leader):
-            leader.followers += (seq_id,)
-        return seq.num_computed_tokens
-
-    def awaits_leader(self, seq_id: int) -> bool:
-        """True while the sequence shares blocks its leader has not computed yet."""
-        return self._seqs[seq_id].leader is not None
 
     # ---- decoding ----
     def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
@@ -229,7 +181,7 @@ class BlockManager(SwapMixin):
             seq = seqs[seq_id]
             if seq.is_swapped:
                 self._gpu_seq(seq_id)  # raises
-            if len(seq.token_ids) % block_size == 0:
+            if seq.num_tokens % block_size == 0:
                 num_blocks += 1
             elif seq.may_share_last_block and ref_counts[last_block_id := seq.block_table[-1]] > 1:
                 writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
@@ -248,15 +200,22 @@ class BlockManager(SwapMixin):
         seq = self._seqs[seq_id]
         if seq.is_swapped:
             self._gpu_seq(seq_id)  # raises
-        needs_new_block = len(seq.token_ids) % self.block_size == 0
+        num_tokens = seq.num_tokens
+        if not seq.shares_token_ids:
+            seq.token_ids.append(token_id)
+        elif len(seq.token_ids) <= num_tokens:
+            raise ValueError(f"sequence {seq_id}: append token {num_tokens} to the shared token list first")
+        needs_new_block = num_tokens % self.block_size == 0
         if not needs_new_block and (not seq.may_share_last_block or self._ref_counts[seq.block_table[-1]] == 1):
-            seq.token_ids.append(token_id)  # the common case: room in its own last block
+            seq.num_tokens = num_tokens + 1  # the common case: room in its own last block
             seq.may_share_last_block = False  # its other holders, if any, have left
             return []
         if not self._free_queue:
+            if not seq.shares_token_ids:
+                seq.token_ids.pop()  # changes nothing
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
         block_id = self._take_free_block()
-        seq.token_ids.append(token_id)
+        seq.num_tokens = num_tokens + 1
         seq.may_share_last_block = False  # a new block, or a copy of its last: its own
         block_table = seq.block_table
         if needs_new_block:
@@ -276,10 +235,10 @@ class BlockManager(SwapMixin):
         """
         seq = self._seqs[seq_id]
         num_before = seq.num_computed_tokens
-        if seq.is_swapped or not num_before <= num_computed_tokens <= len(seq.token_ids):
+        if seq.is_swapped or not num_before <= num_computed_tokens <= seq.num_tokens:
             self._gpu_seq(seq_id)  # raises if swapped
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{num_before}, "
-                             f"{len(seq.token_ids)}], got {num_computed_tokens}")
+                             f"{seq.num_tokens}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
         # A sequence holds the key of each of its full computed blocks (check_integrity: one key per
         # block_size computed tokens), so keys are due only when the count crosses a block's end.
@@ -292,21 +251,26 @@ class BlockManager(SwapMixin):
         if seq.followers:
             seq.followers = tuple(f for f in seq.followers if not self._catch_up(self._seqs[f], seq))
 
-    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+    def fork(self, parent_seq_id: int, child_seq_id: int, child_token_ids: list[int] | None = None) -> None:
         """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1). The
         parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so shared
-        blocks never receive writes: each sample or beam then appends its own token."""
+        blocks never receive writes: each sample or beam then appends its own token. `child_token_ids`: the
+        caller's list of the parent's tokens for the child to share (see `allocate`); else a copy."""
         parent = self._gpu_seq(parent_seq_id)
-        if parent.num_computed_tokens != len(parent.token_ids):
+        if parent.num_computed_tokens != parent.num_tokens:
             raise ValueError(f"sequence {parent_seq_id} has tokens whose KV is not written; fork after "
                              f"mark_computed, before append_token")
         if child_seq_id in self._seqs:
             raise ValueError(f"sequence {child_seq_id} already has blocks")
+        tokens = parent.token_ids[:parent.num_tokens]
+        if child_token_ids is not None and child_token_ids[:parent.num_tokens] != tokens:
+            raise ValueError(f"sequence {child_seq_id}: its token list is not sequence {parent_seq_id}'s")
         for block_id in parent.block_table:
             self._ref_counts[block_id] += 1
-        self._seqs[child_seq_id] = _Sequence(list(parent.token_ids), list(parent.block_table),
-                                             parent.num_computed_tokens, list(parent.block_hashes),
-                                             parent.extra_key, may_share_last_block=True)
+        self._seqs[child_seq_id] = _Sequence(tokens if child_token_ids is None else child_token_ids,
+                                             list(parent.block_table), parent.num_computed_tokens,
+                                             list(parent.block_hashes), parent.extra_key, parent.num_tokens,
+                                             child_token_ids is not None, may_share_last_block=True)
         parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
@@ -331,17 +295,6 @@ class BlockManager(SwapMixin):
         check_integrity(self)
 
     # ---- internals ----
-    def _catch_up(self, follower: _Sequence, leader: _Sequence) -> bool:
-        """Count the shared blocks the leader has computed as the follower's; True once it has them all."""
-        num_blocks = min(leader.num_computed_tokens // self.block_size, follower.num_shared_blocks)
-        if num_blocks * self.block_size > follower.num_computed_tokens:
-            follower.num_computed_tokens = num_blocks * self.block_size
-            follower.block_hashes = leader.block_hashes[:num_blocks]
-        if num_blocks < follower.num_shared_blocks:
-            return False
-        follower.leader = None
-        return True
-
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -48,11 +48,13 @@ def check_integrity(manager: BlockManager) -> None:
     table_refs = {False: [0] * manager.num_blocks, True: [0] * manager.num_cpu_blocks}  # by is_swapped
     for seq_id, seq in manager._seqs.items():
         num_distinct_blocks = len(set(seq.block_table))
-        _check(len(seq.block_table) == num_distinct_blocks == manager._num_blocks_for(len(seq.token_ids)),
+        _check(seq.num_tokens == len(seq.token_ids) or seq.shares_token_ids and seq.num_tokens < len(seq.token_ids),
+               f"seq {seq_id}: {seq.num_tokens} tokens counted, {len(seq.token_ids)} in its list")
+        _check(len(seq.block_table) == num_distinct_blocks == manager._num_blocks_for(seq.num_tokens),
                f"seq {seq_id}: {len(seq.block_table)} blocks ({num_distinct_blocks} distinct) for "
-               f"{len(seq.token_ids)} tokens")
+               f"{seq.num_tokens} tokens")
         num_keys = seq.num_computed_tokens // manager.block_size if manager.enable_prefix_caching else 0
-        _check(0 <= seq.num_computed_tokens <= len(seq.token_ids) and len(seq.block_hashes) == num_keys,
+        _check(0 <= seq.num_computed_tokens <= seq.num_tokens and len(seq.block_hashes) == num_keys,
                f"seq {seq_id}: {seq.num_computed_tokens} computed tokens, {len(seq.block_hashes)} keys")
         for index, block_hash in enumerate(seq.block_hashes):
             _check(hash_block(*manager._block_content(seq, index)) == block_hash,
@@ -70,7 +72,7 @@ def check_integrity(manager: BlockManager) -> None:
             _check(registered_hash is None or seq.block_hashes[index:index + 1] == [registered_hash],
                    f"seq {seq_id}: block {block_id} is registered under another key")
     for seq_id, seq in manager._seqs.items():
-        _check(seq.may_share_last_block or not len(seq.token_ids) % manager.block_size
+        _check(seq.may_share_last_block or not seq.num_tokens % manager.block_size
                or table_refs[seq.is_swapped][seq.block_table[-1]] == 1,
                f"seq {seq_id}: its partly filled last block has other holders and is not marked as shared")
     num_cached = 0
