@@ -9,10 +9,27 @@ from collections.abc import Sequence
 ROOT_HASH = bytes(32)
 """Parent hash of a sequence's first block."""
 
-BlockContent = tuple[bytes, tuple[int, ...], bytes]
-"""What a block's key is computed from: (parent hash, its token ids, extra key)."""
+BlockContent = bytes
+"""What a block's key is the hash of (`block_payload`): its parent's key, the extra key, its token ids. One
+bytes object per cached block, not tuples of tokens: the pool's books stay small (tens of thousands of
+blocks), and the token ints of finished sequences are not kept alive."""
 PrefixHit = tuple[bytes, int]
 """(key, block id) of a prompt block found in the prefix cache."""
+
+_token_packers: dict[int, struct.Struct] = {}  # by number of tokens (mostly one: the block size)
+
+
+def block_payload(parent_hash: bytes, token_ids: Sequence[int], extra_key: bytes = b"") -> BlockContent:
+    """The bytes `hash_block` hashes: the parent's key, `extra_key` length-prefixed, the tokens as int64."""
+    packer = _token_packers.get(len(token_ids))
+    if packer is None:
+        packer = _token_packers[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q")
+    return parent_hash + len(extra_key).to_bytes(8, "little") + extra_key + packer.pack(*token_ids)
+
+
+def hash_payload(payload: BlockContent) -> bytes:
+    """The key of a block whose `block_payload` this is."""
+    return hashlib.blake2b(payload, digest_size=32).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
@@ -23,6 +40,4 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: bytes = 
     whatever else shapes the KV (a LoRA adapter, images); it is length-prefixed so that it cannot run
     into the token bytes.
     """
-    payload = (parent_hash + len(extra_key).to_bytes(8, "little") + extra_key
-               + struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return hashlib.blake2b(payload, digest_size=32).digest()
+    return hashlib.blake2b(block_payload(parent_hash, token_ids, extra_key), digest_size=32).digest()

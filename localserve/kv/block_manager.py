@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, hash_block
+from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, block_payload, hash_block, hash_payload
 from localserve.kv.followers import FollowersMixin, _Sequence
 from localserve.kv.free_queue import FreeBlockQueue
 from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
@@ -246,7 +246,7 @@ class BlockManager(FollowersMixin, SwapMixin):
         if num_full_blocks > num_before // self.block_size and self.enable_prefix_caching:
             for index in range(len(seq.block_hashes), num_full_blocks):
                 content = self._block_content(seq, index)
-                seq.block_hashes.append(hash_block(*content))
+                seq.block_hashes.append(hash_payload(content))
                 self._register(seq.block_table[index], seq.block_hashes[index], content)
         if seq.followers:
             seq.followers = tuple(f for f in seq.followers if not self._catch_up(self._seqs[f], seq))
@@ -300,8 +300,8 @@ class BlockManager(FollowersMixin, SwapMixin):
 
     def _block_content(self, seq: _Sequence, index: int) -> BlockContent:
         parent_hash = seq.block_hashes[index - 1] if index else ROOT_HASH
-        token_ids = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-        return parent_hash, token_ids, seq.extra_key
+        return block_payload(parent_hash, seq.token_ids[index * self.block_size:(index + 1) * self.block_size],
+                             seq.extra_key)
 
     def _gpu_seq(self, seq_id: int) -> _Sequence:
         seq = self._seqs[seq_id]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from localserve.kv.block_hash import hash_block
+from localserve.kv.block_hash import hash_payload
 
 if TYPE_CHECKING:
     from localserve.kv.block_manager import BlockManager
@@ -57,7 +57,7 @@ def check_integrity(manager: BlockManager) -> None:
         _check(0 <= seq.num_computed_tokens <= seq.num_tokens and len(seq.block_hashes) == num_keys,
                f"seq {seq_id}: {seq.num_computed_tokens} computed tokens, {len(seq.block_hashes)} keys")
         for index, block_hash in enumerate(seq.block_hashes):
-            _check(hash_block(*manager._block_content(seq, index)) == block_hash,
+            _check(hash_payload(manager._block_content(seq, index)) == block_hash,
                    f"seq {seq_id}: key of block {index} does not match its tokens")
         if seq.leader is not None:  # shares blocks its leader has not computed yet
             leader = manager._seqs.get(seq.leader)
@@ -84,7 +84,7 @@ def check_integrity(manager: BlockManager) -> None:
         _check(in_free_queue == (count == 0), f"block {block_id}: count {count}, free: {in_free_queue}")
         _check((block_hash is None) == (content is None), f"block {block_id}: key and contents disagree")
         if block_hash is not None:
-            _check(content is not None and hash_block(*content) == block_hash,
+            _check(content is not None and hash_payload(content) == block_hash,
                    f"block {block_id}: key does not match its contents")
             _check(manager._hash_to_block.get(block_hash) == block_id, f"block {block_id}: key maps away")
             num_cached += count == 0
