@@ -24,7 +24,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("-m", "--model", help="HF folder, hub repo id or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
-    g.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: float32 on CPU, bf16 on GPU)")
+    g.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: bfloat16 on a GPU and on "
+                   "a CPU with bf16 instructions, else float32)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--chat-template-file", type=Path, help="a Jinja chat template replacing the model's")
     e = parser.add_argument_group("engine")
@@ -59,6 +60,7 @@ def build_llm(args: argparse.Namespace):
     from localserve.engine.config import EngineConfig
     from localserve.kv.memory_plan import parse_size
     from localserve.llm import LLM
+    from localserve.loading.hf import serving_dtype
 
     if args.attention_backend != "auto":
         backend_class(args.attention_backend)  # an unknown name fails before minutes of loading
@@ -73,7 +75,9 @@ def build_llm(args: argparse.Namespace):
         max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend)
-    llm = LLM(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device,
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else serving_dtype(device)
+    llm = LLM(args.model, dtype=dtype, device=device,
               offline=args.offline, engine_config=config, keep_quantized_weights=args.keep_quantized_weights)
     if args.chat_template_file:
         llm.tokenizer.chat_template = args.chat_template_file.read_text()

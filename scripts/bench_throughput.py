@@ -15,8 +15,8 @@ sequences): prompt processing and generation tokens/s, to put beside llama.cpp's
 
     python scripts/bench_throughput.py [--requests 64] [--batch 16] [--dtype float32] [--skip-hf] [--skip-batched]
 
-`--dtype` sets the weights and activations of both systems (float32 is what `localserve serve` uses on
-a CPU).
+`--dtype` sets the weights and activations of both systems (`localserve serve` loads bfloat16 on a CPU
+with bf16 instructions, float32 on others).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ instead stay in their blocks (`keep_quantized_weights`): their layers become `Qu
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -62,8 +63,37 @@ def resolve_model_path(model: str | None, offline: bool = False) -> Path:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """float32 on a CPU (bf16 matmuls do not scale with the batch there), bfloat16 on a GPU."""
+    """The library's default (`load_model`, `LLM`): float32 on a CPU, the exact reference the tests
+    compare against; bfloat16 on a GPU. The command line picks `serving_dtype` instead."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def has_bf16_instructions(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's text lists bfloat16 dot-product instructions (x86 AVX512_BF16 or AMX, Arm
+    BF16), which oneDNN uses for bf16 matmuls; without them bf16 is converted on the fly, no faster."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(value.split()))
+    return False
+
+
+@functools.cache
+def cpu_multiplies_bf16() -> bool:
+    """`has_bf16_instructions` of this machine's CPU (False where /proc/cpuinfo cannot be read)."""
+    try:
+        return has_bf16_instructions(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def serving_dtype(device: torch.device | str) -> torch.dtype:
+    """What `localserve serve` and `generate` load without `--dtype`: bfloat16 on a GPU, and on a CPU that
+    multiplies bf16 natively (1.4-1.9x the tokens/s of float32 there, docs/BENCHMARKS.md "Serving");
+    float32 on other CPUs."""
+    if torch.device(device).type == "cpu" and not cpu_multiplies_bf16():
+        return torch.float32
+    return torch.bfloat16
 
 
 def default_keep_quantized(path: Path, device: torch.device | str) -> bool:

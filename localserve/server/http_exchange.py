@@ -15,7 +15,7 @@ from typing import Any
 
 from websockets.datastructures import Headers
 
-from localserve.server.validation import ProtocolError, find_invalid_unicode
+from localserve.server.validation import ProtocolError, parse_json_object
 
 JSON = b"application/json"
 EVENT_STREAM = b"text/event-stream; charset=utf-8"
@@ -51,16 +51,7 @@ class HttpExchange:
     async def read_json(self, max_bytes: int, timeout_s: float) -> dict[str, Any]:
         """The body as a JSON object; a ProtocolError (400, 408, 413) for anything else."""
         body = await self._read_body(max_bytes, timeout_s)
-        try:
-            value = json.loads(body)
-        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested deeper than the parser goes
-            raise ProtocolError("invalid_json", f"the body is not valid JSON: {str(exc)[:200]}") from None
-        if not isinstance(value, dict):
-            raise ProtocolError("invalid_json", "the body must be a JSON object")
-        where = find_invalid_unicode(value)
-        if where is not None:
-            raise ProtocolError("invalid_value", f"'{where}' is not valid Unicode (it holds a lone surrogate)", where)
-        return value
+        return parse_json_object(body, "the body", "the body must be a JSON object")
 
     async def _read_body(self, max_bytes: int, timeout_s: float) -> bytes:
         too_large = ProtocolError("request_too_large", f"the body exceeds {max_bytes} bytes", status=413)

@@ -10,7 +10,6 @@ docs/PROTOCOL.md lists the same, field by field.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ from localserve.server.validation import (
     check_length,
     check_range,
     check_type,
-    find_invalid_unicode,
+    parse_json_object,
     shown,
 )
 
@@ -131,15 +130,7 @@ def parse_client_event(frame: str | bytes) -> dict[str, Any]:
     """A client frame as a dict with a string `type`; raises ProtocolError for anything else."""
     if isinstance(frame, bytes):
         raise ProtocolError("unsupported_data", "binary frames are not accepted: send JSON events as text")
-    try:
-        event = json.loads(frame)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
-        raise ProtocolError("invalid_json", f"the message is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(event, dict):
-        raise ProtocolError("invalid_json", "an event must be a JSON object")
-    where = find_invalid_unicode(event)
-    if where is not None:
-        raise ProtocolError("invalid_value", f"'{where}' is not valid Unicode (it holds a lone surrogate)", where)
+    event = parse_json_object(frame, "the message", "an event must be a JSON object")
     if not isinstance(event.get("type"), str):
         raise ProtocolError("missing_required_parameter", "an event needs a string 'type'", "type")
     return event

@@ -113,3 +113,18 @@ def find_invalid_unicode(value: Any, path: str = "") -> str | None:
         elif isinstance(item, list):
             stack.extend((child, f"{where}[{index}]") for index, child in enumerate(item))
     return None
+
+
+def parse_json_object(text: str | bytes, name: str, not_an_object: str) -> dict[str, Any]:
+    """`text` as a JSON object holding only valid Unicode; a ProtocolError naming `name` ("the body",
+    "the message") when it is not JSON, and `not_an_object` when it is JSON but not an object."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested deeper than the parser goes
+        raise ProtocolError("invalid_json", f"{name} is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_json", not_an_object)
+    where = find_invalid_unicode(value)
+    if where is not None:
+        raise ProtocolError("invalid_value", f"'{where}' is not valid Unicode (it holds a lone surrogate)", where)
+    return value

@@ -32,28 +32,34 @@ def test_short_request_between_two_snapshots_shows_each_event_once(tiny_chat_llm
                                               "max_output_tokens": 4, "temperature": 0}))
                 events = await collect_response(client)
             assert events[-1]["type"] in CLOSING_EVENTS
-            second = json.loads(await monitor.recv())  # the request came and went within one interval
-            third = json.loads(await monitor.recv())
-            return hello, first, second, third
+            # Usually the request comes and goes within one interval; on a loaded machine a frame may fall
+            # before its admission or in its middle. Either way its events arrive each exactly once.
+            frames = [json.loads(await monitor.recv())]
+            while not any(event["event"] == "finished" for event in frames[-1]["events"]) and len(frames) < 5:
+                frames.append(json.loads(await monitor.recv()))
+            after = json.loads(await monitor.recv())
+            return hello, first, frames, after
 
     with running_server(tiny_chat_llm) as server:
-        hello, first, second, third = asyncio.run(asyncio.wait_for(main(server.port), 30))
+        hello, first, frames, after = asyncio.run(asyncio.wait_for(main(server.port), 45))
     assert hello["type"] == "monitor.hello" and hello["num_blocks"] == 256 and hello["block_size"] == 16
     assert {row["format"] for row in hello["capacity"]} == {"fp16", "q4_rot"}  # q8_0 needs head_dim % 32 == 0
     fp16, q4 = hello["capacity"]  # what the same bytes of this fp32 pool would hold
     assert fp16["num_tokens"] == 2 * 256 * 16 and q4["num_tokens"] > 3 * fp16["num_tokens"]
-    assert first["requests"] == [] and second["requests"] == []
-    labels = {event["request"] for event in second["events"]}
+    assert first["requests"] == [] and frames[-1]["requests"] == []
+    events = [event for frame in frames for event in frame["events"]]
+    labels = {event["request"] for event in events}
     assert len(labels) == 1
     label = labels.pop()
     assert not label.startswith("resp_")  # a label, not a response id another client could continue
-    kinds = kinds_of(second["events"], label)
+    kinds = kinds_of(events, label)
     assert [k for k in kinds if k != "prefill_chunk"] == ["admitted", "first_token", "finished"]
-    assert next(e for e in second["events"] if e["event"] == "finished")["reason"] == "length"
-    seqs = [event["seq"] for event in second["events"]]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive: nothing skipped
-    assert third["events"] == [] and second["missed_events"] == third["missed_events"] == 0
-    assert second["counters"]["num_requests_finished"] - first["counters"]["num_requests_finished"] == 1
+    assert next(e for e in events if e["event"] == "finished")["reason"] == "length"
+    seqs = [event["seq"] for event in events]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # consecutive: nothing skipped, nothing twice
+    assert after["events"] == [] and after["missed_events"] == 0
+    assert all(frame["missed_events"] == 0 for frame in frames)
+    assert frames[-1]["counters"]["num_requests_finished"] - first["counters"]["num_requests_finished"] == 1
 
 
 def test_preemption_shows_one_preempted_and_one_resumed_event(tiny_model_dir):
