@@ -2,8 +2,8 @@
 
 A batch mixes sequences in prefill (a chunk of several query tokens) and in decode (one query token);
 every query token attends causally to its own sequence's context through the block table. Per step,
-`build_metadata` works out once what every layer needs: decodes are attended together in one group,
-each prefill chunk in its own, each with the flat KV slots to gather and its mask.
+`build_metadata` works out once what every layer needs: decodes are attended together in groups of
+similar context length, each prefill chunk in its own, each with the blocks to gather and its mask.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended together: all decodes in one group, each prefill chunk in its own."""
+    """Sequences attended together: decodes of similar context length, or one prefill chunk."""
 
     token_index: torch.Tensor | slice  # rows of the batch's query tokens: [S] for decodes, a slice for a chunk
-    key_blocks: torch.Tensor  # [S, B] each sequence's first B blocks (B: the longest context's blocks)
+    key_blocks: torch.Tensor  # [S, B] each sequence's first B blocks (B: the group's longest context's)
     mask: torch.Tensor  # [S, 1, Q, B * block_size] bool: causal, and keys past each context masked
     num_query: int  # Q
 
@@ -37,13 +37,22 @@ class TorchAttentionMetadata:
 
 
 def make_groups(inputs: AttentionInputs) -> list[AttentionGroup]:
-    """The attention groups of a batch: one for all its decodes, one per prefill chunk."""
+    """The attention groups of a batch: its decodes by context length (block count up to the next power of
+    two), one per prefill chunk."""
     starts = [0]
     for q_len in inputs.query_lens:
         starts.append(starts[-1] + q_len)
     groups = []
-    decode_rows = [i for i, q_len in enumerate(inputs.query_lens) if q_len == 1]
-    if decode_rows:
+    # Decodes are gathered up to their group's longest context, so one long context among short ones
+    # would make every row pay for it (17 decodes with one 400-token context among 115-token ones took
+    # twice the step of the 16 short ones alone). Rows are grouped by the power of two at or above
+    # their block count: a row gathers at most twice its blocks, in at most log2(max blocks) groups.
+    buckets: dict[int, list[int]] = {}
+    for i, q_len in enumerate(inputs.query_lens):
+        if q_len == 1:
+            num_blocks = -(-inputs.context_lens[i] // inputs.block_size)
+            buckets.setdefault(1 << max(num_blocks - 1, 0).bit_length(), []).append(i)
+    for _, decode_rows in sorted(buckets.items()):
         token_index = torch.tensor([starts[i] for i in decode_rows], device=inputs.block_tables.device)
         groups.append(_group(inputs, token_index, decode_rows, 1))
     for i, q_len in enumerate(inputs.query_lens):
@@ -70,7 +79,8 @@ def _group(inputs: AttentionInputs, token_index, rows: list[int], num_query: int
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain-torch paged attention. Decodes are batched together; each prefill chunk runs on its own."""
+    """Plain-torch paged attention. Decodes of similar context length are batched together; each prefill
+    chunk runs on its own."""
 
     name = "torch"
 
