@@ -8,12 +8,35 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from localserve.engine.engine import LLMEngine
+    from localserve.engine.events import EventLog
+    from localserve.engine.scheduler import Scheduler
     from localserve.engine.sequence import Request
+    from localserve.kv.block_manager import BlockManager
+
+
+class StepTiming(Protocol):
+    duration_s: float
+    num_tokens: int
+
+
+class EngineState(Protocol):
+    """What a snapshot reads of the engine (`LLMEngine` has it; this module does not import the engine,
+    which imports it)."""
+
+    scheduler: Scheduler
+    block_manager: BlockManager
+    events: EventLog
+    step_history: Sequence[StepTiming]
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_requests_finished: int
+    num_requests_failed: int
 
 
 def run_length_encode(states: str) -> str:
@@ -92,7 +115,7 @@ class EngineSnapshot:
                 "gauges": asdict(self.stats.gauges), "counters": asdict(self.stats.counters)}
 
 
-def read_stats(engine: LLMEngine) -> EngineStats:
+def read_stats(engine: EngineState) -> EngineStats:
     scheduler, bm = engine.scheduler, engine.block_manager
     last = engine.step_history[-1] if engine.step_history else None
     gauges = Gauges(len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), bm.usage_ratio,
@@ -106,7 +129,7 @@ def read_stats(engine: LLMEngine) -> EngineStats:
     return EngineStats(gauges, counters)
 
 
-def _request_snapshot(engine: LLMEngine, request: Request, queue: str, now: float) -> RequestSnapshot:
+def _request_snapshot(engine: EngineState, request: Request, queue: str, now: float) -> RequestSnapshot:
     live = request.live_seqs
     prompt_len = len(request.prompt_token_ids)
     computed = max((min(seq.num_computed_tokens, prompt_len) for seq in live), default=0)
@@ -124,7 +147,7 @@ def _request_snapshot(engine: LLMEngine, request: Request, queue: str, now: floa
                            num_output / elapsed if elapsed > 0 else 0.0, tables)
 
 
-def read_snapshot(engine: LLMEngine) -> EngineSnapshot:
+def read_snapshot(engine: EngineState) -> EngineSnapshot:
     """Every block, every request and the statistics, as of now (call on the engine thread)."""
     now = time.monotonic()
     scheduler = engine.scheduler
