@@ -1,6 +1,8 @@
 """Isolation between clients and from web pages: the Host header must name this server (DNS
 rebinding), a duplicated Origin or Authorization header is a 400 (never a 500), `store: false`
-responses belong to their connection, and /slots and /v1/monitor show labels, never response ids."""
+responses belong to their connection, and /slots and /v1/monitor show labels, never response ids.
+The Host, Origin and API key checks meet near misses (another case, a prefix, a suffix, padding, userinfo,
+a second header, the key elsewhere) on HTTP and on both websocket handshakes, sent as raw bytes."""
 
 from __future__ import annotations
 
@@ -186,13 +188,14 @@ def assert_refused(reply: RawReply, status: int, code: str) -> None:
     # a suffix or a prefix of an allowed name is another name
     ("127.0.0.1.evil.example", False), ("evil127.0.0.1", False), ("localhost.evil.example:{port}", False),
     ("evillocalhost", False), ("llm.home.arpa.evil.example", False), ("xllm.home.arpa", False),
-    ("home.arpa", False), ("localhost.", False),
+    ("home.arpa", False), ("localhost.", False),  # the absolute name is not on the list either
     # userinfo, a path, a query or a fragment: no Host carries them, a lenient URL parser strips them
     ("evil.example@127.0.0.1", False), ("evil.example@localhost:{port}", False), ("localhost@evil.example", False),
     ("127.0.0.1/evil.example", False), ("localhost#.evil.example", False), ("localhost?.evil.example", False),
     # a malformed port, two names, padding inside, brackets around a name
     ("localhost:http", False), ("localhost:{port}:{port}", False), ("localhost:-1", False),
-    ("localhost, evil.example", False), ("localhost evil.example", False), ("localhost\t", True),
+    ("localhost, evil.example", False), ("localhost evil.example", False),
+    ("localhost\t", True),  # whitespace around a header's value is not part of it
     (b"localhost\xa0", False), ("[localhost]", False), ("[::1", False), ("", False),
 ])
 def test_host_near_misses(server, entrance, host, admitted):

@@ -1,6 +1,10 @@
 """Clients that stop reading: a flood that is never read, a stream nobody takes, a client that vanishes.
 Each is cut after a bounded buffer and time, its responses aborted, its connection slot returned; the
-`num_connections` gauge comes back to zero, and closing the server never hangs."""
+`num_connections` gauge comes back to zero, and closing the server never hangs. And every bound on a
+connection, on each transport that carries it, at its limit (accepted) and one past it (refused): the
+size of an HTTP body and of a websocket message, of a request head, the number of connections, of lanes
+and of queued requests on a websocket. (`send_queue_size` is not exact on the wire: how many error
+events wait depends on the socket buffers in between.)"""
 
 from __future__ import annotations
 
