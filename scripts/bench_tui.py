@@ -30,12 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tui.frames builds the frames
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers.monitor_frames builds the frames
 
 from localserve.tui.app import MonitorApp  # noqa: E402
 from localserve.tui.feed import parse_hello, parse_snapshot  # noqa: E402
 
-from tests.tui.frames import hello_frame, request_entry, snapshot_frame  # noqa: E402
+from tests.helpers.monitor_frames import hello_frame, request_entry, snapshot_frame  # noqa: E402
 
 NUM_REQUESTS = 256
 SIZES = ((80, 24), (160, 48), (240, 70))

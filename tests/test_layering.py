@@ -175,3 +175,19 @@ def test_cli_imports_no_torch_for_the_chat_client():
     code = ("import sys; from localserve.cli import build_parser; build_parser(); "
             "import localserve.server.chat_client; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_test_modules_import_only_the_shared_helpers():
+    # a test module imported by another ties two unrelated files together (and pytest may collect the
+    # imported tests twice): whatever tests share lives in tests/helpers
+    tests_root = ROOT / "tests"
+    modules = {}
+    for path in tests_root.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    shared = {module for module, path in modules.items() if path.name == "__init__.py" or module.startswith(
+        "tests.helpers.")}
+    found = sorted({f"{path.relative_to(ROOT)} imports {name}" for module, path in modules.items()
+                    for name in imports_of(path, module, path.name == "__init__.py")
+                    if name in modules and name not in shared})
+    assert found == [], "\n".join(found)

@@ -2,24 +2,36 @@
 
 `check_access` returns the refusal (status, code, message) or None:
 - one `Host`, `Origin` and `Authorization` header at most: a duplicate is ambiguous (400);
-- the `Host` header must name this server: a loopback name, an IP address, `--host` or one of
-  `--allowed-hosts`, so a DNS-rebinding page (whose Host is its own domain) can read nothing (403);
-- a browser `Origin` must be the server's own or one of `--allowed-origins` (403);
-- with an API key, `Authorization: Bearer KEY` (401).
+- the `Host` header must be `name[:port]` and name this server: a loopback name, an IP address, `--host`
+  or one of `--allowed-hosts` (any case), so a DNS-rebinding page (whose Host is its own domain) can read
+  nothing (403); the port is not checked (a port forward names the server by its own);
+- a browser `Origin` must be the server's own or one of `--allowed-origins`, compared as browsers compare
+  origins: scheme, host and port, the first two in any case, a default port written or not (403);
+- with an API key, `Authorization: Bearer KEY`: the scheme in any case, then spaces, then exactly the
+  key's bytes (compared in constant time); nothing else carries the key (401).
+
+Every name is matched whole, never as a prefix or suffix, and only over ASCII: a header value is
+decoded as ISO-8859-1, where Python sees whitespace (U+00A0, U+0085) that HTTP does not.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
-from urllib.parse import urlsplit
 
 from websockets.datastructures import Headers
 
 SINGLE_HEADERS = ("Host", "Origin", "Authorization")
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+# RFC 3986's host: an IPv6 literal in brackets, or a name of unreserved characters (which covers IPv4)
+URI_HOST = r"(?P<name>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)"
+HOST_HEADER = re.compile(URI_HOST + r"(?::[0-9]*)?", re.ASCII)  # RFC 9110 7.2: uri-host [ ":" port ]
+SERIALIZED_ORIGIN = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://" + URI_HOST + r"(?::(?P<port>[0-9]+))?/?",
+                               re.ASCII)
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass(frozen=True)
@@ -34,32 +46,53 @@ class AccessPolicy:
     """The names this server answers to, the browser origins it accepts, and its key."""
 
     allowed_hosts: frozenset[str]  # lower-case host names without port; "*" allows any
-    allowed_origins: frozenset[str]
+    allowed_origins: frozenset[str]  # each as `origin_key` gives it
     api_key: str | None
 
     @classmethod
     def build(cls, host: str, port: int, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
               api_key: str | None) -> AccessPolicy:
         hosts = {name.lower() for name in (*LOOPBACK_NAMES, host, *allowed_hosts)}
-        own_origins = {f"http://{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]", host)}
-        return cls(frozenset(hosts), frozenset(own_origins | {origin.rstrip("/") for origin in allowed_origins}),
+        own_origins = [f"http://{name}:{port}" for name in (*LOOPBACK_NAMES, host)]
+        return cls(frozenset(hosts), frozenset(origin_key(origin) for origin in (*own_origins, *allowed_origins)),
                    api_key)
 
     def host_allowed(self, host_header: str) -> bool:
         """True for a Host naming this server; an IP address is always fine (rebinding needs a domain)."""
         if "*" in self.allowed_hosts:
             return True
-        try:
-            hostname = urlsplit(f"//{host_header}").hostname  # strips the port and IPv6 brackets
-        except ValueError:  # a malformed port or bracket
+        match = HOST_HEADER.fullmatch(host_header)
+        if match is None:  # userinfo, a path, a list, a malformed port: no client names a server so
             return False
-        if not hostname:
-            return False
-        try:
-            ipaddress.ip_address(hostname)
-            return True
-        except ValueError:
-            return hostname in self.allowed_hosts or f"[{hostname}]" in self.allowed_hosts
+        name = match["name"].lower()
+        return _is_ip_address(name) or name in self.allowed_hosts
+
+    def origin_allowed(self, origin: str) -> bool:
+        """True for this server's own origin and the allowed ones."""
+        return origin_key(origin) in self.allowed_origins
+
+
+def origin_key(origin: str) -> str:
+    """An origin as browsers compare them (RFC 6454): `scheme://host:port`, scheme and host in lower case,
+    the default port spelled out; what is not an origin (`null`, a URL with a path) stays as written."""
+    match = SERIALIZED_ORIGIN.fullmatch(origin)
+    if match is None:
+        return origin
+    scheme, name = match["scheme"].lower(), match["name"].lower()
+    port = int(match["port"]) if match["port"] else DEFAULT_PORTS.get(scheme)
+    return f"{scheme}://{name}" if port is None else f"{scheme}://{name}:{port}"
+
+
+def _is_ip_address(name: str) -> bool:
+    """An IPv4 address, or an IPv6 one in brackets (a bare IPv6 address is not a Host)."""
+    try:
+        if name.startswith("["):
+            ipaddress.IPv6Address(name[1:-1])
+        else:
+            ipaddress.IPv4Address(name)
+        return True
+    except ValueError:
+        return False
 
 
 def check_access(headers: Headers, policy: AccessPolicy, needs_key: bool = True) -> Refusal | None:
@@ -73,7 +106,7 @@ def check_access(headers: Headers, policy: AccessPolicy, needs_key: bool = True)
         return Refusal(HTTPStatus.FORBIDDEN, "host_not_allowed", f"Host {host!r} does not name this "
                        "server; start it with --allowed-hosts to answer to that name")
     origin = headers.get("Origin")
-    if origin is not None and origin.rstrip("/") not in policy.allowed_origins:
+    if origin is not None and not policy.origin_allowed(origin):
         return Refusal(HTTPStatus.FORBIDDEN, "origin_not_allowed", f"Origin {origin!r} may not use this "
                        "server; start it with --allowed-origins to allow it")
     if needs_key and policy.api_key is not None and not _has_key(headers, policy.api_key):
@@ -83,5 +116,7 @@ def check_access(headers: Headers, policy: AccessPolicy, needs_key: bool = True)
 
 
 def _has_key(headers: Headers, api_key: str) -> bool:
+    # RFC 9110 11.4: credentials = auth-scheme 1*SP token; the parser has stripped whitespace around the value
     scheme, _, token = headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    # the value holds the bytes as sent (decoded as ISO-8859-1); the key is sent as UTF-8
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode("latin-1"), api_key.encode())

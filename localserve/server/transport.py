@@ -5,8 +5,8 @@ chunked streaming bodies, pipelining, flow control) serving the ASGI app of serv
 server's bounds added: every open connection counts against `max_connections` (one beyond it is answered
 429), the head of each request must arrive within `request_head_timeout_s` of the connection opening or
 of the previous response (a client trickling header bytes is cut; uvicorn's keep-alive timer alone is
-reset by every byte), and the ASGI app can reach the connection (`scope["state"]["connection"]`) to reset
-a client that stops reading.
+reset by every byte) and hold at most `MAX_HEAD_BYTES` (431), and the ASGI app can reach the connection
+(`scope["state"]["connection"]`) to reset a client that stops reading.
 
 A websocket upgrade is handed, with its request head, to a `websockets` `ServerConnection` built here as
 `websockets.asyncio.server.serve` builds its own (same extensions, size bound, write limit, close
@@ -21,11 +21,12 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import h11
 import uvicorn
+import websockets.http11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState as UvicornState
 from websockets.asyncio.server import Server as WebsocketServer
@@ -38,7 +39,33 @@ log = logging.getLogger(__name__)
 
 REQUEST_HEAD_TIMEOUT_S = 10.0  # as websockets' own open_timeout
 KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle keep-alive connection is closed after this long (uvicorn's default)
-MAX_HEAD_BYTES = 16 << 10  # request line and headers; more is a 400
+MAX_HEAD_BYTES = 16 << 10  # request line, header lines and the blank line (see `head_size`); more is a 431
+
+# A websocket handshake reaches `websockets` within MAX_HEAD_BYTES; its own, tighter bounds (8192 bytes a
+# line, 128 headers) would refuse some of those, in a shape of their own. It reads them at every parse;
+# they are its settings (WEBSOCKETS_MAX_LINE_LENGTH, WEBSOCKETS_MAX_NUM_HEADERS), raised here to ours.
+websockets.http11.MAX_LINE_LENGTH = max(websockets.http11.MAX_LINE_LENGTH, MAX_HEAD_BYTES)
+websockets.http11.MAX_NUM_HEADERS = max(websockets.http11.MAX_NUM_HEADERS, MAX_HEAD_BYTES // 4)
+
+
+def head_size(method: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """The bytes of a request head as parsed: `METHOD TARGET HTTP/1.1`, a `name: value` line per header
+    and the blank line, each ended by CRLF (what a client sends that adds no optional whitespace). The
+    parser strips whitespace around values, so padding there is not counted; it is bounded, while the
+    head is incomplete, by the parser's own limit of MAX_HEAD_BYTES buffered bytes."""
+    request_line = len(method) + 1 + len(target) + len(b" HTTP/1.1\r\n")
+    return request_line + sum(len(name) + len(b": ") + len(value) + len(b"\r\n") for name, value in headers) + 2
+
+
+def error_body(code: str, message: str) -> bytes:
+    """An error in OpenAI's shape, for a request the transport answers itself."""
+    return (json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                  "code": code}}) + "\n").encode()
+
+
+def head_too_large(size: int) -> bytes:
+    return error_body("request_header_too_large", f"the request head holds {size} bytes; at most "
+                      f"{MAX_HEAD_BYTES} are accepted")
 
 
 class ConnectionHooks(Protocol):
@@ -88,8 +115,12 @@ class HttpConnection(H11Protocol):
         if self.cycle is cycle and not self.transport.is_closing():  # no pipelined request was waiting
             self._arm_head_timer()
 
-    def handle_websocket_upgrade(self, event: Any) -> None:
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._cancel_head_timer()
+        size = head_size(event.method, event.target, event.headers)
+        if size > MAX_HEAD_BYTES:  # the HTTP app's bound, which an upgrade never reaches
+            self._refuse(431, b"Request Header Fields Too Large", head_too_large(size))
+            return
         self._uncount()  # the websocket side counts it from its handshake on
         super().handle_websocket_upgrade(event)
 
@@ -98,11 +129,14 @@ class HttpConnection(H11Protocol):
         the parser's own reason (`Found multiple Host: headers`, `Missing mandatory Host: header`) is at hand."""
         reason = str(sys.exc_info()[1] or msg)
         code = "duplicate_header" if reason.startswith("Found multiple") else "invalid_http_request"
-        body = json.dumps({"error": {"message": f"the HTTP request is malformed: {reason[:200]}",
-                                     "type": "invalid_request_error", "param": None, "code": code}}) + "\n"
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-                      h11.Data(data=body.encode()), h11.EndOfMessage()):
+        self._refuse(400, b"Bad Request", error_body(code, f"the HTTP request is malformed: {reason[:200]}"))
+
+    def _refuse(self, status: int, reason: bytes, body: bytes) -> None:
+        """Answer the request now, with a JSON error body, and close the connection."""
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
+                      h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 
@@ -144,9 +178,10 @@ class SharedPort:
         self.max_message_bytes, self.write_limit_bytes = max_message_bytes, write_limit_bytes
         self.close_timeout_s = close_timeout_s
         self.request_head_timeout_s = request_head_timeout_s
+        self.app = app
         self.uvicorn_config = uvicorn.Config(
-            app, http="h11", ws=self._websocket_protocol, lifespan="off", interface="asgi3", log_config=None,
-            access_log=False, proxy_headers=False, server_header=False, date_header=False,
+            self._serve_http, http="h11", ws=self._websocket_protocol, lifespan="off", interface="asgi3",
+            log_config=None, access_log=False, proxy_headers=False, server_header=False, date_header=False,
             headers=[("server", "localserve")], timeout_keep_alive=int(KEEP_ALIVE_TIMEOUT_S),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES)
         self.uvicorn_config.load()
@@ -167,6 +202,19 @@ class SharedPort:
         self.websockets = WebsocketServer(create_server, self._serve_websocket, logging.getLogger("websockets.server"))
         await self.websockets
         return self.websockets
+
+    async def _serve_http(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        """The ASGI app, behind the bound on request heads (h11 bounds only a head that is incomplete)."""
+        target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        size = head_size(scope["method"].encode(), target, scope["headers"])
+        if size > MAX_HEAD_BYTES:
+            body = head_too_large(size)
+            await send({"type": "http.response.start", "status": 431, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
 
     @property
     def http_connections(self) -> list[HttpConnection]:

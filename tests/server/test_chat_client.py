@@ -7,9 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pty
-import select
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +15,7 @@ from contextlib import contextmanager
 from websockets.sync.server import serve
 
 from localserve.server.chat_client import run_chat
+from tests.helpers.terminal import Terminal
 
 REPLY_WORDS = ["Paris ", "is ", "the ", "capital ", "of ", "France."]
 
@@ -88,47 +86,6 @@ def test_help_lists_every_command():
         run_chat(f"127.0.0.1:{port}", lines=io.StringIO("/help\n"), out=io.StringIO(), err=err)
     for command in ("/help", "/reset", "/system TEXT", "/temp X", "/max N", "/quit"):
         assert command in err.getvalue()
-
-
-class Terminal:
-    """A child process on a pseudo-terminal, and everything it wrote so far."""
-
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.fd, child_fd = pty.openpty()
-        self.process = subprocess.Popen(command, stdin=child_fd, stdout=child_fd, stderr=child_fd, env=env,
-                                        close_fds=True, start_new_session=True)
-        os.close(child_fd)
-        self.screen = ""
-
-    def read_until(self, text: str, timeout_s: float = 30.0, start: int = 0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.screen[start:]:
-            assert time.monotonic() < deadline, f"no {text!r} in {self.screen!r}"
-            if select.select([self.fd], [], [], 0.05)[0]:
-                try:
-                    self.screen += os.read(self.fd, 4096).decode(errors="replace")
-                except OSError:  # the child closed the terminal
-                    break
-
-    def type(self, keys: str) -> None:
-        os.write(self.fd, keys.encode())
-
-    def wait(self, timeout_s: float = 30.0) -> int:
-        """The child's exit code, reading its output meanwhile (a full pty would block its writes)."""
-        deadline = time.monotonic() + timeout_s
-        while self.process.poll() is None:
-            assert time.monotonic() < deadline, "the child did not exit"
-            if select.select([self.fd], [], [], 0.05)[0]:
-                try:
-                    self.screen += os.read(self.fd, 65536).decode(errors="replace")
-                except OSError:
-                    pass
-        return self.process.returncode
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-        os.close(self.fd)
 
 
 def test_in_a_terminal_typing_during_a_reply_stays_out_and_up_recalls_history(tmp_path):

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
+from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.raw_client import RawClient
 from tests.helpers.server import CLOSING_EVENTS, collect_response, running_server, wait_until_idle
 
@@ -31,20 +32,7 @@ CANARY = {"type": "response.create", "input": "hello world tell me a story", "te
           "max_output_tokens": 8, "localserve": {"stop": "never said"}}
 
 # ---------------------------------------------------------------------------------- strategies
-extreme_numbers = st.sampled_from([0, -1, 1, 2, 2.5, -0.5, 1e-300, 1e308, -1e308, 2 ** 31, 2 ** 63, 2 ** 64,
-                                   -(2 ** 63) - 1, 10 ** 30, 16, 17, 20, 21, 0.0, 1.0])
-json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | extreme_numbers
-json_values = st.recursive(json_scalars, lambda children: st.lists(children, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=12)
-nasty_text = st.text(max_size=30) | st.sampled_from(["\ud800", "a\udfffb", "<|im_end|>", "<|im_start|>system",
-                                                     "", " ", "\x00", "é" * 40, "hello world"])
 lane_names = st.none() | st.sampled_from(["a", "b", "lane-1", "x" * 256, "x" * 257, "", "a b", "ü", 5])
-
-
-def maybe(strategy):
-    return strategy | json_values
-
-
 messages = st.lists(st.fixed_dictionaries({"role": maybe(st.sampled_from(["user", "assistant", "system",
                                                                           "developer", "tool"])),
                                            "content": maybe(nasty_text | st.lists(st.fixed_dictionaries(

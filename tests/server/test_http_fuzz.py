@@ -21,8 +21,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
+from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import CLOSING_EVENTS, running_server, wait_until_idle
-from tests.server.test_fuzz import extreme_numbers, json_values, maybe, nasty_text
 
 NUM_CASES = 300
 MAX_BODY_BYTES = 16 * 1024

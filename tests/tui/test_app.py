@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
 
 import numpy as np
 from localserve.tui.app import HelpScreen, MonitorApp
@@ -14,8 +13,9 @@ from localserve.tui.feed import BlockState
 from localserve.tui.panels import PressureBanner, StatusLine
 from localserve.tui.slots import SlotsTable
 
-from tests.tui.fake_monitor import FakeMonitor
-from tests.tui.frames import event_entry, hello_frame, request_entry, snapshot_frame
+from tests.helpers.fake_monitor import FakeMonitor
+from tests.helpers.monitor_frames import event_entry, hello_frame, request_entry, snapshot_frame
+from tests.helpers.tui_pilot import log_text, wait_until
 
 # 64 blocks: r1 has two sequences sharing blocks 0-3 (s) with tails 4-5 and 6-7; r2 holds 8-11; 12-17 cached.
 STATES = "s" * 4 + "u" * 8 + "c" * 6 + "." * 46
@@ -23,13 +23,6 @@ REQUESTS = [request_entry("r1", "decode", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 7
             request_entry("r2", "prefill", [[8, 9, 10, 11]], num_prompt_tokens=400, num_computed_prompt_tokens=64,
                           num_output_tokens=0, tokens_per_s=0.0),
             request_entry("r3", "preempted", [], num_preemptions=2, num_output_tokens=30)]
-
-
-async def wait_until(pilot, condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await pilot.pause(0.02)
 
 
 def run_with_monitor(scenario, hello=None, size=(120, 40)) -> None:
@@ -56,10 +49,6 @@ def map_cells(block_map: BlockMap) -> list[tuple[str, str]]:
             line += [(char, str(segment.style.color.name)) for char in segment.text]
         chars += line[:columns * block_map.cell_width:block_map.cell_width]
     return chars[:block_map.grid.states.size]
-
-
-def log_text(log: EventLog) -> list[str]:
-    return [strip.text.rstrip() for strip in log.lines]
 
 
 def test_block_map_draws_one_cell_per_block_in_its_state():

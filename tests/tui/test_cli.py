@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.helpers.server import running_server
-from tests.server.test_chat_client import Terminal
+from tests.helpers.terminal import Terminal
 
 
 def tui_env(tmp_path) -> dict[str, str]:

@@ -23,7 +23,7 @@ from localserve.tui.feed import (
 from localserve.tui.history import FeedHistory
 from rich.style import Style
 
-from tests.tui.frames import event_entry, hello_frame, request_entry, run_length_encode, snapshot_frame
+from tests.helpers.monitor_frames import event_entry, hello_frame, request_entry, run_length_encode, snapshot_frame
 
 block_strings = st.text(alphabet=".cus", max_size=300)
 

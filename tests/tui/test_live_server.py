@@ -14,7 +14,7 @@ from localserve.tui.feed import BlockState
 from websockets.asyncio.client import connect
 
 from tests.helpers.server import collect_response, running_server
-from tests.tui.test_app import log_text, wait_until
+from tests.helpers.tui_pilot import log_text, wait_until
 
 
 def test_tui_follows_a_real_server(tiny_chat_llm):

@@ -11,7 +11,7 @@ import time
 import pytest
 from localserve.tui.app import MonitorApp
 
-from tests.tui.scenes import busy_scene, fill_app
+from tests.helpers.monitor_scenes import busy_scene, fill_app
 
 
 @pytest.fixture(autouse=True)

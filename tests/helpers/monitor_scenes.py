@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tests.tui.frames import event_entry, hello_frame, request_entry, snapshot_frame
+from tests.helpers.monitor_frames import event_entry, hello_frame, request_entry, snapshot_frame
 
 NUM_BLOCKS = 1024
 NUM_CPU_BLOCKS = 64

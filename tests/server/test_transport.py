@@ -1,0 +1,321 @@
+"""The shared port (server/transport.py) on its own, no model: a small ASGI app and websocket handler
+behind it, raw sockets in front. Keep-alive and pipelining, the deadline on request heads, the count of
+connections, requests the parser refuses (answered in OpenAI's error shape), the hand-off of an upgrade
+to `websockets`, and the bounds it carries (head size, websocket message size)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosedError, InvalidStatus
+
+from localserve.server.transport import MAX_HEAD_BYTES, HttpConnection, SharedPort, head_size
+from tests.helpers.raw_http import WEBSOCKET_UPGRADE, exchange, open_socket, read_reply, request_bytes
+
+HEAD_TIMEOUT_S = 0.4
+SLOW_RESPONSE_S = 1.0  # longer than the head deadline: the deadline is on the head, not the answer
+MAX_MESSAGE_BYTES = 1000
+
+
+class CountingHooks:
+    """The server's side of the count: who opened and closed, and a limit."""
+
+    def __init__(self, limit: int = 100) -> None:
+        self.limit = limit
+        self.opened: list[HttpConnection] = []
+        self.closed: list[HttpConnection] = []
+
+    @property
+    def open(self) -> int:
+        return len(self.opened) - len(self.closed)
+
+    def http_connection_opened(self, connection: HttpConnection) -> bool:
+        self.opened.append(connection)
+        return self.open <= self.limit
+
+    def http_connection_closed(self, connection: HttpConnection) -> None:
+        self.closed.append(connection)
+
+
+async def app(scope: dict[str, Any], receive, send) -> None:
+    """Answers every path with a JSON echo of the request; `/slow` takes its time, `/reset` resets."""
+    connection = scope["state"]["connection"]
+    if scope["path"] == "/reset":
+        connection.reset()
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(SLOW_RESPONSE_S)
+    body = json.dumps({"path": scope["path"], "over_limit": connection.over_limit}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Handshakes:
+    """The websocket side: records each handshake's request, refuses `/refused`, stalls `/stalled`, echoes."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+        self.handled = 0
+
+    async def process_request(self, connection, request):
+        self.requests.append(request)
+        if request.path == "/refused":
+            return connection.respond(403, "not here\n")
+        if request.path == "/stalled":
+            await asyncio.sleep(10 * HEAD_TIMEOUT_S)
+        return None
+
+    async def handle(self, connection) -> None:
+        self.handled += 1
+        async for message in connection:
+            await connection.send(message)
+
+
+@contextmanager
+def shared_port(hooks: CountingHooks | None = None) -> Iterator[tuple[int, CountingHooks, Handshakes]]:
+    """A SharedPort on a free port, on its own event loop thread."""
+    hooks = hooks or CountingHooks()
+    handshakes = Handshakes()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = SharedPort(app, hooks, max_message_bytes=MAX_MESSAGE_BYTES, write_limit_bytes=1 << 16, close_timeout_s=1,
+                      request_head_timeout_s=HEAD_TIMEOUT_S)
+    server = asyncio.run_coroutine_threadsafe(port.listen("127.0.0.1", 0, handshakes.process_request,
+                                                          handshakes.handle), loop).result(10)
+
+    async def close() -> None:
+        server.close()
+        for connection in port.http_connections:
+            connection.shutdown()
+        await asyncio.wait_for(server.wait_closed(), 10)
+
+    try:
+        yield server.sockets[0].getsockname()[1], hooks, handshakes
+    finally:
+        asyncio.run_coroutine_threadsafe(close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def get(port: int, path: str, extra: tuple = ()) -> bytes:
+    return request_bytes("GET", path, [("Host", f"127.0.0.1:{port}"), *extra])
+
+
+def wait_for(condition, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def seconds_until_closed(sock: socket.socket) -> float:
+    """How long until the server closes or resets `sock`, reading (and dropping) whatever comes meanwhile."""
+    start = time.monotonic()
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+# ------------------------------------------------------------------ the head, as counted
+@pytest.mark.parametrize("method, target, headers", [
+    ("GET", "/v1/models", [("Host", "127.0.0.1:8080")]),
+    ("POST", "/v1/chat/completions?x=1", [("Host", "h"), ("Content-Type", "application/json"), ("X-Empty", "")]),
+    ("GET", "/", [("Host", "h"), ("X-Padding", "p" * 5000)]),
+])
+def test_head_size_is_the_length_of_the_head_as_a_plain_client_writes_it(method, target, headers):
+    raw = request_bytes(method, target, headers)
+    parsed = [(name.lower().encode(), value.encode()) for name, value in headers]
+    assert head_size(method.encode(), target.encode(), parsed) == len(raw)
+
+
+# ------------------------------------------------------------------ keep-alive
+def test_keep_alive_answers_requests_one_after_another_on_one_connection():
+    with shared_port() as (port, hooks, _), open_socket(port) as sock:
+        buffered = bytearray()
+        for path in ("/a", "/b", "/c"):
+            sock.sendall(get(port, path))
+            reply = read_reply(sock, buffered)
+            assert reply.status == 200 and reply.json()["path"] == path
+        assert len(hooks.opened) == 1
+
+
+def test_pipelined_requests_are_answered_in_their_order():
+    with shared_port() as (port, _, _), open_socket(port) as sock:
+        sock.sendall(get(port, "/slow") + get(port, "/fast") + get(port, "/last"))
+        buffered = bytearray()
+        assert [read_reply(sock, buffered).json()["path"] for _ in range(3)] == ["/slow", "/fast", "/last"]
+
+
+# ------------------------------------------------------------------ the head deadline
+def test_a_connection_that_sends_no_head_is_cut_at_the_deadline():
+    with shared_port() as (port, hooks, _), open_socket(port) as sock:
+        held_for = seconds_until_closed(sock)
+        assert HEAD_TIMEOUT_S * 0.9 <= held_for < HEAD_TIMEOUT_S + 2
+        wait_for(lambda: hooks.open == 0, "the connection to be counted out")
+
+
+def test_a_head_trickled_byte_by_byte_is_cut_at_the_deadline_though_bytes_keep_coming():
+    with shared_port() as (port, _, _), open_socket(port) as sock:
+        head = get(port, "/a", (("X-Padding", "p" * 200),))
+        start = time.monotonic()
+        sent = 0
+        try:
+            for byte in head:
+                sock.sendall(bytes([byte]))
+                sent += 1
+                time.sleep(HEAD_TIMEOUT_S / 10)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        held_for = time.monotonic() - start + seconds_until_closed(sock)
+        assert sent < len(head)  # the head never arrived whole
+        assert held_for < HEAD_TIMEOUT_S + 2
+
+
+def test_the_deadline_spares_a_slow_answer_and_starts_again_after_it():
+    with shared_port() as (port, _, _), open_socket(port) as sock:
+        sock.sendall(get(port, "/slow"))
+        assert read_reply(sock).status == 200  # SLOW_RESPONSE_S > HEAD_TIMEOUT_S: the head had arrived
+        idle_for = seconds_until_closed(sock)  # keep-alive, but the next head must come within the deadline
+        assert HEAD_TIMEOUT_S * 0.9 <= idle_for < HEAD_TIMEOUT_S + 2
+
+
+# ------------------------------------------------------------------ the count
+def test_every_connection_is_counted_from_open_to_close_and_the_one_beyond_the_limit_is_marked():
+    with shared_port(CountingHooks(limit=2)) as (port, hooks, _):
+        first, second, third = (open_socket(port) for _ in range(3))
+        wait_for(lambda: hooks.open == 3, "three connections")
+        over_limit = []
+        for sock in (first, second, third):
+            sock.sendall(get(port, "/a"))
+            over_limit.append(read_reply(sock).json()["over_limit"])
+        assert over_limit == [False, False, True]  # what the app is told; it answers 429 itself
+        second.close()
+        wait_for(lambda: hooks.open == 2, "one connection fewer")
+        assert hooks.closed == [hooks.opened[1]]
+        first.close()
+        third.close()
+        wait_for(lambda: hooks.open == 0, "no connection")
+        assert sorted(map(id, hooks.closed)) == sorted(map(id, hooks.opened))  # each counted out once
+
+
+def test_an_upgraded_connection_is_counted_out_of_http_at_the_upgrade_and_only_then():
+    async def main(port: int, hooks: CountingHooks) -> tuple[int, str]:
+        async with connect(f"ws://127.0.0.1:{port}/echo") as connection:
+            during = hooks.open
+            await connection.send("hello")
+            echoed = await connection.recv()
+        return during, echoed
+
+    with shared_port() as (port, hooks, handshakes):
+        during, echoed = asyncio.run(main(port, hooks))
+        assert (during, echoed) == (0, "hello")  # the websocket side counts it from its handshake on
+        time.sleep(0.2)
+        assert len(hooks.opened) == len(hooks.closed) == 1
+        assert handshakes.handled == 1
+
+
+# ------------------------------------------------------------------ what the parser refuses
+@pytest.mark.parametrize("raw, code", [
+    (b"NOT AN HTTP REQUEST\r\n\r\n", "invalid_http_request"),
+    (b"GET / HTTP/1.1\r\n\r\n", "invalid_http_request"),  # HTTP/1.1 without Host
+    (b"GET / HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n", "duplicate_header"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nno colon here\r\n\r\n", "invalid_http_request"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nX: a\x00b\r\n\r\n", "invalid_http_request"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", "invalid_http_request"),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", "invalid_http_request"),
+])
+def test_a_request_the_parser_refuses_is_a_400_in_openai_error_shape_and_closes(raw, code):
+    with shared_port() as (port, _, _), open_socket(port) as sock:
+        sock.sendall(raw)
+        reply = read_reply(sock)
+        assert reply.status == 400 and reply.header("content-type") == "application/json"
+        assert reply.header("connection") == "close"
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, code)
+        assert error["message"].startswith("the HTTP request is malformed")
+        assert seconds_until_closed(sock) < 2
+
+
+@pytest.mark.parametrize("upgrade", [False, True], ids=["http", "websocket"])
+def test_a_head_beyond_the_bound_is_a_431_before_the_app_or_the_handshake(upgrade):
+    with shared_port() as (port, _, handshakes):
+        extra = WEBSOCKET_UPGRADE if upgrade else ()
+        padding = MAX_HEAD_BYTES + 1 - len(get(port, "/a", (*extra, ("X-Padding", ""))))
+        reply = exchange(port, get(port, "/a", (*extra, ("X-Padding", "p" * padding))))
+        assert (reply.status, reply.error_code) == (431, "request_header_too_large")
+        assert handshakes.requests == []
+
+
+def test_reset_drops_the_connection_without_an_answer():
+    with shared_port() as (port, _, _), open_socket(port) as sock:
+        sock.sendall(get(port, "/reset"))
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert received == b""
+
+
+# ------------------------------------------------------------------ the websocket hand-off
+def test_an_upgrade_is_handed_to_websockets_with_its_head():
+    async def main(port: int):
+        async with connect(f"ws://127.0.0.1:{port}/echo?x=1", additional_headers={"Authorization": "Bearer k"},
+                           max_size=None) as connection:
+            await connection.send("a" * MAX_MESSAGE_BYTES)  # at the bound: echoed
+            echoed = await connection.recv()
+            extensions = connection.response.headers.get("Sec-WebSocket-Extensions", "")
+            await connection.send("a" * (MAX_MESSAGE_BYTES + 1))  # one past: closed with 1009
+            with pytest.raises(ConnectionClosedError) as closed:
+                await connection.recv()
+        return echoed, extensions, closed.value.rcvd.code
+
+    with shared_port() as (port, _, handshakes):
+        echoed, extensions, close_code = asyncio.run(main(port))
+        assert echoed == "a" * MAX_MESSAGE_BYTES and close_code == 1009
+        assert extensions.startswith("permessage-deflate")
+        (request,) = handshakes.requests
+        assert request.path == "/echo?x=1" and request.headers["Authorization"] == "Bearer k"
+
+
+def test_a_refused_handshake_gets_its_answer_and_no_handler():
+    async def main(port: int) -> int:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(f"ws://127.0.0.1:{port}/refused"):
+                pass
+        return refused.value.response.status_code
+
+    with shared_port() as (port, _, handshakes):
+        assert asyncio.run(main(port)) == 403
+        assert handshakes.handled == 0
+
+
+def test_a_handshake_that_does_not_finish_within_the_deadline_is_cut():
+    with shared_port() as (port, _, handshakes), open_socket(port) as sock:
+        sock.sendall(get(port, "/stalled", WEBSOCKET_UPGRADE))
+        start = time.monotonic()
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert received == b"" and time.monotonic() - start < HEAD_TIMEOUT_S + 2
+        assert handshakes.handled == 0
