@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.kv.block_manager import BlockManager, OutOfBlocksError
+from localserve.kv.block_manager import BlockManager
+from localserve.kv.out_of_blocks import OutOfBlocksError
 
 SHARED = list(range(100, 132))  # two full blocks every sequence has in common
 
