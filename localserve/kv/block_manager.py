@@ -161,10 +161,12 @@ class BlockManager:
 
     def books(self) -> BlockBooks:
         """A read-only view of every book the manager keeps, true until its next operation (no copies)."""
-        return BlockBooks(self.num_blocks, self.block_size, self.enable_prefix_caching, self._ref_counts,
-                          self._block_hashes, self._block_contents, MappingProxyType(self._hash_to_block),
-                          self._free_queue, self._num_cached_blocks, MappingProxyType(self._seqs),
-                          self._followers.links, self._swap_tier.holder_counts)
+        return BlockBooks(num_blocks=self.num_blocks, block_size=self.block_size,
+                          enable_prefix_caching=self.enable_prefix_caching, ref_counts=self._ref_counts,
+                          block_hashes=self._block_hashes, block_contents=self._block_contents,
+                          hash_to_block=MappingProxyType(self._hash_to_block), free_queue=self._free_queue,
+                          num_cached_blocks=self._num_cached_blocks, sequences=MappingProxyType(self._seqs),
+                          followers=self._followers.links, swap_holder_counts=self._swap_tier.holder_counts)
 
     def snapshot(self) -> BlockPoolSnapshot:
         """The state of every GPU and CPU block (see `BlockPoolSnapshot`)."""
