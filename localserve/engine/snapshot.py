@@ -97,7 +97,8 @@ class RequestSnapshot:
     num_preemptions: int
     num_cached_tokens: int
     tokens_per_s: float
-    block_tables: list[list[int]]
+    block_tables: list[list[int]]  # each live sequence's GPU blocks while it runs, else none
+    cpu_block_tables: list[list[int]]  # each live sequence's swap-pool blocks while it is swapped out, else none
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,12 @@ def _request_snapshot(engine: EngineState, request: Request, queue: str, now: fl
         state = "preempted" if request.num_preemptions else "waiting"
     num_output = max((len(seq.output_token_ids) for seq in request.seqs), default=0)
     elapsed = now - request.first_token_time if request.first_token_time is not None else 0.0
-    tables = [engine.block_manager.block_table(seq.seq_id) for seq in live] if queue == "running" else []
+    # A request preempted by recompute holds no blocks (and has nothing computed); one swapped out holds CPU blocks.
+    tables = [engine.block_manager.block_table(seq.seq_id) for seq in live] if queue != "waiting" else []
     return RequestSnapshot(request.label, state, prompt_len, computed, num_output, len(live),
                            request.num_preemptions, request.num_cached_tokens,
-                           num_output / elapsed if elapsed > 0 else 0.0, tables)
+                           num_output / elapsed if elapsed > 0 else 0.0,
+                           tables if queue == "running" else [], tables if queue == "swapped" else [])
 
 
 def read_snapshot(engine: EngineState) -> EngineSnapshot:

@@ -4,8 +4,13 @@ Pure Python bookkeeping, no tensors (DESIGN.md section 3). Each of the `num_bloc
 either free (in the free queue, nothing worth keeping), cached (in the free queue with ref count 0,
 its contents still registered in the prefix cache) or used (ref count >= 1: that many block tables
 point at it; shared when > 1). Blocks whose count drops to 0 join the free queue's tail and new
-blocks come from its head, so the least recently freed cached block is overwritten first. A CPU pool
-of `num_cpu_blocks` blocks holds sequences preempted by swap; it has no prefix cache.
+blocks come from its head, so the least recently freed cached block is overwritten first.
+
+The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
+behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
+`num_cpu_blocks` blocks holding the sequences preempted by swap, with no prefix cache; the followers
+(kv/followers.py: which sequences share blocks their leader has not computed yet); the integrity check
+and the per-block snapshot, which read the public view `books()` (kv/block_books.py).
 
 In an engine step the calls come in this order:
 1. Before the forward pass: `allocate` new prompts, `append_token` the token each decoding sequence
@@ -19,15 +24,43 @@ In an engine step the calls come in this order:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
+from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, pool_snapshot
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, block_payload, hash_block, hash_payload
-from localserve.kv.followers import FollowersMixin, _Sequence
+from localserve.kv.block_tier import BlockTier
+from localserve.kv.followers import Followers
 from localserve.kv.free_queue import FreeBlockQueue
-from localserve.kv.integrity import BlockPoolSnapshot, check_integrity, pool_snapshot
-from localserve.kv.swap_pool import CpuBlockPool, OutOfBlocksError, SwapMixin
+from localserve.kv.integrity import check_integrity
+from localserve.kv.out_of_blocks import OutOfBlocksError
+from localserve.kv.swap_pool import CpuSwapPool
 
 
-class BlockManager(FollowersMixin, SwapMixin):
+@dataclass(slots=True, eq=False)
+class SequenceBlocks:
+    """What the block manager knows of one sequence."""
+
+    # Its own copy, or (`share_token_ids`) the caller's list, which may run a pending token ahead of `num_tokens`.
+    token_ids: list[int]
+    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
+    num_computed_tokens: int
+    block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
+    extra_key: bytes
+    num_tokens: int  # tokens the manager has of token_ids
+    shares_token_ids: bool = False
+    is_swapped: bool = False
+    # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
+    # count only then. Clear: the last block, if partly filled, is the sequence's own.
+    may_share_last_block: bool = False
+
+    def block_payload(self, index: int, block_size: int) -> BlockContent:
+        """What the key of its block `index` is the hash of: the previous block's key, its extra key, its tokens."""
+        parent_hash = self.block_hashes[index - 1] if index else ROOT_HASH
+        return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size], self.extra_key)
+
+
+class BlockManager:
     """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping.
 
     Sequences are named by an int `seq_id` chosen by the caller. For each the manager keeps its block
@@ -38,12 +71,10 @@ class BlockManager(FollowersMixin, SwapMixin):
 
     def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
-            raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_cpu_blocks >= 0; got "
-                             f"{num_blocks}, {block_size}, {num_cpu_blocks}")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[bytes | None] = [None] * num_blocks  # set while in the prefix cache
@@ -51,8 +82,9 @@ class BlockManager(FollowersMixin, SwapMixin):
         self._free_queue = FreeBlockQueue(num_blocks)  # head first
         self._hash_to_block: dict[bytes, int] = {}
         self._num_cached_blocks = 0  # blocks in the free queue with a key
-        self._cpu_pool = CpuBlockPool(num_cpu_blocks)
-        self._seqs: dict[int, _Sequence] = {}
+        self._swap_tier: BlockTier = CpuSwapPool(num_cpu_blocks)
+        self._followers = Followers()
+        self._seqs: dict[int, SequenceBlocks] = {}
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
         self.cow_copies = 0
@@ -85,9 +117,14 @@ class BlockManager(FollowersMixin, SwapMixin):
         return self.num_used_blocks / self.num_blocks
 
     @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks of the CPU swap pool."""
+        return self._swap_tier.capacity
+
+    @property
     def num_free_cpu_blocks(self) -> int:
         """CPU blocks not holding a swapped-out sequence."""
-        return self._cpu_pool.num_free_blocks
+        return self._swap_tier.num_free_blocks
 
     def free_queue_block_ids(self) -> list[int]:
         """GPU block ids in the free queue, head (next to be handed out) first."""
@@ -118,9 +155,22 @@ class BlockManager(FollowersMixin, SwapMixin):
         """True while the sequence lives in the CPU pool."""
         return self._seqs[seq_id].is_swapped
 
+    def awaits_leader(self, seq_id: int) -> bool:
+        """True while the sequence shares blocks its leader has not computed yet (see `allocate_sharing`)."""
+        return self._followers.awaits_leader(seq_id)
+
+    def books(self) -> BlockBooks:
+        """A read-only view of every book the manager keeps, true until its next operation (no copies)."""
+        return BlockBooks(num_blocks=self.num_blocks, block_size=self.block_size,
+                          enable_prefix_caching=self.enable_prefix_caching, ref_counts=self._ref_counts,
+                          block_hashes=self._block_hashes, block_contents=self._block_contents,
+                          hash_to_block=MappingProxyType(self._hash_to_block), free_queue=self._free_queue,
+                          num_cached_blocks=self._num_cached_blocks, sequences=MappingProxyType(self._seqs),
+                          followers=self._followers.links, swap_holder_counts=self._swap_tier.holder_counts)
+
     def snapshot(self) -> BlockPoolSnapshot:
         """The state of every GPU and CPU block (see `BlockPoolSnapshot`)."""
-        return pool_snapshot(self)
+        return pool_snapshot(self.books())
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
@@ -161,13 +211,46 @@ class BlockManager(FollowersMixin, SwapMixin):
         block_table = [block_id for _, block_id in hits]
         block_table += [self._take_free_block() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
         num_cached_tokens = len(hits) * self.block_size
-        self._seqs[seq_id] = _Sequence(token_ids if share_token_ids else list(token_ids), block_table,
-                                       num_cached_tokens, [block_hash for block_hash, _ in hits], extra_key,
-                                       len(token_ids), share_token_ids)
+        self._seqs[seq_id] = SequenceBlocks(token_ids if share_token_ids else list(token_ids), block_table,
+                                            num_cached_tokens, [block_hash for block_hash, _ in hits], extra_key,
+                                            len(token_ids), share_token_ids)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
         return num_cached_tokens
+
+    def allocate_sharing(self, seq_id: int, token_ids: Sequence[int], leader_id: int, num_shared_blocks: int,
+                         share_token_ids: bool = False) -> int:
+        """Give a new sequence its leader's first `num_shared_blocks` blocks and new blocks for the rest.
+
+        For the samples or beams of a request readmitted after a preemption by recompute: the leader
+        computes their common prefix once. The shared blocks become this sequence's computed KV as the
+        leader computes them (`mark_computed` on the leader carries it along); until then it must not
+        be scheduled (`awaits_leader`). Takes `len(token_ids)` blocks minus the shared ones; returns its
+        number of computed tokens now. `share_token_ids` as for `allocate`.
+        """
+        leader = self._gpu_seq(leader_id)
+        num_shared_tokens = num_shared_blocks * self.block_size
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if not (0 < num_shared_tokens < len(token_ids) and num_shared_tokens <= leader.num_tokens
+                and list(token_ids[:num_shared_tokens]) == leader.token_ids[:num_shared_tokens]):
+            raise ValueError(f"sequence {seq_id} cannot share {num_shared_blocks} blocks of sequence {leader_id}")
+        num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
+        if num_new_blocks > len(self._free_queue):
+            raise OutOfBlocksError(f"{num_new_blocks} blocks needed, {len(self._free_queue)} available")
+        block_table = leader.block_table[:num_shared_blocks]
+        for block_id in block_table:
+            self._ref_counts[block_id] += 1
+        block_table += [self._take_free_block() for _ in range(num_new_blocks)]
+        seq = SequenceBlocks(token_ids if share_token_ids else list(token_ids), block_table, 0, [], leader.extra_key,
+                             len(token_ids), share_token_ids)
+        self._seqs[seq_id] = seq
+        num_computed_blocks = min(leader.num_computed_tokens // self.block_size, num_shared_blocks)
+        self._take_computed_blocks(seq, leader, num_computed_blocks)
+        if num_computed_blocks < num_shared_blocks:
+            self._followers.add(seq_id, leader_id, num_shared_blocks)
+        return seq.num_computed_tokens
 
     # ---- decoding ----
     def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
@@ -241,15 +324,18 @@ class BlockManager(FollowersMixin, SwapMixin):
                              f"{seq.num_tokens}], got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
         # A sequence holds the key of each of its full computed blocks (check_integrity: one key per
-        # block_size computed tokens), so keys are due only when the count crosses a block's end.
+        # block_size computed tokens), and followers share full blocks only, so both are due only when
+        # the count crosses a block's end: nothing more for the other tokens.
         num_full_blocks = num_computed_tokens // self.block_size
-        if num_full_blocks > num_before // self.block_size and self.enable_prefix_caching:
-            for index in range(len(seq.block_hashes), num_full_blocks):
-                content = self._block_content(seq, index)
-                seq.block_hashes.append(hash_payload(content))
-                self._register(seq.block_table[index], seq.block_hashes[index], content)
-        if seq.followers:
-            seq.followers = tuple(f for f in seq.followers if not self._catch_up(self._seqs[f], seq))
+        if num_full_blocks > num_before // self.block_size:
+            if self.enable_prefix_caching:
+                for index in range(len(seq.block_hashes), num_full_blocks):
+                    content = seq.block_payload(index, self.block_size)
+                    seq.block_hashes.append(hash_payload(content))
+                    self._register(seq.block_table[index], seq.block_hashes[index], content)
+            if self._followers.leads(seq_id):
+                for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
+                    self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
 
     def fork(self, parent_seq_id: int, child_seq_id: int, child_token_ids: list[int] | None = None) -> None:
         """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1). The
@@ -267,10 +353,10 @@ class BlockManager(FollowersMixin, SwapMixin):
             raise ValueError(f"sequence {child_seq_id}: its token list is not sequence {parent_seq_id}'s")
         for block_id in parent.block_table:
             self._ref_counts[block_id] += 1
-        self._seqs[child_seq_id] = _Sequence(tokens if child_token_ids is None else child_token_ids,
-                                             list(parent.block_table), parent.num_computed_tokens,
-                                             list(parent.block_hashes), parent.extra_key, parent.num_tokens,
-                                             child_token_ids is not None, may_share_last_block=True)
+        self._seqs[child_seq_id] = SequenceBlocks(tokens if child_token_ids is None else child_token_ids,
+                                                  list(parent.block_table), parent.num_computed_tokens,
+                                                  list(parent.block_hashes), parent.extra_key, parent.num_tokens,
+                                                  child_token_ids is not None, may_share_last_block=True)
         parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
@@ -279,31 +365,75 @@ class BlockManager(FollowersMixin, SwapMixin):
         so a conversation's deep blocks are overwritten before its first ones.
         """
         seq = self._seqs.pop(seq_id)
-        if seq.leader is not None:
-            leader = self._seqs[seq.leader]
-            leader.followers = tuple(f for f in leader.followers if f != seq_id)
-        for follower_id in seq.followers:  # freed with it by the scheduler; on its own it computes itself
-            self._seqs[follower_id].leader = None
+        self._followers.forget(seq_id)  # the scheduler frees its followers with it; alone, each computes itself
         if seq.is_swapped:
-            self._cpu_pool.release(seq.block_table)
+            self._swap_tier.release(seq.block_table)
         else:
             self._release_blocks(seq.block_table)
 
+    # ---- preemption by swap ----
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        """True when the CPU pool has room for the distinct blocks of these GPU sequences."""
+        return len(self._distinct_blocks(seq_ids, swapped=False)) <= self._swap_tier.num_free_blocks
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move these sequences (all of one request's samples or beams) to the CPU pool.
+
+        Returns the (gpu_block, cpu_block) copies to make, one per distinct block, so shared blocks are
+        copied once and stay shared. The GPU blocks are released as by `free`.
+        """
+        self._distinct_blocks(seq_ids, swapped=False)  # raises on a repeated or swapped sequence
+        seqs = [self._seqs[seq_id] for seq_id in seq_ids]
+        cpu_tables, copies = self._swap_tier.store([seq.block_table for seq in seqs])
+        for seq, cpu_table in zip(seqs, cpu_tables, strict=True):
+            self._release_blocks(seq.block_table)
+            seq.block_table = cpu_table
+            seq.is_swapped = True
+        return copies
+
+    def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
+        """GPU blocks that swapping these sequences back in would take (shared blocks count once)."""
+        return len(self._distinct_blocks(seq_ids, swapped=True))
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
+        """True when the free queue has room for the distinct blocks of these swapped sequences."""
+        return self.num_blocks_to_swap_in(seq_ids) <= len(self._free_queue)
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block) copies to make.
+
+        Their full computed blocks are registered in the prefix cache again where their keys are free.
+        """
+        cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True)
+        if len(cpu_block_ids) > len(self._free_queue):
+            raise OutOfBlocksError(f"swap in needs {len(cpu_block_ids)} blocks, {len(self._free_queue)} free")
+        cpu_to_gpu = {cpu_block_id: self._take_free_block() for cpu_block_id in cpu_block_ids}
+        for block_id in cpu_to_gpu.values():
+            self._ref_counts[block_id] = 0  # counted below, once per table pointing at it
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            self._swap_tier.release(seq.block_table)
+            seq.block_table = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_table]
+            for block_id in seq.block_table:
+                self._ref_counts[block_id] += 1
+            seq.is_swapped = False
+            for index, block_hash in enumerate(seq.block_hashes):
+                self._register(seq.block_table[index], block_hash, seq.block_payload(index, self.block_size))
+        return list(cpu_to_gpu.items())
+
     # ---- integrity ----
     def check_integrity(self) -> None:
-        """Raise AssertionError, saying what is wrong, unless every invariant of the pools holds."""
-        check_integrity(self)
+        """Raise AssertionError, saying what is wrong, unless every invariant of the pools holds: the
+        manager's books (kv/integrity.py, read through `books()`) and each part's own."""
+        self._swap_tier.check_integrity()
+        self._followers.check_integrity()
+        check_integrity(self.books())
 
     # ---- internals ----
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_content(self, seq: _Sequence, index: int) -> BlockContent:
-        parent_hash = seq.block_hashes[index - 1] if index else ROOT_HASH
-        return block_payload(parent_hash, seq.token_ids[index * self.block_size:(index + 1) * self.block_size],
-                             seq.extra_key)
-
-    def _gpu_seq(self, seq_id: int) -> _Sequence:
+    def _gpu_seq(self, seq_id: int) -> SequenceBlocks:
         seq = self._seqs[seq_id]
         if seq.is_swapped:
             raise ValueError(f"sequence {seq_id} is swapped out")
@@ -351,3 +481,20 @@ class BlockManager(FollowersMixin, SwapMixin):
             self._hash_to_block[block_hash] = block_id
             self._block_hashes[block_id] = block_hash
             self._block_contents[block_id] = content
+
+    def _take_computed_blocks(self, follower: SequenceBlocks, leader: SequenceBlocks, num_blocks: int) -> None:
+        """The follower counts the leader's first `num_blocks` blocks, which it shares, as computed."""
+        if num_blocks * self.block_size > follower.num_computed_tokens:
+            follower.num_computed_tokens = num_blocks * self.block_size
+            follower.block_hashes = leader.block_hashes[:num_blocks]
+
+    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool) -> list[int]:
+        """Block ids of these sequences' tables, each once; all must be in the pool named by `swapped`."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"sequence ids repeated: {list(seq_ids)}")
+        block_ids: dict[int, None] = {}
+        for seq_id in seq_ids:
+            if self._seqs[seq_id].is_swapped != swapped:
+                raise ValueError(f"sequence {seq_id} is {'not ' if swapped else ''}swapped out")
+            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_table))
+        return list(block_ids)

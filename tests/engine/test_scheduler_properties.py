@@ -7,6 +7,8 @@ slots, states, block moves replayed on a model of the pool, progress, (re)admiss
 the victim rule, work conservation). At the end every request has
 finished, was aborted, or was refused with a reason exactly when it could never fit; no livelock
 (see `step_bound`); every greedy, seeded or beam request that finished equals itself run alone.
+Each of these rules also has a fixed example of its own (test_scheduler_rules.py lists them), which
+fails on every run when its rule breaks.
 """
 
 from __future__ import annotations

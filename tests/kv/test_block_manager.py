@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.kv.block_manager import ROOT_HASH, BlockManager, OutOfBlocksError, hash_block
+from localserve.kv.block_hash import ROOT_HASH, hash_block
+from localserve.kv.block_manager import BlockManager
+from localserve.kv.out_of_blocks import OutOfBlocksError
 
 
 def prompt(num_tokens: int, start: int = 0) -> list[int]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.kv.block_manager import BlockManager, OutOfBlocksError
+from localserve.kv.block_manager import BlockManager
+from localserve.kv.followers import FollowerLink, Followers
+from localserve.kv.out_of_blocks import OutOfBlocksError
 
 SHARED = list(range(100, 132))  # two full blocks every sequence has in common
 
@@ -86,3 +88,38 @@ def test_sharing_is_refused_when_it_would_not_hold():
         manager.allocate_sharing(2, SHARED + [2] * 60, 1, 2)  # 4 blocks of its own, 3 free
     assert manager.num_free_blocks == free_before
     manager.check_integrity()
+
+
+def test_a_follower_follows_until_exactly_its_last_shared_block_is_computed():
+    followers = Followers()
+    followers.add(2, 1, num_shared_blocks=2)
+    followers.add(3, 1, num_shared_blocks=3)
+    assert followers.leads(1) and followers.awaits_leader(2) and followers.awaits_leader(3)
+    assert followers.catch_up(1, 1) == [(2, 1), (3, 1)]
+    assert followers.catch_up(1, 2) == [(2, 2), (3, 2)]  # 2 has all its shared blocks: it stops following
+    assert not followers.awaits_leader(2) and followers.awaits_leader(3)
+    assert followers.catch_up(1, 3) == [(3, 3)]
+    assert not followers.leads(1) and not followers.links
+    followers.check_integrity()
+
+
+@pytest.mark.parametrize("gone", [1, 2])
+def test_forgetting_a_leader_or_a_follower_unlinks_it(gone):
+    followers = Followers()
+    followers.add(2, 1, num_shared_blocks=2)
+    followers.add(3, 1, num_shared_blocks=2)
+    followers.forget(gone)
+    assert dict(followers.links) == ({} if gone == 1 else {3: FollowerLink(1, 2)})
+    assert followers.leads(1) == (gone == 2)
+    followers.check_integrity()
+
+
+def test_the_books_show_each_follower_link_and_refuse_writes():
+    manager = BlockManager(num_blocks=8)
+    three_sequences(manager)
+    books = manager.books()
+    assert dict(books.followers) == {2: FollowerLink(1, 2), 3: FollowerLink(1, 2)}
+    with pytest.raises(TypeError):
+        books.followers[4] = FollowerLink(1, 1)
+    with pytest.raises(TypeError):
+        books.sequences[9] = books.sequences[1]

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from localserve.kv.block_manager import BlockManager, OutOfBlocksError
+from localserve.kv.block_manager import BlockManager
+from localserve.kv.out_of_blocks import OutOfBlocksError
 
 
 def test_shared_token_list_behaves_as_a_copied_one() -> None:

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from localserve.kv.block_manager import BlockManager, OutOfBlocksError
+from localserve.kv.block_manager import BlockManager
+from localserve.kv.out_of_blocks import OutOfBlocksError
 
 SMALL_VOCAB = st.integers(0, 2)  # few distinct tokens, so prompts often share prefixes by chance
 MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool for decoding

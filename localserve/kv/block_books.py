@@ -1,0 +1,101 @@
+"""A public, read-only view of the block manager's books (`BlockManager.books()`), for the readers that
+walk all of them: the integrity check (kv/integrity.py) and the per-block snapshot the monitor shows.
+
+The view copies nothing: it is true until the manager's next operation, and its readers change nothing
+(its lists and records are typed read-only, its maps are read-only proxies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from localserve.kv.block_hash import BlockContent
+from localserve.kv.followers import FollowerLink
+
+
+class SequenceView(Protocol):
+    """What the block manager keeps of one sequence (its record, `block_manager.SequenceBlocks`), read-only."""
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Its tokens; with `shares_token_ids` the caller's list, which may run a pending token ahead."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the manager has of `token_ids`."""
+        ...
+
+    @property
+    def shares_token_ids(self) -> bool: ...
+
+    @property
+    def block_table(self) -> Sequence[int]:
+        """GPU block ids, or CPU block ids while swapped out."""
+        ...
+
+    @property
+    def is_swapped(self) -> bool: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        """Keys of its full computed blocks (with prefix caching only)."""
+        ...
+
+    @property
+    def extra_key(self) -> bytes: ...
+
+    @property
+    def may_share_last_block(self) -> bool:
+        """Clear: its last block, if partly filled, is its own."""
+        ...
+
+    def block_payload(self, index: int, block_size: int) -> BlockContent:
+        """What the key of its block `index` is the hash of."""
+        ...
+
+
+@dataclass(frozen=True)
+class BlockBooks:
+    """The block manager's books as they are now (see the module doc)."""
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+    ref_counts: Sequence[int]  # per GPU block: the block tables pointing at it
+    block_hashes: Sequence[bytes | None]  # per GPU block: its prefix-cache key, while it has one
+    block_contents: Sequence[BlockContent | None]  # per GPU block: what that key is the hash of
+    hash_to_block: Mapping[bytes, int]  # the prefix cache: key -> GPU block
+    free_queue: Collection[int]  # GPU blocks no table points at (free or cached)
+    num_cached_blocks: int  # of those, the ones with a key
+    sequences: Mapping[int, SequenceView]  # by sequence id
+    followers: Mapping[int, FollowerLink]  # follower id -> its leader and the blocks they share
+    swap_holder_counts: Sequence[int]  # per CPU swap-pool block: the swapped-out tables pointing at it
+
+
+@dataclass(frozen=True)
+class BlockPoolSnapshot:
+    """State of every block, for the monitor.
+
+    `block_states` has one character per GPU block, indexed by block id: '.' free, 'c' cached (free,
+    contents kept for the prefix cache), 'u' used by one block table, 's' shared by several.
+    `ref_counts[i]` is the number of block tables pointing at GPU block i. `cpu_block_states` maps the
+    CPU swap pool the same way ('.', 'u' or 's').
+    """
+
+    block_states: str
+    ref_counts: tuple[int, ...]
+    cpu_block_states: str
+
+
+def pool_snapshot(books: BlockBooks) -> BlockPoolSnapshot:
+    """The state of every GPU and CPU block, read from the books."""
+    states = "".join(".us"[min(count, 2)] if count or block_hash is None else "c"
+                     for count, block_hash in zip(books.ref_counts, books.block_hashes, strict=True))
+    cpu_states = "".join(".us"[min(count, 2)] for count in books.swap_holder_counts)
+    return BlockPoolSnapshot(states, tuple(books.ref_counts), cpu_states)
