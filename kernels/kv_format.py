@@ -9,7 +9,8 @@ The kernels know three layouts (the byte layouts of localserve's KV formats), ch
 A quantized store may hold each vector in a transformed domain: stored = E @ x per KV head; attention
 then takes the query already mapped into that domain and returns its output there (the attention
 backend maps both, once per layer, as the torch backend does).
-This module depends on torch only; the attention backend builds these from localserve's codecs.
+This module depends on torch only; each of localserve's codecs describes its format in these terms
+(KVCodec.kernel_format).
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def fold_key_mean(encode_matrix: torch.Tensor, key_mean: torch.Tensor) -> torch.
     cos_part = low * mu_low + high * mu_high  # [Hkv, D(e), h(i)]
     sin_part = high * mu_low - low * mu_high
     return torch.cat((cos_part, sin_part), dim=-1).transpose(-1, -2).contiguous()
+
+
+def rotary_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotate-half RoPE's cos, sin [T, D] (each half holds every frequency once) -> [cos_half, sin_half]
+    [T, D] fp32: the row that multiplies `fold_key_mean`'s M to give a key's stored-domain mean."""
+    half = cos.shape[-1] // 2
+    return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
 
 
 @dataclass

@@ -13,20 +13,21 @@ from localserve.models.rope import RotaryEmbedding, apply_rope
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.kv.cache import PagedKVCache
-from localserve.kv.formats import (
-    FORMAT_NAMES,
-    LLOYD_MAX_16,
-    KVFormatSpec,
-    LayerCalibration,
-    Q4Options,
-    bits_per_value,
-    make_codec,
-    pack_nibbles,
-    rotation_matrix,
-    unpack_nibbles,
-)
+from localserve.kv.calibration import LayerCalibration
+from localserve.kv.codecs import make_codec as make_spec_codec
+from localserve.kv.formats import FORMAT_NAMES, KVFormatSpec, Q4Options
+from localserve.kv.quantization import LLOYD_MAX_16, pack_nibbles, rotation_matrix, unpack_nibbles
 
 HKV, D = 2, 64
+
+
+def make_codec(name: str, *args):
+    """The codec of the format `name` (the codecs take a parsed spec)."""
+    return make_spec_codec(KVFormatSpec.parse(name), *args)
+
+
+def bits_per_value(name: str, head_dim: int) -> float:
+    return KVFormatSpec.parse(name).bits_per_value(head_dim)
 
 
 def rope_fn(head_dim: int = D):
@@ -248,8 +249,8 @@ def make_cache(cache_type_k, cache_type_v, num_blocks=12, num_cpu_blocks=0, laye
             return calibration
 
     return PagedKVCache(layers, num_blocks, 4, HKV, D, torch.float32, num_cpu_blocks=num_cpu_blocks,
-                        cache_type_k=cache_type_k, cache_type_v=cache_type_v, calibration=Calibration(),
-                        rope=rope_fn())
+                        key_format=KVFormatSpec.parse(cache_type_k), value_format=KVFormatSpec.parse(cache_type_v),
+                        calibration=Calibration(), rope=rope_fn())
 
 
 @pytest.mark.parametrize("k_type,v_type",
@@ -335,7 +336,7 @@ def test_key_transform_solves_the_geometric_mean_equation():
 
 
 def test_calibration_is_computed_once_and_cached(tiny_model_dir, tmp_path):
-    from localserve.kv.calibration import load_or_calibrate
+    from localserve.engine.kv_calibration import load_or_calibrate
     from localserve.loading.hf import load_model
 
     folder, _ = tiny_model_dir("llama")
@@ -365,11 +366,11 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.mark.parametrize("k_type,v_type", ENGINE_FORMATS)
 def test_engine_serves_each_format(smollm2, smollm2_tokenizer, k_type, v_type):
+    from localserve.engine.builder import build_engine
     from localserve.engine.config import EngineConfig
-    from localserve.engine.engine import LLMEngine
     from localserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(smollm2.model, smollm2_tokenizer,
+    engine = build_engine(smollm2.model, smollm2_tokenizer,
                        EngineConfig(num_kv_blocks=16, cache_type_k=k_type, cache_type_v=v_type))
     prompt = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     max_tokens = 10 if k_type in (None, "q8_0") and k_type == v_type else 4
