@@ -21,7 +21,6 @@ import torch
 
 PLAIN, Q8_0, Q4 = 0, 1, 2
 Q8_GROUP = 32  # values per q8_0 scale
-NUM_LEVELS = 16  # 4-bit codes
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,13 @@ from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.model_runner import ModelRunner
-from localserve.engine.outputs import RequestOutput, make_output, stop_string_cut
+from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Batch, Scheduler, peak_blocks
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
+from localserve.engine.stop_rules import append_sampled_token
 from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class LLMEngine:
         return child
 
     def _append_sampled(self, sampled: list[SampledRow], result: SamplerOutput) -> None:
-        """Add each sampled token to its sequence and decide whether the sequence stops there. A request
+        """Add each sampled token to its sequence (engine/stop_rules.py), which may end there. A request
         whose bookkeeping raises fails alone and the loop goes on with the next row (one try around
         the loop, not a guard per token: entering a try costs nothing, a context manager a microsecond)."""
         self.num_generation_tokens += len(sampled)
@@ -285,33 +286,16 @@ class LLMEngine:
         while True:
             try:
                 for row, token_id, logprob, top in entries:
-                    request, seq = row.request, row.seq
+                    request = row.request
                     if request.error is not None:  # failed alone earlier in this step
                         continue
-                    token_ids = seq.token_ids
-                    token_ids.append(token_id)  # the block manager gets it when the next step schedules it
-                    seq.pending_append = True
+                    reason = append_sampled_token(request, row.seq, token_id, logprob, top)
                     request.just_readmitted = False
-                    if logprob is not None:
-                        seq.cumulative_logprob += logprob
-                        seq.logprobs.append(logprob)
-                        seq.top_logprobs.append(top or [])
                     if request.first_token_time is None:
                         request.first_token_time = time.monotonic()
                         self.events.append(EventKind.FIRST_TOKEN, request.label)
-                    if token_id in request.eos_ids or token_id in request.params.stop_token_ids:
-                        self._finish_seq(seq, "stop")
-                        continue
-                    if seq.decoder is not None:
-                        new_from = len(seq.text)
-                        seq.text += seq.decoder.step(token_id)
-                        if request.stop_strings and (
-                                cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
-                            seq.text = seq.text[:cut]
-                            self._finish_seq(seq, "stop")
-                            continue
-                    if len(token_ids) >= request.max_num_tokens:
-                        self._finish_seq(seq, "length")
+                    if reason is not None:
+                        self._finish_seq(row.seq, reason)
                 return
             except Exception as exc:
                 self._fail_alone(row.request, exc)

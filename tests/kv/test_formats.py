@@ -240,6 +240,27 @@ def test_format_spec_parsing():
         KVFormatSpec.parse("q8_0:-mean")
 
 
+def test_format_spec_canonical_text_and_calibration_need():
+    assert str(KVFormatSpec.parse("Q4:-mean,+rotation")) == "q4_rot:-mean"
+    assert str(KVFormatSpec.parse("q8_0:-rotation")) == "q8_0:-rotation"
+    assert str(KVFormatSpec.parse("f16")) == "fp16" and KVFormatSpec.parse("f16") == KVFormatSpec("fp16")
+    assert KVFormatSpec.parse("q4_rot").needs_calibration
+    assert KVFormatSpec.parse("q4_rot:-mean").needs_calibration  # the key transform still is calibrated
+    assert not KVFormatSpec.parse("q4_rot:-mean,-key_transform").needs_calibration
+    assert not KVFormatSpec.parse("q8_0").needs_calibration and not KVFormatSpec.parse("bf16").needs_calibration
+    assert KVFormatSpec.parse("bf16").dtype_name == "bfloat16" and KVFormatSpec.parse("q8_0").dtype_name is None
+
+
+@pytest.mark.parametrize("name,head_dim,message", [("q8_0", 48, "q8_0 needs a head_dim divisible by 32, got 48"),
+                                                   ("q4_rot", 63, "q4_rot needs an even head_dim, got 63")])
+def test_a_format_refuses_a_head_dim_it_cannot_store(name, head_dim, message):
+    with pytest.raises(ValueError, match=message):
+        KVFormatSpec.parse(name).bytes_per_vector(head_dim)
+    with pytest.raises(ValueError, match=message):
+        make_codec(name, "key", HKV, head_dim)
+    assert KVFormatSpec.parse("fp16").bytes_per_vector(head_dim) == 2 * head_dim
+
+
 # ---------------------------------------------------------------- the paged cache and attention
 def make_cache(cache_type_k, cache_type_v, num_blocks=12, num_cpu_blocks=0, layers=1):
     calibration, _ = key_calibration()
