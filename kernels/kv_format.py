@@ -72,13 +72,6 @@ def fold_key_mean(encode_matrix: torch.Tensor, key_mean: torch.Tensor) -> torch.
     return torch.cat((cos_part, sin_part), dim=-1).transpose(-1, -2).contiguous()
 
 
-def rotary_halves(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotate-half RoPE's cos, sin [T, D] (each half holds every frequency once) -> [cos_half, sin_half]
-    [T, D] fp32: the row that multiplies `fold_key_mean`'s M to give a key's stored-domain mean."""
-    half = cos.shape[-1] // 2
-    return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
-
-
 @dataclass
 class KVStore:
     """One layer's K or V tensors in the paged pool (see the module docstring for the layouts)."""

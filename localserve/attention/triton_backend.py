@@ -16,8 +16,9 @@ import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs
 from localserve.kernels.attention_plan import AttentionPlan, plan_attention
-from localserve.kernels.kv_format import KernelFormat, KVStore, rotary_halves
+from localserve.kernels.kv_format import KernelFormat, KVStore
 from localserve.kernels.paged_attention import paged_attention
+from localserve.kernels.rotary import rotary_halves
 from localserve.kernels.store_kv import store_kv
 
 if TYPE_CHECKING:

@@ -16,12 +16,12 @@ import torch
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
+from localserve.kernels.rotary import apply_rope
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.calibration import CALIBRATION_VERSION, SHRINKAGE, KVCalibration, layer_statistics
 from localserve.loading.default_model import cache_dir
 from localserve.models.llama import ForwardContext, LlamaForCausalLM
 from localserve.models.quantized import QuantizedLinear
-from localserve.models.rope import apply_rope
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, fold_key_mean, q4_midpoints, rotary_halves
+from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, fold_key_mean, q4_midpoints
+from localserve.kernels.rotary import apply_rope
 from localserve.kv.calibration import LayerCalibration
 from localserve.kv.formats import PASSTHROUGH_FORMATS, Q8_BLOCK, KVFormatSpec
 from localserve.kv.quantization import (
@@ -180,13 +181,6 @@ class Q4Codec(KVCodec):
         self.output_matrix = rotation  # values: out = R^T out', i.e. out' @ R for row vectors
         mean = calibration.key_mean if kind == "key" else calibration.value_mean
         self.mean = mean.float() if options.mean and mean is not None else None
-        # The mean in the stored domain, in the kernels' form, so that both paths subtract the same numbers:
-        # values [Hkv, D]; keys folded with the encode matrix [Hkv, D, D] (fold_key_mean), a key at a
-        # position with rotary halves t [D] having the stored mean t @ stored_mean[g].
-        self.stored_mean = None
-        if self.mean is not None:
-            self.stored_mean = (fold_key_mean(self.encode_matrix, self.mean) if kind == "key"
-                                else torch.einsum("ged,gd->ge", self.encode_matrix, self.mean).contiguous())
         self.needs_positions = self.mean is not None and kind == "key"
         if self.needs_positions and rope is None:
             raise ValueError("a key mean needs the model's rotary embedding (rope)")
@@ -195,7 +189,7 @@ class Q4Codec(KVCodec):
     def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._device_cache:
             tensors = (self.encode_matrix, self.query_matrix, self.output_matrix, self.levels,
-                       self.stored_mean if self.stored_mean is not None else torch.zeros(0))
+                       self.mean if self.mean is not None else torch.zeros(0))
             self._device_cache[device] = tuple(t.to(device) for t in tensors)
         return self._device_cache[device]
 
@@ -205,12 +199,14 @@ class Q4Codec(KVCodec):
 
     def _stored_mean(self, n: int, positions: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The mean of each of n tokens in the stored domain, [n, Hkv, D]."""
-        stored_mean = self._on(device)[4]
-        if self.kind != "key":
-            return stored_mean.expand(n, -1, -1)
-        if positions is None:
-            raise ValueError("q4_rot keys with a mean need token positions")
-        return torch.einsum("tj,gje->tge", rotary_halves(*self.rope(positions)), stored_mean)
+        encode_matrix, _, _, _, mean = self._on(device)
+        mean = mean.expand(n, -1, -1)
+        if self.kind == "key":
+            if positions is None:
+                raise ValueError("q4_rot keys with a mean need token positions")
+            cos, sin = self.rope(positions)
+            mean = apply_rope(mean, cos.float(), sin.float())
+        return torch.einsum("ged,tgd->tge", encode_matrix, mean)
 
     def encode(self, x, positions=None):
         encode_matrix, _, _, levels, _ = self._on(x.device)
@@ -237,13 +233,16 @@ class Q4Codec(KVCodec):
 
     def kernel_format(self, device):
         encode = _float_on(self.encode_matrix, device)
-        stored_mean = None if self.stored_mean is None else _float_on(self.stored_mean, device)
+        key_mean = value_mean = None  # in the stored domain; a key's folded with its rotation (fold_key_mean)
+        if self.mean is not None and self.kind == "key":
+            key_mean = fold_key_mean(encode, _float_on(self.mean, device))
+        elif self.mean is not None:
+            value_mean = torch.einsum("ged,gd->ge", encode, _float_on(self.mean, device)).contiguous()
         levels = _float_on(self.levels, device)
         return KernelFormat(Q4, encode_matrix=encode if self.rotated else None, levels=levels,
                             midpoints=q4_midpoints(levels),
                             search_factors=scale_search_factors(device) if self.options.codebook else None,
-                            key_mean=stored_mean if self.kind == "key" else None,
-                            value_mean=stored_mean if self.kind == "value" else None)
+                            key_mean=key_mean, value_mean=value_mean)
 
     def transform_query(self, query):
         if self.kind != "key" or not self.rotated:

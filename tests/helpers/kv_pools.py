@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from localserve.kernels.rotary import apply_rope
 from localserve.models.config import RopeConfig
-from localserve.models.rope import RotaryEmbedding, apply_rope
+from localserve.models.rope import RotaryEmbedding
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend

@@ -10,7 +10,7 @@ import pytest
 import torch
 from localserve.kernels.attention_plan import plan_attention
 from localserve.kernels.paged_attention import paged_attention
-from localserve.models.rope import apply_rope
+from localserve.kernels.rotary import apply_rope
 
 from localserve.attention.triton_backend import TritonAttentionBackend, kv_store
 from tests.helpers.kv_pools import DEVICE, calibration, fill_batch, rope_fn, torch_reference

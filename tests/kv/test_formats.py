@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from localserve.kernels.rotary import apply_rope
 from localserve.models.config import RopeConfig
-from localserve.models.rope import RotaryEmbedding, apply_rope
+from localserve.models.rope import RotaryEmbedding
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
