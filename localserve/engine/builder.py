@@ -34,10 +34,11 @@ def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig |
     """
     config = config or EngineConfig()
     param = next(model.parameters())
-    shape = model.config
+    model_config = model.config
     key_format = config.cache_type_k or dtype_format(param.dtype)
     value_format = config.cache_type_v or dtype_format(param.dtype)
-    backend, why = select_backend(config.attention_backend, param.device, key_format, value_format, shape.head_dim)
+    backend, why = select_backend(config.attention_backend, param.device, key_format, value_format,
+                                  model_config.head_dim)
     log.info("attention backend: %s", why)
     if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
         config = dataclasses.replace(config, num_kv_blocks=pool_blocks(model, key_format, value_format, config))
@@ -46,7 +47,7 @@ def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig |
         config.num_kv_blocks if scheduler_config.preemption_mode == "swap" else 0)
     kv_cache = build_kv_cache(model, tokenizer, key_format, value_format, config.num_kv_blocks, config.block_size,
                               num_cpu_blocks)
-    max_model_len = min(config.max_model_len or shape.context_length, shape.context_length)
+    max_model_len = min(config.max_model_len or model_config.context_length, model_config.context_length)
     block_manager = BlockManager(config.num_kv_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
     events = EventLog()
@@ -59,13 +60,14 @@ def build_kv_cache(model: LlamaForCausalLM, tokenizer, key_format: KVFormatSpec,
     """The paged pool for `model`'s K and V in these formats, on the model's device; a format that needs the
     model's calibration gets it (computed once per model and machine) with the model's RoPE."""
     param = next(model.parameters())
-    shape = model.config
+    model_config = model.config
     calibration = rope = None
     if key_format.needs_calibration or value_format.needs_calibration:
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
-    return PagedKVCache(shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim, param.dtype,
-                        param.device, num_cpu_blocks, key_format, value_format, calibration, rope)
+    return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
+                        model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
+                        calibration, rope)
 
 
 def pool_blocks(model: LlamaForCausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec,
