@@ -9,7 +9,8 @@ The kernels know three layouts (the byte layouts of localserve's KV formats), ch
 A quantized store may hold each vector in a transformed domain: stored = E @ x per KV head; attention
 then takes the query already mapped into that domain and returns its output there (the attention
 backend maps both, once per layer, as the torch backend does).
-This module depends on torch only; the attention backend builds these from localserve's codecs.
+This module depends on torch only; each of localserve's codecs describes its format in these terms
+(KVCodec.kernel_format).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 
 PLAIN, Q8_0, Q4 = 0, 1, 2
 Q8_GROUP = 32  # values per q8_0 scale
-NUM_LEVELS = 16  # 4-bit codes
 
 
 @dataclass(frozen=True)

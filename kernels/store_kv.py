@@ -1,7 +1,7 @@
 """store_kv: write a batch's new K or V head vectors into the paged pool, quantizing on the way in.
 
 Each program takes BLOCK_T tokens of one KV head. It encodes them exactly as localserve's torch codecs
-do (kv_formats.py): the optional transform into the stored domain, for 4-bit the mean subtracted where
+do (kv/codecs.py): the optional transform into the stored domain, for 4-bit the mean subtracted where
 it lowers the vector's norm, the scale search among 17 candidates refitted by least squares, the mean
 choice in the scale's sign; for q8_0 absmax / 127 per 32 values and round-half-to-even codes. Results
 agree with the torch codecs up to float rounding, so a code may differ at a rounding tie.

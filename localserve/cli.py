@@ -11,8 +11,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
+from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
+
+if TYPE_CHECKING:
+    from localserve.llm import LLM
 
 log = logging.getLogger("localserve")
 
@@ -53,19 +59,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "torch, triton")
 
 
-def build_llm(args: argparse.Namespace):
-    import torch
-
-    from localserve.attention import backend_class
-    from localserve.engine.config import EngineConfig
-    from localserve.kv.memory_plan import parse_size
-    from localserve.llm import LLM
-    from localserve.loading.hf import serving_dtype
-
-    if args.attention_backend != "auto":
-        backend_class(args.attention_backend)  # an unknown name fails before minutes of loading
-
-    config = EngineConfig(
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the command line gives, checked (ValueError: a KV format or an attention backend
+    it does not know) before torch is imported or a model file opened."""
+    return EngineConfig(
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=args.ctx_size,
         enable_prefix_caching=args.enable_prefix_caching,
         cache_type_k=args.cache_type_k or args.kv_cache_dtype,
@@ -75,6 +72,15 @@ def build_llm(args: argparse.Namespace):
         max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend)
+
+
+def build_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
+    """Load the model the command line names, with its engine."""
+    import torch
+
+    from localserve.llm import LLM
+    from localserve.loading.hf import serving_dtype
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else serving_dtype(device)
     llm = LLM(args.model, dtype=dtype, device=device,
@@ -102,7 +108,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # bad values fail before the model loads
-    llm = build_llm(args)
+    llm = build_llm(args, engine_config(args))
     if args.chat:
         prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -128,6 +134,7 @@ def stream_completion(engine, prompt_ids: list[int], params: SamplingParams) -> 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the model over websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0."""
+    settings = engine_config(args)  # a bad setting fails at once, before torch is imported
     import asyncio
     import os
     import signal
@@ -147,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
     if not args.verbose:  # one line per connection is noise at INFO
         logging.getLogger("websockets").setLevel(logging.WARNING)
-    llm = build_llm(args)
+    llm = build_llm(args, settings)
     config.sampling_defaults = server_sampling_defaults(args, llm.model_path)
     log.info("sampling defaults for requests that set none: %s", config.sampling_defaults.describe())
     engine_thread = EngineThread(llm.engine)
@@ -283,15 +290,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print, per KV format, bytes per token, tokens that fit and sequences at 8K and 32K."""
-    from localserve.kv.memory_plan import (
-        DEFAULT_UTILIZATION,
-        format_plan,
-        human_size,
-        kv_budget_bytes,
-        load_plan_model,
-        parse_size,
-        plan,
-    )
+    from localserve.loading.plan_model import load_plan_model
 
     utilization = args.gpu_memory_utilization or DEFAULT_UTILIZATION
     config, weight_bytes, weight_source = load_plan_model(args.model,

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from localserve.kernels.rotary import apply_rope
 from localserve.models.config import ModelConfig
 from localserve.models.quantized import QuantizedEmbedding
-from localserve.models.rope import RotaryEmbedding, apply_rope
+from localserve.models.rope import RotaryEmbedding
 from torch import nn
 
 if TYPE_CHECKING:

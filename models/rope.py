@@ -71,10 +71,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated in the Hugging Face (rotate-half) layout."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

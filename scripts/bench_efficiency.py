@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
@@ -57,7 +57,7 @@ def bare_matmul_tokens_per_s(model, batch: int, steps: int) -> float:
 def engine_tokens_per_s(model, batch: int, steps: int) -> float:
     config = EngineConfig(num_kv_blocks=max(64, batch * 8),
                           max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
-    engine = LLMEngine(model, None, config)
+    engine = build_engine(model, None, config)
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request([1 + (i * 7 + j) % 1000 for j in range(16)], params)

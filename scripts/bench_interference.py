@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
@@ -39,7 +39,7 @@ def run(model, name: str, streams: int, duration: float, budget: int, chunked: b
         inject: bool, prompt_tokens: int, period: float) -> RunResult:
     config = EngineConfig(num_kv_blocks=4096, enable_prefix_caching=False,
                           max_num_seqs=streams + 4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
-    engine = LLMEngine(model, None, config)
+    engine = build_engine(model, None, config)
     background = {engine.add_request([1 + (i * 13 + j) % 4000 for j in range(32)],
                                      SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
                   for i in range(streams)}

@@ -34,7 +34,8 @@ from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.attention.triton_backend import TritonAttentionBackend
 from localserve.kv.cache import PagedKVCache
-from localserve.kv.formats import LayerCalibration
+from localserve.kv.calibration import LayerCalibration
+from localserve.kv.formats import KVFormatSpec
 
 GGUF_SHAPES = {"q, o": (4096, 4096), "k, v": (1024, 4096), "gate, up": (14336, 4096), "down": (4096, 14336)}
 SECTIONS = ("attention", "gguf", "model")
@@ -77,7 +78,7 @@ def random_pool(k_type: str, v_type: str, shape: tuple[int, int, int], num_block
     _, num_kv_heads, head_dim = shape
     rotary = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, device=device)
     cache = PagedKVCache(1, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, torch.bfloat16, device=device,
-                         cache_type_k=k_type, cache_type_v=v_type,
+                         key_format=KVFormatSpec.parse(k_type), value_format=KVFormatSpec.parse(v_type),
                          calibration=SyntheticCalibration.make(num_kv_heads, head_dim),
                          rope=lambda positions: rotary(positions, torch.float32))
     for store in (cache.key_stores[0], cache.value_stores[0]):

@@ -43,9 +43,11 @@ from benchlib import machine, markdown_table, print_machine, save_raw
 from localserve.models.config import ModelConfig
 from localserve.models.llama import LlamaForCausalLM
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine, settle_garbage_collector
+from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
+from localserve.llm import settle_garbage_collector
 
 VOCAB = 49_152  # SmolLM2's
 BLOCK_SIZE = 16
@@ -116,10 +118,10 @@ def new_request(rng: random.Random, residual: bool = False) -> tuple[list[int], 
     return prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def build_engine(num_seqs: int, num_blocks: int, vocab: int) -> tuple[LLMEngine, RandomTokenModel]:
+def stand_in_engine(num_seqs: int, num_blocks: int, vocab: int) -> tuple[LLMEngine, RandomTokenModel]:
     config = ModelConfig("LlamaForCausalLM", vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_layers=1,
                          num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=4096)
-    engine = LLMEngine(LlamaForCausalLM(config), None, EngineConfig(
+    engine = build_engine(LlamaForCausalLM(config), None, EngineConfig(
         num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs,
         max_num_batched_tokens=num_seqs + 16384, attention_backend="torch"))
     stand_in = RandomTokenModel(vocab, num_seqs, seed=num_seqs)
@@ -138,7 +140,7 @@ def resolve(engine: LLMEngine, path: str):
 
 def run(num_seqs: int, num_blocks: int, vocab: int, steps: int, seed: int, stages: bool) -> dict:
     """Steady num_seqs in flight for `steps` steps after a warm-up; per-step figures of the pure decode steps."""
-    engine, stand_in = build_engine(num_seqs, num_blocks, vocab)
+    engine, stand_in = stand_in_engine(num_seqs, num_blocks, vocab)
     core = Clock()
     for name in SCHEDULER_CALLS:
         setattr(engine.scheduler, name, core.wrap(getattr(engine.scheduler, name)))

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from benchlib import DOCS, bar_chart, machine, markdown_table, print_machine, save_raw
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
@@ -56,7 +56,7 @@ def workload(tokenizer: Tokenizer, num_requests: int, seed: int) -> list[tuple[l
 
 def run_engine(model, requests: list[tuple[list[int], int]], batch: int) -> tuple[float, int]:
     config = EngineConfig(num_kv_blocks=4096, max_num_seqs=batch, max_num_batched_tokens=512)
-    engine = LLMEngine(model, None, config)
+    engine = build_engine(model, None, config)
     start = time.perf_counter()
     for prompt, output_len in requests:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
@@ -83,7 +83,7 @@ def run_hf(hf_model, requests: list[tuple[list[int], int]], batch: int, pad_id: 
 
 def batched_bench(model, num_seqs: int, prompt_len: int = 128, gen_len: int = 128) -> tuple[float, float]:
     """llama.cpp batched-bench style: (prompt tokens/s, generated tokens/s) for num_seqs parallel sequences."""
-    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=4096, max_num_seqs=max(num_seqs, 1),
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=4096, max_num_seqs=max(num_seqs, 1),
                                                  max_num_batched_tokens=512, enable_prefix_caching=False))
     rng = np.random.default_rng(num_seqs)
     for _ in range(num_seqs):

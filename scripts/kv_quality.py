@@ -22,9 +22,9 @@ from localserve.models.llama import ForwardContext
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
-from localserve.engine.engine import kv_format_args
+from localserve.engine.builder import build_kv_cache
 from localserve.kv.cache import PagedKVCache
-from localserve.kv.formats import KVFormatSpec, bits_per_value
+from localserve.kv.formats import KVFormatSpec
 
 LICENSES = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1")
 REFERENCE = ("fp16", "fp16")
@@ -60,7 +60,7 @@ def scored_logprobs(model, cache: PagedKVCache, tokens: list[int], first: int) -
 
 
 def format_bits(spec: str, head_dim: int) -> float:
-    return bits_per_value(KVFormatSpec.parse(spec).name, head_dim)
+    return KVFormatSpec.parse(spec).bits_per_value(head_dim)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = -(-args.ctx // 16)
 
     def make_cache(k: str, v: str) -> PagedKVCache:
-        return PagedKVCache(config.num_layers, num_blocks, 16, config.num_kv_heads, config.head_dim,
-                            torch.float32, **kv_format_args(model, tokenizer, k, v))
+        return build_kv_cache(model, tokenizer, KVFormatSpec.parse(k), KVFormatSpec.parse(v), num_blocks, 16)
 
     caches = {label: make_cache(k, v) for label, k, v in configs}  # calibrates once, before timing
     reference_cache = make_cache(*REFERENCE)

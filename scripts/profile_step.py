@@ -22,8 +22,8 @@ from contextlib import contextmanager
 import torch
 from benchlib import DOCS, bar_chart, machine, markdown_table, print_machine, save_raw
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
@@ -84,7 +84,7 @@ def hook_modules(model, clock: Clock) -> list:
 
 
 def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock) -> tuple[dict[str, float], float]:
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=max(256, batch * 8), max_num_seqs=batch,
+    engine = build_engine(model, tokenizer, EngineConfig(num_kv_blocks=max(256, batch * 8), max_num_seqs=batch,
                                                       max_num_batched_tokens=max(512, batch)))
     scheduler_schedule = engine.scheduler.schedule
     engine.scheduler.schedule = clock.wrap("schedule", scheduler_schedule)

@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from localserve.kv.cache import PagedKVCache
+    from localserve.kv.formats import KVFormatSpec
 
 
 @dataclass
@@ -53,7 +54,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str,
+    def unsupported_reason(cls, device: torch.device, key_format: KVFormatSpec, value_format: KVFormatSpec,
                            head_dim: int) -> str | None:
         """Why this backend cannot run on `device` with these KV formats and head size; None when it can."""
         return None

@@ -1,9 +1,9 @@
 """The Triton attention backend: store_kv and paged_attention over the same paged pool as the torch backend.
 
-It reads and writes the bytes the torch codecs define (kv/formats.py): each layer's codecs are turned
-once into the kernels' format parameters, the query is mapped into the key store's domain and the output
-back from the value store's domain exactly as the torch backend does, and the per-step plan (tiles,
-splits) is built once per step, by the first layer, and shared by the others.
+It reads and writes the bytes the torch codecs define (kv/codecs.py): each layer's codecs give the kernels
+their format parameters once (`KVCodec.kernel_format`), the query is mapped into the key store's domain
+and the output back from the value store's domain exactly as the torch backend does, and the per-step
+plan (tiles, splits) is built once per step, by the first layer, and shared by the others.
 """
 
 from __future__ import annotations
@@ -16,46 +16,16 @@ import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs
 from localserve.kernels.attention_plan import AttentionPlan, plan_attention
-from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore, fold_key_mean, q4_midpoints
+from localserve.kernels.kv_format import KernelFormat, KVStore
 from localserve.kernels.paged_attention import paged_attention
+from localserve.kernels.rotary import rotary_halves
 from localserve.kernels.store_kv import store_kv
-from localserve.kv.formats import PASSTHROUGH_DTYPES, KVCodec, KVFormatSpec, PassthroughCodec, Q4Codec, Q8Codec
 
 if TYPE_CHECKING:
     from localserve.kv.cache import PagedKVCache
+    from localserve.kv.formats import KVFormatSpec
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # model dtypes, and the plain formats read
-
-
-def search_factors(device: torch.device) -> torch.Tensor:
-    """The 16 RMS factors of the 4-bit scale search, computed as quantize_codebook computes them."""
-    return torch.exp(torch.linspace(math.log(0.6), math.log(1.7), 16, device=device))
-
-
-def kernel_format(codec: KVCodec, device: torch.device) -> KernelFormat:
-    """The kernels' description of `codec`'s format, its tensors on `device`."""
-    def on_device(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device=device, dtype=torch.float32).contiguous()
-
-    heads, dim = codec.num_kv_heads, codec.head_dim
-    if isinstance(codec, PassthroughCodec):
-        return KernelFormat(PLAIN)
-    if isinstance(codec, Q8Codec):
-        rotation = on_device(codec.rotation).expand(heads, dim, dim) if codec.rotated else None
-        return KernelFormat(Q8_0, encode_matrix=rotation)
-    if not isinstance(codec, Q4Codec):
-        raise ValueError(f"the Triton kernels do not know the {codec.name} format")
-    encode = on_device(codec.encode_matrix)
-    key_mean = value_mean = None
-    if codec.mean is not None and codec.kind == "key":
-        key_mean = fold_key_mean(encode, on_device(codec.mean))
-    elif codec.mean is not None:
-        value_mean = torch.einsum("ged,gd->ge", encode, on_device(codec.mean)).contiguous()
-    levels = on_device(codec.levels)
-    return KernelFormat(Q4, encode_matrix=encode if codec.rotated else None, levels=levels,
-                        midpoints=q4_midpoints(levels),
-                        search_factors=search_factors(device) if codec.options.codebook else None,
-                        key_mean=key_mean, value_mean=value_mean)
 
 
 def kv_store(store: dict[str, torch.Tensor]) -> KVStore:
@@ -85,7 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_sms: int | None = None
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, cache_type_k: str, cache_type_v: str,
+    def unsupported_reason(cls, device: torch.device, key_format: KVFormatSpec, value_format: KVFormatSpec,
                            head_dim: int) -> str | None:
         if device.type != "cuda":
             return "its kernels compile for CUDA devices only"
@@ -93,10 +63,9 @@ class TritonAttentionBackend(AttentionBackend):
             return f"its kernels need a head size that is a power of two >= 16, this model's is {head_dim}"
         import triton  # noqa: F401  (an ImportError says it is missing)
 
-        for name in (cache_type_k, cache_type_v):
-            fmt = KVFormatSpec.parse(name).name
-            if fmt in PASSTHROUGH_DTYPES and PASSTHROUGH_DTYPES[fmt] not in COMPUTE_DTYPES:
-                return f"its kernels do not read a {fmt} KV cache"
+        for spec in (key_format, value_format):
+            if spec.dtype_name is not None and getattr(torch, spec.dtype_name) not in COMPUTE_DTYPES:
+                return f"its kernels do not read a {spec} KV cache"
         return None
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
@@ -148,8 +117,8 @@ class TritonAttentionBackend(AttentionBackend):
         """The kernel formats of one layer's K and V, built on first use."""
         key = (kv_cache, layer)
         if key not in self._formats:
-            self._formats[key] = (kernel_format(kv_cache.key_codecs[layer], device),
-                                  kernel_format(kv_cache.value_codecs[layer], device))
+            self._formats[key] = (kv_cache.key_codecs[layer].kernel_format(device),
+                                  kv_cache.value_codecs[layer].kernel_format(device))
         return self._formats[key]
 
     def rotary_table(self, kv_cache: PagedKVCache, length: int, device: torch.device) -> torch.Tensor:
@@ -158,7 +127,5 @@ class TritonAttentionBackend(AttentionBackend):
         if self._trig_table is None or self._trig_table.shape[0] < length:
             rope = next(codec.rope for codec in kv_cache.key_codecs if codec.needs_positions)
             size = max(256, 1 << max(length - 1, 1).bit_length())
-            cos, sin = rope(torch.arange(size, device=device))
-            half = cos.shape[-1] // 2
-            self._trig_table = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).float().contiguous()
+            self._trig_table = rotary_halves(*rope(torch.arange(size, device=device)))
         return self._trig_table

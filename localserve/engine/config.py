@@ -1,8 +1,12 @@
-"""Engine and scheduler settings (the CLI's -c, -np, --max-num-batched-tokens, ...). No torch here."""
+"""Engine and scheduler settings (the CLI's -c, -np, --max-num-batched-tokens, ...). No torch here: a config
+is made, and so checked, before anything is loaded."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from localserve.attention import check_backend_name
+from localserve.kv.formats import KVFormatSpec
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -27,7 +31,8 @@ class SchedulerConfig:
 
 @dataclass
 class EngineConfig:
-    """Pool, scheduling and attention settings of one engine."""
+    """Pool, scheduling and attention settings of one engine; every field is checked when the config is made
+    (ValueError), a KV format name parsed into its KVFormatSpec then."""
 
     num_kv_blocks: int = 1024
     block_size: int = 16
@@ -40,8 +45,10 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     check_integrity: bool = False  # run BlockManager.check_integrity() after every step
-    cache_type_k: str | None = None  # K cache format (-ctk): fp16, bf16, fp32, q8_0, q4_rot; None: model dtype
-    cache_type_v: str | None = None  # KV cache format of V (-ctv)
+    # The K and V formats (-ctk, -ctv): a spec, or a name such as "q8_0" or "q4_rot:-mean" that the config
+    # parses into one; None: the model's dtype.
+    cache_type_k: KVFormatSpec | str | None = None
+    cache_type_v: KVFormatSpec | str | None = None
     # Size the pool from memory instead of num_kv_blocks: a byte budget, or a fraction of the CUDA device.
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
@@ -49,6 +56,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # validates the scheduler's fields now, not at the first step
+        if isinstance(self.cache_type_k, str):
+            self.cache_type_k = KVFormatSpec.parse(self.cache_type_k)
+        if isinstance(self.cache_type_v, str):
+            self.cache_type_v = KVFormatSpec.parse(self.cache_type_v)
+        check_backend_name(self.attention_backend)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,

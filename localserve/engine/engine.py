@@ -1,14 +1,12 @@
 """The engine: requests in, one scheduled step at a time through the model, outputs out.
 
 `LLMEngine` is synchronous (LLM.generate drives it directly); `EngineThread` runs it on its own thread
-behind thread-safe queues for the server.
+behind thread-safe queues for the server. It is put together by engine/builder.py (`build_engine`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import gc
 import itertools
 import logging
 import time
@@ -18,23 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from localserve.attention import select_backend
 from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.model_runner import ModelRunner
-from localserve.engine.outputs import RequestOutput, make_output, stop_string_cut
+from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Batch, Scheduler, peak_blocks
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
+from localserve.engine.stop_rules import append_sampled_token
 from localserve.kv.block_manager import BlockManager
-from localserve.kv.cache import PagedKVCache
-from localserve.kv.calibration import load_or_calibrate
-from localserve.kv.formats import KVFormatSpec
-from localserve.kv.memory_plan import engine_num_kv_blocks
-from localserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -50,63 +43,33 @@ class StepRecord:
     duration_s: float
 
 
-YOUNG_COLLECTION_THRESHOLD = 50_000  # new container objects between two young collections (Python's is 700)
+@dataclass(slots=True)
+class SampledRow:
+    """A sequence the sampler draws a next token for in this step, and the row of the step's logits it reads."""
 
-
-def settle_garbage_collector() -> None:
-    """Once the model is loaded: collect, then freeze what is alive (weights, modules, the engine's own
-    books: they live as long as the process, and no collection walks them again), and let a young
-    collection wait for 50,000 new objects instead of 700. A decode step makes a few objects per
-    sequence (its chunk, its output) that die by the next step: at 700 several collections a step walk
-    them and promote the survivors, which later collections walk again; at 50,000 one collection every
-    tens of steps meets one step's worth, and full collections become rare (gc.callbacks in
-    scripts/bench_step_overhead.py counts them)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
-
-
-def kv_format_args(model: LlamaForCausalLM, tokenizer, cache_type_k: str | None,
-                   cache_type_v: str | None) -> dict:
-    """PagedKVCache arguments for the K/V formats; a 4-bit format brings the model's calibration and RoPE."""
-    args = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
-    if any(t and KVFormatSpec.parse(t).name == "q4_rot" for t in (cache_type_k, cache_type_v)):
-        args["calibration"] = load_or_calibrate(model, tokenizer)
-        args["rope"] = lambda positions: model.rotary(positions, torch.float32)
-    return args
+    request: Request
+    seq: Sequence
+    logits_row: int
 
 
 class LLMEngine:
     """Continuous batching over a paged KV pool for one model."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
-        if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
-            blocks = engine_num_kv_blocks(model, config.cache_type_k, config.cache_type_v, config.block_size,
-                                          config.kv_cache_memory_bytes, config.gpu_memory_utilization)
-            self.config = config = dataclasses.replace(config, num_kv_blocks=blocks)
-        scheduler_config = config.scheduler_config()
-        self.model_config = model.config
-        self.max_model_len = min(config.max_model_len or model.config.context_length, model.config.context_length)
-        num_cpu_blocks = config.num_cpu_blocks or (
-            config.num_kv_blocks if scheduler_config.preemption_mode == "swap" else 0)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, num_cpu_blocks,
-                                          config.enable_prefix_caching)
-        param = next(model.parameters())
-        mc = model.config
-        kv_cache = PagedKVCache(mc.num_layers, config.num_kv_blocks, config.block_size, mc.num_kv_heads,
-                                mc.head_dim, param.dtype, param.device, num_cpu_blocks=num_cpu_blocks,
-                                **kv_format_args(model, tokenizer, config.cache_type_k, config.cache_type_v))
-        backend, why = select_backend(config.attention_backend, param.device, kv_cache.cache_type_k,
-                                      kv_cache.cache_type_v, mc.head_dim)
-        log.info("attention backend: %s", why)
-        self.runner = ModelRunner(model, kv_cache, backend, self.max_model_len)
-        self.events = EventLog()
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, self.events)
-        self.sampler = Sampler()
+    def __init__(self, config: EngineConfig, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
+                 events: EventLog, tokenizer=None, *, max_model_len: int) -> None:
+        """The engine over built parts (see build_engine): `config` with the pool's real size, the runner
+        with its pool and backend, the block manager and the scheduler over it, the event log they append to."""
+        self.config = config
+        self.runner = runner
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.events = events
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
-        self.device = param.device
+        self.max_model_len = max_model_len
+        self.model_config = runner.model.config
+        self.device = runner.device
+        self.sampler = Sampler()
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -217,12 +180,9 @@ class LLMEngine:
     def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
         self.scheduler.mark_computed(batch)
         moved: dict[str, Request] = {request.request_id: request for request in batch.failed}
-        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
-        rows: list[SamplingRow] = []  # what the sampler reads, one per sampled sequence
-        sampled_requests: list[Request] = []  # the request and sequence of each entry of rows
-        sampled_seqs: list[Sequence] = []
-        logit_rows: list[int] = []  # the logits row of each entry of rows
-        row = 0
+        sampled: list[SampledRow] = []
+        beam_rows: dict[str, list[SampledRow]] = {}  # each beam-search request's live beams
+        num_logits_rows = 0
         num_prompt_tokens = 0
         for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
             num_tokens = len(chunk.token_ids)
@@ -231,47 +191,55 @@ class LLMEngine:
             if not chunk.needs_logits:
                 continue
             moved[request.request_id] = request
+            row = SampledRow(request, seq, num_logits_rows)
+            num_logits_rows += 1
             if request.beam_search:
-                beam_rows.setdefault(request.request_id, []).append((seq, row))
-            else:
-                rows.append(seq.sampling_row or self._sampling_row(request, seq))
-                sampled_requests.append(request)
-                sampled_seqs.append(seq)
-                logit_rows.append(row)
-                if not request.forked:
-                    request.forked = True
-                    with self._serving(request):
-                        for index in range(1, request.params.n):
-                            child = self.fork(request, seq, index)
-                            rows.append(self._sampling_row(request, child))
-                            sampled_requests.append(request)
-                            sampled_seqs.append(child)
-                            logit_rows.append(row)
-            row += 1
+                beam_rows.setdefault(request.request_id, []).append(row)
+                continue
+            sampled.append(row)
+            if not request.forked:
+                sampled += self._fork_samples(row)
         self.num_prompt_tokens += num_prompt_tokens
-        if rows:
+        if sampled:
             # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
             # place; else the row index is built once, on the device.
-            identity = len(logit_rows) == row and not beam_rows
-            result = self.sampler(logits, rows, None if identity else torch.tensor(logit_rows, device=logits.device))
-            self._append_sampled(sampled_requests, sampled_seqs, result)
-        for request_id, entries in beam_rows.items():
-            request = moved[request_id]
-            for seq, logit_row in entries:
-                request.beam_logits[seq.seq_id] = logits[logit_row].clone()
-            # After a preemption by recompute the beams are prefilled again one by one and may finish in
-            # different steps: a beam step needs the next-token logits of every live beam at once.
-            if any(beam.seq_id not in request.beam_logits for beam in request.live_seqs):
-                continue
-            beams = request.live_seqs
-            beam_logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
-            request.forked = True
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-                self.events.append(EventKind.FIRST_TOKEN, request.label)
-            with self._serving(request):
-                beam_search_step(self, request, [(beam, i) for i, beam in enumerate(beams)], beam_logits)
+            identity = len(sampled) == num_logits_rows and not beam_rows
+            index = None if identity else torch.tensor([row.logits_row for row in sampled], device=logits.device)
+            rows = [row.seq.sampling_row or self._sampling_row(row.request, row.seq) for row in sampled]
+            self._append_sampled(sampled, self.sampler(logits, rows, index))
+        for beams in beam_rows.values():
+            self._beam_step(beams, logits)
         return self._report(moved.values())
+
+    def _fork_samples(self, first: SampledRow) -> list[SampledRow]:
+        """The request's samples 2..n, forked from its first at its first sampled step (sharing its blocks);
+        they read the first's logits row."""
+        request = first.request
+        request.forked = True
+        forks: list[SampledRow] = []
+        with self._serving(request):
+            for index in range(1, request.params.n):
+                forks.append(SampledRow(request, self.fork(request, first.seq, index), first.logits_row))
+        return forks
+
+    def _beam_step(self, beams: list[SampledRow], logits: torch.Tensor) -> None:
+        """One beam-search step for the request of `beams` (its beams computed this step), once every live
+        beam has its next-token logits."""
+        request = beams[0].request
+        for beam in beams:
+            request.beam_logits[beam.seq.seq_id] = logits[beam.logits_row].clone()
+        # After a preemption by recompute the beams are prefilled again one by one and may finish in
+        # different steps: a beam step needs the next-token logits of every live beam at once.
+        if any(seq.seq_id not in request.beam_logits for seq in request.live_seqs):
+            return
+        live = request.live_seqs
+        beam_logits = torch.stack([request.beam_logits.pop(seq.seq_id) for seq in live])
+        request.forked = True
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+            self.events.append(EventKind.FIRST_TOKEN, request.label)
+        with self._serving(request):
+            beam_search_step(self, request, [(seq, i) for i, seq in enumerate(live)], beam_logits)
 
     @staticmethod
     def _sampling_row(request: Request, seq: Sequence) -> SamplingRow:
@@ -308,46 +276,29 @@ class LLMEngine:
         request.seqs.append(child)
         return child
 
-    def _append_sampled(self, requests: list[Request], seqs: list[Sequence], result: SamplerOutput) -> None:
-        """Add each sampled token to its sequence and decide whether the sequence stops there. A request
-        whose bookkeeping raises fails alone and the loop goes on with the next entry (one try around
+    def _append_sampled(self, sampled: list[SampledRow], result: SamplerOutput) -> None:
+        """Add each sampled token to its sequence (engine/stop_rules.py), which may end there. A request
+        whose bookkeeping raises fails alone and the loop goes on with the next row (one try around
         the loop, not a guard per token: entering a try costs nothing, a context manager a microsecond)."""
-        self.num_generation_tokens += len(seqs)
-        entries = zip(requests, seqs, result.token_ids, result.logprobs,
-                      result.top_logprobs or itertools.repeat(None))
-        request = None
+        self.num_generation_tokens += len(sampled)
+        entries = zip(sampled, result.token_ids, result.logprobs, result.top_logprobs or itertools.repeat(None))
+        row = None
         while True:
             try:
-                for request, seq, token_id, logprob, top in entries:
+                for row, token_id, logprob, top in entries:
+                    request = row.request
                     if request.error is not None:  # failed alone earlier in this step
                         continue
-                    token_ids = seq.token_ids
-                    token_ids.append(token_id)  # the block manager gets it when the next step schedules it
-                    seq.pending_append = True
+                    reason = append_sampled_token(request, row.seq, token_id, logprob, top)
                     request.just_readmitted = False
-                    if logprob is not None:
-                        seq.cumulative_logprob += logprob
-                        seq.logprobs.append(logprob)
-                        seq.top_logprobs.append(top or [])
                     if request.first_token_time is None:
                         request.first_token_time = time.monotonic()
                         self.events.append(EventKind.FIRST_TOKEN, request.label)
-                    if token_id in request.eos_ids or token_id in request.params.stop_token_ids:
-                        self._finish_seq(seq, "stop")
-                        continue
-                    if seq.decoder is not None:
-                        new_from = len(seq.text)
-                        seq.text += seq.decoder.step(token_id)
-                        if request.stop_strings and (
-                                cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
-                            seq.text = seq.text[:cut]
-                            self._finish_seq(seq, "stop")
-                            continue
-                    if len(token_ids) >= request.max_num_tokens:
-                        self._finish_seq(seq, "length")
+                    if reason is not None:
+                        self._finish_seq(row.seq, reason)
                 return
             except Exception as exc:
-                self._fail_alone(request, exc)
+                self._fail_alone(row.request, exc)
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

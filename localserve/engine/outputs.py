@@ -51,23 +51,6 @@ class RequestOutput:
         return self.outputs[0].token_ids if self.outputs else []
 
 
-def stop_string_cut(text: str, stops: list[str], new_from: int) -> int | None:
-    """Where to cut `text` (the index a stop string starts at), or None, given that `text[:new_from]`
-    held no stop string.
-
-    The text ends before the first stop string to be completed, reading character by character: the one
-    that ends earliest, the longest of those that end together. So the cut does not depend on how the
-    text was split into tokens, and a stop string ending inside the newest token is found however long
-    that token is.
-    """
-    first: tuple[int, int, int] | None = None  # (end, -length, start)
-    for stop in stops:
-        start = text.find(stop, max(0, new_from - len(stop) + 1))
-        if start >= 0 and (first is None or (start + len(stop), -len(stop)) < first[:2]):
-            first = (start + len(stop), -len(stop), start)
-    return None if first is None else first[2]
-
-
 def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutput:
     """The request's outputs; deltas hold what is new since the last call (which this call records).
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from localserve.kv.formats import dtype_format, make_codec
+from localserve.kv.calibration import KVCalibration
+from localserve.kv.codecs import KVCodec, RopeFn, dtype_format, make_codec
+from localserve.kv.formats import KVFormatSpec
 
 
 class HostTransfers:
@@ -48,25 +50,25 @@ class HostTransfers:
 class PagedKVCache:
     """K and V stores for each layer, indexed [num_blocks, block_size, ...] by block and offset.
 
-    Each of K and V has its own format (`cache_type_k`, `cache_type_v`; default: `dtype` itself, i.e. no
-    quantization). A store is the format's tensors, each [num_blocks, block_size, *shape per token]:
-    write() quantizes, gather_blocks() dequantizes only the gathered blocks, and copies and swaps move the stored
-    bytes. Quantized 4-bit formats may use per-layer `calibration` (see kv_calibration) and the model's
+    Each of K and V has its own format (`key_format`, `value_format`; default: the passthrough format of
+    `dtype` itself, i.e. no quantization). A store is the format's tensors, each [num_blocks, block_size,
+    *shape per token]: write() quantizes, gather_blocks() dequantizes only the gathered blocks, and copies
+    and swaps move the stored bytes. Quantized 4-bit formats may use the model's `calibration` and its
     rotary embedding (`rope`: positions -> (cos, sin)) for the key mean.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", num_cpu_blocks: int = 0,
-                 cache_type_k: str | None = None, cache_type_v: str | None = None,
-                 calibration=None, rope=None) -> None:
+                 key_format: KVFormatSpec | None = None, value_format: KVFormatSpec | None = None,
+                 calibration: KVCalibration | None = None, rope: RopeFn | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.cache_type_k = cache_type_k or dtype_format(dtype)
-        self.cache_type_v = cache_type_v or dtype_format(dtype)
+        self.key_format = key_format or dtype_format(dtype)
+        self.value_format = value_format or dtype_format(dtype)
         layer_calibration = calibration.layer if calibration is not None else (lambda layer: None)
-        self.key_codecs = [make_codec(self.cache_type_k, "key", num_kv_heads, head_dim,
+        self.key_codecs = [make_codec(self.key_format, "key", num_kv_heads, head_dim,
                                       layer_calibration(i), rope) for i in range(num_layers)]
-        self.value_codecs = [make_codec(self.cache_type_v, "value", num_kv_heads, head_dim,
+        self.value_codecs = [make_codec(self.value_format, "value", num_kv_heads, head_dim,
                                         layer_calibration(i), rope) for i in range(num_layers)]
         self.needs_positions = any(c.needs_positions for c in self.key_codecs + self.value_codecs)
         self.transfers = HostTransfers(device)
@@ -77,20 +79,10 @@ class PagedKVCache:
         self.cpu_key_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.key_codecs]
         self.cpu_value_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.value_codecs]
 
-    def _allocate(self, codec, num_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
+    def _allocate(self, codec: KVCodec, num_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
         return {name: torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=device,
                                   pin_memory=pin)
                 for name, (shape, dtype) in codec.storage().items()}
-
-    @property
-    def key_caches(self) -> list[torch.Tensor]:
-        """Unquantized K caches [num_blocks, block_size, Hkv, D] per layer (passthrough formats only)."""
-        return [store["values"] for store in self.key_stores]
-
-    @property
-    def value_caches(self) -> list[torch.Tensor]:
-        """Unquantized V caches [num_blocks, block_size, Hkv, D] per layer (passthrough formats only)."""
-        return [store["values"] for store in self.value_stores]
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the pool, K and V of every layer."""

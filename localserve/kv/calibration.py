@@ -1,68 +1,34 @@
-"""Calibration of the 4-bit KV format: per layer and KV head, the key and value means and a key transform.
+"""The 4-bit KV format's calibration: per layer and KV head, the key and value means and a key transform,
+and the math that derives them from one layer's recorded queries, keys and values.
 
-It runs the model once over a short built-in text (the project's own words, never an evaluation text),
-records each layer's queries, keys (after RoPE) and values, and derives:
 - key_mean: the mean key before RoPE (the codec rotates it to each key's position);
 - value_mean: the mean value;
 - key_transform A: minimises the expected score error q^T A^-1 e for quantization noise e that is
   isotropic after the rotation with a power proportional to |A r|^2 (r: the key less its mean). With
   Ck, Cq the second moments of r and of the group's queries, the optimum has A^T A = M where
   M Ck M = Cq, i.e. M is the matrix geometric mean of Ck^-1 and Cq; A = M^(1/2).
-The result is cached on disk per model (keyed by its shapes, a sample of its weights and the text), so a
-model is calibrated once per machine.
+Running a model to record those vectors, and caching the result per model, is the engine's
+(engine/kv_calibration.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from localserve.attention.base import AttentionInputs
-from localserve.attention.torch_backend import TorchAttentionBackend
-from localserve.kv.cache import PagedKVCache
-from localserve.kv.formats import LayerCalibration
-from localserve.models.llama import ForwardContext
-from localserve.models.quantized import QuantizedLinear
-from localserve.models.rope import apply_rope
-
-log = logging.getLogger(__name__)
-
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 1  # of this math: a cached calibration of another version is recomputed
 SHRINKAGE = 0.01  # ridge added to each covariance, relative to its mean eigenvalue
 
-CALIBRATION_TEXT = """\
-A small server for language models keeps its memory in blocks of sixteen tokens. When a request \
-arrives, the scheduler looks at the free blocks, takes only what the prompt needs, and leaves the rest \
-for others. Every step, it gathers the sequences that are ready, runs one pass of the model over all of \
-them together, and hands each one its next token. Nothing waits for the slowest request to finish.
 
-The workshop at the end of the lane repairs bicycles, clocks and old radios. On Tuesday mornings the \
-owner opens the shutters at eight, sweeps the floor, and writes the day's jobs on a chalkboard: a \
-wheel that wobbles, a cuckoo that will not call, a receiver that hums but never speaks. By noon the \
-board is half wiped. Customers bring coffee and stay to watch; some of them have learned to solder.
+@dataclass
+class LayerCalibration:
+    """Calibrated statistics of one layer (float32): means [Hkv, D], key transform [Hkv, D, D] or None."""
 
-How much rain falls in a year depends on where the clouds meet the mountains. Air that rises cools, \
-and cool air holds less water, so the western slopes are green while the valleys beyond them stay dry. \
-Farmers there measure every drop, dig channels along the contours, and plant crops that root deeply. \
-In a wet spring the river floods the lower fields; in a dry one the same fields crack in the sun.
-
-Question: why does a quantized cache need care? Answer: every stored number is rounded, and attention \
-adds up many rounded products. If the errors share a direction, they do not cancel; a fixed rotation \
-spreads each vector's energy evenly across its coordinates, so that one scale fits them all. The mean \
-that every key carries is removed first, because a large constant offset wastes most of the levels.
-
-Grandmother's recipe for bread asks for flour, water, salt and patience. Mix, rest for an hour, fold \
-four times, then leave the dough overnight in a cool place. In the morning shape two loaves, let them \
-rise until a finger pressed into the side leaves a slow dent, and bake them hot, with steam, until the \
-crust sings as it cools. The children are allowed the heels, still warm, with butter.
-
-1. Open the settings. 2. Choose the network. 3. Enter the password twice. 4. Restart the device and \
-wait for the light to turn green; if it blinks red, hold the button for ten seconds and start again.
-"""
+    key_mean: torch.Tensor | None = None  # before RoPE
+    value_mean: torch.Tensor | None = None
+    key_transform: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,6 +39,13 @@ class KVCalibration:
     value_mean: torch.Tensor
     key_transform: torch.Tensor
 
+    @classmethod
+    def from_layers(cls, layers: list[LayerCalibration]) -> KVCalibration:
+        """The layers' statistics stacked, first layer first."""
+        return cls(torch.stack([layer.key_mean for layer in layers]),
+                   torch.stack([layer.value_mean for layer in layers]),
+                   torch.stack([layer.key_transform for layer in layers]))
+
     def layer(self, index: int) -> LayerCalibration:
         """The statistics of one layer, as the codecs take them."""
         return LayerCalibration(self.key_mean[index], self.value_mean[index], self.key_transform[index])
@@ -81,15 +54,21 @@ class KVCalibration:
         return {"key_mean": self.key_mean, "value_mean": self.value_mean, "key_transform": self.key_transform}
 
 
-class _RecordingBackend(TorchAttentionBackend):
-    """The plain backend that also keeps each layer's query, key and value (after RoPE)."""
-
-    def __init__(self) -> None:
-        self.records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def forward(self, layer, query, key, value, kv_cache, metadata):
-        self.records[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu())
-        return super().forward(layer, query, key, value, kv_cache, metadata)
+def layer_statistics(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_before_rope: torch.Tensor,
+                     rotate: Callable[[torch.Tensor], torch.Tensor]) -> LayerCalibration:
+    """One layer's statistics from the queries [T, H, D], keys [T, Hkv, D] (after RoPE), values and keys
+    before RoPE of T recorded tokens (float32); `rotate` applies RoPE at those tokens' positions to
+    vectors [T, Hkv, D] (the model's rotary embedding)."""
+    num_tokens, num_kv_heads = key.shape[:2]
+    key_mean = key_before_rope[1:].mean(0)  # the first token is often an attention sink: leave it out
+    value_mean = value[1:].mean(0)
+    centered = key - rotate(key_mean.expand_as(key))
+    use_mean = centered.pow(2).sum(-1, keepdim=True) < key.pow(2).sum(-1, keepdim=True)
+    residual = torch.where(use_mean, centered, key)  # what the codec quantizes
+    key_moment = torch.einsum("tgd,tge->gde", residual, residual) / num_tokens
+    grouped = query.unflatten(1, (num_kv_heads, -1))  # [T, Hkv, group, D]
+    query_moment = torch.einsum("tgjd,tgje->gde", grouped, grouped) / (num_tokens * grouped.shape[2])
+    return LayerCalibration(key_mean, value_mean, key_transform_from_moments(key_moment, query_moment))
 
 
 def _sqrtm(matrix: torch.Tensor) -> torch.Tensor:
@@ -114,79 +93,3 @@ def key_transform_from_moments(key_moment: torch.Tensor, query_moment: torch.Ten
     ratio = torch.diagonal(ck, dim1=-2, dim2=-1).sum(-1) / torch.diagonal(a @ ck @ a.transpose(-1, -2),
                                                                           dim1=-2, dim2=-1).sum(-1)
     return (a * ratio.sqrt()[..., None, None]).float()
-
-
-@torch.inference_mode()
-def calibrate(model, token_ids: list[int]) -> KVCalibration:
-    """Run `model` (a LlamaForCausalLM) over `token_ids` once and derive the statistics."""
-    config = model.config
-    device = next(model.parameters()).device
-    block_size = 16
-    num_blocks = -(-len(token_ids) // block_size)
-    cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                         torch.float32, device)
-    backend = _RecordingBackend()
-    inputs = AttentionInputs.for_prompt(len(token_ids), list(range(num_blocks)), block_size, device)
-    model(torch.tensor(token_ids, device=device), inputs.positions,
-          ForwardContext(backend, cache, backend.build_metadata(inputs)))
-    positions = torch.arange(len(token_ids))
-    cos, sin = model.rotary(positions.to(device), torch.float32)
-    cos, sin = cos.cpu(), sin.cpu()
-    scale2 = float(model.rotary.scale) ** 2
-    key_means, value_means, transforms = [], [], []
-    for layer in range(config.num_layers):
-        query, key, value = backend.records[layer]
-        pre_rope = apply_rope(key, cos, -sin) / scale2  # RoPE is a (scaled) rotation: undo it
-        key_mean = pre_rope[1:].mean(0)  # the first token is often an attention sink: leave it out
-        key_means.append(key_mean)
-        value_means.append(value[1:].mean(0))
-        rotated_mean = apply_rope(key_mean.expand_as(key), cos, sin)
-        centered = key - rotated_mean
-        use_mean = centered.pow(2).sum(-1, keepdim=True) < key.pow(2).sum(-1, keepdim=True)
-        residual = torch.where(use_mean, centered, key)  # what the codec quantizes
-        key_moment = torch.einsum("tgd,tge->gde", residual, residual) / len(token_ids)
-        grouped = query.unflatten(1, (config.num_kv_heads, -1))  # [T, Hkv, group, D]
-        query_moment = torch.einsum("tgjd,tgje->gde", grouped, grouped) / (len(token_ids) * grouped.shape[2])
-        transforms.append(key_transform_from_moments(key_moment, query_moment))
-    return KVCalibration(torch.stack(key_means), torch.stack(value_means), torch.stack(transforms))
-
-
-def _fingerprint(model, token_ids: list[int]) -> str:
-    digest = hashlib.sha256()
-    digest.update(f"v{CALIBRATION_VERSION}|{SHRINKAGE}|{model.config!r}|{token_ids}".encode())
-    for projection in (model.model.layers[0].self_attn.k_proj, model.model.layers[-1].self_attn.v_proj):
-        weight = projection.blocks if isinstance(projection, QuantizedLinear) else projection.weight
-        digest.update(weight.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def calibration_tokens(tokenizer, vocab_size: int) -> list[int]:
-    """The built-in text as token ids; without a tokenizer, a fixed pseudo-random sequence instead."""
-    if tokenizer is not None:
-        return list(tokenizer.encode(CALIBRATION_TEXT))
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (512,), generator=generator).tolist()
-
-
-def load_or_calibrate(model, tokenizer=None, cache_folder: Path | None = None) -> KVCalibration:
-    """The model's calibration from the on-disk cache, computed and stored there the first time."""
-    from localserve.loading.default_model import cache_dir
-
-    token_ids = calibration_tokens(tokenizer, model.config.vocab_size)
-    folder = cache_folder or cache_dir() / "kv_calibration"
-    path = folder / f"{model.config.name}-{_fingerprint(model, token_ids)}.pt"
-    if path.is_file():
-        try:
-            return KVCalibration(**torch.load(path, map_location="cpu", weights_only=True))
-        except Exception as exc:  # a corrupt or foreign file: recompute
-            log.warning("ignoring unreadable KV calibration %s: %s", path, exc)
-    log.info("calibrating the KV cache on %d tokens of built-in text", len(token_ids))
-    calibration = calibrate(model, token_ids)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(calibration.to_dict(), tmp)
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("could not cache the KV calibration at %s: %s", path, exc)
-    return calibration

@@ -22,6 +22,7 @@ from websockets.exceptions import ConnectionClosed
 
 from localserve.engine.events import EngineEvent
 from localserve.engine.snapshot import EngineSnapshot
+from localserve.kv.formats import KVFormatSpec
 from localserve.kv.memory_plan import kv_bytes_per_token
 from localserve.server.context import close_within
 
@@ -43,7 +44,7 @@ def slots_json(snapshot: EngineSnapshot, hello: dict[str, Any]) -> dict[str, Any
                        "num_cpu_blocks": hello["num_cpu_blocks"], "num_free_cpu_blocks": gauges.num_free_cpu_blocks}}
 
 
-CAPACITY_FORMATS = ("fp16", "q8_0", "q4_rot")
+CAPACITY_FORMATS = tuple(KVFormatSpec.parse(name) for name in ("fp16", "q8_0", "q4_rot"))
 
 
 def monitor_hello(engine, model_name: str) -> dict[str, Any]:
@@ -51,18 +52,18 @@ def monitor_hello(engine, model_name: str) -> dict[str, Any]:
     config, kv_cache = engine.config, engine.runner.kv_cache
     kv_cache_bytes = config.num_kv_blocks * config.block_size * kv_cache.bytes_per_token()
     capacity = []
-    for name in CAPACITY_FORMATS:
+    for spec in CAPACITY_FORMATS:
         try:
-            per_token = kv_bytes_per_token(engine.model_config, name, name)
+            per_token = kv_bytes_per_token(engine.model_config, spec, spec)
         except ValueError:  # the format does not fit this model's head size
             continue
-        capacity.append({"format": name, "bytes_per_token": per_token, "num_tokens": kv_cache_bytes // per_token})
+        capacity.append({"format": str(spec), "bytes_per_token": per_token, "num_tokens": kv_cache_bytes // per_token})
     scheduler_config = engine.scheduler.config
     return {"model": model_name, "block_size": config.block_size, "num_blocks": config.num_kv_blocks,
             "num_cpu_blocks": engine.block_manager.num_cpu_blocks, "max_num_seqs": scheduler_config.max_num_seqs,
             "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
-            "max_model_len": engine.max_model_len, "cache_type_k": kv_cache.cache_type_k,
-            "cache_type_v": kv_cache.cache_type_v, "kv_cache_bytes": kv_cache_bytes, "capacity": capacity}
+            "max_model_len": engine.max_model_len, "cache_type_k": str(kv_cache.key_format),
+            "cache_type_v": str(kv_cache.value_format), "kv_cache_bytes": kv_cache_bytes, "capacity": capacity}
 
 
 class MonitorHub:

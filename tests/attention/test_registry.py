@@ -8,16 +8,19 @@ import torch
 from localserve.attention import BACKENDS, backend_class, select_backend
 from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.cli import main
+from localserve.kv.formats import KVFormatSpec
+
+spec = KVFormatSpec.parse  # the backends take parsed KV formats
 
 
 def test_auto_picks_a_backend_that_supports_the_device_and_says_why():
-    backend, why = select_backend("auto", torch.device("cpu"), "fp32", "q4_rot", head_dim=64)
+    backend, why = select_backend("auto", torch.device("cpu"), spec("fp32"), spec("q4_rot"), head_dim=64)
     assert isinstance(backend, TorchAttentionBackend)
     assert why.startswith("torch (auto") and "cpu" in why
 
 
 def test_a_named_backend_is_used_as_asked():
-    backend, why = select_backend("torch", torch.device("cpu"), "fp16", "q8_0", head_dim=64)
+    backend, why = select_backend("torch", torch.device("cpu"), spec("fp16"), spec("q8_0"), head_dim=64)
     assert isinstance(backend, TorchAttentionBackend) and why == "torch (asked for)"
 
 

@@ -12,11 +12,14 @@ import torch
 from localserve.attention import select_backend
 from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.attention.triton_backend import TritonAttentionBackend
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
+from localserve.kv.formats import KVFormatSpec
 from localserve.loading.hf import load_model
 
+spec = KVFormatSpec.parse  # the backends take parsed KV formats
+FP16 = spec("fp16")
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 250, 77, 12, 9, 31, 200, 18, 4, 66, 91, 120, 33, 7],
            [11, 13, 17, 19, 23], [200, 199, 198, 197, 196, 195, 194, 193, 192, 191, 190, 189, 188, 187, 186, 185,
                                    184, 183, 182, 181, 180, 179, 178, 177, 176, 175, 174, 173, 172, 171, 170, 169,
@@ -25,32 +28,32 @@ PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 250, 77, 12, 9, 31, 200, 18, 4, 66, 91, 120
 
 
 def test_auto_passes_over_triton_on_a_cpu_and_says_why():
-    backend, why = select_backend("auto", torch.device("cpu"), "q8_0", "q4_rot", head_dim=64)
+    backend, why = select_backend("auto", torch.device("cpu"), spec("q8_0"), spec("q4_rot"), head_dim=64)
     assert isinstance(backend, TorchAttentionBackend)
     assert "not triton: its kernels compile for CUDA devices only" in why
     with pytest.raises(ValueError, match="'triton' cannot run here: its kernels compile for CUDA devices only"):
-        select_backend("triton", torch.device("cpu"), "fp16", "fp16", head_dim=64)
+        select_backend("triton", torch.device("cpu"), spec("fp16"), spec("fp16"), head_dim=64)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_type,v_type", [("bf16", "bf16"), ("fp16", "q8_0"), ("q4_rot", "q4_rot:-mean"),
                                            ("fp32", "q8_0:-rotation")])
 def test_auto_picks_triton_on_cuda_for_every_format_it_reads(k_type, v_type):
-    backend, why = select_backend("auto", torch.device("cuda"), k_type, v_type, head_dim=64)
+    backend, why = select_backend("auto", torch.device("cuda"), spec(k_type), spec(v_type), head_dim=64)
     assert isinstance(backend, TritonAttentionBackend) and why.startswith("triton (auto")
 
 
 @pytest.mark.gpu
 def test_auto_keeps_torch_for_a_format_the_kernels_do_not_read():
-    backend, why = select_backend("auto", torch.device("cuda"), "fp64", "fp16", head_dim=64)
+    backend, why = select_backend("auto", torch.device("cuda"), spec("fp64"), spec("fp16"), head_dim=64)
     assert isinstance(backend, TorchAttentionBackend) and "not triton: its kernels do not read a fp64" in why
 
 
 @pytest.mark.parametrize("head_dim", [80, 8])
 def test_auto_keeps_torch_for_a_head_size_the_kernels_do_not_take(head_dim):
-    reason = TritonAttentionBackend.unsupported_reason(torch.device("cuda"), "fp16", "fp16", head_dim)
+    reason = TritonAttentionBackend.unsupported_reason(torch.device("cuda"), FP16, FP16, head_dim)
     assert reason == f"its kernels need a head size that is a power of two >= 16, this model's is {head_dim}"
-    assert TritonAttentionBackend.unsupported_reason(torch.device("cuda"), "fp16", "fp16", 128) is None
+    assert TritonAttentionBackend.unsupported_reason(torch.device("cuda"), FP16, FP16, 128) is None
 
 
 class TorchWriteTritonAttend(TritonAttentionBackend):
@@ -66,7 +69,7 @@ def greedy_tokens(model, backend, k_type: str, v_type: str) -> list[list[int]]:
     """Four greedy requests run together, with chunked prefill (budget 24) mixing chunks and decodes."""
     config = EngineConfig(num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=24, cache_type_k=k_type,
                           cache_type_v=v_type, attention_backend="torch", check_integrity=True)
-    engine = LLMEngine(model, None, config)
+    engine = build_engine(model, None, config)
     if backend is not None:
         engine.runner.backend = backend  # the kernels run in the interpreter here, which auto never picks
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -104,7 +107,7 @@ def test_default_model_on_cuda_gives_the_torch_backends_greedy_tokens(smollm2_pa
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 1953, 30], list(range(100, 160))]
     results = {}
     for backend in ("auto", "torch"):
-        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, attention_backend=backend,
+        engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, attention_backend=backend,
                                                      max_model_len=512))
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         ids = [engine.add_request(prompt, params) for prompt in prompts]

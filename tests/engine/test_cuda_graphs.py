@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from localserve.attention.triton_backend import TritonAttentionBackend
+from localserve.engine.builder import build_kv_cache
 from localserve.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
-from localserve.engine.engine import kv_format_args
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
+from localserve.kv.formats import KVFormatSpec
 from localserve.loading.hf import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,9 +30,8 @@ def qwen3(tiny_model_dir):
 
 
 def make_cache(model, k_type: str, v_type: str) -> PagedKVCache:
-    config = model.config
-    return PagedKVCache(config.num_layers, 12, 16, config.num_kv_heads, config.head_dim, torch.float32, DEVICE,
-                        **kv_format_args(model, None, k_type, v_type))
+    return build_kv_cache(model, None, KVFormatSpec.parse(k_type), KVFormatSpec.parse(v_type), num_blocks=12,
+                          block_size=16)
 
 
 def prefilled(model, k_type: str, v_type: str) -> tuple[ModelRunner, list[int]]:

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
@@ -18,7 +19,7 @@ def make_engine(model, num_blocks=512, max_num_seqs=64, budget=256, chunked=True
     config = EngineConfig(num_kv_blocks=num_blocks, enable_prefix_caching=prefix, check_integrity=check_integrity,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                           preemption_mode=mode)
-    return LLMEngine(model, None, config)
+    return build_engine(model, None, config)
 
 
 def mixed_workload(num_requests=64, seed=0, max_output=40):

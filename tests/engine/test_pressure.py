@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventKind
@@ -19,7 +20,7 @@ from tests.helpers.engine_checks import StepChecker
 
 def make_engine(model, num_blocks: int, **config) -> LLMEngine:
     config = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "check_integrity": True} | config
-    return LLMEngine(model, None, EngineConfig(num_kv_blocks=num_blocks, **config))
+    return build_engine(model, None, EngineConfig(num_kv_blocks=num_blocks, **config))
 
 
 def run_bounded(engine: LLMEngine, max_steps: int) -> dict:

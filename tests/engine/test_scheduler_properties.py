@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, event, given, note, seed, settings, target
 from hypothesis import strategies as st
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
@@ -124,7 +125,7 @@ class TinyModel:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.reference = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=8,
+        self.reference = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=8,
                                                              max_num_batched_tokens=256, enable_prefix_caching=False))
         self.cache: dict[tuple, list[list[int]]] = {}
 
@@ -156,7 +157,7 @@ def tiny(tmp_path_factory):
 
 def run_workload(model, workload: Workload) -> tuple[LLMEngine, dict[int, object]]:
     """Drive the workload step by step under the checker; returns the engine and each request's fate."""
-    engine = LLMEngine(model, None, EngineConfig(
+    engine = build_engine(model, None, EngineConfig(
         num_kv_blocks=workload.num_blocks, num_cpu_blocks=workload.num_cpu_blocks,
         preemption_mode=workload.preemption_mode, enable_chunked_prefill=workload.chunked,
         enable_prefix_caching=workload.prefix_caching, max_num_seqs=workload.max_num_seqs,

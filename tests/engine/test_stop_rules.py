@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
 from localserve.llm import LLM
 from tests.helpers.scripted import EOS, decoded_prefix, write_scripted_model
@@ -187,7 +187,7 @@ def test_finish_reason(scripted, name):
 
 def test_stop_strings_are_refused_where_no_text_is_made(scripted):
     llm, _ = scripted(HELLO)
-    textless = LLMEngine(llm.engine.runner.model, None, EngineConfig(num_kv_blocks=8))
+    textless = build_engine(llm.engine.runner.model, None, EngineConfig(num_kv_blocks=8))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         textless.add_request([1], SamplingParams(max_tokens=4, stop=["lo"]))
     assert textless.is_idle_and_clean()

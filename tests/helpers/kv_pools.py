@@ -6,13 +6,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+from localserve.kernels.rotary import apply_rope
 from localserve.models.config import RopeConfig
-from localserve.models.rope import RotaryEmbedding, apply_rope
+from localserve.models.rope import RotaryEmbedding
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.kv.cache import PagedKVCache
-from localserve.kv.formats import LayerCalibration
+from localserve.kv.calibration import LayerCalibration
+from localserve.kv.formats import KVFormatSpec
 
 BLOCK_SIZE = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,7 +46,8 @@ def make_cache(k_type: str, v_type: str, num_kv_heads: int, head_dim: int, num_b
             return layer_calibration
 
     return PagedKVCache(1, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype, device=DEVICE,
-                        cache_type_k=k_type, cache_type_v=v_type, calibration=Calibration(), rope=rope_fn(head_dim))
+                        key_format=KVFormatSpec.parse(k_type), value_format=KVFormatSpec.parse(v_type),
+                        calibration=Calibration(), rope=rope_fn(head_dim))
 
 
 def keys_at(positions: torch.Tensor, num_kv_heads: int, head_dim: int, seed: int) -> torch.Tensor:

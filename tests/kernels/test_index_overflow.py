@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     from localserve.kernels.kv_format import Q8_0, KernelFormat, KVStore
     from localserve.kernels.paged_attention import paged_attention
     from localserve.kernels.store_kv import store_kv
-    from localserve.kv.formats import rotation_matrix
+    from localserve.kv.quantization import rotation_matrix
 
     device, heads, kv_heads, dim, block_size = "{device}", 4, 1, 64, 16
     high = 2 ** 21 + 5  # q8_0 codes take 1024 int8 per block: block ids past 2**21 pass 2**31 elements

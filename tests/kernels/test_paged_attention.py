@@ -10,9 +10,9 @@ import pytest
 import torch
 from localserve.kernels.attention_plan import plan_attention
 from localserve.kernels.paged_attention import paged_attention
-from localserve.models.rope import apply_rope
+from localserve.kernels.rotary import apply_rope
 
-from localserve.attention.triton_backend import TritonAttentionBackend, kernel_format, kv_store
+from localserve.attention.triton_backend import TritonAttentionBackend, kv_store
 from tests.helpers.kv_pools import DEVICE, calibration, fill_batch, rope_fn, torch_reference
 
 MIXED = [(1, 1328), (5, 18), (129, 463)]  # a long decode, a short chunk, a long chunk mid-prompt
@@ -62,8 +62,8 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
 def direct_attention(batch, plan, query=None, block_tables=None):
     """paged_attention on the batch's (plain-format) pool, bypassing the backend."""
     cache, layer = batch.cache, 0
-    key_format = kernel_format(cache.key_codecs[layer], torch.device(DEVICE))
-    value_format = kernel_format(cache.value_codecs[layer], torch.device(DEVICE))
+    key_format = cache.key_codecs[layer].kernel_format(torch.device(DEVICE))
+    value_format = cache.value_codecs[layer].kernel_format(torch.device(DEVICE))
     return paged_attention(batch.query if query is None else query, kv_store(cache.key_stores[layer]),
                            kv_store(cache.value_stores[layer]), key_format, value_format, plan,
                            batch.query.shape[-1] ** -0.5)
@@ -87,7 +87,7 @@ def test_padding_rows_tiles_and_table_entries_are_never_touched():
         out = torch.full_like(padded_query, 7.0)
         out = paged_attention(padded_query, *[kv_store(s[0]) for s in (batch.cache.key_stores,
                                                                         batch.cache.value_stores)],
-                              *[kernel_format(c[0], torch.device(DEVICE)) for c in (batch.cache.key_codecs,
+                              *[c[0].kernel_format(torch.device(DEVICE)) for c in (batch.cache.key_codecs,
                                                                                      batch.cache.value_codecs)],
                               plan, 64 ** -0.5, output=out)
         torch.testing.assert_close(out[:7], reference, atol=2e-5, rtol=1e-4)

@@ -12,8 +12,8 @@ import torch
 from localserve.kernels.kv_format import KVStore
 from localserve.kernels.store_kv import store_kv
 
-from localserve.attention.triton_backend import kernel_format, kv_store
-from localserve.kv.formats import Q4Codec, Q8Codec
+from localserve.attention.triton_backend import kv_store
+from localserve.kv.codecs import Q4Codec, Q8Codec
 from tests.helpers.kv_pools import DEVICE, keys_at, make_cache, rope_fn, values_near_mean
 
 NUM_BLOCKS = 6
@@ -38,7 +38,7 @@ def write_both(k_type: str, v_type: str, num_kv_heads: int, head_dim: int, dtype
                               (value, triton_cache.value_codecs, triton_cache.value_stores)):
         garbage = torch.full((3, num_kv_heads, head_dim), 1e4, device=DEVICE, dtype=dtype)
         store_kv(torch.cat((x, garbage)), torch.cat((slots, skipped)), kv_store(stores[0]),
-                 kernel_format(codecs[0], torch.device(DEVICE)), trig)
+                 codecs[0].kernel_format(torch.device(DEVICE)), trig)
     return torch_cache, triton_cache, key, value, slots, positions
 
 
@@ -66,7 +66,7 @@ def test_bf16_rounds_half_to_even_like_torch():
     cache = make_cache("bf16", "bf16", 2, 64, 2)
     slots = torch.arange(20, device=DEVICE)
     store = kv_store(cache.key_stores[0])
-    store_kv(x.to(DEVICE), slots, store, kernel_format(cache.key_codecs[0], torch.device(DEVICE)))
+    store_kv(x.to(DEVICE), slots, store, cache.key_codecs[0].kernel_format(torch.device(DEVICE)))
     assert torch.equal(store.data.view(-1, 2, 64)[:20], x.to(DEVICE, torch.bfloat16))
 
 
@@ -117,7 +117,7 @@ def test_quantized_formats_match_torch_codecs_up_to_ties(k_type, v_type, num_kv_
 
 def test_store_rejects_a_layout_it_cannot_index():
     cache = make_cache("q8_0", "fp16", 2, 64, 2)
-    fmt = kernel_format(cache.key_codecs[0], torch.device(DEVICE))
+    fmt = cache.key_codecs[0].kernel_format(torch.device(DEVICE))
     x = torch.zeros(4, 2, 64, device=DEVICE)
     codes = cache.key_stores[0]["codes"]
     with pytest.raises(ValueError, match="scales"):
@@ -128,4 +128,4 @@ def test_store_rejects_a_layout_it_cannot_index():
     odd_cache = make_cache("fp16", "fp16", 1, 48, 2)
     with pytest.raises(ValueError, match="power of two >= 16, got 48"):
         store_kv(torch.zeros(4, 1, 48, device=DEVICE), torch.arange(4, device=DEVICE),
-                 kv_store(odd_cache.key_stores[0]), kernel_format(odd_cache.key_codecs[0], torch.device(DEVICE)))
+                 kv_store(odd_cache.key_stores[0]), odd_cache.key_codecs[0].kernel_format(torch.device(DEVICE)))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from localserve.kv.cache import HostTransfers, PagedKVCache
+from localserve.kv.formats import KVFormatSpec
 
 NUM_BLOCKS, NUM_CPU_BLOCKS, BLOCK_SIZE = 8, 6, 4
 
@@ -36,8 +37,9 @@ class DeferredTransfers(HostTransfers):
 
 
 def make_cache(device, cache_type: str | None = None) -> PagedKVCache:
+    spec = KVFormatSpec.parse(cache_type) if cache_type else None
     cache = PagedKVCache(2, NUM_BLOCKS, BLOCK_SIZE, 2, 32, torch.float32, device, num_cpu_blocks=NUM_CPU_BLOCKS,
-                         cache_type_k=cache_type, cache_type_v=cache_type)
+                         key_format=spec, value_format=spec)
     generator = torch.Generator().manual_seed(0)
     for store in cache.key_stores + cache.value_stores:
         for tensor in store.values():

@@ -7,26 +7,28 @@ import math
 import numpy as np
 import pytest
 import torch
+from localserve.kernels.rotary import apply_rope
 from localserve.models.config import RopeConfig
-from localserve.models.rope import RotaryEmbedding, apply_rope
+from localserve.models.rope import RotaryEmbedding
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.kv.cache import PagedKVCache
-from localserve.kv.formats import (
-    FORMAT_NAMES,
-    LLOYD_MAX_16,
-    KVFormatSpec,
-    LayerCalibration,
-    Q4Options,
-    bits_per_value,
-    make_codec,
-    pack_nibbles,
-    rotation_matrix,
-    unpack_nibbles,
-)
+from localserve.kv.calibration import LayerCalibration
+from localserve.kv.codecs import make_codec as make_spec_codec
+from localserve.kv.formats import FORMAT_NAMES, KVFormatSpec, Q4Options
+from localserve.kv.quantization import LLOYD_MAX_16, pack_nibbles, rotation_matrix, unpack_nibbles
 
 HKV, D = 2, 64
+
+
+def make_codec(name: str, *args):
+    """The codec of the format `name` (the codecs take a parsed spec)."""
+    return make_spec_codec(KVFormatSpec.parse(name), *args)
+
+
+def bits_per_value(name: str, head_dim: int) -> float:
+    return KVFormatSpec.parse(name).bits_per_value(head_dim)
 
 
 def rope_fn(head_dim: int = D):
@@ -239,6 +241,27 @@ def test_format_spec_parsing():
         KVFormatSpec.parse("q8_0:-mean")
 
 
+def test_format_spec_canonical_text_and_calibration_need():
+    assert str(KVFormatSpec.parse("Q4:-mean,+rotation")) == "q4_rot:-mean"
+    assert str(KVFormatSpec.parse("q8_0:-rotation")) == "q8_0:-rotation"
+    assert str(KVFormatSpec.parse("f16")) == "fp16" and KVFormatSpec.parse("f16") == KVFormatSpec("fp16")
+    assert KVFormatSpec.parse("q4_rot").needs_calibration
+    assert KVFormatSpec.parse("q4_rot:-mean").needs_calibration  # the key transform still is calibrated
+    assert not KVFormatSpec.parse("q4_rot:-mean,-key_transform").needs_calibration
+    assert not KVFormatSpec.parse("q8_0").needs_calibration and not KVFormatSpec.parse("bf16").needs_calibration
+    assert KVFormatSpec.parse("bf16").dtype_name == "bfloat16" and KVFormatSpec.parse("q8_0").dtype_name is None
+
+
+@pytest.mark.parametrize("name,head_dim,message", [("q8_0", 48, "q8_0 needs a head_dim divisible by 32, got 48"),
+                                                   ("q4_rot", 63, "q4_rot needs an even head_dim, got 63")])
+def test_a_format_refuses_a_head_dim_it_cannot_store(name, head_dim, message):
+    with pytest.raises(ValueError, match=message):
+        KVFormatSpec.parse(name).bytes_per_vector(head_dim)
+    with pytest.raises(ValueError, match=message):
+        make_codec(name, "key", HKV, head_dim)
+    assert KVFormatSpec.parse("fp16").bytes_per_vector(head_dim) == 2 * head_dim
+
+
 # ---------------------------------------------------------------- the paged cache and attention
 def make_cache(cache_type_k, cache_type_v, num_blocks=12, num_cpu_blocks=0, layers=1):
     calibration, _ = key_calibration()
@@ -248,8 +271,8 @@ def make_cache(cache_type_k, cache_type_v, num_blocks=12, num_cpu_blocks=0, laye
             return calibration
 
     return PagedKVCache(layers, num_blocks, 4, HKV, D, torch.float32, num_cpu_blocks=num_cpu_blocks,
-                        cache_type_k=cache_type_k, cache_type_v=cache_type_v, calibration=Calibration(),
-                        rope=rope_fn())
+                        key_format=KVFormatSpec.parse(cache_type_k), value_format=KVFormatSpec.parse(cache_type_v),
+                        calibration=Calibration(), rope=rope_fn())
 
 
 @pytest.mark.parametrize("k_type,v_type",
@@ -335,7 +358,7 @@ def test_key_transform_solves_the_geometric_mean_equation():
 
 
 def test_calibration_is_computed_once_and_cached(tiny_model_dir, tmp_path):
-    from localserve.kv.calibration import load_or_calibrate
+    from localserve.engine.kv_calibration import load_or_calibrate
     from localserve.loading.hf import load_model
 
     folder, _ = tiny_model_dir("llama")
@@ -365,11 +388,11 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.mark.parametrize("k_type,v_type", ENGINE_FORMATS)
 def test_engine_serves_each_format(smollm2, smollm2_tokenizer, k_type, v_type):
+    from localserve.engine.builder import build_engine
     from localserve.engine.config import EngineConfig
-    from localserve.engine.engine import LLMEngine
     from localserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(smollm2.model, smollm2_tokenizer,
+    engine = build_engine(smollm2.model, smollm2_tokenizer,
                        EngineConfig(num_kv_blocks=16, cache_type_k=k_type, cache_type_v=v_type))
     prompt = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     max_tokens = 10 if k_type in (None, "q8_0") and k_type == v_type else 4

@@ -8,21 +8,32 @@ import numpy as np
 import pytest
 
 from localserve.cli import main
-from localserve.kv.formats import bits_per_value
-from localserve.kv.memory_plan import (
-    blocks_for_device,
-    estimated_weight_bytes,
-    human_size,
-    kv_budget_bytes,
-    kv_bytes_per_token,
-    load_plan_model,
-    num_kv_blocks,
-    parse_size,
-    plan,
-)
+from localserve.kv import memory_plan
+from localserve.kv.formats import KVFormatSpec
+from localserve.kv.memory_plan import human_size, kv_budget_bytes, num_kv_blocks, parse_size
+from localserve.loading.plan_model import estimated_weight_bytes, load_plan_model
 
 LLAMA31_8B = Path(__file__).parents[1] / "helpers" / "llama31_8b_config.json"
 GIB = 2 ** 30
+
+
+# The memory plan takes parsed formats; these take their names.
+def bits_per_value(name: str, head_dim: int) -> float:
+    return KVFormatSpec.parse(name).bits_per_value(head_dim)
+
+
+def kv_bytes_per_token(config, k_type: str, v_type: str) -> int:
+    return memory_plan.kv_bytes_per_token(config, KVFormatSpec.parse(k_type), KVFormatSpec.parse(v_type))
+
+
+def blocks_for_device(config, k_type: str, v_type: str, *args, **kwargs) -> int:
+    return memory_plan.blocks_for_device(config, KVFormatSpec.parse(k_type), KVFormatSpec.parse(v_type), *args,
+                                         **kwargs)
+
+
+def plan(config, kv_budget: int, block_size: int, formats: tuple[tuple[str, str], ...]) -> list[memory_plan.PlanRow]:
+    return memory_plan.plan(config, kv_budget, block_size,
+                            tuple((KVFormatSpec.parse(k), KVFormatSpec.parse(v)) for k, v in formats))
 
 
 def test_parse_size():
@@ -90,19 +101,19 @@ def test_plan_with_explicit_budget_and_missing_model(capsys, tmp_path):
 def test_engine_sizes_its_pool_from_a_byte_budget(tiny_model_dir):
     import torch
 
+    from localserve.engine.builder import build_engine
     from localserve.engine.config import EngineConfig
-    from localserve.engine.engine import LLMEngine
     from localserve.loading.hf import load_model
 
     folder, _ = tiny_model_dir("llama")
     model = load_model(folder, dtype=torch.float32).model
     per_token = kv_bytes_per_token(model.config, "bf16", "fp32")
-    engine = LLMEngine(model, None, EngineConfig(block_size=16, cache_type_k="bf16", cache_type_v="fp32",
+    engine = build_engine(model, None, EngineConfig(block_size=16, cache_type_k="bf16", cache_type_v="fp32",
                                                  kv_cache_memory_bytes=37 * 16 * per_token + 100))
     assert engine.block_manager.num_blocks == engine.runner.kv_cache.num_blocks == 37
     assert engine.runner.kv_cache.bytes_per_token() == per_token
     with pytest.raises(ValueError, match="CUDA"):
-        LLMEngine(model, None, EngineConfig(gpu_memory_utilization=0.5))
+        build_engine(model, None, EngineConfig(gpu_memory_utilization=0.5))
 
 
 def test_plan_counts_a_q4_k_m_gguf_at_its_stored_size(capsys, tmp_path):

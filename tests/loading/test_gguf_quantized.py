@@ -80,11 +80,11 @@ def test_default_model_kept_quantized_gives_the_dequantized_models_tokens(smollm
 
 def engine_tokens(model, prompts: list[list[int]]) -> tuple[list[list[int]], object]:
     """Greedy tokens of `prompts` through an LLMEngine (attention backend auto), and the engine."""
+    from localserve.engine.builder import build_engine
     from localserve.engine.config import EngineConfig
-    from localserve.engine.engine import LLMEngine
     from localserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_model_len=512))
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_model_len=512))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     outputs = engine.run_to_completion()

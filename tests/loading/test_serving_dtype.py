@@ -42,5 +42,5 @@ def test_command_line_passes_the_serving_dtype_unless_told(monkeypatch, flags, h
 
     monkeypatch.setattr("localserve.llm.LLM", FakeLLM)
     args = cli.build_parser().parse_args(["generate", "--device", "cpu", *flags, "hello"])
-    cli.build_llm(args)
+    cli.build_llm(args, cli.engine_config(args))
     assert seen == {"dtype": expected, "device": "cpu"}

@@ -160,12 +160,12 @@ def test_a_request_that_can_never_be_admitted_fails_instead_of_blocking_the_queu
     nothing holds the pool, instead of stepping empty batches with everyone behind it waiting for ever.
     (Before the scheduler's exact fit check, n samples preempted by recompute did exactly that: the load
     test lost turns.)"""
+    from localserve.engine.builder import build_engine
     from localserve.engine.config import EngineConfig
-    from localserve.engine.engine import LLMEngine
     from localserve.loading.hf import load_model
 
     folder, _ = tiny_model_dir("llama")
-    engine = LLMEngine(load_model(folder).model, None, EngineConfig(num_kv_blocks=8, max_num_seqs=8,
+    engine = build_engine(load_model(folder).model, None, EngineConfig(num_kv_blocks=8, max_num_seqs=8,
                                                                   max_num_batched_tokens=64))
     too_long = list(range(3, 250)) + list(range(3, 13))  # 257 tokens: 17 blocks, the pool has 8
     with pytest.raises(ValueError, match="can never run"):

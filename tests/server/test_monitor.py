@@ -9,8 +9,8 @@ import json
 import torch
 from websockets.asyncio.client import connect
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
-from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
@@ -65,7 +65,7 @@ def test_short_request_between_two_snapshots_shows_each_event_once(tiny_chat_llm
 def test_preemption_shows_one_preempted_and_one_resumed_event(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     model = load_model(folder, dtype=torch.float64).model
-    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
                                                  check_integrity=True))
     for start in range(4):
         engine.add_request(list(range(start + 3, start + 23)), SamplingParams(temperature=0, max_tokens=60,

@@ -1,0 +1,48 @@
+"""What a sampled token does to its sequence: it is appended, with its log-probability and its text, and it
+may end the sequence: an end-of-sequence or stop token, a stop string completed in the text (the text cut
+where it begins), or the length limit. No torch here."""
+
+from __future__ import annotations
+
+from localserve.engine.sequence import Request, Sequence
+
+
+def append_sampled_token(request: Request, seq: Sequence, token_id: int, logprob: float | None,
+                         top_logprobs: list[tuple[int, float]] | None) -> str | None:
+    """Append `token_id` to `seq` of `request`; returns why the sequence ends with it ("stop" or "length"),
+    or None while it goes on. The block manager gets the token when the next step schedules it."""
+    token_ids = seq.token_ids
+    token_ids.append(token_id)
+    seq.pending_append = True
+    if logprob is not None:
+        seq.cumulative_logprob += logprob
+        seq.logprobs.append(logprob)
+        seq.top_logprobs.append(top_logprobs or [])
+    if token_id in request.eos_ids or token_id in request.params.stop_token_ids:
+        return "stop"
+    if seq.decoder is not None:
+        new_from = len(seq.text)
+        seq.text += seq.decoder.step(token_id)
+        if request.stop_strings and (cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
+            seq.text = seq.text[:cut]
+            return "stop"
+    if len(token_ids) >= request.max_num_tokens:
+        return "length"
+    return None
+
+
+def stop_string_cut(text: str, stops: list[str], new_from: int) -> int | None:
+    """Where to cut `text` (the index a stop string starts at), or None, given that `text[:new_from]`
+    held no stop string.
+
+    The text ends before the first stop string to be completed, reading character by character: the one
+    that ends earliest, the longest of those that end together. So the cut does not depend on how the
+    text was split into tokens, and a stop string ending inside the newest token is found however long
+    that token is.
+    """
+    first: tuple[int, int, int] | None = None  # (end, -length, start)
+    for stop in stops:
+        start = text.find(stop, max(0, new_from - len(stop) + 1))
+        if start >= 0 and (first is None or (start + len(stop), -len(stop)) < first[:2]):
+            first = (start + len(stop), -len(stop), start)
+    return None if first is None else first[2]
