@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
@@ -16,8 +17,8 @@ PROMPT_LEN = 20
 def preempting_engine(model, mode: str) -> tuple[LLMEngine, str]:
     """An older greedy request (4 blocks at its peak) and a newer one of two samples (7 blocks) in a
     10-block pool: the newer is preempted once both have grown. Returns the engine and the newer's id."""
-    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=10, num_cpu_blocks=10, preemption_mode=mode,
-                                                 max_num_seqs=8, max_num_batched_tokens=64, check_integrity=True))
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=10, num_cpu_blocks=10, preemption_mode=mode,
+                                                    max_num_seqs=8, max_num_batched_tokens=64, check_integrity=True))
     engine.add_request(list(range(3, 3 + PROMPT_LEN)), SamplingParams(temperature=0, max_tokens=44, ignore_eos=True))
     newer = engine.add_request(list(range(50, 50 + PROMPT_LEN)),
                                SamplingParams(n=2, seed=1, temperature=1.0, max_tokens=44, ignore_eos=True))
