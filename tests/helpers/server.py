@@ -48,8 +48,9 @@ def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_l
 
 
 @contextmanager
-def running_server(llm, **config):
+def running_server(llm, engine_thread_type=None, **config):
     """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer.
+    `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say).
 
     torch runs on one thread meanwhile: on a shared 2-core machine, intra-op threads of a tiny model
     spin against the clients and the other processes (a step is ~10x slower with two).
@@ -62,7 +63,7 @@ def running_server(llm, **config):
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine_thread = EngineThread(llm.engine)
+    engine_thread = (engine_thread_type or EngineThread)(llm.engine)
     engine_thread.start()
     try:
         server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
