@@ -14,8 +14,10 @@ the server's whole path runs, hundreds of times a second, and the model never do
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,7 @@ SPELLINGS: dict[str, dict[str, str]] = {
     "top_p": _everywhere("top_p"),
     **{name: {"responses": f"localserve.{name}", "chat": name, "completions": name} for name in EXTRAS},
     "logprobs": {"responses": "top_logprobs", "chat": "top_logprobs", "completions": "logprobs"},
+    "extension_logprobs": {"responses": "localserve.logprobs"},  # wins over top_logprobs
     "tools": {"responses": "tools", "chat": "tools"},
     "tool_choice": {"responses": "tool_choice", "chat": "tool_choice"},
     "structured_output": {"responses": "text.format", "chat": "response_format"},
@@ -119,6 +122,7 @@ class Outcome:
     status: int | None = None
     code: str | None = None
     field: str | None = None  # the shared name of the field the error named
+    response_id: str | None = dataclasses.field(default=None, compare=False)  # an accepted Responses request's
 
     @property
     def accepted(self) -> bool:
@@ -148,12 +152,12 @@ class WireClient:
         self.port, self.engine_thread = port, engine_thread
         self._http: http.client.HTTPConnection | None = None
         self._websocket = None
+        self._connections = ExitStack()
 
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
-        if self._websocket is not None:
-            self._websocket.close()
+        self._connections.close()
 
     def send(self, fmt: str, case: dict[str, Any]) -> Outcome:
         """Send the case in format `fmt`; the outcome, with the engine's side checked against it."""
@@ -161,16 +165,17 @@ class WireClient:
 
     def send_body(self, fmt: str, body: dict[str, Any]) -> Outcome:
         before = len(self.engine_thread.submitted)
-        status, error = self._websocket_answer(body) if fmt == RESPONSES_WS else self._http_answer(fmt, body)
+        status, answer = self._websocket_answer(body) if fmt == RESPONSES_WS else self._http_answer(fmt, body)
         submitted = self.engine_thread.submitted[before:]
-        if error is None:
-            assert status == 200 and len(submitted) == 1, (fmt, status, submitted)
-            return Outcome(params=submitted[0])
-        assert not submitted, (fmt, error)
-        assert error["message"], (fmt, error)
-        return Outcome(status=status, code=error["code"], field=shared_name(fmt, error["param"]))
+        if status == 200:
+            assert len(submitted) == 1, (fmt, status, submitted)
+            return Outcome(params=submitted[0], response_id=answer["id"])
+        assert not submitted, (fmt, answer)
+        assert answer["message"], (fmt, answer)
+        return Outcome(status=status, code=answer["code"], field=shared_name(fmt, answer["param"]))
 
-    def _http_answer(self, fmt: str, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    def _http_answer(self, fmt: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The status and the answer (the response object, or an error's `error` object)."""
         data = json.dumps(body).encode()
         for attempt in range(2):  # an idle keep-alive connection the server closed: once more on a new one
             if self._http is None:
@@ -187,16 +192,17 @@ class WireClient:
                     raise
         if response.status == 200:
             assert answer.get("object") in ("response", "chat.completion", "text_completion"), answer
-            return 200, None
+            return 200, answer
         return response.status, answer["error"]
 
-    def _websocket_answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    def _websocket_answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The status and the answer (the response object, or an error event's `error`)."""
         if self._websocket is None:
-            self._websocket = connect(f"ws://127.0.0.1:{self.port}/v1/responses")
+            self._websocket = self._connections.enter_context(connect(f"ws://127.0.0.1:{self.port}/v1/responses"))
         self._websocket.send(json.dumps(body))
         while True:
             event = json.loads(self._websocket.recv(timeout=30))
             if event["type"] == "error":
                 return event["status"], event["error"]
             if event["type"] in CLOSING_EVENTS:
-                return 200, None
+                return 200, event["response"]

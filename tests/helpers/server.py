@@ -129,3 +129,12 @@ class SlowConnection:
         pong = asyncio.get_running_loop().create_future()
         pong.set_result(0.0)  # answered at once: this client always reads
         return pong
+
+
+def engine_facts(max_model_len: int = 512):
+    """The facts of a small engine, for engine threads played by a test (no engine behind them)."""
+    from localserve.engine.facts import EngineFacts, KvCapacity
+
+    return EngineFacts(max_model_len=max_model_len, vocab_size=256, block_size=16, num_gpu_blocks=64,
+                       num_cpu_blocks=0, max_num_seqs=16, max_num_batched_tokens=256, cache_type_k="fp16",
+                       cache_type_v="fp16", kv_bytes_per_token=512, capacity=(KvCapacity("fp16", 512, 1024),))
