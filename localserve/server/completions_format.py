@@ -44,7 +44,7 @@ COMMON: dict[str, fields.Field] = {
     "prompt_cache_retention": fields.Ignored("cached blocks stay until the pool needs them"),
 }
 
-CHAT_COMPLETIONS = fields.WireFormat("POST /v1/chat/completions", {
+CHAT_COMPLETIONS = fields.WireFormat({
     "messages": fields.Messages(CHAT_MESSAGES),
     **COMMON,
     "max_completion_tokens": fields.Sampling("max_tokens", preferred=True),
@@ -66,13 +66,13 @@ CHAT_COMPLETIONS = fields.WireFormat("POST /v1/chat/completions", {
                             "continue"),
     "metadata": fields.Ignored("chat completions are not stored, so there is nothing to tag"),
     "parallel_tool_calls": fields.Ignored("no tools are accepted, so none is called"),
-})
+}, stores=False)
 
-COMPLETIONS = fields.WireFormat("POST /v1/completions", {
+COMPLETIONS = fields.WireFormat({
     "prompt": fields.Prompt(),
     **COMMON,
     "logprobs": fields.Sampling("logprobs"),
     "echo": fields.Refused("the prompt is not repeated in the answer", kind=bool),
     "suffix": fields.Refused("there is no fill-in-the-middle", kind=str),
     "best_of": fields.Refused("use n to sample several completions", fields.one_of(1), int),
-}, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+}, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, stores=False)

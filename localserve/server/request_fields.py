@@ -15,6 +15,7 @@ answer on every format, and an error names the field as that format spells it (`
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -409,9 +410,9 @@ class Nested(Field):
 class WireFormat:
     """One API's generation request: the meaning of each of its fields (its field map)."""
 
-    name: str
     fields: Mapping[str, Field]
     default_max_tokens: int | None = None  # None: the server's (ServerConfig.default_max_output_tokens)
+    stores: bool = True  # False: no answer is kept for previous_response_id beyond its own request
     echoed: Mapping[str, Any] = field(default_factory=dict)  # fields the answer echoes, and their defaults
     wire_names: Mapping[str, str] = field(init=False)  # shared field -> its first spelling in the map
 
@@ -462,7 +463,7 @@ def _collect(container: Mapping[str, Any], fields: Mapping[str, Field], prefix: 
 
 def _echoed(default: Any, value: Any) -> Any:
     if value is None:
-        return default
+        return copy.deepcopy(default)  # each response object its own
     return default | value if isinstance(default, dict) and isinstance(value, dict) else value
 
 
@@ -482,13 +483,14 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
         instructions=values.get("instructions"), model=values.get("model"),
         previous_response_id=values.get("previous_response_id"),
         max_output_tokens=values.get("max_tokens", wire.default_max_tokens), sampling=sampling,
-        metadata=values.get("metadata", {}), stream_id=values.get("stream_id"), store=values.get("store", True),
+        metadata=values.get("metadata", {}), stream_id=values.get("stream_id"), store=values.get("store", wire.stores),
         generate=values.get("generate", True), stream=values.get("stream", False),
         include_usage=values.get("include_usage", False),
         echoed={name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
         wire_names={name: draft.names.get(name, spelled) for name, spelled in wire.wire_names.items()})
-    limit = draft.limits.max_input_chars
+    limit, param = draft.limits.max_input_chars, request.wire_name("input")
     if request.num_input_chars > limit:
-        raise ProtocolError("string_above_max_length", f"the input holds {request.num_input_chars} characters; "
-                            f"at most {limit} are accepted", request.wire_name("input"))
+        with_instructions = " with the instructions" if request.instructions else ""
+        raise ProtocolError("string_above_max_length", f"'{param}' holds {request.num_input_chars} characters"
+                            f"{with_instructions}; at most {limit} are accepted", param)
     return request

@@ -58,18 +58,6 @@ class SamplingChoice:
     def num_samples(self) -> int:
         return self.n or 1
 
-    def params(self, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
-        """SamplingParams: the server's `defaults` for temperature and the filters the request left out,
-        SamplingParams' own for the rest. The values were checked by the request's field rules, which
-        are at least as strict as SamplingParams' own checks."""
-        chosen = {item.name: getattr(self, item.name) for item in dataclasses.fields(self)
-                  if getattr(self, item.name) is not None}
-        if "stop" in chosen:
-            chosen["stop"] = list(chosen["stop"])
-        server = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
-                  "min_p": defaults.min_p}
-        return SamplingParams(max_tokens=max_tokens, **(server | chosen))
-
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -101,5 +89,14 @@ class GenerationRequest:
         return self.wire_names[name]
 
     def sampling_params(self, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams for this request, `max_tokens` resolved against the prompt."""
-        return self.sampling.params(defaults, max_tokens)
+        """The engine's SamplingParams, `max_tokens` resolved against the prompt: the server's `defaults`
+        for temperature and the filters the request left out, SamplingParams' own for the rest. The
+        values passed the request's field rules, which are at least as strict as SamplingParams' checks."""
+        sampling = self.sampling
+        chosen = {item.name: getattr(sampling, item.name) for item in dataclasses.fields(sampling)
+                  if getattr(sampling, item.name) is not None}
+        if "stop" in chosen:
+            chosen["stop"] = list(chosen["stop"])
+        server = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
+                  "min_p": defaults.min_p}
+        return SamplingParams(max_tokens=max_tokens, **(server | chosen))

@@ -93,9 +93,9 @@ ECHOED = {"tools": [], "tool_choice": "auto", "text": {"format": {"type": "text"
           "background": False, "user": None, "safety_identifier": None, "prompt_cache_key": None,
           "prompt_cache_retention": None, "top_logprobs": None}
 
-RESPONSES_WEBSOCKET = fields.WireFormat("response.create (websocket)", FIELDS | {
+RESPONSES_WEBSOCKET = fields.WireFormat(FIELDS | {
     "stream": fields.Ignored("over a websocket every response streams"), "stream_id": StreamId()}, echoed=ECHOED)
-RESPONSES_HTTP = fields.WireFormat("POST /v1/responses", FIELDS | {
+RESPONSES_HTTP = fields.WireFormat(FIELDS | {
     "stream": fields.Flag("stream"),
     "stream_id": fields.Refused("lanes exist on a websocket connection (ws://.../v1/responses); over HTTP each "
                                 "request is its own response", _never)}, echoed=ECHOED)

@@ -19,10 +19,19 @@ from hypothesis import strategies as st
 
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
-from tests.helpers.request_wire import FORMATS, Outcome, RecordingEngineThread, WireClient, formats_carrying
+from tests.helpers.request_wire import (
+    CHAT,
+    COMPLETIONS,
+    FORMATS,
+    RESPONSES_WS,
+    Outcome,
+    RecordingEngineThread,
+    WireClient,
+    formats_carrying,
+)
 from tests.helpers.server import running_server
 
-NUM_CASES = 250
+NUM_CASES = 500
 DEFAULTS = SamplingDefaults(0.7, top_k=33, top_p=0.9, min_p=0.02, source="test")
 DEFAULT_MAX_TOKENS = 16  # the server's, set to /v1/completions' own default: every format's default is one
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -177,3 +186,12 @@ def test_each_outcome_is_pinned(wire, fmt, case, expected):
     if fmt not in formats_carrying(case):
         pytest.skip(f"{fmt} has no such field")
     assert wire.send(fmt, case) == expected
+
+
+@pytest.mark.parametrize("fmt", [CHAT, COMPLETIONS])
+def test_chat_and_text_completions_are_not_kept_for_a_follow_up(wire, fmt):
+    answered = wire.send(fmt, {})
+    assert answered.accepted
+    same_hex = "resp_" + answered.response_id.split("-", 1)[1]  # chatcmpl-HEX / cmpl-HEX: the response's HEX
+    assert wire.send(RESPONSES_WS, {"previous_response_id": same_hex}) == Outcome(
+        status=400, code="previous_response_not_found", field="previous_response_id")
