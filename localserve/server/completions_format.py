@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from localserve.server import request_fields as fields
+from localserve.server.request_messages import MessageFormat
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-CHAT_MESSAGES = fields.MessageFormat(text_parts=("text",), at_least_one=True,
+CHAT_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True,
                                      refused_roles={"tool": fields.NEVER_CALLS_TOOLS,
                                                     "function": fields.NEVER_CALLS_TOOLS},
                                      refused_fields=("tool_calls", "function_call", "audio"),

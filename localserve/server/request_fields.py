@@ -2,11 +2,12 @@
 format's field map into a `GenerationRequest` (no I/O here).
 
 A `WireFormat` says, for each field of one API, what it means: a shared sampling field (`Sampling`;
-its type and bounds are in `SAMPLING_RULES` alone), the input (`Messages` in a `MessageFormat`, or a
-`Prompt`), an identifier (`Text`), an output option (`Flag`, `Include`, `Metadata`), an object of
-more fields (`Nested`), a field accepted and ignored for a stated reason (`Ignored`), or a field the
-API carries and this server does not honour (`Refused`: `unsupported_parameter` as soon as its value
-would change the output). A field the map lacks is an `unknown_parameter`. A new API is a new map.
+its type and bounds are in server/sampling_rules.py alone), the input (`Messages` in a
+`MessageFormat` of server/request_messages.py, or a `Prompt`), an identifier (`Text`), an output
+option (`Flag`, `Include`, `Metadata`), an object of more fields (`Nested`), a field accepted and
+ignored for a stated reason (`Ignored`), or a field the API carries and this server does not honour
+(`Refused`: `unsupported_parameter` as soon as its value would change the output). A field the map
+lacks is an `unknown_parameter`. A new API is a new map.
 
 `parse_request` checks the fields in one order whatever the format (unknown names, refusals, the
 input, identifiers, sampling in `SAMPLING_RULES`' order, the rest), so the same values get the same
@@ -21,13 +22,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from localserve.server.request_model import GenerationRequest, Message, RequestLimits, SamplingChoice
-from localserve.server.validation import ProtocolError, check_length, check_range, check_type, check_value, shown
+from localserve.server.request_messages import MessageFormat, parse_messages
+from localserve.server.request_model import GenerationRequest, RequestLimits, SamplingChoice
+from localserve.server.sampling_rules import SAMPLING_ORDER, SAMPLING_RULES
+from localserve.server.validation import ProtocolError, check_length, check_value, shown
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # seeds: a torch generator takes 64 bits
-MAX_LOGPROBS = 20  # alternatives per token
-MIN_REPETITION_PENALTY = 1e-3
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 JsonType = type | tuple[type, ...]
 
 
@@ -39,136 +38,6 @@ class Stage(enum.IntEnum):
     IDENTIFIER = 2
     SAMPLING = 3
     OUTPUT = 4
-
-
-# ---------------------------------------------------------------------------------- rules of values
-@dataclass(frozen=True)
-class NumberRule:
-    """A number field's JSON type and bounds. Beyond a closed end: OpenAI's `*_below_min_value` /
-    `*_above_max_value`; at an open end, or anywhere outside when `bound_codes` is off: `invalid_value`
-    stating the interval."""
-
-    kind: type  # int or float
-    low: float
-    high: float | Callable[[RequestLimits], int]  # a callable: the bound is one of the server's limits
-    low_open: bool = False
-    high_open: bool = False
-    bound_codes: bool = True
-
-    def check(self, value: Any, param: str, limits: RequestLimits) -> float:
-        value = check_value(value, self.kind, param)
-        high = self.high(limits) if callable(self.high) else self.high
-        outside = value < self.low or value > high
-        if outside and self.bound_codes:
-            check_range(value, param, self.low, high, integer=self.kind is int)
-        if outside or (self.low_open and value == self.low) or (self.high_open and value == high):
-            interval = f"{'(' if self.low_open else '['}{self.low:g}, {high:g}{')' if self.high_open else ']'}"
-            raise ProtocolError("invalid_value", f"'{param}' must be in {interval}, got {shown(value)}", param)
-        return value
-
-
-@dataclass(frozen=True)
-class StopRule:
-    """Stop strings: one string or an array of them, bounded in number and length, none empty."""
-
-    def check(self, value: Any, param: str, limits: RequestLimits) -> tuple[str, ...]:
-        value = check_value(value, (str, list), param)
-        stops = [value] if isinstance(value, str) else value
-        check_length(stops, param, limits.max_stop_strings)
-        for index, stop in enumerate(stops):
-            if not isinstance(stop, str):
-                raise ProtocolError("invalid_type", f"'{param}' must be a string or an array of strings", param)
-            check_length(stop, f"{param}[{index}]", limits.max_stop_chars)
-            if not stop:
-                raise ProtocolError("invalid_value", f"'{param}' must hold non-empty strings", param)
-        return tuple(stops)
-
-
-# The sampling fields every format shares, each with its one rule, in the order they are checked.
-SAMPLING_RULES: dict[str, NumberRule | StopRule] = {
-    "max_tokens": NumberRule(int, 1, INT64_MAX),
-    "temperature": NumberRule(float, 0, 2),
-    "top_p": NumberRule(float, 0, 1, low_open=True),
-    "top_k": NumberRule(int, 1, INT64_MAX),
-    "min_p": NumberRule(float, 0, 1, high_open=True, bound_codes=False),
-    "seed": NumberRule(int, INT64_MIN, INT64_MAX),
-    "stop": StopRule(),
-    "n": NumberRule(int, 1, lambda limits: limits.max_parallel_samples),
-    "logprobs": NumberRule(int, 0, MAX_LOGPROBS),
-    "presence_penalty": NumberRule(float, -2, 2),
-    "frequency_penalty": NumberRule(float, -2, 2),
-    # > 0 (a penalty divides positive logits); larger than this only ever bans every seen token
-    "repetition_penalty": NumberRule(float, MIN_REPETITION_PENALTY, 10),
-}
-SAMPLING_ORDER = tuple(SAMPLING_RULES)
-
-
-# ---------------------------------------------------------------------------------- messages
-@dataclass(frozen=True)
-class MessageFormat:
-    """How one API spells a conversation's messages."""
-
-    text_parts: tuple[str, ...]  # the content part types that carry text
-    bare_string: bool = False  # a string is one user message
-    at_least_one: bool = False
-    item_types: tuple[str, ...] = ()  # the `type` an item may name (the first when it names none)
-    refused_roles: Mapping[str, str] = field(default_factory=dict)  # role -> why it is not supported
-    refused_fields: tuple[str, ...] = ()  # message fields that would need more than text
-    unused_text_fields: tuple[str, ...] = ()  # strings accepted and not used (a participant's name)
-    null_assistant_content: bool = False  # an assistant message's content may be null
-
-
-def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestLimits) -> list[Message]:
-    """The messages of `value`, checked, as {"role", "content"} with the roles user/assistant/system."""
-    if form.bare_string and isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise ProtocolError("invalid_type", f"'{param}' must be {'a string or ' if form.bare_string else ''}an "
-                            "array of messages", param)
-    if form.at_least_one and not value:
-        raise ProtocolError("invalid_value", f"'{param}' must hold at least one message", param)
-    check_length(value, param, limits.max_input_items)
-    return [_message(item, f"{param}[{index}]", form) for index, item in enumerate(value)]
-
-
-def _message(item: Any, where: str, form: MessageFormat) -> Message:
-    if not isinstance(item, dict):
-        raise ProtocolError("invalid_type", f"'{where}' must be a message object", where)
-    if form.item_types:
-        kind = check_type(item, "type", str, f"{where}.type") or form.item_types[0]
-        if kind not in form.item_types:
-            raise ProtocolError("unsupported_value", f"'{where}.type' {shown(kind)} is not supported: this "
-                                "server takes text messages only", f"{where}.type")
-    role = check_type(item, "role", str, f"{where}.role")
-    if role in form.refused_roles:
-        raise ProtocolError("unsupported_value", f"'{where}.role' {role!r} is not supported: "
-                            f"{form.refused_roles[role]}", f"{where}.role")
-    if role not in ROLES:
-        raise ProtocolError("invalid_value", f"'{where}.role' must be one of {sorted(ROLES)}, got {shown(role)}",
-                            f"{where}.role")
-    for name in form.refused_fields:
-        if item.get(name):
-            raise ProtocolError("unsupported_value", f"'{where}.{name}' is not supported: this server takes "
-                                "text messages only", f"{where}.{name}")
-    for name in form.unused_text_fields:
-        check_type(item, name, str, f"{where}.{name}")
-    content = item.get("content")
-    if isinstance(content, list):
-        content = "".join(_part_text(part, f"{where}.content[{index}]", form) for index, part in enumerate(content))
-    if content is None and role == "assistant" and form.null_assistant_content:
-        content = ""
-    if not isinstance(content, str):
-        raise ProtocolError("invalid_type", f"'{where}.content' must be a string or an array of text parts",
-                            f"{where}.content")
-    return {"role": ROLES[role], "content": content}
-
-
-def _part_text(part: Any, where: str, form: MessageFormat) -> str:
-    if not isinstance(part, dict) or part.get("type") not in form.text_parts:
-        kinds = " or ".join(repr(kind) for kind in form.text_parts)
-        raise ProtocolError("unsupported_value", f"'{where}' must be a text part (type {kinds}): this server "
-                            "takes text only", where)
-    return check_type(part, "text", str, f"{where}.text") or ""
 
 
 # ---------------------------------------------------------------------------------- what a field means

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from localserve.server import request_fields as fields
+from localserve.server.request_messages import MessageFormat
 from localserve.server.validation import ProtocolError, parse_json_object, shown
 
 EXTENSION_FIELD = "localserve"  # this server's sampling fields, which OpenAI's API does not have
@@ -20,7 +21,7 @@ EXTENSION_SAMPLING = ("top_k", "min_p", "seed", "stop", "n", "logprobs", "presen
                       "repetition_penalty")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 STREAM_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,256}")
-RESPONSES_INPUT = fields.MessageFormat(text_parts=("input_text", "output_text"), bare_string=True,
+RESPONSES_INPUT = MessageFormat(text_parts=("input_text", "output_text"), bare_string=True,
                                        item_types=("message",))
 NO_TOOLS_CALLED = "no tools are accepted, so none is called"
 
