@@ -93,7 +93,7 @@ class ResponseService:
             system = [{"role": "system", "content": request.instructions}] if request.instructions else []
             # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
             prompt_ids = await self._encode_chat(system + conversation, request.generate, request.wire_name("input"))
-        params = request.sampling_params(config.sampling_defaults, self._max_tokens(request, len(prompt_ids)))
+        params = request.sampling_params(self.model.sampling_defaults, self._max_tokens(request, len(prompt_ids)))
         stream = ResponseStream(request, params, new_id("resp"), self.model.served_name, len(prompt_ids),
                                 self._token_text)
         run = _Run(stream, conversation, owner, on_update, time.monotonic())
