@@ -27,8 +27,10 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
-from localserve.server.requests import parse_response_create
+from localserve.server.request_fields import parse_request
+from localserve.server.request_model import RequestLimits
 from localserve.server.response_events import ResponseStream
+from localserve.server.responses_format import RESPONSES_WEBSOCKET
 from localserve.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 STAGES = ("schedule", "prepare inputs", "embedding", "norms", "q/k/v projections", "RoPE tables", "attention",
@@ -99,10 +101,10 @@ def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock) -
     try:
         for index in range(batch):
             prompt = tokenizer.encode(f"Story {index}: once upon a time")
-            request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=steps + 40,
-                                                                   ignore_eos=True))
-            request = parse_response_create({"type": "response.create", "input": "x"})
-            streams[request_id] = ResponseStream(request, request_id, "m", len(prompt), tokenizer.decode)
+            params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
+            request_id = engine.add_request(prompt, params)
+            request = parse_request({"type": "response.create", "input": "x"}, RESPONSES_WEBSOCKET, RequestLimits())
+            streams[request_id] = ResponseStream(request, params, request_id, "m", len(prompt), tokenizer.decode)
         while any(step.num_prefill_tokens for step in list(engine.step_history)[-1:]) or not engine.step_history:
             engine.step()  # prefill, outside the measurement
         clock.on = True

@@ -1,7 +1,9 @@
 """The engine on its own thread: requests in and token events out through thread-safe queues.
 
-The asyncio server never touches torch; it submits requests with a callback, and the engine thread
-calls that callback with each step's `RequestOutput` (the server hops back onto its loop with
+The asyncio server never touches torch or the engine: it reads the engine's fixed `facts`, submits
+requests with a callback, aborts them, and asks for statistics, snapshots and events, each read on
+this thread between two steps (`stats`, `snapshot_and_events`). The engine thread calls a request's
+callback with each step's `RequestOutput` (the server hops back onto its loop with
 `loop.call_soon_threadsafe`). Aborts are honoured before the next step, so blocks return at once.
 
 The thread survives anything: a request that cannot be added fails alone; an exception while serving
@@ -20,8 +22,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from localserve.engine.engine import LLMEngine
+from localserve.engine.events import EngineEvent
+from localserve.engine.facts import EngineFacts, read_facts
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.snapshot import EngineSnapshot, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,8 @@ class EngineThread:
     """Owns an LLMEngine and steps it on a dedicated thread while there is work."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.engine = engine  # the owner's (tests, tools); the server uses the methods below
+        self.facts: EngineFacts = read_facts(engine)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._ids = iter(range(1 << 62))
@@ -64,8 +70,23 @@ class EngineThread:
         """Stop a request; its blocks are freed before the next step. Unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
 
+    def stats(self) -> Future[EngineStats]:
+        """The engine's gauges and counters, read between two steps."""
+        return self.call(lambda engine: engine.stats())
+
+    def snapshot_and_events(self, after_seq: int) -> Future[tuple[EngineSnapshot, list[EngineEvent], int]]:
+        """A snapshot, the events numbered above `after_seq` and how many of those the log no longer
+        holds, read together between two steps (the events are those up to the snapshot)."""
+        return self.call(lambda engine: (engine.snapshot(), *engine.events.since(after_seq)))
+
+    @property
+    def last_event_seq(self) -> int:
+        """The number of the engine's latest event (the event log is thread-safe)."""
+        return self.engine.events.last_seq
+
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
-        """Run fn(engine) on the engine thread between steps (for snapshots and statistics)."""
+        """Run fn(engine) on the engine thread between steps and give its result (for tests and tools;
+        the server reads through the methods above)."""
         future: Future = Future()
         self._inbox.put(("call", fn, future))
         return future

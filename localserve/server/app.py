@@ -1,7 +1,10 @@
 """The server: OpenAI's HTTP API and the websocket endpoints on one port.
 
 One asyncio loop serves every connection; the engine runs on its own thread behind `EngineThread`, and
-the loop reads engine state only through `EngineThread.call`. Each connection starts as HTTP/1.1
+the server reads it only through `EngineAccess` (its facts, submit and abort, statistics, snapshots
+and events). `LocalServer` builds the parts and hands each what it uses: the configuration, the
+engine access, the served model, the conversation store, the metrics, the response service. Each
+connection starts as HTTP/1.1
 (uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
 duplicate headers, the Host header, a browser Origin, the API key; the path; the connection limit)
@@ -15,7 +18,6 @@ import asyncio
 import json
 import logging
 import threading
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -24,9 +26,20 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
 from localserve.server.access import AccessPolicy, check_access
-from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
+from localserve.server.context import (
+    CLOSE_TIMEOUT_S,
+    EngineAccess,
+    ServedModel,
+    ServerConfig,
+    check_bind_safety,
+    close_within,
+    engine_result,
+)
+from localserve.server.conversations import ConversationStore
 from localserve.server.http_api import HttpApi
+from localserve.server.metrics import ServerMetrics
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor
+from localserve.server.responses import ChatTokenizer, ResponseService
 from localserve.server.session import ResponsesSession
 from localserve.server.transport import HttpConnection, SharedPort
 
@@ -36,17 +49,26 @@ RESPONSES_PATH = "/v1/responses"
 MONITOR_PATH = "/v1/monitor"
 
 
-@dataclass
-class LocalServer(ServerState):
+class LocalServer:
     """The server for one model; `await start()` binds, `await shutdown()` or `await close()` stops."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.port = self.config.port
-        self.monitor_hub = MonitorHub(self._read_monitor, start_seq=self.engine_thread.engine.events.last_seq)
-        self.monitor_hello = monitor_hello(self.engine_thread.engine, self.served_name)
+    def __init__(self, engine_thread: EngineAccess, tokenizer: ChatTokenizer, model_name: str,
+                 config: ServerConfig | None = None) -> None:
+        self.config = config = config or ServerConfig()
+        check_bind_safety(config)
+        self.engine_thread = engine_thread
+        self.model = ServedModel(config.model_alias or model_name, model_name, engine_thread.facts.max_model_len,
+                                 config.sampling_defaults)
+        self.metrics = ServerMetrics(self.model.served_name)
+        self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
+        self.responses = ResponseService(engine_thread, tokenizer, self.model, config, self.conversations,
+                                         self.metrics)
+        self.monitor_hub = MonitorHub(self._read_monitor, start_seq=engine_thread.last_event_seq)
+        self.monitor_hello = monitor_hello(engine_thread.facts, self.model.served_name)
+        self.num_connections = 0
+        self.port = config.port
         self.sessions: set[ResponsesSession] = set()
-        self.http_api = HttpApi(self)
+        self.http_api: HttpApi | None = None  # built by start(), once the access policy knows the port
         self._connections: set[ServerConnection] = set()  # every websocket connection being served
         self._monitors: set[ServerConnection] = set()
         self._server: Server | None = None
@@ -57,15 +79,18 @@ class LocalServer(ServerState):
     async def start(self) -> None:
         """Bind and start accepting connections (self.port is the bound port afterwards)."""
         config = self.config
-        self._port = SharedPort(self.http_api, self, max_message_bytes=config.max_message_bytes,
+        self._port = SharedPort(self._serve_http, self, max_message_bytes=config.max_message_bytes,
                                 write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S)
         self._server = await self._port.listen(config.host, config.port, self._process_request,
                                                self._handle_connection)
         self.port = self._server.sockets[0].getsockname()[1]
         self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
                                                 config.allowed_origins, config.api_key)
-        log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.served_name, config.host,
-                 self.port, config.host, self.port)
+        self.http_api = HttpApi(config=config, access_policy=self.access_policy, engine=self.engine_thread,
+                                model=self.model, responses=self.responses, metrics=self.metrics,
+                                monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello)
+        log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.model.served_name,
+                 config.host, self.port, config.host, self.port)
 
     async def serve_forever(self) -> None:
         """Start (if needed) and serve until `shutdown()` or `close()`."""
@@ -116,7 +141,11 @@ class LocalServer(ServerState):
             await asyncio.sleep(0.02)
 
     async def _read_monitor(self, after_seq: int):
-        return await self.engine_call(lambda engine: (engine.snapshot(), *engine.events.since(after_seq)))
+        return await engine_result(self.engine_thread.snapshot_and_events(after_seq))
+
+    async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The ASGI entry: the HTTP API, built once the port is bound (no request arrives before)."""
+        await self.http_api(scope, receive, send)
 
     # ------------------------------------------------------------------ connection counts (transport hooks)
     def http_connection_opened(self, connection: HttpConnection) -> bool:
@@ -151,7 +180,7 @@ class LocalServer(ServerState):
         try:
             target = urlsplit(connection.request.path)
             if target.path == RESPONSES_PATH:
-                session = ResponsesSession(self, connection)
+                session = ResponsesSession(self.config, self.responses, connection)
                 self.sessions.add(session)
                 try:
                     await session.run()

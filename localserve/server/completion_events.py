@@ -107,7 +107,7 @@ class CompletionView:
 
     def _logprobs(self, entries: list[dict[str, Any]], text_offset: int) -> dict[str, Any] | None:
         """Entries of the ResponseStream ({token, bytes, logprob, top_logprobs}) in the endpoint's shape."""
-        if self.stream.request.logprobs is None:
+        if self.stream.params.logprobs is None:
             return None
         if self.chat:
             return {"content": entries, "refusal": None}

@@ -1,24 +1,30 @@
-"""What every part of the server shares: its settings, the engine, the tokenizer, metrics, stored conversations.
+"""What the server's parts share: its settings, the engine thread as the server sees it, the served model.
 
-`ServerState` is what a connection's session sees of the server (localserve.server.app.LocalServer
-extends it with the routes), so sessions and routes do not import each other.
+Each part of the server (the HTTP API, a websocket session, the response service, the monitor) is
+handed the pieces of these it uses; none of them sees the server object or the engine itself.
+`EngineAccess` is all the server reads of the engine: its fixed facts, submitting and aborting, and
+statistics, snapshots and events read on the engine thread between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from localserve.engine.engine_thread import EngineThread
+from localserve.engine.events import EngineEvent
+from localserve.engine.facts import EngineFacts
+from localserve.engine.outputs import RequestOutput
+from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.snapshot import EngineSnapshot, EngineStats
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
-from localserve.server.conversations import ConversationStore
-from localserve.server.metrics import ServerMetrics
-from localserve.server.requests import RequestLimits
-from localserve.server.responses import ResponseService
+from localserve.server.request_model import RequestLimits
 from localserve.server.validation import ProtocolError, shown
 
+T = TypeVar("T")
 ENGINE_CALL_TIMEOUT_S = 30.0  # a snapshot or statistics call on the engine thread never takes longer
 CLOSE_TIMEOUT_S = 2.0  # a closing handshake the client does not answer is cut after this long
 
@@ -80,32 +86,50 @@ def check_bind_safety(config: ServerConfig) -> None:
                          "127.0.0.1")
 
 
-@dataclass
-class ServerState:
-    """The server's shared state and the helpers sessions use."""
+class EngineAccess(Protocol):
+    """What the server uses of the engine thread (localserve.engine.engine_thread.EngineThread)."""
 
-    engine_thread: EngineThread
-    tokenizer: Any  # localserve.tokenizer.tokenizer.Tokenizer: encode_chat, decode
+    facts: EngineFacts
+
+    @property
+    def last_event_seq(self) -> int:
+        """The number of the engine's latest event."""
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError at once if it can never run."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step."""
+
+    def stats(self) -> Future[EngineStats]:
+        """The engine's gauges and counters, read between two steps."""
+
+    def snapshot_and_events(self, after_seq: int) -> Future[tuple[EngineSnapshot, list[EngineEvent], int]]:
+        """A snapshot, the events after `after_seq` and how many of those are gone, read together."""
+
+
+async def engine_result(future: Future[T]) -> T:
+    """The result of a read the engine thread makes between two steps, waited for a bounded time."""
+    return await asyncio.wait_for(asyncio.wrap_future(future), ENGINE_CALL_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model as clients see it: the names it answers to, its context, the sampling it defaults to."""
+
+    served_name: str  # --alias, else the model's own name
     model_name: str
-    config: ServerConfig = field(default_factory=ServerConfig)
+    max_model_len: int
+    sampling_defaults: SamplingDefaults
 
-    def __post_init__(self) -> None:
-        check_bind_safety(self.config)
-        self.served_name = self.config.model_alias or self.model_name
-        self.metrics = ServerMetrics(self.served_name)
-        self.conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
-        self.responses = ResponseService(self)
-        self.num_connections = 0
-
-    def check_model(self, model: str | None) -> None:
+    def check(self, model: str | None) -> None:
         """Accept no model, "default", the served name or the model's own; else `model_not_found`."""
         if model not in (None, "default", self.served_name, self.model_name):
             raise ProtocolError("model_not_found", f"model {shown(model, 80)} is not served here; this server "
                                 f"serves {self.served_name!r} (or send 'default')", "model", status=404)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    async def engine_call(self, fn) -> Any:
-        """Run fn(engine) on the engine thread between steps and wait (a bounded time) for its result."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.engine_thread.call(fn)), ENGINE_CALL_TIMEOUT_S)
+    def describe(self) -> dict[str, Any]:
+        """The model object of `/v1/models`."""
+        return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
+                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json()}

@@ -3,9 +3,10 @@
 `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
 events or whole), `GET /health`, `/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`. Every request
 passes the same access checks as a websocket handshake (server/access.py), then its body is read within
-bounds (server/http_exchange.py) and checked into the shared request model (server/requests.py,
-server/chat_requests.py); the `ResponseService` runs it as it runs a websocket's response. A client
-that disconnects, or stops reading for `send_timeout_s`, has its response aborted at once.
+bounds (server/http_exchange.py) and checked into the shared request model through its endpoint's
+field map (server/request_fields.py); the `ResponseService` runs it as it runs a websocket's
+response. A client that disconnects, or stops reading for `send_timeout_s`, has its response aborted
+at once.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from localserve.server.access import check_access
-from localserve.server.chat_requests import parse_chat_completion, parse_completion
+from localserve.server.access import AccessPolicy, check_access
 from localserve.server.completion_events import CompletionView
+from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
+from localserve.server.context import EngineAccess, ServedModel, ServerConfig, engine_result
 from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
-from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, slots_json
-from localserve.server.requests import ResponseRequest, parse_response_create
+from localserve.server.metrics import ServerMetrics
+from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, slots_json
+from localserve.server.request_fields import WireFormat, parse_request
+from localserve.server.request_model import GenerationRequest
 from localserve.server.response_events import ResponseStream, new_id
-from localserve.server.transport import MAX_HEAD_BYTES
-from localserve.server.validation import ProtocolError, check_type, shown
-
-if TYPE_CHECKING:
-    from localserve.server.app import LocalServer
+from localserve.server.responses import ResponseService
+from localserve.server.responses_format import RESPONSES_HTTP
+from localserve.server.validation import ProtocolError, shown
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,14 @@ SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 class HttpApi:
-    """The ASGI application of one LocalServer."""
+    """The ASGI application of one LocalServer: the parts it is handed, nothing of the server itself."""
 
-    def __init__(self, server: LocalServer) -> None:
-        self.server = server
+    def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, engine: EngineAccess,
+                 model: ServedModel, responses: ResponseService, metrics: ServerMetrics, monitor_hub: MonitorHub,
+                 monitor_hello: dict[str, Any]) -> None:
+        self.config, self.access_policy, self.engine, self.model = config, access_policy, engine, model
+        self.responses, self.metrics = responses, metrics
+        self.monitor_hub, self.monitor_hello = monitor_hub, monitor_hello
         self.in_flight: set[ResponseStream] = set()  # HTTP responses the engine is still running
         self.shutting_down = False
         self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
@@ -50,7 +56,7 @@ class HttpApi:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app
             return
-        exchange = HttpExchange(scope, receive, send, self.server.config.send_timeout_s)
+        exchange = HttpExchange(scope, receive, send, self.config.send_timeout_s)
         try:
             await self._dispatch(exchange)
         except ClientGone:
@@ -67,7 +73,7 @@ class HttpApi:
         """The server is stopping: end every HTTP response in flight (reason `server_shutdown`)."""
         self.shutting_down = True
         for stream in list(self.in_flight):
-            self.server.responses.shut_down(stream)
+            self.responses.shut_down(stream)
 
     async def _answer_error(self, exchange: HttpExchange, error: ProtocolError) -> None:
         if exchange.disconnected:
@@ -82,20 +88,16 @@ class HttpApi:
             pass
 
     async def _dispatch(self, exchange: HttpExchange) -> None:
-        server, method, path = self.server, exchange.method, exchange.path
-        head_bytes = sum(len(name) + len(value) for name, value in exchange.scope["headers"])
-        if head_bytes > MAX_HEAD_BYTES:  # h11 bounds a head that arrives in pieces; one read can hold more
-            raise ProtocolError("request_header_too_large", f"the request's headers hold {head_bytes} bytes; at "
-                                f"most {MAX_HEAD_BYTES} are accepted", status=431)
+        method, path = exchange.method, exchange.path
         if path == "/health" and method == "GET":
             return await exchange.respond_json(200, {"status": "ok"})
-        refusal = check_access(exchange.headers, server.access_policy, needs_key=method != "OPTIONS")
+        refusal = check_access(exchange.headers, self.access_policy, needs_key=method != "OPTIONS")
         if refusal is not None:
             raise ProtocolError(refusal.code, refusal.message, status=refusal.status)
         exchange.cors_origin = exchange.headers.get("Origin")
         if exchange.connection is not None and exchange.connection.over_limit:
             raise ProtocolError("too_many_connections", f"the server holds its limit of "
-                                f"{server.config.max_connections} connections; retry later",
+                                f"{self.config.max_connections} connections; retry later",
                                 error_type="rate_limit_error", status=429)
         if self.shutting_down:
             raise ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error",
@@ -116,61 +118,47 @@ class HttpApi:
 
     # ------------------------------------------------------------------ plain GETs
     async def _metrics(self, exchange: HttpExchange) -> None:
-        server = self.server
-        stats = await server.engine_call(lambda engine: engine.stats())
-        data = server.metrics.render(stats)
+        data = self.metrics.render(await engine_result(self.engine.stats()))
         await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8",
                              [(b"content-length", str(len(data)).encode())])
         await exchange.write(data, more=False)
 
-    def _model_object(self) -> dict[str, Any]:
-        server = self.server
-        return {"id": server.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                "max_model_len": server.engine_thread.engine.max_model_len,
-                "sampling_defaults": server.config.sampling_defaults.to_json()}
-
     async def _models(self, exchange: HttpExchange) -> None:
-        await exchange.respond_json(200, {"object": "list", "data": [self._model_object()]})
+        await exchange.respond_json(200, {"object": "list", "data": [self.model.describe()]})
 
     async def _model(self, exchange: HttpExchange) -> None:
-        self.server.check_model(exchange.path.removeprefix("/v1/models/"))
-        await exchange.respond_json(200, self._model_object())
+        self.model.check(exchange.path.removeprefix("/v1/models/"))
+        await exchange.respond_json(200, self.model.describe())
 
     async def _slots(self, exchange: HttpExchange) -> None:
-        server = self.server
-        snapshot = await server.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
-        await exchange.respond_json(200, slots_json(snapshot, server.monitor_hello))
+        snapshot = await self.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
+        await exchange.respond_json(200, slots_json(snapshot, self.monitor_hello))
 
     # ------------------------------------------------------------------ generation
-    async def _body(self, exchange: HttpExchange) -> dict[str, Any]:
-        config = self.server.config
-        return await exchange.read_json(config.max_message_bytes, config.http_body_timeout_s)
+    async def _request(self, exchange: HttpExchange, wire: WireFormat) -> GenerationRequest:
+        body = await exchange.read_json(self.config.max_message_bytes, self.config.http_body_timeout_s)
+        return parse_request(body, wire, self.config.limits)
 
     async def _chat_completions(self, exchange: HttpExchange) -> None:
-        generation = parse_chat_completion(await self._body(exchange), self.server.config.limits)
-        await self._generate(exchange, generation.request, generation.stream,
-                             lambda stream: CompletionView(stream, chat=True, include_usage=generation.include_usage))
+        request = await self._request(exchange, CHAT_COMPLETIONS)
+        await self._generate(exchange, request, lambda stream: CompletionView(stream, chat=True,
+                                                                              include_usage=request.include_usage))
 
     async def _completions(self, exchange: HttpExchange) -> None:
-        generation = parse_completion(await self._body(exchange), self.server.config.limits)
-        await self._generate(exchange, generation.request, generation.stream,
-                             lambda stream: CompletionView(stream, chat=False, include_usage=generation.include_usage))
+        request = await self._request(exchange, COMPLETIONS)
+        await self._generate(exchange, request, lambda stream: CompletionView(stream, chat=False,
+                                                                              include_usage=request.include_usage))
 
     async def _responses(self, exchange: HttpExchange) -> None:
-        body = await self._body(exchange)
-        stream = check_type(body, "stream", bool) is True
-        if body.get("stream_id") is not None:
-            raise ProtocolError("unsupported_parameter", "'stream_id' is not supported over HTTP: lanes exist on a "
-                                "websocket connection (ws://.../v1/responses)", "stream_id")
-        await self._generate(exchange, parse_response_create(body, self.server.config.limits), stream, None)
+        await self._generate(exchange, await self._request(exchange, RESPONSES_HTTP), None)
 
-    async def _generate(self, exchange: HttpExchange, request: ResponseRequest, streamed: bool,
+    async def _generate(self, exchange: HttpExchange, request: GenerationRequest,
                         make_view: Callable[[ResponseStream], CompletionView] | None) -> None:
         """Run one response for this exchange; `make_view` shapes chat or text completions (None: Responses)."""
-        server = self.server
+        responses = self.responses
         owner = new_id("http")  # a store: false response belongs to this request alone
         wake = asyncio.Event()
-        stream = await server.responses.start(request, owner, lambda _: wake.set())
+        stream = await responses.start(request, owner, lambda _: wake.set())
         self.in_flight.add(stream)
 
         async def watch_disconnect() -> None:
@@ -180,7 +168,7 @@ class HttpApi:
         watcher = asyncio.create_task(watch_disconnect())
         try:
             view = make_view(stream) if make_view is not None else None
-            if streamed:
+            if request.stream:
                 await self._stream(exchange, stream, view, wake)
             else:
                 while not stream.is_done and not exchange.disconnected:
@@ -192,8 +180,8 @@ class HttpApi:
             watcher.cancel()
             self.in_flight.discard(stream)
             if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
-                server.responses.abandon(stream)
-            server.conversations.drop_owner(owner)
+                responses.abandon(stream)
+            responses.end_owner(owner)
 
     async def _respond_whole(self, exchange: HttpExchange, stream: ResponseStream,
                              view: CompletionView | None) -> None:

@@ -21,9 +21,8 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from localserve.engine.events import EngineEvent
+from localserve.engine.facts import EngineFacts
 from localserve.engine.snapshot import EngineSnapshot
-from localserve.kv.formats import KVFormatSpec
-from localserve.kv.memory_plan import kv_bytes_per_token
 from localserve.server.context import close_within
 
 MIN_MONITOR_INTERVAL_S = 0.05
@@ -44,26 +43,13 @@ def slots_json(snapshot: EngineSnapshot, hello: dict[str, Any]) -> dict[str, Any
                        "num_cpu_blocks": hello["num_cpu_blocks"], "num_free_cpu_blocks": gauges.num_free_cpu_blocks}}
 
 
-CAPACITY_FORMATS = tuple(KVFormatSpec.parse(name) for name in ("fp16", "q8_0", "q4_rot"))
-
-
-def monitor_hello(engine, model_name: str) -> dict[str, Any]:
+def monitor_hello(facts: EngineFacts, model_name: str) -> dict[str, Any]:
     """What does not change while the server runs: the pool's shape and what each KV format would hold."""
-    config, kv_cache = engine.config, engine.runner.kv_cache
-    kv_cache_bytes = config.num_kv_blocks * config.block_size * kv_cache.bytes_per_token()
-    capacity = []
-    for spec in CAPACITY_FORMATS:
-        try:
-            per_token = kv_bytes_per_token(engine.model_config, spec, spec)
-        except ValueError:  # the format does not fit this model's head size
-            continue
-        capacity.append({"format": str(spec), "bytes_per_token": per_token, "num_tokens": kv_cache_bytes // per_token})
-    scheduler_config = engine.scheduler.config
-    return {"model": model_name, "block_size": config.block_size, "num_blocks": config.num_kv_blocks,
-            "num_cpu_blocks": engine.block_manager.num_cpu_blocks, "max_num_seqs": scheduler_config.max_num_seqs,
-            "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
-            "max_model_len": engine.max_model_len, "cache_type_k": str(kv_cache.key_format),
-            "cache_type_v": str(kv_cache.value_format), "kv_cache_bytes": kv_cache_bytes, "capacity": capacity}
+    return {"model": model_name, "block_size": facts.block_size, "num_blocks": facts.num_gpu_blocks,
+            "num_cpu_blocks": facts.num_cpu_blocks, "max_num_seqs": facts.max_num_seqs,
+            "max_num_batched_tokens": facts.max_num_batched_tokens, "max_model_len": facts.max_model_len,
+            "cache_type_k": facts.cache_type_k, "cache_type_v": facts.cache_type_v,
+            "kv_cache_bytes": facts.kv_cache_bytes, "capacity": [asdict(row) for row in facts.capacity]}
 
 
 class MonitorHub:

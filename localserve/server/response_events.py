@@ -1,6 +1,8 @@
 """Server events of `/v1/responses`: one response's events in order, built from the engine's outputs.
 
-`ResponseStream` gives each event its `sequence_number` (no I/O here; the session sends them).
+`ResponseStream` gives each event its `sequence_number` (no I/O here; the session sends them). It reads
+the request for what the response object echoes, and the SamplingParams the engine runs for what
+was resolved (the samples, log-probabilities, and the sampling defaults applied).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from localserve.engine.outputs import RequestOutput
-from localserve.server.requests import ResponseRequest
+from localserve.engine.sampling_params import SamplingParams
+from localserve.server.request_model import GenerationRequest
 
 
 def new_id(prefix: str) -> str:
@@ -31,13 +34,13 @@ class ResponseStream:
     closing events once the request has finished, been cancelled or failed.
     """
 
-    def __init__(self, request: ResponseRequest, response_id: str, model: str, num_prompt_tokens: int,
-                 token_text: TokenText) -> None:
-        self.request, self.response_id, self.model = request, response_id, model
+    def __init__(self, request: GenerationRequest, params: SamplingParams, response_id: str, model: str,
+                 num_prompt_tokens: int, token_text: TokenText) -> None:
+        self.request, self.params, self.response_id, self.model = request, params, response_id, model
         self.num_prompt_tokens = num_prompt_tokens
         self.token_text = token_text
         self.created_at = int(time.time())
-        num_items = request.num_samples if request.generate else 0  # a warm-up answers with no output
+        num_items = params.n if request.generate else 0  # a warm-up answers with no output
         self.item_ids = [new_id("msg") for _ in range(num_items)]
         self.texts = [""] * num_items
         self.pending_texts = [""] * num_items
@@ -74,7 +77,7 @@ class ResponseStream:
             self.texts[index] += completion.delta_text
             self.num_output_tokens[index] = len(completion.token_ids)
             self.finish_reasons[index] = completion.finish_reason
-            if self.request.logprobs is not None and completion.delta_token_ids:
+            if self.params.logprobs is not None and completion.delta_token_ids:
                 first = len(completion.token_ids) - len(completion.delta_token_ids)
                 for offset, token_id in enumerate(completion.delta_token_ids):
                     entry = self._logprob_entry(token_id, completion.logprobs[first + offset],
@@ -148,7 +151,7 @@ class ResponseStream:
 
     def response_object(self, status: str) -> dict[str, Any]:
         """The `response` object of OpenAI's API for this response in `status`."""
-        request = self.request
+        request, params = self.request, self.params
         done = status != "in_progress"
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
@@ -159,9 +162,9 @@ class ResponseStream:
             "error": {"code": "server_error", "message": self.error_message} if status == "failed" else None,
             "incomplete_details": {"reason": self.incomplete_reason} if status == "incomplete" else None,
             "max_output_tokens": request.max_output_tokens, "metadata": request.metadata,
-            "previous_response_id": request.previous_response_id, "temperature": request.temperature,
-            "top_p": request.top_p, "store": request.store, "usage": self.usage() if done else None,
-            **request.echo,
+            "previous_response_id": request.previous_response_id, "temperature": params.temperature,
+            "top_p": params.top_p, "store": request.store, "usage": self.usage() if done else None,
+            **request.echoed,
         }
 
     def usage(self) -> dict[str, Any]:

@@ -1,31 +1,42 @@
-"""Running one response, whatever the transport: from a checked `ResponseRequest` to a `ResponseStream`.
+"""Running one response, whatever the API and transport: from a checked `GenerationRequest` to a
+`ResponseStream`.
 
 `ResponseService.start` resolves `previous_response_id` (scoped to the asking connection for
-`store: false` responses), renders and tokenizes the conversation off the event loop, applies the
-server's defaults and the bounds that need the prompt's length (the context, the size of the
-log-probabilities), submits to the engine thread, and absorbs the engine's outputs into the stream on
-the event loop, calling the transport's `on_update` after each. When the response ends, its
-conversation is stored for the next turn. The websocket session is one transport; an HTTP endpoint
-can be another.
+`store: false` responses), renders and tokenizes the conversation off the event loop, checks the
+bounds that need the prompt's length (the context, the size of the log-probabilities), turns the
+request into SamplingParams (the server's defaults applied there, once), submits to the engine
+thread, and absorbs the engine's outputs into the stream on the event loop, calling the transport's
+`on_update` after each. When the response ends, its conversation is stored for the next turn. The
+websocket session is one transport, the HTTP API another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from localserve.engine.outputs import RequestOutput
-from localserve.server.requests import ResponseRequest
+from localserve.server.context import EngineAccess, ServedModel, ServerConfig
+from localserve.server.conversations import ConversationStore
+from localserve.server.metrics import ServerMetrics
+from localserve.server.request_model import GenerationRequest
 from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError
 
-if TYPE_CHECKING:
-    from localserve.server.context import ServerState
-
 OnUpdate = Callable[[ResponseStream], None]
+
+
+class ChatTokenizer(Protocol):
+    """What the service uses of a tokenizer (localserve.tokenizer.tokenizer.Tokenizer)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass
@@ -43,25 +54,27 @@ class _Run:
 class ResponseService:
     """Starts, cancels and ends responses for every transport of one server."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, engine: EngineAccess, tokenizer: ChatTokenizer, model: ServedModel, config: ServerConfig,
+                 conversations: ConversationStore, metrics: ServerMetrics) -> None:
+        self.engine, self.tokenizer, self.model, self.config = engine, tokenizer, model, config
+        self.conversations, self.metrics = conversations, metrics
         self._runs: dict[str, _Run] = {}  # by response id, until the response ends
 
     @property
     def num_running(self) -> int:
         return len(self._runs)
 
-    async def start(self, request: ResponseRequest, owner: str, on_update: OnUpdate) -> ResponseStream:
+    async def start(self, request: GenerationRequest, owner: str, on_update: OnUpdate) -> ResponseStream:
         """Submit `request` for connection `owner`; raises ProtocolError if it cannot run."""
-        state = self.state
-        state.check_model(request.model)
-        if self.num_running >= state.config.max_running_responses:
+        config = self.config
+        self.model.check(request.model)
+        if self.num_running >= config.max_running_responses:
             raise ProtocolError("server_busy", f"the server is running its limit of "
-                                f"{state.config.max_running_responses} responses; retry later",
+                                f"{config.max_running_responses} responses; retry later",
                                 error_type="rate_limit_error", status=429)
         history: list[dict[str, str]] = []
         if request.previous_response_id is not None:
-            found = state.conversations.get(request.previous_response_id, owner)
+            found = self.conversations.get(request.previous_response_id, owner)
             if found is None:
                 raise ProtocolError("previous_response_not_found", f"previous response "
                                     f"{request.previous_response_id!r} is not available here (unknown, "
@@ -69,32 +82,26 @@ class ResponseService:
                                     "whole conversation instead", "previous_response_id")
             history = found
         conversation = history + request.input_messages
-        limit = state.config.limits.max_conversation_chars
+        limit = config.limits.max_conversation_chars
         num_chars = sum(len(message["content"]) for message in conversation) + len(request.instructions or "")
         if num_chars > limit:
             raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
-                                f"most {limit} are accepted: start a new one", request.input_field)
+                                f"most {limit} are accepted: start a new one", request.wire_name("input"))
         if request.prompt is not None:
-            prompt_ids = await self._encode_text(request.prompt)
+            prompt_ids = await self._encode_text(request.prompt, request.wire_name("input"))
         else:
             system = [{"role": "system", "content": request.instructions}] if request.instructions else []
             # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-            prompt_ids = await self._encode_chat(system + conversation, request.generate, request.input_field)
-        defaults = state.config.sampling_defaults  # each field the request leaves out
-        if request.temperature is None:
-            request.temperature = defaults.temperature
-        if request.top_p is None:
-            request.top_p = defaults.top_p
-        request.extension = {"top_k": defaults.top_k, "min_p": defaults.min_p} | request.extension
-        max_tokens = self._max_tokens(request, len(prompt_ids))
-        params = request.sampling_params(max_tokens)
-        stream = ResponseStream(request, new_id("resp"), state.served_name, len(prompt_ids), state.token_text)
+            prompt_ids = await self._encode_chat(system + conversation, request.generate, request.wire_name("input"))
+        params = request.sampling_params(self.model.sampling_defaults, self._max_tokens(request, len(prompt_ids)))
+        stream = ResponseStream(request, params, new_id("resp"), self.model.served_name, len(prompt_ids),
+                                self._token_text)
         run = _Run(stream, conversation, owner, on_update, time.monotonic())
         loop = asyncio.get_running_loop()
         try:
-            state.engine_thread.submit(prompt_ids, params,
-                                       lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
-                                       request_id=stream.response_id)
+            self.engine.submit(prompt_ids, params,
+                               lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
+                               request_id=stream.response_id)
         except ValueError as exc:
             raise ProtocolError("invalid_request", str(exc)) from None
         self._runs[stream.response_id] = run
@@ -112,11 +119,15 @@ class ResponseService:
         """The server is stopping: the response ends incomplete (reason `server_shutdown`)."""
         self._stop(stream, ResponseStream.shut_down, store=False)
 
+    def end_owner(self, owner: str) -> None:
+        """The connection (or HTTP request) `owner` is over: forget its store: false conversations."""
+        self.conversations.drop_owner(owner)
+
     def _stop(self, stream: ResponseStream, end: Callable[[ResponseStream], None], store: bool) -> None:
         run = self._runs.pop(stream.response_id, None)
         if run is None:
             return
-        self.state.engine_thread.abort(stream.response_id)
+        self.engine.abort(stream.response_id)
         end(stream)
         if store:
             self._store(run)
@@ -124,9 +135,8 @@ class ResponseService:
 
     async def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                            field: str) -> list[int]:
-        tokenizer = self.state.tokenizer
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
-            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt)
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_generation_prompt)
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}", field) from None
@@ -134,34 +144,38 @@ class ResponseService:
             raise ProtocolError("invalid_prompt", "the input renders to an empty prompt", field)
         return prompt_ids
 
-    async def _encode_text(self, text: str) -> list[int]:
-        prompt_ids = await asyncio.to_thread(self.state.tokenizer.encode, text)
+    async def _encode_text(self, text: str, field: str) -> list[int]:
+        prompt_ids = await asyncio.to_thread(self.tokenizer.encode, text)
         if not prompt_ids:
-            raise ProtocolError("invalid_prompt", "the prompt is empty", "prompt")
+            raise ProtocolError("invalid_prompt", "the prompt is empty", field)
         return prompt_ids
 
-    def _max_tokens(self, request: ResponseRequest, num_prompt_tokens: int) -> int:
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _max_tokens(self, request: GenerationRequest, num_prompt_tokens: int) -> int:
         """max_output_tokens, cut to what the context has room for after the prompt; bounds checked."""
-        max_model_len = self.state.engine_thread.engine.max_model_len
+        max_model_len, field = self.model.max_model_len, request.wire_name("max_tokens")
         if num_prompt_tokens >= max_model_len:
             raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; the "
                                 f"context holds {max_model_len}, and generating needs room for one more",
-                                request.input_field)
+                                request.wire_name("input"))
         if request.max_output_tokens is not None and request.max_output_tokens > max_model_len:
-            raise ProtocolError("integer_above_max_value", f"'{request.max_tokens_field}' must be <= {max_model_len} "
-                                f"(the context length), got {request.max_output_tokens}", request.max_tokens_field)
+            raise ProtocolError("integer_above_max_value", f"'{field}' must be <= {max_model_len} (the context "
+                                f"length), got {request.max_output_tokens}", field)
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees
-        wanted = request.max_output_tokens or self.state.config.default_max_output_tokens
+        wanted = request.max_output_tokens or self.config.default_max_output_tokens
         max_tokens = max(1, min(wanted, max_model_len - num_prompt_tokens))
-        if request.logprobs is not None:
-            entries = (request.logprobs + 1) * request.num_samples * max_tokens
-            bound = self.state.config.limits.max_logprob_entries
+        sampling = request.sampling
+        if sampling.logprobs is not None:
+            entries = (sampling.logprobs + 1) * sampling.num_samples * max_tokens
+            bound = self.config.limits.max_logprob_entries
             if entries > bound:
-                raise ProtocolError("invalid_value", f"log-probabilities for {request.num_samples} sample(s) of "
-                                    f"up to {max_tokens} tokens with {request.logprobs} alternatives are "
-                                    f"{entries} entries, more than {bound}: lower max_output_tokens, the "
-                                    "number of alternatives or of samples", request.max_tokens_field)
+                raise ProtocolError("invalid_value", f"log-probabilities for {sampling.num_samples} sample(s) of "
+                                    f"up to {max_tokens} tokens with {sampling.logprobs} alternatives are "
+                                    f"{entries} entries, more than {bound}: lower {field}, the number of "
+                                    "alternatives or of samples", field)
         return max_tokens
 
     def _on_output(self, run: _Run, output: RequestOutput) -> None:
@@ -170,7 +184,7 @@ class ResponseService:
         if stream.is_done:  # cancelled, abandoned or shut down while this output was on its way
             return
         now = time.monotonic()
-        metrics = self.state.metrics
+        metrics = self.metrics
         if stream.request.generate and any(completion.delta_token_ids for completion in output.outputs):
             if run.last_token_time is None:
                 metrics.time_to_first_token.observe(now - run.arrival_time)
@@ -189,5 +203,5 @@ class ResponseService:
         """Keep the conversation with its reply, so a follow-up can name this response."""
         stream = run.stream
         reply = [{"role": "assistant", "content": stream.texts[0]}] if stream.texts else []
-        self.state.conversations.put(stream.response_id, run.conversation + reply,
+        self.conversations.put(stream.response_id, run.conversation + reply,
                                      owner=None if stream.request.store else run.owner)

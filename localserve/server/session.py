@@ -26,15 +26,17 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from localserve.server.context import CLOSE_TIMEOUT_S, ServerState, close_within
-from localserve.server.requests import (
-    ResponseRequest,
+from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, close_within
+from localserve.server.request_fields import parse_request
+from localserve.server.request_model import GenerationRequest
+from localserve.server.response_events import ResponseStream, new_id
+from localserve.server.responses import ResponseService
+from localserve.server.responses_format import (
+    RESPONSES_WEBSOCKET,
     check_stream_id,
     event_stream_id,
     parse_client_event,
-    parse_response_create,
 )
-from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError, error_event, shown
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Lane:
     """The responses of one `stream_id`: the one running and those waiting for it, in order."""
 
     stream_id: str | None
-    waiting: deque[ResponseRequest] = field(default_factory=deque)
+    waiting: deque[GenerationRequest] = field(default_factory=deque)
     current: ResponseStream | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when `current` ends
     task: asyncio.Task | None = None
@@ -59,10 +61,8 @@ class Lane:
 class ResponsesSession:
     """Serves one client: lanes of responses over one connection, as in OpenAI's WebSocket mode."""
 
-    def __init__(self, server: ServerState, connection: ServerConnection) -> None:
-        self.server = server
-        self.config = server.config
-        self.connection = connection
+    def __init__(self, config: ServerConfig, responses: ResponseService, connection: ServerConnection) -> None:
+        self.config, self.responses, self.connection = config, responses, connection
         self.owner = new_id("conn")  # whose store: false conversations these are
         self.lanes: dict[str | None, Lane] = {}
         self.streams: list[ResponseStream] = []  # started and not all sent, in start order
@@ -113,7 +113,7 @@ class ResponsesSession:
                                                "never started", status=503), request.stream_id)
             lane.waiting.clear()
             if lane.current is not None:
-                self.server.responses.shut_down(lane.current)
+                self.responses.shut_down(lane.current)
         self._wake.set()
 
     # ------------------------------------------------------------------ receiving
@@ -128,16 +128,16 @@ class ResponsesSession:
                 event = parse_client_event(frame)
                 stream_id = event_stream_id(event)
                 if event["type"] == "response.create":
-                    self._queue(parse_response_create(event, self.config.limits))
+                    self._queue(parse_request(event, RESPONSES_WEBSOCKET, self.config.limits))
                 elif event["type"] == "response.cancel":
-                    self._cancel(check_stream_id(event))
+                    self._cancel(check_stream_id(event.get("stream_id")))
                 else:
                     raise ProtocolError("unknown_event_type", f"unknown event type {shown(event['type'], 80)}; "
                                         "this server accepts response.create and response.cancel", "type")
             except ProtocolError as error:
                 self._send_error(error, stream_id)
 
-    def _queue(self, request: ResponseRequest) -> None:
+    def _queue(self, request: GenerationRequest) -> None:
         lane = self.lanes.get(request.stream_id)
         if lane is None and len(self.lanes) >= self.config.max_lanes:
             raise ProtocolError("too_many_streams", f"{len(self.lanes)} lanes (stream_id) are active on this "
@@ -157,7 +157,7 @@ class ResponsesSession:
                 request = lane.waiting.popleft()
                 lane.starting = True
                 try:
-                    stream = await self.server.responses.start(request, self.owner, self._on_update)
+                    stream = await self.responses.start(request, self.owner, self._on_update)
                 except ProtocolError as error:
                     lane.cancel_on_start = False  # the cancel meant this one, which never ran
                     self._send_error(error, request.stream_id)
@@ -174,10 +174,10 @@ class ResponsesSession:
                 lane.current, lane.done = stream, asyncio.Event()
                 self.streams.append(stream)
                 if self._shutting_down:  # it was being tokenized when the shutdown began
-                    self.server.responses.shut_down(stream)
+                    self.responses.shut_down(stream)
                 elif lane.cancel_on_start:
                     lane.cancel_on_start = False
-                    self.server.responses.cancel(stream)
+                    self.responses.cancel(stream)
                 self._wake.set()
                 await lane.done.wait()
                 lane.current = None
@@ -195,7 +195,7 @@ class ResponsesSession:
     def _cancel(self, stream_id: str | None) -> None:
         lane = self.lanes.get(stream_id)
         if lane is not None and lane.current is not None and not lane.current.is_done:
-            self.server.responses.cancel(lane.current)
+            self.responses.cancel(lane.current)
         elif lane is not None and (lane.starting or lane.waiting):
             lane.cancel_on_start = True  # the response it means has not started yet
         else:
@@ -207,10 +207,10 @@ class ResponsesSession:
         for lane in list(self.lanes.values()):
             lane.waiting.clear()
             if lane.current is not None:
-                self.server.responses.abandon(lane.current)
+                self.responses.abandon(lane.current)
             if lane.task is not None:
                 lane.task.cancel()  # one still tokenizing never submits
-        self.server.conversations.drop_owner(self.owner)
+        self.responses.end_owner(self.owner)
 
     # ------------------------------------------------------------------ sending
     async def _wait_for_errors_taken(self) -> None:

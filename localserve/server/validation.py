@@ -43,13 +43,16 @@ def shown(value: Any, limit: int = 60) -> str:
 
 def check_type(container: dict[str, Any], name: str, expected: type | tuple[type, ...],
                param: str | None = None) -> Any:
-    """container[name] if it is of the expected JSON type (None when absent or null).
+    """container[name] if it is of the expected JSON type (None when absent or null); see check_value."""
+    return check_value(container.get(name), expected, param or name)
+
+
+def check_value(value: Any, expected: type | tuple[type, ...], param: str) -> Any:
+    """`value` if it is of the expected JSON type (None stays None); else an error naming `param`.
 
     Booleans are not numbers; an integer is a number (and becomes a float). A number too large for a
     float, infinity and NaN are refused: nothing non-finite gets past the edge.
     """
-    param = param or name
-    value = container.get(name)
     if value is None:
         return None
     kinds = expected if isinstance(expected, tuple) else (expected,)

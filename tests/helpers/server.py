@@ -48,8 +48,9 @@ def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_l
 
 
 @contextmanager
-def running_server(llm, **config):
+def running_server(llm, engine_thread_type=None, **config):
     """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer.
+    `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say).
 
     torch runs on one thread meanwhile: on a shared 2-core machine, intra-op threads of a tiny model
     spin against the clients and the other processes (a step is ~10x slower with two).
@@ -62,7 +63,7 @@ def running_server(llm, **config):
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine_thread = EngineThread(llm.engine)
+    engine_thread = (engine_thread_type or EngineThread)(llm.engine)
     engine_thread.start()
     try:
         server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
@@ -128,3 +129,12 @@ class SlowConnection:
         pong = asyncio.get_running_loop().create_future()
         pong.set_result(0.0)  # answered at once: this client always reads
         return pong
+
+
+def engine_facts(max_model_len: int = 512):
+    """The facts of a small engine, for engine threads played by a test (no engine behind them)."""
+    from localserve.engine.facts import EngineFacts, KvCapacity
+
+    return EngineFacts(max_model_len=max_model_len, vocab_size=256, block_size=16, num_gpu_blocks=64,
+                       num_cpu_blocks=0, max_num_seqs=16, max_num_batched_tokens=256, cache_type_k="fp16",
+                       cache_type_v="fp16", kv_bytes_per_token=512, capacity=(KvCapacity("fp16", 512, 1024),))

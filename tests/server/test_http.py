@@ -214,11 +214,12 @@ def test_sdk_with_the_key_connects_and_without_it_fails(keyed_server):
 
 def test_listening_beyond_loopback_without_a_key_refuses_to_start(capsys, tmp_path):
     from localserve.cli import main
-    from localserve.server.context import ServerConfig, ServerState
+    from localserve.server.app import LocalServer
+    from localserve.server.context import ServerConfig, check_bind_safety
 
     with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0.*--api-key"):
-        ServerState(None, None, "m", ServerConfig(host="0.0.0.0"))
-    ServerState(None, None, "m", ServerConfig(host="0.0.0.0", api_key="k"))  # with a key it may
+        LocalServer(None, None, "m", ServerConfig(host="0.0.0.0"))  # refused before it looks at the engine
+    check_bind_safety(ServerConfig(host="0.0.0.0", api_key="k"))  # with a key it may
     # The CLI refuses before loading the model: the missing model folder is never looked at.
     assert main(["serve", "--host", "0.0.0.0", "-m", str(tmp_path / "missing")]) == 2
     error = capsys.readouterr().err

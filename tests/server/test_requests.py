@@ -8,11 +8,18 @@ import pytest
 from openai.types.responses import ResponsesServerEvent
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
-from localserve.server.requests import parse_client_event, parse_response_create
+from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
+from localserve.server.request_fields import parse_request
+from localserve.server.request_model import RequestLimits
 from localserve.server.response_events import ResponseStream
+from localserve.server.responses_format import RESPONSES_WEBSOCKET, parse_client_event
 from localserve.server.validation import ProtocolError, error_event
 
 SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
+
+
+def parse_response_create(event: dict):
+    return parse_request(event, RESPONSES_WEBSOCKET, RequestLimits())
 
 
 def test_input_forms_become_role_messages():
@@ -34,11 +41,11 @@ def test_sampling_fields_and_the_extension_map_onto_sampling_params():
     request = parse_response_create({"input": "hi", "temperature": 0, "top_p": 0.5, "max_output_tokens": 7,
                                      "top_logprobs": 3, "localserve": {"top_k": 5, "min_p": 0.1, "seed": 4,
                                                                        "stop": "END", "n": 2}})
-    params = request.sampling_params(max_tokens=7)
+    params = request.sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=7)
     assert (params.temperature, params.top_p, params.max_tokens, params.logprobs) == (0, 0.5, 7, 3)
     assert (params.top_k, params.min_p, params.seed, params.stop, params.n) == (5, 0.1, 4, ["END"], 2)
     # JSON integers are numbers
-    assert parse_response_create({"input": "hi", "temperature": 1}).temperature == 1.0
+    assert parse_response_create({"input": "hi", "temperature": 1}).sampling.temperature == 1.0
 
 
 @pytest.mark.parametrize("event, code, param", [
@@ -56,7 +63,7 @@ def test_sampling_fields_and_the_extension_map_onto_sampling_params():
 ])
 def test_bad_fields_name_their_param(event, code, param):
     with pytest.raises(ProtocolError) as raised:
-        parse_response_create(event).sampling_params(max_tokens=4)
+        parse_response_create(event).sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=4)
     assert (raised.value.code, raised.value.param) == (code, param)
     assert param in raised.value.message
 
@@ -83,7 +90,8 @@ def output(deltas: list[str], token_counts: list[int], finished=False, reasons=N
 
 def make_stream(**event) -> ResponseStream:
     request = parse_response_create({"input": "hi", **event})
-    return ResponseStream(request, "resp_x", "tiny", num_prompt_tokens=3,
+    params = request.sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=request.max_output_tokens or 16)
+    return ResponseStream(request, params, "resp_x", "tiny", num_prompt_tokens=3,
                           token_text=lambda token_id: f"t{token_id}")
 
 

@@ -8,22 +8,21 @@ import json
 import threading
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
-from localserve.server.context import ServerConfig, ServerState
+from localserve.server.app import LocalServer
+from localserve.server.context import ServerConfig
 from localserve.server.session import ResponsesSession
-from tests.helpers.server import SlowConnection
+from tests.helpers.server import SlowConnection, engine_facts
 
 NUM_TOKENS = 60
-
-
-class FakeEngine:
-    max_model_len = 512
 
 
 class FakeEngineThread:
     """Records submissions; the test plays the engine thread by calling the callback itself."""
 
+    last_event_seq = 0
+
     def __init__(self) -> None:
-        self.engine = FakeEngine()
+        self.facts = engine_facts(max_model_len=512)
         self.submitted: list[tuple[str, object]] = []
         self.aborted: list[str] = []
 
@@ -45,8 +44,8 @@ class FakeTokenizer:
 
 def make_session(connection) -> tuple[ResponsesSession, FakeEngineThread]:
     engine_thread = FakeEngineThread()
-    server = ServerState(engine_thread, FakeTokenizer(), "fake", ServerConfig(send_queue_size=8))
-    return ResponsesSession(server, connection), engine_thread
+    server = LocalServer(engine_thread, FakeTokenizer(), "fake", ServerConfig(send_queue_size=8))
+    return ResponsesSession(server.config, server.responses, connection), engine_thread
 
 
 def engine_outputs(request_id: str):

@@ -1,0 +1,73 @@
+"""What does not change while an engine runs, as one typed record (no torch here): the context length,
+the KV pool's shape and formats, the scheduler's budgets, what the pool's memory would hold in each
+KV format.
+
+`read_facts` is the one place that reads these off an `LLMEngine`; the server (its routes, the
+monitor's hello frame) reads this record instead of the engine, through the engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from localserve.kv.formats import KVFormatSpec
+from localserve.kv.memory_plan import kv_bytes_per_token
+
+if TYPE_CHECKING:
+    from localserve.engine.engine import LLMEngine
+
+# the formats whose capacity the monitor shows
+CAPACITY_FORMATS = tuple(KVFormatSpec.parse(name) for name in ("fp16", "q8_0", "q4_rot"))
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """How many tokens the pool's memory would hold with K and V both in `format`."""
+
+    format: str
+    bytes_per_token: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """An engine's fixed settings and sizes."""
+
+    max_model_len: int  # tokens of prompt plus output one request may hold
+    vocab_size: int
+    block_size: int  # tokens per KV block
+    num_gpu_blocks: int
+    num_cpu_blocks: int  # the swap pool (0: none)
+    max_num_seqs: int  # sequences running at once: the parallel slots
+    max_num_batched_tokens: int  # tokens one step computes at most
+    cache_type_k: str
+    cache_type_v: str
+    kv_bytes_per_token: int  # K and V of every layer, in the pool's formats
+    capacity: tuple[KvCapacity, ...]  # per format of CAPACITY_FORMATS that fits the model's head size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The GPU pool's size in bytes."""
+        return self.num_gpu_blocks * self.block_size * self.kv_bytes_per_token
+
+
+def read_facts(engine: LLMEngine) -> EngineFacts:
+    """The facts of `engine` (any thread: it reads settings fixed when the engine was built)."""
+    config, kv_cache, model_config = engine.config, engine.runner.kv_cache, engine.model_config
+    scheduler_config = engine.scheduler.config
+    bytes_per_token = kv_cache.bytes_per_token()
+    pool_bytes = config.num_kv_blocks * config.block_size * bytes_per_token
+    capacity = []
+    for spec in CAPACITY_FORMATS:
+        try:
+            per_token = kv_bytes_per_token(model_config, spec, spec)
+        except ValueError:  # the format does not fit this model's head size
+            continue
+        capacity.append(KvCapacity(str(spec), per_token, pool_bytes // per_token))
+    return EngineFacts(
+        max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size, block_size=config.block_size,
+        num_gpu_blocks=config.num_kv_blocks, num_cpu_blocks=engine.block_manager.num_cpu_blocks,
+        max_num_seqs=scheduler_config.max_num_seqs, max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        cache_type_k=str(kv_cache.key_format), cache_type_v=str(kv_cache.value_format),
+        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity))

@@ -1,0 +1,102 @@
+"""The one request type every API's generation request becomes, whatever its wire format (no I/O here).
+
+A format's field map (server/responses_format.py, server/completions_format.py) is read by the one
+parser of server/request_fields.py into a `GenerationRequest`: what to say, what the client chose of
+the sampling (`SamplingChoice`: a field it left out stays None), and how the answer is to be shaped.
+The server's sampling defaults fill in what the client left out, once, in `sampling_params`. A bound
+checked after parsing (the context, the conversation's size) names the field as the client's format
+spells it, through `wire_name`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from localserve.engine.sampling_params import SamplingParams
+from localserve.loading.sampling_defaults import SamplingDefaults
+
+Message = dict[str, str]  # {"role": "user" | "assistant" | "system", "content": text}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on everything a client sizes in one request (documented in docs/PROTOCOL.md)."""
+
+    max_input_chars: int = 1 << 20  # input text plus instructions of one request, before tokenization
+    max_conversation_chars: int = 4 << 20  # a stored conversation plus the new input
+    max_input_items: int = 4096
+    max_stop_strings: int = 8
+    max_stop_chars: int = 128  # each stop string is searched for after every token
+    max_parallel_samples: int = 16
+    max_logprob_entries: int = 1 << 16  # (logprobs + 1) x n x max_output_tokens: the closing events' size
+    max_metadata_keys: int = 16
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 512
+    max_id_chars: int = 256  # model and previous_response_id
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    """The sampling fields a request set, checked; None where it left the choice to the server."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    n: int | None = None
+    logprobs: int | None = None  # alternatives per token, when log-probabilities are wanted
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.n or 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request for one response: what to say, how to sample, how to shape the answer."""
+
+    input_messages: list[Message]  # this turn's input, roles user/assistant/system
+    prompt: str | None = None  # instead of messages: text tokenized as it is, no chat template (completions)
+    instructions: str | None = None
+    model: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None  # None: the server's default
+    sampling: SamplingChoice = SamplingChoice()
+    metadata: dict[str, str] = field(default_factory=dict)
+    stream_id: str | None = None  # the websocket lane
+    store: bool = True  # False: only the connection that made it may continue it
+    generate: bool = True  # False: prefill the input into the cache, answer with no output
+    stream: bool = False  # over HTTP: server-sent events as the answer is generated
+    include_usage: bool = False  # a streamed completion ends with a chunk holding the usage
+    echoed: dict[str, Any] = field(default_factory=dict)  # what a Responses object echoes as requested
+    wire_names: Mapping[str, str] = field(default_factory=dict)  # shared field -> the format's name for it
+
+    @property
+    def num_input_chars(self) -> int:
+        return (sum(len(message["content"]) for message in self.input_messages) + len(self.instructions or "")
+                + len(self.prompt or ""))
+
+    def wire_name(self, name: str) -> str:
+        """How the request's format names the shared field `name` ("input", "max_tokens")."""
+        return self.wire_names[name]
+
+    def sampling_params(self, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams, `max_tokens` resolved against the prompt: the server's `defaults`
+        for temperature and the filters the request left out, SamplingParams' own for the rest. The
+        values passed the request's field rules, which are at least as strict as SamplingParams' checks."""
+        sampling = self.sampling
+        chosen = {item.name: getattr(sampling, item.name) for item in dataclasses.fields(sampling)
+                  if getattr(sampling, item.name) is not None}
+        if "stop" in chosen:
+            chosen["stop"] = list(chosen["stop"])
+        server = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
+                  "min_p": defaults.min_p}
+        return SamplingParams(max_tokens=max_tokens, **(server | chosen))

@@ -1,0 +1,107 @@
+"""The field maps of the Responses API without a server: what differs between the websocket's
+`response.create` and `POST /v1/responses`, the `localserve` object, the logprobs switches, warm-ups,
+what the response object echoes, and the websocket's frames and lanes."""
+
+from __future__ import annotations
+
+import pytest
+
+from localserve.server.request_fields import parse_request
+from localserve.server.request_model import RequestLimits
+from localserve.server.responses_format import (
+    ECHOED,
+    LOGPROBS_INCLUDE,
+    RESPONSES_HTTP,
+    RESPONSES_WEBSOCKET,
+    check_stream_id,
+    event_stream_id,
+)
+from localserve.server.validation import ProtocolError
+
+
+def over(wire, **body):
+    return parse_request({"input": "hi", **body}, wire, RequestLimits())
+
+
+def refused(wire, **body) -> tuple[str, str]:
+    with pytest.raises(ProtocolError) as raised:
+        over(wire, **body)
+    return raised.value.code, raised.value.param
+
+
+def test_the_websocket_and_http_differ_in_stream_and_stream_id_only():
+    assert over(RESPONSES_WEBSOCKET, stream_id="lane", stream=True).stream_id == "lane"
+    assert not over(RESPONSES_WEBSOCKET, stream=True).stream  # every response streams over a websocket
+    assert over(RESPONSES_HTTP, stream=True).stream and not over(RESPONSES_HTTP).stream
+    assert refused(RESPONSES_HTTP, stream_id="lane") == ("unsupported_parameter", "stream_id")
+    assert refused(RESPONSES_HTTP, stream="yes") == ("invalid_type", "stream")
+    assert refused(RESPONSES_WEBSOCKET, stream_id="a b") == ("invalid_stream_id", "stream_id")
+    assert set(RESPONSES_HTTP.fields) == set(RESPONSES_WEBSOCKET.fields)  # the same fields...
+    assert {name for name in RESPONSES_HTTP.fields if RESPONSES_HTTP.fields[name] != RESPONSES_WEBSOCKET.fields[name]
+            } == {"stream", "stream_id"}  # ...two of them meaning another thing
+
+
+@pytest.mark.parametrize("wire", [RESPONSES_WEBSOCKET, RESPONSES_HTTP])
+def test_the_logprobs_spellings(wire):
+    assert over(wire).sampling.logprobs is None
+    assert over(wire, include=[LOGPROBS_INCLUDE]).sampling.logprobs == 0
+    assert over(wire, include=["other"]).sampling.logprobs is None
+    assert over(wire, top_logprobs=3).sampling.logprobs == 3  # no switch needed
+    assert over(wire, top_logprobs=3, localserve={"logprobs": 5}).sampling.logprobs == 5  # the extension wins
+    assert over(wire, localserve={"logprobs": 5}, top_logprobs=3).sampling.logprobs == 5
+    assert refused(wire, include=[1]) == ("invalid_type", "include")
+
+
+@pytest.mark.parametrize("wire", [RESPONSES_WEBSOCKET, RESPONSES_HTTP])
+def test_warm_ups_store_and_identifiers(wire):
+    assert not over(wire, generate=False).generate
+    assert not over(wire, generate=True, prompt_cache_options={"prewarm": True}).generate  # prewarm wins
+    assert over(wire, prompt_cache_options={"prewarm": False, "ttl": 5}).generate  # its other fields are free
+    assert not over(wire, store=False).store and over(wire).store
+    request = over(wire, instructions="be brief", previous_response_id="resp_1", metadata={"k": "v"}, model="m")
+    assert (request.instructions, request.previous_response_id, request.metadata, request.model) == (
+        "be brief", "resp_1", {"k": "v"}, "m")
+    assert request.wire_name("input") == "input" and request.wire_name("max_tokens") == "max_output_tokens"
+
+
+@pytest.mark.parametrize("wire", [RESPONSES_WEBSOCKET, RESPONSES_HTTP])
+@pytest.mark.parametrize("body, expected", [
+    ({"tools": [{"type": "function", "name": "f"}]}, ("unsupported_parameter", "tools")),
+    ({"tools": [1]}, ("unsupported_parameter", "tools")),
+    ({"tools": "f"}, ("invalid_type", "tools")),
+    ({"tool_choice": "required"}, ("unsupported_parameter", "tool_choice")),
+    ({"text": {"format": {"type": "json_object"}}}, ("unsupported_parameter", "text.format")),
+    ({"text": {"verbosity": "low"}}, ("unsupported_parameter", "text.verbosity")),
+    ({"text": {"format": "json"}}, ("invalid_type", "text.format")),
+    ({"reasoning": {"effort": "low"}}, ("unsupported_parameter", "reasoning")),
+    ({"reasoning": {"summary": "auto"}}, ("unsupported_parameter", "reasoning")),
+    ({"truncation": "auto"}, ("unsupported_parameter", "truncation")),
+    ({"multi_agent": {"enabled": True}}, ("unsupported_parameter", "multi_agent")),
+    ({"parallel_tool_calls": "yes"}, ("invalid_type", "parallel_tool_calls")),
+    ({"localserve": {"beams": 2}}, ("unknown_parameter", "localserve.beams")),
+    ({"localserve": {"min_p": 1}}, ("invalid_value", "localserve.min_p")),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     ("unsupported_value", "input[0].content[0]")),
+    ({"input": None}, ("missing_required_parameter", "input")),
+    ({"messages": []}, ("unknown_parameter", "messages")),
+])
+def test_refusals_name_their_field(wire, body, expected):
+    assert refused(wire, **body) == expected
+
+
+def test_the_response_object_echoes_the_request_over_the_defaults():
+    assert over(RESPONSES_WEBSOCKET).echoed == ECHOED
+    echoed = over(RESPONSES_WEBSOCKET, tools=[], tool_choice="none", text={"verbosity": "medium"},
+                  reasoning={"effort": "none"}, parallel_tool_calls=False, top_logprobs=2, user="u").echoed
+    assert echoed == ECHOED | {"tool_choice": "none", "text": {"format": {"type": "text"}, "verbosity": "medium"},
+                               "reasoning": {"effort": "none"}, "parallel_tool_calls": False, "top_logprobs": 2,
+                               "user": "u"}
+
+
+def test_lanes():
+    assert check_stream_id(None) is None and check_stream_id("lane-1.a_b") == "lane-1.a_b"
+    for bad in ("", "a b", "x" * 257, 5):
+        with pytest.raises(ProtocolError) as raised:
+            check_stream_id(bad)
+        assert (raised.value.code, raised.value.param) == ("invalid_stream_id", "stream_id")
+    assert event_stream_id({"stream_id": "ok"}) == "ok" and event_stream_id({"stream_id": "not ok"}) is None

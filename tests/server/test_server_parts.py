@@ -1,0 +1,106 @@
+"""The server's parts get what they use, not the server: read from the source, no server module imports
+the engine, its thread or the KV cache, or reaches into them (`engine_thread.engine`, `.runner`); a
+LocalServer runs on any engine thread that offers `EngineAccess` (here one played by the test); the
+served model answers to its names and describes itself for /v1/models."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from localserve.loading.sampling_defaults import SamplingDefaults
+from localserve.server.app import LocalServer
+from localserve.server.context import ServedModel, ServerConfig, engine_result
+from localserve.server.validation import ProtocolError
+from tests.helpers.server import engine_facts
+
+SERVER = Path(__file__).resolve().parents[2] / "localserve" / "server"
+# What a server part may not import: the engine itself, the thread that owns it, the model and the KV cache.
+FORBIDDEN_IMPORTS = ("localserve.engine.engine", "localserve.engine.engine_thread", "localserve.engine.model_runner",
+                     "localserve.kv", "localserve.models", "localserve.attention")
+
+
+def server_modules() -> dict[str, ast.Module]:
+    return {path.name: ast.parse(path.read_text(), str(path)) for path in sorted(SERVER.glob("*.py"))}
+
+
+def test_no_server_module_imports_the_engine_or_reaches_into_it():
+    found = []
+    for name, tree in server_modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                found += [f"{name} imports {module}" for module in modules
+                          if any(module == bad or module.startswith(bad + ".") for bad in FORBIDDEN_IMPORTS)]
+            elif isinstance(node, ast.Attribute) and (
+                    node.attr in ("runner", "engine_call")
+                    or node.attr == "engine" and isinstance(node.value, ast.Attribute | ast.Name)
+                    and getattr(node.value, "attr", getattr(node.value, "id", "")) == "engine_thread"):
+                found.append(f"{name}:{node.lineno} reads .{node.attr}")
+    assert found == []
+
+
+def test_the_check_finds_what_it_looks_for():
+    tree = ast.parse("from localserve.kv.cache import PagedKVCache\nx = server.engine_thread.engine.runner\n")
+    imports = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    attributes = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)]
+    assert imports == ["localserve.kv.cache"] and {"engine", "runner"} <= set(attributes)
+
+
+class PlayedEngineThread:
+    """The EngineAccess of no engine: facts, and reads answered at once from what the test put there."""
+
+    last_event_seq = 41
+
+    def __init__(self) -> None:
+        self.facts = engine_facts(max_model_len=300)
+        self.stats_reads = 0
+
+    def submit(self, prompt_token_ids, params, on_output, request_id=None):
+        raise AssertionError("nothing is submitted here")
+
+    def abort(self, request_id):
+        raise AssertionError("nothing is aborted here")
+
+    def stats(self) -> Future:
+        self.stats_reads += 1
+        future: Future = Future()
+        future.set_result("stats")
+        return future
+
+    def snapshot_and_events(self, after_seq: int) -> Future:
+        future: Future = Future()
+        future.set_result(("snapshot", [], after_seq))
+        return future
+
+
+def test_a_server_is_built_from_an_engine_access_and_its_facts():
+    engine_thread = PlayedEngineThread()
+    server = LocalServer(engine_thread, tokenizer=None, model_name="played", config=ServerConfig(model_alias="alias"))
+    assert server.model == ServedModel("alias", "played", 300, server.config.sampling_defaults)
+    assert server.monitor_hub.last_seq == 41  # events from before the server are not replayed
+    hello = server.monitor_hello
+    facts = engine_thread.facts
+    assert hello == {"model": "alias", "block_size": facts.block_size, "num_blocks": facts.num_gpu_blocks,
+                     "num_cpu_blocks": 0, "max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": 300,
+                     "cache_type_k": "fp16", "cache_type_v": "fp16", "kv_cache_bytes": 64 * 16 * 512,
+                     "capacity": [{"format": "fp16", "bytes_per_token": 512, "num_tokens": 1024}]}
+    assert asyncio.run(server._read_monitor(7)) == ("snapshot", [], 7)
+    assert asyncio.run(engine_result(engine_thread.stats())) == "stats" and engine_thread.stats_reads == 1
+
+
+def test_the_served_model_answers_to_its_names():
+    defaults = SamplingDefaults(0.5, top_k=3, source="test")
+    model = ServedModel("alias", "own-name", 512, defaults)
+    for name in (None, "default", "alias", "own-name"):
+        model.check(name)
+    with pytest.raises(ProtocolError) as raised:
+        model.check("gpt-4o")
+    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
+    assert "alias" in raised.value.message
+    assert model.describe() == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
+                                "max_model_len": 512, "sampling_defaults": defaults.to_json()}
