@@ -22,7 +22,7 @@ def test_the_facts_of_the_tiny_chat_engine(tiny_chat_llm):
     assert [row.format for row in facts.capacity] == ["fp16", "q4_rot"]  # q8_0 needs head_dim % 32 == 0
     fp16 = facts.capacity[0]
     assert fp16.num_tokens == facts.kv_cache_bytes // fp16.bytes_per_token == 2 * 256 * 16  # half of fp32
-    assert set(row.format for row in facts.capacity) <= set(CAPACITY_FORMATS)
+    assert set(row.format for row in facts.capacity) <= {str(spec) for spec in CAPACITY_FORMATS}
     assert EngineThread(engine).facts == facts  # the engine thread offers the same record
 
 

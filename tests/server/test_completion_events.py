@@ -14,6 +14,7 @@ from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
+from localserve.engine.sampling_params import SamplingParams
 from localserve.server.completion_events import CompletionView
 from localserve.server.response_events import ResponseStream
 
@@ -27,12 +28,16 @@ TOP = [(20, -1.5), (21, -2.5)]  # the alternatives at every position, for the re
 
 @dataclass
 class ViewedRequest:
-    """What a ResponseStream and a CompletionView read of a request (the request type is the parsers')."""
+    """What a ResponseStream and a CompletionView read of a request (the request type is the parsers'), and
+    the two resolved settings they read from its SamplingParams."""
 
     num_samples: int = 1
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     generate: bool = True
     stream_id: str | None = None
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(n=self.num_samples, logprobs=self.logprobs, max_tokens=16)
 
 
 def logprob_of(token_id: int) -> float:
@@ -70,7 +75,8 @@ def text(tokens: list[int]) -> str:
 
 def make_view(chat: bool, include_usage: bool = False, **request: Any) -> tuple[CompletionView, EngineScript]:
     viewed = ViewedRequest(**request)
-    stream = ResponseStream(viewed, RESPONSE_ID, MODEL, NUM_PROMPT_TOKENS, lambda token: TOKEN_TEXTS[token])
+    stream = ResponseStream(viewed, viewed.params(), RESPONSE_ID, MODEL, NUM_PROMPT_TOKENS,
+                            lambda token: TOKEN_TEXTS[token])
     return CompletionView(stream, chat=chat, include_usage=include_usage), EngineScript(viewed)
 
 
