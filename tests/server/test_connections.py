@@ -58,6 +58,15 @@ def wait_for_no_connections(server, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def wait_for_a_connection(server, timeout: float = 10) -> None:
+    """Until the server counts a connection: a websocket is counted once its handler starts, which can be
+    a moment after the client has its 101."""
+    start = time.monotonic()
+    while not server.server.num_connections:
+        assert time.monotonic() - start < timeout, "the connection was never counted"
+        time.sleep(0.005)
+
+
 def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 120))
 
@@ -95,6 +104,7 @@ def test_a_client_that_stops_reading_mid_stream_is_cut(impatient_server):
         await client.send_text(json.dumps({"type": "response.create", "input": "tell me a story",
                                            "max_output_tokens": 480, "temperature": 0, "top_logprobs": 20}))
         # the client keeps its socket open: only the server can end this connection
+        await asyncio.to_thread(wait_for_a_connection, server)
         held_for = await asyncio.to_thread(wait_for_no_connections, server, 10)
         events, close_code = await client.read_events(timeout=10)
         client.abort()
