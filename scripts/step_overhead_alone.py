@@ -60,8 +60,7 @@ def run_localserve(new_request: NewRequest, num_seqs: int, num_blocks: int, step
         batch = scheduler.schedule()
         scheduler.mark_computed(batch)
         middle = time.thread_time()
-        sampled = [(seq, request) for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks)
-                   if chunk.needs_logits]
+        sampled = [(row.seq, row.request) for row in batch.rows if row.chunk.needs_logits]
         token_ids = [rng.randrange(vocab) for _ in sampled]
         resumed = time.thread_time()
         finished = []
@@ -79,7 +78,7 @@ def run_localserve(new_request: NewRequest, num_seqs: int, num_blocks: int, step
         end = time.thread_time()
         if index >= WARMUP and batch.num_prefill_tokens == 0 and not batch.preempted:
             times.append(middle - start + end - resumed)
-            sizes.append(len(batch.seqs))
+            sizes.append(len(batch.rows))
         for _ in finished:
             add()
     return summarize(times, sizes)

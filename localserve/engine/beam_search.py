@@ -71,6 +71,7 @@ def beam_search_step(engine: BeamHost, request: Request, entries: list[tuple[Seq
         if beam.seq_id not in continuing:
             engine.block_manager.free(beam.seq_id)
             request.seqs.remove(beam)
+            beam.decode_row = None  # it refers back to the beam (Sequence.decode_row)
     for beam, token, score, token_logprob in plan:
         _extend(beam, token, score, token_logprob)
         beam.pending_append = True
@@ -83,6 +84,7 @@ def beam_search_step(engine: BeamHost, request: Request, entries: list[tuple[Seq
             engine.block_manager.free(beam.seq_id)
             beam.finish_reason = "length"
             beam.pending_append = False
+            beam.decode_row = None  # the early stop below drops the beams before the scheduler sees them
         if len(request.finished_beams) >= width:  # early stop: the finished hypotheses are the answer
             request.seqs = []
 

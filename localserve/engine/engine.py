@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from localserve.engine.admission import peak_blocks
+from localserve.engine.batch import Batch
 from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
@@ -23,7 +25,7 @@ from localserve.engine.model_runner import ModelRunner
 from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
-from localserve.engine.scheduler import Batch, Scheduler, peak_blocks
+from localserve.engine.scheduler import Scheduler
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
 from localserve.engine.stop_rules import append_sampled_token
@@ -171,7 +173,7 @@ class LLMEngine:
         logits = self.runner.execute(batch.step_input)
         outputs = self._postprocess(batch, logits)
         self.num_steps += 1
-        self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.seqs),
+        self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.rows),
                                             len(batch.preempted), time.perf_counter() - start))
         if self.config.check_integrity:
             self.block_manager.check_integrity()
@@ -184,11 +186,11 @@ class LLMEngine:
         beam_rows: dict[str, list[SampledRow]] = {}  # each beam-search request's live beams
         num_logits_rows = 0
         num_prompt_tokens = 0
-        for seq, request, chunk in zip(batch.seqs, batch.requests, batch.step_input.chunks):
-            num_tokens = len(chunk.token_ids)
+        for scheduled in batch.rows:
+            request, seq, num_tokens = scheduled.request, scheduled.seq, scheduled.query_len
             if num_tokens > 1 or len(seq.token_ids) == seq.prompt_len:
                 num_prompt_tokens += num_tokens
-            if not chunk.needs_logits:
+            if not scheduled.chunk.needs_logits:
                 continue
             moved[request.request_id] = request
             row = SampledRow(request, seq, num_logits_rows)
@@ -335,7 +337,7 @@ class LLMEngine:
 
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+        return self.scheduler.preemption.num_preemptions
 
     def snapshot(self) -> EngineSnapshot:
         """Every block, every request and the statistics, as of now (call on the engine thread)."""

@@ -162,7 +162,7 @@ class EngineThread:
         log.exception("engine step failed; failing the %s requests", "unfinished" if everyone else "running",
                       exc_info=exc)
         engine = self.engine
-        suspects = list(engine.requests) if everyone else [r.request_id for r in engine.scheduler.running]
+        suspects = list(engine.requests) if everyone else [r.request_id for r in engine.scheduler.queues.running]
         for request_id in suspects:
             request = engine.requests.get(request_id)
             engine.fail_request(request_id, _reason(exc))
@@ -174,13 +174,13 @@ class EngineThread:
     def _stalled(self) -> bool:
         """The step ran nothing while nothing holds the pool, yet requests wait: the first of them (n
         samples after a preemption, say) can never be admitted, and everyone behind it would wait forever."""
-        engine, scheduler = self.engine, self.engine.scheduler
-        return bool(engine.step_history and engine.step_history[-1].num_tokens == 0 and scheduler.waiting
-                    and not scheduler.running and not scheduler.swapped)
+        engine, queues = self.engine, self.engine.scheduler.queues
+        return bool(engine.step_history and engine.step_history[-1].num_tokens == 0 and queues.waiting
+                    and not queues.running and not queues.swapped)
 
     def _fail_unschedulable(self) -> None:
         engine = self.engine
-        request = engine.scheduler.waiting[0]
+        request = engine.scheduler.queues.waiting[0]
         reason = (f"this request can never be admitted: no other request holds the KV pool "
                   f"({engine.block_manager.num_blocks} blocks), and it still does not fit")
         log.warning("request %s failed: %s", request.request_id, reason)

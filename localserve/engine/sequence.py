@@ -1,4 +1,5 @@
-"""Requests and their sequences (parallel samples or beams), as the engine tracks them."""
+"""Requests and their sequences (parallel samples or beams), as the engine tracks them, and a sequence's
+row of a step (here, not in engine/batch.py, because a decoding sequence keeps its row)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,10 @@ class Sequence:
     # The last sampled token is in token_ids but not yet in the block manager (appended when scheduled).
     pending_append: bool = False
     sampling_row: SamplingRow | None = None  # what the sampler reads of it, made at its first sampling
-    decode_chunk: SeqChunk | None = None  # its part of a decode step, rewritten by the scheduler each step
+    # Its row of a decode step, rewritten by the scheduler each step (engine/batch.py). The row refers back
+    # to it: the scheduler drops the row when the sequence leaves its request (Scheduler.finish, a dropped
+    # beam), so that nothing of a finished request waits for the cyclic garbage collector.
+    decode_row: ScheduledRow | None = None
     decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
     text: str = ""  # detokenized output so far (stop strings cut off)
     num_emitted_chars: int = 0  # text already reported to a streaming client
@@ -173,3 +177,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED
+
+
+@dataclass(eq=False, slots=True)
+class ScheduledRow:
+    """One sequence's row of a step: its request, the sequence, its query tokens and its chunk for the
+    model runner. `query_len` is len(chunk.token_ids), kept as a field: every row of a step reads it."""
+
+    request: Request
+    seq: Sequence
+    query_len: int
+    chunk: SeqChunk

@@ -117,14 +117,14 @@ class EngineSnapshot:
 
 
 def read_stats(engine: EngineState) -> EngineStats:
-    scheduler, bm = engine.scheduler, engine.block_manager
+    queues, preemption, bm = engine.scheduler.queues, engine.scheduler.preemption, engine.block_manager
     last = engine.step_history[-1] if engine.step_history else None
-    gauges = Gauges(len(scheduler.running), len(scheduler.waiting), len(scheduler.swapped), bm.usage_ratio,
+    gauges = Gauges(len(queues.running), len(queues.waiting), len(queues.swapped), bm.usage_ratio,
                     bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks, bm.num_free_cpu_blocks,
                     last.duration_s if last else 0.0, last.num_tokens if last else 0)
-    by_mode = scheduler.num_preemptions_by_mode
-    counters = Counters(engine.num_steps, scheduler.num_preemptions, by_mode["recompute"], by_mode["swap"],
-                        scheduler.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
+    by_mode = preemption.num_preemptions_by_mode
+    counters = Counters(engine.num_steps, preemption.num_preemptions, by_mode["recompute"], by_mode["swap"],
+                        preemption.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
                         engine.num_prompt_tokens, engine.num_generation_tokens, bm.cow_copies,
                         bm.cached_block_evictions, engine.num_requests_finished, engine.num_requests_failed)
     return EngineStats(gauges, counters)
@@ -153,11 +153,11 @@ def _request_snapshot(engine: EngineState, request: Request, queue: str, now: fl
 def read_snapshot(engine: EngineState) -> EngineSnapshot:
     """Every block, every request and the statistics, as of now (call on the engine thread)."""
     now = time.monotonic()
-    scheduler = engine.scheduler
+    queues = engine.scheduler.queues
     pool = engine.block_manager.snapshot()
-    queued = sorted(((request, queue) for queue, requests in (("running", scheduler.running),
-                                                              ("swapped", scheduler.swapped),
-                                                              ("waiting", scheduler.waiting))
+    queued = sorted(((request, queue) for queue, requests in (("running", queues.running),
+                                                              ("swapped", queues.swapped),
+                                                              ("waiting", queues.waiting))
                      for request in requests), key=lambda entry: entry[0].arrival)
     requests = [_request_snapshot(engine, request, queue, now) for request, queue in queued]
     cpu_states = pool.cpu_block_states.replace("u", "w").replace("s", "w")

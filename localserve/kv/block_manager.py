@@ -209,11 +209,13 @@ class BlockManager:
                 self._num_cached_blocks -= 1
             self._ref_counts[block_id] += 1
         block_table = [block_id for _, block_id in hits]
-        block_table += [self._take_free_block() for _ in range(self._num_blocks_for(len(token_ids)) - len(hits))]
+        num_new_blocks = self._num_blocks_for(len(token_ids)) - len(hits)
+        block_table += [self._take_free_block() for _ in range(num_new_blocks)]
         num_cached_tokens = len(hits) * self.block_size
-        self._seqs[seq_id] = SequenceBlocks(token_ids if share_token_ids else list(token_ids), block_table,
-                                            num_cached_tokens, [block_hash for block_hash, _ in hits], extra_key,
-                                            len(token_ids), share_token_ids)
+        self._seqs[seq_id] = SequenceBlocks(
+            token_ids=token_ids if share_token_ids else list(token_ids), block_table=block_table,
+            num_computed_tokens=num_cached_tokens, block_hashes=[block_hash for block_hash, _ in hits],
+            extra_key=extra_key, num_tokens=len(token_ids), shares_token_ids=share_token_ids)
         if self.enable_prefix_caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
@@ -233,8 +235,10 @@ class BlockManager:
         num_shared_tokens = num_shared_blocks * self.block_size
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        if not (0 < num_shared_tokens < len(token_ids) and num_shared_tokens <= leader.num_tokens
-                and list(token_ids[:num_shared_tokens]) == leader.token_ids[:num_shared_tokens]):
+        # It keeps at least its last token to compute, and shares only tokens the leader has, and equal ones.
+        can_share = (0 < num_shared_tokens < len(token_ids) and num_shared_tokens <= leader.num_tokens
+                     and list(token_ids[:num_shared_tokens]) == leader.token_ids[:num_shared_tokens])
+        if not can_share:
             raise ValueError(f"sequence {seq_id} cannot share {num_shared_blocks} blocks of sequence {leader_id}")
         num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
         if num_new_blocks > len(self._free_queue):
@@ -243,8 +247,9 @@ class BlockManager:
         for block_id in block_table:
             self._ref_counts[block_id] += 1
         block_table += [self._take_free_block() for _ in range(num_new_blocks)]
-        seq = SequenceBlocks(token_ids if share_token_ids else list(token_ids), block_table, 0, [], leader.extra_key,
-                             len(token_ids), share_token_ids)
+        seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_table=block_table,
+                             num_computed_tokens=0, block_hashes=[], extra_key=leader.extra_key,
+                             num_tokens=len(token_ids), shares_token_ids=share_token_ids)
         self._seqs[seq_id] = seq
         num_computed_blocks = min(leader.num_computed_tokens // self.block_size, num_shared_blocks)
         self._take_computed_blocks(seq, leader, num_computed_blocks)
@@ -259,15 +264,17 @@ class BlockManager:
         that when all its holders write, the last one finds itself sole owner and writes in place."""
         num_blocks = 0
         writers_per_shared_block: dict[int, int] = {}
-        block_size, ref_counts, seqs = self.block_size, self._ref_counts, self._seqs
+        ref_counts = self._ref_counts
         for seq_id in seq_ids:
-            seq = seqs[seq_id]
+            seq = self._seqs[seq_id]
             if seq.is_swapped:
                 self._gpu_seq(seq_id)  # raises
-            if seq.num_tokens % block_size == 0:
+            if seq.num_tokens % self.block_size == 0:
                 num_blocks += 1
-            elif seq.may_share_last_block and ref_counts[last_block_id := seq.block_table[-1]] > 1:
-                writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
+            elif seq.may_share_last_block:
+                last_block_id = seq.block_table[-1]
+                if ref_counts[last_block_id] > 1:
+                    writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
         for block_id, num_writers in writers_per_shared_block.items():
             num_blocks += num_writers if num_writers < ref_counts[block_id] else num_writers - 1
         return num_blocks
@@ -353,10 +360,11 @@ class BlockManager:
             raise ValueError(f"sequence {child_seq_id}: its token list is not sequence {parent_seq_id}'s")
         for block_id in parent.block_table:
             self._ref_counts[block_id] += 1
-        self._seqs[child_seq_id] = SequenceBlocks(tokens if child_token_ids is None else child_token_ids,
-                                                  list(parent.block_table), parent.num_computed_tokens,
-                                                  list(parent.block_hashes), parent.extra_key, parent.num_tokens,
-                                                  child_token_ids is not None, may_share_last_block=True)
+        self._seqs[child_seq_id] = SequenceBlocks(
+            token_ids=tokens if child_token_ids is None else child_token_ids, block_table=list(parent.block_table),
+            num_computed_tokens=parent.num_computed_tokens, block_hashes=list(parent.block_hashes),
+            extra_key=parent.extra_key, num_tokens=parent.num_tokens, shares_token_ids=child_token_ids is not None,
+            may_share_last_block=True)
         parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
@@ -460,19 +468,26 @@ class BlockManager:
         block_hash = self._block_hashes[block_id]
         if block_hash is not None:
             del self._hash_to_block[block_hash]
-            self._block_hashes[block_id] = self._block_contents[block_id] = None
+            self._block_hashes[block_id] = None
+            self._block_contents[block_id] = None
             self._num_cached_blocks -= 1
             self.cached_block_evictions += 1
         self._ref_counts[block_id] = 1
         return block_id
 
     def _release_blocks(self, block_ids: list[int]) -> None:
-        ref_counts, block_hashes, num_cached, freed = self._ref_counts, self._block_hashes, 0, []
+        """Each block loses one count, the table's last block first (see `free`); a block reaching 0 joins
+        the free-queue tail, still cached if it has a key."""
+        ref_counts = self._ref_counts
+        block_hashes = self._block_hashes
+        freed = []
+        num_cached = 0
         for block_id in reversed(block_ids):
-            ref_counts[block_id] = count = ref_counts[block_id] - 1
-            if not count:
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
                 freed.append(block_id)
-                num_cached += block_hashes[block_id] is not None
+                if block_hashes[block_id] is not None:
+                    num_cached += 1
         self._free_queue.extend(freed)
         self._num_cached_blocks += num_cached
 

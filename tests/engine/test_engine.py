@@ -3,6 +3,7 @@ greedy request produces; budgets, sharing and clean-up hold."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
 from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.sequence import Request, Sequence
 
 
 def make_engine(model, num_blocks=512, max_num_seqs=64, budget=256, chunked=True, prefix=True,
@@ -77,7 +79,7 @@ def test_64_concurrent_greedy_requests_equal_running_alone(tiny64, expected_alon
         assert engine.num_preemptions >= 10
         # No thrashing: a request is preempted again only after it generated something since.
         last_seen: dict[str, int] = {}
-        for request_id, num_output_tokens in engine.scheduler.preemption_log:
+        for request_id, num_output_tokens in engine.scheduler.preemption.recent:
             assert num_output_tokens > last_seen.get(request_id, -1)
             last_seen[request_id] = num_output_tokens
     # Really batched (under pressure the small pool itself limits the batch).
@@ -215,7 +217,7 @@ def test_beam_search_preempted_by_recompute_still_equals_the_reference(tiny64):
         engine.add_request([30 + i] * 20, SamplingParams(temperature=0, max_tokens=90, ignore_eos=True))
     request_id = engine.add_request(prompt, SamplingParams(n=4, beam_search=True, max_tokens=30, ignore_eos=True))
     final = engine.run_to_completion()[request_id]
-    assert request_id in {rid for rid, _ in engine.scheduler.preemption_log}
+    assert request_id in {rid for rid, _ in engine.scheduler.preemption.recent}
     expected = reference_beam_search(tiny64, prompt, 4, 30)
     assert [o.token_ids for o in final.outputs] == [tokens for tokens, _ in expected]
     assert engine.is_idle_and_clean()
@@ -245,3 +247,26 @@ def test_abort_returns_blocks_at_once(tiny64):
     assert engine.block_manager.num_used_blocks < used
     final = engine.run_to_completion()
     assert len(final[keep].token_ids) == 30 and engine.is_idle_and_clean()
+
+
+def test_finished_requests_leave_no_reference_cycle(tiny64):
+    """A finished request's objects go when its last reference does: none waits for the cyclic collector,
+    which meets long-lived objects only in the rare full collections."""
+    engine = make_engine(tiny64, num_blocks=10, budget=32, max_num_seqs=8)  # small: preemptions too
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(3):
+            engine.add_request([5 + i] * 21, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.add_request([8, 9] * 9, SamplingParams(temperature=1.0, max_tokens=20, n=3, seed=1, ignore_eos=True))
+        engine.add_request([17, 23, 99, 4], SamplingParams(n=3, beam_search=True, max_tokens=8, ignore_eos=True))
+        engine.run_to_completion()
+        assert engine.num_preemptions > 0 and engine.is_idle_and_clean()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        in_cycles = [type(obj).__name__ for obj in gc.garbage if isinstance(obj, (Request, Sequence))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not in_cycles

@@ -62,10 +62,10 @@ def test_a_preempted_request_with_four_samples_comes_back(tiny64, kind, prefix, 
     engine.add_request(*OLDER)
     request_id = engine.add_request(prompt, params)
     final = run_bounded(engine, 200)
-    assert request_id in {rid for rid, _ in engine.scheduler.preemption_log}
+    assert request_id in {rid for rid, _ in engine.scheduler.preemption.recent}
     assert [o.token_ids for o in final[request_id].outputs] == alone(tiny64, prompt, params)
     if mode == "swap":
-        assert engine.scheduler.num_swap_fallbacks >= 1
+        assert engine.scheduler.preemption.num_swap_fallbacks >= 1
 
 
 def test_max_num_seqs_counts_the_samples_of_a_request(tiny64):
@@ -121,7 +121,7 @@ def test_a_full_swap_pool_falls_back_to_recompute_and_says_so(tiny64, caplog):
     ids = [engine.add_request(*item) for item in work]
     with caplog.at_level(logging.WARNING, logger="localserve.engine.scheduler"):
         final = run_bounded(engine, 300)
-    fallbacks = engine.scheduler.num_swap_fallbacks
+    fallbacks = engine.scheduler.preemption.num_swap_fallbacks
     assert fallbacks >= 1
     assert sum("swap pool full" in record.getMessage() for record in caplog.records) == fallbacks
     counters = engine.stats().counters

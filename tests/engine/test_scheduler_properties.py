@@ -228,7 +228,7 @@ def check_workload(tiny: TinyModel, workload: Workload) -> None:
         event(f"request done: {spec.kind}, n > 1: {spec.n > 1}")
     # What the examples covered (pytest --hypothesis-show-statistics); more preemptions are sought.
     target(float(engine.num_preemptions), label="preemptions")
-    for mode, count in engine.scheduler.num_preemptions_by_mode.items():
+    for mode, count in engine.scheduler.preemption.num_preemptions_by_mode.items():
         event(f"preemptions by {mode}: {min(count, 3)}{'+' if count >= 3 else ''}")
-    event(f"swap fallbacks: {bool(engine.scheduler.num_swap_fallbacks)}")
+    event(f"swap fallbacks: {bool(engine.scheduler.preemption.num_swap_fallbacks)}")
     event(f"copy-on-write: {bool(engine.block_manager.cow_copies)}")

@@ -39,63 +39,20 @@ a running request's samples hold their computed tokens, the token each sampled l
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from localserve.engine.config import SchedulerConfig
-from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Scheduler
-from localserve.engine.sequence import Request, RequestState, Sequence
-from localserve.kv.block_manager import BlockManager
-
-_seq_ids = itertools.count()
-
-
-def make_scheduler(num_blocks: int, mode: str = "recompute", prefix: bool = False, num_cpu_blocks: int = 8,
-                   max_num_seqs: int = 8, budget: int = 256, chunked: bool = True) -> Scheduler:
-    bm = BlockManager(num_blocks, 16, num_cpu_blocks, enable_prefix_caching=prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     enable_chunked_prefill=chunked, preemption_mode=mode), bm)
-
-
-def make_request(arrival: int, prompt: list[int], outputs: list[list[int]], max_tokens: int = 20,
-                 beam: bool = False, n: int | None = None) -> Request:
-    """A request whose len(outputs) samples have generated `outputs` (no blocks yet); a new request of `n`
-    samples, not forked yet, has the one sequence `outputs=[[]]`."""
-    seqs = [Sequence(next(_seq_ids), len(prompt), prompt + output, generator=None) for output in outputs]
-    params = SamplingParams(n=n or len(outputs), max_tokens=max_tokens, beam_search=beam)
-    return Request(f"req-{arrival}", arrival, list(prompt), params, seqs, forked=bool(outputs[0]))
-
-
-def run(scheduler: Scheduler, request: Request, state: RequestState = RequestState.RUNNING) -> Request:
-    """Give a request's samples blocks as a step would have left them: prompt shared, tails own, the last
-    sampled token of each pending (or, in state SWAPPED, the same moved to the CPU pool)."""
-    bm = scheduler.block_manager
-    first = request.seqs[0]
-    bm.allocate(first.seq_id, request.prompt_token_ids)
-    bm.mark_computed(first.seq_id, first.prompt_len)
-    for seq in request.seqs[1:]:
-        bm.fork(first.seq_id, seq.seq_id)
-    for seq in request.seqs:
-        for position in range(seq.prompt_len, seq.num_tokens - 1):
-            bm.append_token(seq.seq_id, seq.token_ids[position])
-            bm.mark_computed(seq.seq_id, position + 1)
-        seq.num_computed_tokens = seq.num_tokens - 1
-        seq.pending_append = True
-    request.state = state
-    if state is RequestState.SWAPPED:
-        bm.swap_out([seq.seq_id for seq in request.seqs])
-        scheduler.swapped.append(request)
-    else:
-        scheduler.running.append(request)
-    return request
-
-
-def finish_step(scheduler: Scheduler, batch) -> None:
-    """What the engine does after the forward pass, short of sampling."""
-    scheduler.mark_computed(batch)
-    scheduler.block_manager.check_integrity()
+from localserve.engine.sequence import Request, RequestState
+from tests.helpers.scheduler_states import (
+    finish_step,
+    make_request,
+    make_scheduler,
+    query_lens,
+    row_requests,
+    row_seqs,
+    run,
+    sample,
+)
 
 
 @pytest.mark.parametrize("prefix", [False, True])
@@ -105,15 +62,15 @@ def test_readmitted_samples_prefill_their_common_prompt_once_and_share_it(prefix
     prompt = list(range(3, 23))  # 20 tokens: one full block
     request = make_request(0, prompt, [[100 + 13 * i + j for j in range(13)] for i in range(4)])
     request.num_preemptions = 1  # preempted by recompute: waiting, holding nothing
-    scheduler.waiting.append(request)
+    scheduler.queues.waiting.append(request)
     batch = scheduler.schedule()
     tables = [bm.block_table(seq.seq_id) for seq in request.seqs]
     assert len({table[0] for table in tables}) == 1 and bm.ref_count(tables[0][0]) == 4
     assert bm.num_used_blocks == 3 + 3 * 2  # the leader 3 blocks, each of the others 2 more
-    assert [(seq, q) for seq, q in zip(batch.seqs, batch.query_lens)] == [(request.seqs[0], 33)]
+    assert [(seq, q) for seq, q in zip(row_seqs(batch), query_lens(batch))] == [(request.seqs[0], 33)]
     finish_step(scheduler, batch)  # the leader has computed the shared block: the others start after it
     batch = scheduler.schedule()
-    assert [(seq, q, seq.num_computed_tokens) for seq, q in zip(batch.seqs, batch.query_lens)] == \
+    assert [(seq, q, seq.num_computed_tokens) for seq, q in zip(row_seqs(batch), query_lens(batch))] == \
         [(seq, 17, 16) for seq in request.seqs[1:]]
     finish_step(scheduler, batch)
     assert not request.followers and all(seq.num_uncomputed_tokens == 0 for seq in request.seqs)
@@ -133,11 +90,11 @@ def test_a_victim_leaves_no_block_move_in_the_step(mode):
     assert bm.num_available_blocks == 1
     batch = scheduler.schedule()
     step = batch.step_input
-    scheduled = {seq.seq_id for seq in batch.seqs}
+    scheduled = {seq.seq_id for seq in row_seqs(batch)}
     for source, destination in step.block_copies:  # a sample running now copies what a sibling keeps
         assert any(seq.seq_id in scheduled and bm.block_table(seq.seq_id)[-1] == destination
                    and any(bm.block_table(sibling.seq_id)[-1] == source for sibling in request.live_seqs)
-                   for request in scheduler.running for seq in request.live_seqs), \
+                   for request in scheduler.queues.running for seq in request.live_seqs), \
             f"copy {source}->{destination} is not the copy-on-write of a sequence that runs in this step"
         assert destination not in {gpu for gpu, _ in step.swap_out} | {gpu for _, gpu in step.swap_in}
     # The request that needed the block yields itself rather than evict the older one.
@@ -157,8 +114,8 @@ def test_the_newest_request_not_just_readmitted_is_the_victim():
     assert scheduler.block_manager.num_available_blocks == 0
     batch = scheduler.schedule()
     # filler and newest are protected; oldest's block comes from middle, the newest unprotected one.
-    assert batch.preempted == [middle] and {r.label for r in scheduler.running} == {"r0", "r2", "r3"}
-    assert oldest.seqs[0] in batch.seqs
+    assert batch.preempted == [middle] and {r.label for r in scheduler.queues.running} == {"r0", "r2", "r3"}
+    assert oldest.seqs[0] in row_seqs(batch)
 
 
 def test_admission_is_first_come_first_served():
@@ -167,13 +124,13 @@ def test_admission_is_first_come_first_served():
     running = run(scheduler, make_request(0, list(range(3, 35)), [[5]], max_tokens=40))  # 32 tokens + 1
     big = make_request(1, list(range(40, 90)), [[]], max_tokens=2)  # 50 tokens: 4 blocks, not now
     small = make_request(2, [7, 8], [[]], max_tokens=2)  # would fit now
-    scheduler.waiting += [big, small]
+    scheduler.queues.waiting += [big, small]
     batch = scheduler.schedule()
-    assert {seq.seq_id for seq in batch.seqs} == {running.seqs[0].seq_id}  # small does not pass big
-    assert scheduler.waiting == [big, small] and bm.num_available_blocks == 3
+    assert {seq.seq_id for seq in row_seqs(batch)} == {running.seqs[0].seq_id}  # small does not pass big
+    assert scheduler.queues.waiting == [big, small] and bm.num_available_blocks == 3
     scheduler.finish(running)
     batch = scheduler.schedule()
-    assert [r.label for r in batch.requests] == ["r1", "r2"]
+    assert [r.label for r in row_requests(batch)] == ["r1", "r2"]
 
 
 def test_a_request_alone_in_a_pool_too_small_for_it_fails_with_a_reason():
@@ -191,26 +148,15 @@ def test_readmission_follows_arrival_across_the_swapped_and_waiting_queues():
     scheduler = make_scheduler(4, "swap")
     fallback = make_request(0, list(range(3, 23)), [[5]])
     fallback.num_preemptions = 1
-    scheduler.waiting.append(fallback)
+    scheduler.queues.waiting.append(fallback)
     swapped = run(scheduler, make_request(1, list(range(30, 40)), [[7]]), RequestState.SWAPPED)
     batch = scheduler.schedule()
-    assert [r.label for r in batch.requests] == ["r0"] and fallback.state is RequestState.RUNNING
-    assert not batch.step_input.swap_in and scheduler.swapped == [swapped]
+    assert [r.label for r in row_requests(batch)] == ["r0"] and fallback.state is RequestState.RUNNING
+    assert not batch.step_input.swap_in and scheduler.queues.swapped == [swapped]
     finish_step(scheduler, batch)
     scheduler.finish(fallback)
     batch = scheduler.schedule()
     assert batch.step_input.swap_in and swapped.state is RequestState.RUNNING
-
-
-def sample(scheduler: Scheduler, batch) -> None:
-    """The rest of what the engine does after the forward pass: each sequence of the step whose whole
-    context now has its KV samples a token, pending until the next step writes its KV."""
-    finish_step(scheduler, batch)
-    for seq, request in zip(batch.seqs, batch.requests):
-        if seq.num_uncomputed_tokens == 0:
-            seq.token_ids.append(9)
-            seq.pending_append = True
-            request.just_readmitted = False
 
 
 def prefilling(scheduler: Scheduler, arrival: int, prompt: list[int], n: int, num_computed: int) -> Request:
@@ -221,7 +167,7 @@ def prefilling(scheduler: Scheduler, arrival: int, prompt: list[int], n: int, nu
     scheduler.block_manager.mark_computed(seq.seq_id, num_computed)
     seq.num_computed_tokens = num_computed
     request.state = RequestState.RUNNING
-    scheduler.running.append(request)
+    scheduler.queues.running.append(request)
     return request
 
 
@@ -230,11 +176,11 @@ def test_a_step_fills_the_token_budget_exactly_decodes_first_then_a_prompt_chunk
     scheduler = make_scheduler(16, budget=8)
     decoding = [run(scheduler, make_request(i, [40 + i] * 5, [[5]])) for i in range(3)]
     prompt = make_request(3, list(range(100, 120)), [[]], max_tokens=2)
-    scheduler.waiting.append(prompt)
+    scheduler.queues.waiting.append(prompt)
     for step in range(2):
         batch = scheduler.schedule()
-        assert batch.query_lens == [1, 1, 1, 5] and batch.num_tokens == 8
-        assert batch.seqs[:3] == [r.seqs[0] for r in decoding] and batch.seqs[3] is prompt.seqs[0]
+        assert query_lens(batch) == [1, 1, 1, 5] and batch.num_tokens == 8
+        assert row_seqs(batch)[:3] == [r.seqs[0] for r in decoding] and row_seqs(batch)[3] is prompt.seqs[0]
         assert batch.step_input.chunks[3].start_pos == 5 * step
         sample(scheduler, batch)
 
@@ -243,15 +189,15 @@ def test_without_chunked_prefill_a_whole_prompt_runs_alone_past_the_budget_never
     scheduler = make_scheduler(16, budget=16, chunked=False)
     short = make_request(0, list(range(100, 110)), [[]], max_tokens=4)
     long = make_request(1, list(range(200, 240)), [[]], max_tokens=4)  # 40 tokens, over the budget
-    scheduler.waiting += [short, long]
+    scheduler.queues.waiting += [short, long]
     batch = scheduler.schedule()
-    assert batch.query_lens == [10] and long.state is RequestState.RUNNING  # admitted, its prompt left out
+    assert query_lens(batch) == [10] and long.state is RequestState.RUNNING  # admitted, its prompt left out
     sample(scheduler, batch)
     batch = scheduler.schedule()
-    assert batch.seqs == [short.seqs[0], long.seqs[0]] and batch.query_lens == [1, 40]  # whole, no other prefill
+    assert row_seqs(batch) == [short.seqs[0], long.seqs[0]] and query_lens(batch) == [1, 40]  # whole, no other prefill
     sample(scheduler, batch)
     batch = scheduler.schedule()
-    assert batch.query_lens == [1, 1]
+    assert query_lens(batch) == [1, 1]
 
 
 @pytest.mark.parametrize("max_num_seqs, admitted", [(4, True), (3, False)])
@@ -260,9 +206,9 @@ def test_slots_count_every_sample_and_n_for_a_request_not_forked_yet(max_num_seq
     scheduler = make_scheduler(32, max_num_seqs=max_num_seqs)
     run(scheduler, make_request(0, list(range(3, 23)), [[5], [6]]))
     waiting = make_request(1, list(range(60, 70)), [[]], n=2, max_tokens=4)
-    scheduler.waiting.append(waiting)
+    scheduler.queues.waiting.append(waiting)
     batch = scheduler.schedule()
-    assert (waiting in batch.requests) == admitted and (waiting.state is RequestState.RUNNING) == admitted
+    assert (waiting in row_requests(batch)) == admitted and (waiting.state is RequestState.RUNNING) == admitted
 
 
 @pytest.mark.parametrize("max_num_seqs, admitted", [(4, True), (3, False)])
@@ -270,9 +216,9 @@ def test_a_request_prefilling_for_n_samples_holds_n_slots_before_it_forks(max_nu
     scheduler = make_scheduler(32, max_num_seqs=max_num_seqs)
     prefilling(scheduler, 0, list(range(3, 43)), n=3, num_computed=16)
     waiting = make_request(1, list(range(60, 70)), [[]], max_tokens=4)
-    scheduler.waiting.append(waiting)
+    scheduler.queues.waiting.append(waiting)
     batch = scheduler.schedule()
-    assert batch.query_lens[0] == 24 and (waiting in batch.requests) == admitted
+    assert query_lens(batch)[0] == 24 and (waiting in row_requests(batch)) == admitted
 
 
 def older_and_newer(mode: str, num_cpu_blocks: int = 8) -> tuple[Scheduler, Request, Request]:
@@ -291,17 +237,19 @@ def test_a_victim_sits_in_its_modes_queue_holding_what_the_mode_leaves_it(mode, 
     bm = scheduler.block_manager
     seq = newer.seqs[0]
     batch = scheduler.schedule()
-    assert batch.preempted == [newer] and scheduler.running == [older]
+    assert batch.preempted == [newer] and scheduler.queues.running == [older]
     if mode == "swap" and num_cpu_blocks >= 2:
-        assert scheduler.swapped == [newer] and not scheduler.waiting and newer.state is RequestState.SWAPPED
+        assert scheduler.queues.swapped == [newer] and not scheduler.queues.waiting \
+            and newer.state is RequestState.SWAPPED
         assert bm.is_swapped(seq.seq_id) and len(batch.step_input.swap_out) == 2
         assert seq.num_computed_tokens == 20 and seq.pending_append  # its KV and its next token kept
     else:  # by recompute, also when the swap pool is too small for its 2 blocks
-        assert scheduler.waiting == [newer] and not scheduler.swapped and newer.state is RequestState.WAITING
+        assert scheduler.queues.waiting == [newer] and not scheduler.queues.swapped \
+            and newer.state is RequestState.WAITING
         with pytest.raises(KeyError):
             bm.is_swapped(seq.seq_id)
         assert seq.num_computed_tokens == 0 and not seq.pending_append and not batch.step_input.swap_out
-        assert scheduler.num_swap_fallbacks == (mode == "swap")
+        assert scheduler.preemption.num_swap_fallbacks == (mode == "swap")
     assert bm.num_used_blocks == 3  # the older request's 2 and the new block its pending token took
     sample(scheduler, batch)
     scheduler.finish(older)
@@ -317,12 +265,12 @@ def test_finish_takes_a_request_out_of_its_queue_and_gives_its_blocks_back(state
     other = run(scheduler, make_request(0, list(range(3, 23)), [[5]]))
     request = make_request(1, list(range(30, 50)), [[6], [7]])
     if state is RequestState.WAITING:
-        scheduler.waiting.append(request)
+        scheduler.queues.waiting.append(request)
     else:
         run(scheduler, request, state)
     scheduler.finish(request)
     assert request.state is RequestState.FINISHED
-    assert (scheduler.running, scheduler.swapped, scheduler.waiting) == ([other], [], [])
+    assert (scheduler.queues.running, scheduler.queues.swapped, scheduler.queues.waiting) == ([other], [], [])
     assert bm.num_used_blocks == 2 and bm.num_free_cpu_blocks == 8
     for seq in request.seqs:
         with pytest.raises(KeyError):
@@ -334,22 +282,22 @@ def test_a_request_that_fits_the_pool_exactly_is_admitted_when_nothing_runs():
     # 20 + 13 tokens, the 13th never written: 32 tokens, exactly the 2 blocks (peak_blocks == pool).
     scheduler = make_scheduler(2)
     request = make_request(0, list(range(3, 23)), [[]], max_tokens=13)
-    assert scheduler.peak_blocks(request) == 2
-    scheduler.waiting.append(request)
+    assert scheduler.admission.peak_blocks(request) == 2
+    scheduler.queues.waiting.append(request)
     batch = scheduler.schedule()
-    assert batch.requests == [request] and batch.query_lens == [20]
+    assert row_requests(batch) == [request] and query_lens(batch) == [20]
 
 
 def test_a_request_preempted_by_recompute_waits_ahead_of_newer_waiting_requests():
     scheduler, older, newer = older_and_newer("recompute")
     latest = make_request(2, [7, 8, 9], [[]], max_tokens=2)
-    scheduler.waiting.append(latest)
+    scheduler.queues.waiting.append(latest)
     batch = scheduler.schedule()
-    assert batch.preempted == [newer] and scheduler.waiting == [newer, latest]
+    assert batch.preempted == [newer] and scheduler.queues.waiting == [newer, latest]
     sample(scheduler, batch)
     scheduler.finish(older)
     batch = scheduler.schedule()
-    assert [r.label for r in batch.requests] == ["r1", "r2"]
+    assert [r.label for r in row_requests(batch)] == ["r1", "r2"]
 
 
 @pytest.mark.parametrize("num_needing_a_block, preempted", [(1, False), (2, True)])
@@ -363,7 +311,7 @@ def test_preemption_only_when_the_appends_need_more_blocks_than_are_available(nu
     assert scheduler.block_manager.num_available_blocks == 1
     batch = scheduler.schedule()
     assert batch.preempted == ([newer] if preempted else [])
-    assert batch.seqs == [older.seqs[0]] + ([] if preempted else [newer.seqs[0]])
+    assert row_seqs(batch) == [older.seqs[0]] + ([] if preempted else [newer.seqs[0]])
 
 
 @pytest.mark.parametrize("queue", ["waiting", "swapped"])
@@ -379,15 +327,15 @@ def test_the_oldest_queued_request_comes_in_when_it_fits_exactly_and_waits_one_b
         queued = run(scheduler, make_request(1, list(range(30, 50)), [[7]], max_tokens=20), RequestState.SWAPPED)
     else:
         queued = make_request(1, list(range(30, 50)), [[]], max_tokens=20)
-        scheduler.waiting.append(queued)
+        scheduler.queues.waiting.append(queued)
     assert scheduler.block_manager.num_available_blocks == num_blocks - 2
     batch = scheduler.schedule()
     assert (queued.state is RequestState.RUNNING) == admitted
-    assert batch.seqs[0] is running.seqs[0] and not batch.preempted
+    assert row_seqs(batch)[0] is running.seqs[0] and not batch.preempted
     if queue == "swapped":
         assert bool(batch.step_input.swap_in) == admitted
     else:
-        assert (queued.seqs[0] in batch.seqs) == admitted
+        assert (queued.seqs[0] in row_seqs(batch)) == admitted
 
 
 def test_nothing_is_admitted_in_a_step_that_preempted_even_a_request_that_would_fit():
@@ -397,12 +345,12 @@ def test_nothing_is_admitted_in_a_step_that_preempted_even_a_request_that_would_
     older = run(scheduler, make_request(0, list(range(3, 35)), [[5]]))
     waiting = make_request(1, [7, 8, 9], [[]], max_tokens=2)
     waiting.num_preemptions = 1
-    scheduler.waiting.append(waiting)
+    scheduler.queues.waiting.append(waiting)
     newest = run(scheduler, make_request(2, list(range(40, 80)), [[6]]))
     assert scheduler.block_manager.num_available_blocks == 0
     batch = scheduler.schedule()
-    assert batch.preempted == [newest] and batch.seqs == [older.seqs[0]]
-    assert scheduler.waiting == [waiting, newest] and scheduler.block_manager.num_available_blocks == 2
+    assert batch.preempted == [newest] and row_seqs(batch) == [older.seqs[0]]
+    assert scheduler.queues.waiting == [waiting, newest] and scheduler.block_manager.num_available_blocks == 2
     sample(scheduler, batch)
     batch = scheduler.schedule()
-    assert waiting in batch.requests  # the next step
+    assert waiting in row_requests(batch)  # the next step

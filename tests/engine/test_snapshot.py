@@ -32,10 +32,10 @@ def entry(engine: LLMEngine, request_id: str) -> RequestSnapshot:
 
 def check_entries_match_the_block_manager(engine: LLMEngine) -> None:
     """Every request's entry holds exactly the tables the block manager has for it, in the right pool."""
-    bm, scheduler = engine.block_manager, engine.scheduler
+    bm, queues = engine.block_manager, engine.scheduler.queues
     by_label = {r.label: r for r in engine.snapshot().requests}
-    for queue, gpu, cpu in ((scheduler.running, True, False), (scheduler.swapped, False, True),
-                            (scheduler.waiting, False, False)):
+    for queue, gpu, cpu in ((queues.running, True, False), (queues.swapped, False, True),
+                            (queues.waiting, False, False)):
         for request in queue:
             tables = [bm.block_table(seq.seq_id) for seq in request.live_seqs] if gpu or cpu else []
             snapshot = by_label[request.label]

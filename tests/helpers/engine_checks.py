@@ -2,6 +2,8 @@
 
 `StepChecker(engine)` wraps the engine's scheduler and model runner; the test calls `after_step()`
 after each `engine.step()`. Every step is then checked for:
+- its rows: each one sequence of its request with that sequence's chunk, the step input's chunks the
+  rows' in row order, the batch's token counts their sum;
 - the token budget, and `max_num_seqs` counting samples and beams;
 - each request in exactly one queue matching its state, its sequences in the block manager exactly
   when it holds blocks (GPU while running, CPU while swapped), finished sequences nowhere;
@@ -31,9 +33,10 @@ from __future__ import annotations
 
 import os
 
+from localserve.engine.admission import peak_blocks
+from localserve.engine.batch import Batch
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventKind
-from localserve.engine.scheduler import Batch, peak_blocks
 from localserve.engine.sequence import Request, Sequence
 
 CORRUPT = (-1,)  # a block written mid-way over contents that were not this sequence's prefix
@@ -58,6 +61,7 @@ class StepChecker:
             before = self.running_before()
             last_event = engine.events.last_seq
             self.batch = schedule()
+            self.check_rows(self.batch)
             self.check_moves(self.batch)
             self.check_admission_order(last_event)
             self.check_victims(self.batch, before)
@@ -73,6 +77,19 @@ class StepChecker:
         engine.runner.execute = checked_execute
 
     # ---- when the step is scheduled ----
+    def check_rows(self, batch: Batch) -> None:
+        """Each row is one sequence of its request with its chunk, and the runner reads the rows' chunks."""
+        step = batch.step_input
+        assert len(step.chunks) == len(batch.rows) and all(
+            chunk is row.chunk for chunk, row in zip(step.chunks, batch.rows)), "the step input's chunks are another's"
+        for row in batch.rows:
+            assert any(seq is row.seq for seq in row.request.seqs), f"seq {row.seq.seq_id} is not its row's request's"
+            assert row.chunk.seq_id == row.seq.seq_id and row.query_len == len(row.chunk.token_ids) > 0, \
+                f"seq {row.seq.seq_id}: its row's chunk is another's, or of another length"
+        lens = [row.query_len for row in batch.rows]
+        assert batch.num_tokens == sum(lens) and batch.num_prefill_tokens == sum(q for q in lens if q > 1), \
+            f"the batch counts {batch.num_tokens} tokens, {batch.num_prefill_tokens} in prefills; its rows: {lens}"
+
     def check_moves(self, batch: Batch) -> None:
         step, bm = batch.step_input, self.engine.block_manager
         swapped_out = {gpu for gpu, _ in step.swap_out}
@@ -82,7 +99,8 @@ class StepChecker:
         # A copy-on-write pair: the block a sample of the step starts writing into, and the original a
         # sibling still holds at the same place.
         legit = set()
-        for seq, request in zip(batch.seqs, batch.requests):
+        for row in batch.rows:
+            seq, request = row.seq, row.request
             index = seq.num_computed_tokens // self.block_size
             for sibling in request.live_seqs:
                 table = bm.block_table(sibling.seq_id)
@@ -94,8 +112,8 @@ class StepChecker:
             assert bm.ref_count(destination) == 1, f"copy-on-write destination {destination} is shared"
             assert not {source, destination} & swapped_in and source not in swapped_out, \
                 f"copy {source}->{destination} touches a block swapped in this step or read by a swap-out"
-        scheduled = {id(seq) for seq in batch.seqs}
-        assert len(scheduled) == len(batch.seqs), "a sequence is scheduled twice"
+        scheduled = {id(row.seq) for row in batch.rows}
+        assert len(scheduled) == len(batch.rows), "a sequence is scheduled twice"
         for victim in batch.preempted:
             assert not scheduled & {id(seq) for seq in victim.seqs}, f"preempted {victim.label} still in the step"
 
@@ -112,8 +130,9 @@ class StepChecker:
         copies = [(destination, self.gpu_kv[source]) for source, destination in step.block_copies]
         for destination, kv in copies:
             self.gpu_kv[destination] = kv
-        prefixes = [tuple(seq.token_ids) for seq in batch.seqs]
-        for seq, chunk, tokens in zip(batch.seqs, step.chunks, prefixes):
+        prefixes = [tuple(row.seq.token_ids) for row in batch.rows]
+        for row, chunk, tokens in zip(batch.rows, step.chunks, prefixes):
+            seq = row.seq
             assert tokens[chunk.start_pos:chunk.context_len] == tuple(chunk.token_ids), f"seq {seq.seq_id}"
             for index in range(-(-chunk.start_pos // size)):
                 end = min(chunk.start_pos, (index + 1) * size)
@@ -134,7 +153,7 @@ class StepChecker:
         """Before schedule(): the running requests, those protected from preemption (readmitted, not
         sampled since), the blocks their pending appends need, and the blocks available."""
         scheduler, bm = self.engine.scheduler, self.engine.block_manager
-        running = sorted(scheduler.running, key=lambda r: r.arrival)
+        running = sorted(scheduler.queues.running, key=lambda r: r.arrival)
         pending = [seq.seq_id for r in running for seq in r.live_seqs if seq.pending_append]
         need = bm.num_blocks_to_append(pending) if pending else 0
         return running, {id(r) for r in running if r.just_readmitted}, need, bm.num_available_blocks
@@ -145,7 +164,7 @@ class StepChecker:
         admitted = [int(e.request[1:]) for e in events if e.kind in (EventKind.ADMITTED, EventKind.RESUMED)]
         assert admitted == sorted(admitted), f"(re)admitted out of arrival order: {admitted}"
         scheduler = self.engine.scheduler
-        still_waiting = [r.arrival for r in scheduler.waiting + scheduler.swapped]
+        still_waiting = [r.arrival for r in scheduler.queues.waiting + scheduler.queues.swapped]
         if admitted and still_waiting:
             assert max(admitted) < min(still_waiting), \
                 f"r{max(admitted)} (re)admitted while r{min(still_waiting)}, which arrived before it, still waits"
@@ -166,8 +185,8 @@ class StepChecker:
         scheduler, bm = self.engine.scheduler, self.engine.block_manager
         config = scheduler.config
         left = config.max_num_batched_tokens - batch.num_tokens
-        scheduled = {id(seq): q for seq, q in zip(batch.seqs, batch.query_lens)}
-        for request in scheduler.running:
+        scheduled = {id(row.seq): row.query_len for row in batch.rows}
+        for request in scheduler.queues.running:
             for seq in request.live_seqs:
                 if seq.pending_append or seq in request.followers:
                     continue  # swapped in by this step (decodes from the next), or waiting for its leader
@@ -180,21 +199,21 @@ class StepChecker:
                 else:
                     assert done == 0 and todo > left and batch.num_prefill_tokens > 0, \
                         f"seq {seq.seq_id} of {request.label}: prompt of {todo} left out, {left} of the budget left"
-        queued = scheduler.waiting + scheduler.swapped
+        queued = scheduler.queues.waiting + scheduler.queues.swapped
         if batch.preempted or not queued:
             return
         head = min(queued, key=lambda r: r.arrival)
         seqs = head.live_seqs
-        slots_in_use = sum(len(r.live_seqs) if r.forked else r.params.n for r in scheduler.running)
+        slots_in_use = sum(len(r.live_seqs) if r.forked else r.params.n for r in scheduler.queues.running)
         slots = len(seqs) if head.forked else head.params.n
-        if head in scheduler.swapped:
+        if head in scheduler.queues.swapped:
             need = bm.num_blocks_to_swap_in([seq.seq_id for seq in seqs])
         else:
             need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
                 -(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
         growth = min(slots, max(0, peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots,
                                                bm.block_size) - need))
-        fits = (slots_in_use + slots <= config.max_num_seqs and (head in scheduler.swapped or left > 0)
+        fits = (slots_in_use + slots <= config.max_num_seqs and (head in scheduler.queues.swapped or left > 0)
                 and need + slots_in_use + growth <= bm.num_available_blocks)
         assert not fits, f"{head.label} waits though it fits: {slots_in_use} + {slots} of {config.max_num_seqs} " \
                          f"slots, {left} tokens of the budget left, needs {need} + {slots_in_use} + {growth} of " \
@@ -206,14 +225,14 @@ class StepChecker:
         scheduler, config = engine.scheduler, engine.scheduler.config
         engine.block_manager.check_integrity()
         budget = config.max_num_batched_tokens
-        prefills = [q for q in batch.query_lens if q > 1]
+        prefills = [row.query_len for row in batch.rows if row.query_len > 1]
         if batch.num_tokens > budget:  # only a whole prompt, alone among prefills, when chunking is off
             assert not config.enable_chunked_prefill and len(prefills) == 1, \
                 f"{batch.num_tokens} tokens in a step, budget {budget}"
             assert batch.num_tokens - prefills[0] <= budget
-        num_running = sum(len(r.live_seqs) for r in scheduler.running)
+        num_running = sum(len(r.live_seqs) for r in scheduler.queues.running)
         assert num_running <= config.max_num_seqs, f"{num_running} sequences running, max {config.max_num_seqs}"
-        assert len(batch.seqs) <= config.max_num_seqs
+        assert len(batch.rows) <= config.max_num_seqs
         if self.had_work:  # a request swapped in decodes in the next step
             assert batch.num_tokens > 0 or batch.failed or batch.step_input.swap_in, "a step with work did nothing"
         self.check_states()
@@ -223,8 +242,8 @@ class StepChecker:
         for request in engine.requests.values():
             self.known[id(request)] = request
         queued: dict[int, str] = {}
-        for name, queue in (("waiting", scheduler.waiting), ("running", scheduler.running),
-                            ("swapped", scheduler.swapped)):
+        for name, queue in (("waiting", scheduler.queues.waiting), ("running", scheduler.queues.running),
+                            ("swapped", scheduler.queues.swapped)):
             for request in queue:
                 assert id(request) not in queued, f"{request.label} is {queued[id(request)]} and {name}"
                 queued[id(request)] = name

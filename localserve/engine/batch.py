@@ -1,0 +1,129 @@
+"""One step's batch, and how the scheduler fills it within the token budget. No torch.
+
+The rules (docs/ARCHITECTURE.md, "Scheduling rules", says the same): the decodes come first, oldest
+request first, one token each, while the budget (`max_num_batched_tokens`) lasts; then the prefill
+chunks, the running requests' before the admitted ones', each as much of its sequence's uncomputed
+tokens as the budget left allows (chunked prefill). Without chunked prefill a prompt runs whole or not
+at all: alone among the step's prefills it may exceed the budget, beside another it waits.
+
+A decoding sequence keeps its row from step to step (`Sequence.decode_row`): the filler rewrites its
+token and position instead of making a row and a chunk per sequence per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from localserve.engine.events import EventKind, EventLog
+from localserve.engine.sequence import Request, ScheduledRow, Sequence
+from localserve.engine.step import SeqChunk, StepInput
+from localserve.kv.block_manager import BlockManager
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """One step's work: a row per scheduled sequence, the block moves, the requests preempted or failed.
+
+    `step_input` holds the moves as the step is built and the rows' chunks once it is (`close`).
+    """
+
+    token_budget: int
+    rows: list[ScheduledRow] = field(default_factory=list)
+    step_input: StepInput = field(default_factory=StepInput)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # could never fit; finished with an error
+    num_tokens: int = 0  # the rows' query tokens
+    num_prefill_tokens: int = 0  # of those, the ones in chunks of more than one token
+
+    @property
+    def budget_left(self) -> int:
+        """Tokens the step can still take (negative after a whole prompt past the budget, without chunking)."""
+        return self.token_budget - self.num_tokens
+
+    def add(self, row: ScheduledRow) -> None:
+        self.rows.append(row)
+        self.num_tokens += row.query_len
+        if row.query_len > 1:
+            self.num_prefill_tokens += row.query_len
+
+    def close(self) -> None:
+        """Every row is in: their chunks become the step input's, in row order (the runner's logits rows
+        follow it)."""
+        self.step_input.chunks = [row.chunk for row in self.rows]
+
+
+class BatchFiller:
+    """Gives the running and admitted requests' sequences their rows of a step (module doc)."""
+
+    def __init__(self, enable_chunked_prefill: bool, block_manager: BlockManager, events: EventLog) -> None:
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.block_manager = block_manager
+        self.events = events
+
+    def add_decodes(self, batch: Batch, running: list[Request]) -> tuple[int, list[tuple[Request, Sequence]]]:
+        """Append each running sequence's last sampled token to its blocks (the room is made) and give a
+        decode row to each with only that token left to compute, oldest request first, while the budget lasts.
+
+        Returns the slots the running requests hold and their sequences with prompt tokens left (arrival order).
+        """
+        # The per-decode path: the names it calls are looked up once, and the rows skip Batch.add.
+        append_token = self.block_manager.append_token
+        add_row = batch.rows.append
+        block_copies = batch.step_input.block_copies
+        budget = budget_before = batch.budget_left
+        prefills: list[tuple[Request, Sequence]] = []
+        slots_in_use = 0
+        for request in running:
+            num_live = 0
+            for seq in request.seqs:
+                if seq.finish_reason is not None:
+                    continue
+                num_live += 1
+                token_ids = seq.token_ids
+                if seq.pending_append:
+                    if copies := append_token(seq.seq_id, token_ids[-1]):
+                        block_copies += copies
+                        self.events.append(EventKind.COPY_ON_WRITE, request.label, num_blocks=len(copies))
+                    seq.pending_append = False
+                position = len(token_ids) - 1
+                num_computed = seq.num_computed_tokens
+                if num_computed == position:
+                    if budget > 0:
+                        row = seq.decode_row
+                        if row is None:
+                            row = seq.decode_row = self._decode_row(request, seq)
+                        chunk = row.chunk
+                        chunk.token_ids[0] = token_ids[-1]
+                        chunk.start_pos = position
+                        add_row(row)
+                        budget -= 1
+                elif num_computed < position and seq not in request.followers:
+                    prefills.append((request, seq))
+            slots_in_use += num_live if request.forked else request.params.n
+        batch.num_tokens += budget_before - budget  # one token per decode row, none a prefill token
+        return slots_in_use, prefills
+
+    def add_prefill(self, batch: Batch, request: Request, seq: Sequence) -> None:
+        """Give the sequence a row of as many of its uncomputed tokens as the rules allow (module doc)."""
+        start = seq.num_computed_tokens
+        remaining = len(seq.token_ids) - start
+        if self.enable_chunked_prefill:
+            num_tokens = min(remaining, batch.budget_left)
+        elif remaining <= batch.budget_left or batch.num_prefill_tokens == 0:
+            num_tokens = remaining
+        else:
+            num_tokens = 0
+        if num_tokens <= 0:
+            return
+        chunk = SeqChunk(seq.token_ids[start:start + num_tokens], start,
+                         self.block_manager.live_block_table(seq.seq_id), needs_logits=num_tokens == remaining,
+                         seq_id=seq.seq_id)
+        batch.add(ScheduledRow(request, seq, num_tokens, chunk))
+        self.events.append(EventKind.PREFILL_CHUNK, request.label, num_tokens=num_tokens, num_computed_tokens=start)
+
+    def _decode_row(self, request: Request, seq: Sequence) -> ScheduledRow:
+        """A decoding sequence's row, rewritten each step. The block manager's table in its chunk stays
+        the same list until the sequence is readmitted, which drops the row (engine/admission.py)."""
+        chunk = SeqChunk([0], 0, self.block_manager.live_block_table(seq.seq_id), needs_logits=True,
+                         seq_id=seq.seq_id)
+        return ScheduledRow(request, seq, 1, chunk)
