@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Where each sub-package's source lives (kernels/, models/ and tui/ install under localserve).
 SOURCES = {"localserve": ROOT / "localserve", "localserve.kernels": ROOT / "kernels",
            "localserve.models": ROOT / "models", "localserve.tui": ROOT / "tui"}
-TORCH_FREE = ("localserve.engine.scheduler", "localserve.engine.step", "localserve.kv.block_manager")
+# the scheduler and its parts, the step contract and the block manager: bookkeeping, never tensors
+TORCH_FREE = ("localserve.engine.scheduler", "localserve.engine.request_queues", "localserve.engine.batch",
+              "localserve.engine.admission", "localserve.engine.preemption", "localserve.engine.step",
+              "localserve.kv.block_manager")
 
 
 def module_files() -> dict[str, Path]:
