@@ -1,9 +1,9 @@
 """One HTTP exchange over ASGI (server/http_exchange.py) on its own, driven by a minimal ASGI receive/send
-pair (no socket, no server): the body bound at exactly `max_bytes` (read) and one byte more (413), by
-Content-Length before anything is read and by counting a chunked body; the body's deadline (408) for the
-whole body, not each piece; a client that disconnects; OpenAI's error body, and which errors close the
-connection; CORS headers for an origin that passed the access check; every write timed, and a client that
-stops reading reset."""
+pair (tests/helpers/asgi.py; no socket, no server): the body bound at exactly `max_bytes` (read) and one
+byte more (413), by Content-Length before anything is read and by counting a chunked body; the body's
+deadline (408) for the whole body, not each piece; a client that disconnects; OpenAI's error body, and
+which errors close the connection; CORS headers for an origin that passed the access check; every write
+timed, and a client that stops reading reset."""
 
 from __future__ import annotations
 
@@ -16,67 +16,18 @@ from openai.types.shared import ErrorObject
 
 from localserve.server.http_exchange import CLOSING_ERRORS, ClientGone, HttpExchange, error_body, sse
 from localserve.server.validation import ProtocolError
+from tests.helpers.asgi import AsgiPeer, body_messages
 
 MAX_BYTES = 64
 
 
-class AsgiPeer:
-    """The server side of one ASGI request: `receive` hands out the client's messages (each after its
-    delay; then nothing ever again), `send` records what the app sends, taking `send_delay_s` each
-    (None: the client never takes it)."""
-
-    def __init__(self, messages: list[dict[str, Any]] = (), delays_s: list[float] | None = None,
-                 send_delay_s: float | None = 0.0) -> None:
-        self.messages = list(messages)
-        self.delays_s = list(delays_s or [0.0] * len(self.messages))
-        self.send_delay_s = send_delay_s
-        self.num_received = 0
-        self.sent: list[dict[str, Any]] = []
-        self.resets = 0
-
-    async def receive(self) -> dict[str, Any]:
-        if self.num_received == len(self.messages):
-            await asyncio.Event().wait()
-        await asyncio.sleep(self.delays_s[self.num_received])
-        self.num_received += 1
-        return self.messages[self.num_received - 1]
-
-    async def send(self, message: dict[str, Any]) -> None:
-        await asyncio.sleep(self.send_delay_s if self.send_delay_s is not None else 3600)
-        self.sent.append(message)
-
-    def reset(self) -> None:  # transport.HttpConnection.reset: the socket dropped without a goodbye
-        self.resets += 1
-
-    def exchange(self, headers: dict[str, str] | None = None, send_timeout_s: float = 5.0) -> HttpExchange:
-        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "state": {"connection": self},
-                 "headers": [(name.encode(), value.encode()) for name, value in (headers or {}).items()]}
-        return HttpExchange(scope, self.receive, self.send, send_timeout_s)
-
-    @property
-    def status(self) -> int:
-        return self.sent[0]["status"]
-
-    @property
-    def headers(self) -> dict[bytes, bytes]:
-        return dict(self.sent[0]["headers"])
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(message["body"] for message in self.sent[1:])
+def exchange_for(peer: AsgiPeer, headers: dict[str, str] | None = None, send_timeout_s: float = 5.0) -> HttpExchange:
+    return HttpExchange(peer.scope(headers=headers), peer.receive, peer.send, send_timeout_s)
 
 
 def body_of(size: int) -> bytes:
     """A JSON object of exactly `size` bytes."""
     return json.dumps({"k": "x" * (size - len('{"k": ""}'))}).encode()
-
-
-def pieces(body: bytes, num_pieces: int) -> list[dict[str, Any]]:
-    """The body as ASGI http.request messages, the last with more_body False."""
-    step = -(-len(body) // num_pieces)
-    chunks = [body[start:start + step] for start in range(0, len(body), step)]
-    return [{"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1}
-            for index, chunk in enumerate(chunks)]
 
 
 def run(coroutine):
@@ -87,7 +38,7 @@ def read(peer: AsgiPeer, headers: dict[str, str] | None = None, timeout_s: float
     """What read_json returns, or the ProtocolError / ClientGone it raises."""
     async def main():
         try:
-            return await peer.exchange(headers).read_json(MAX_BYTES, timeout_s)
+            return await exchange_for(peer, headers).read_json(MAX_BYTES, timeout_s)
         except (ProtocolError, ClientGone) as error:
             return error
 
@@ -97,28 +48,28 @@ def read(peer: AsgiPeer, headers: dict[str, str] | None = None, timeout_s: float
 def test_a_body_of_exactly_max_bytes_is_read_by_content_length_and_chunked():
     body = body_of(MAX_BYTES)
     assert len(body) == MAX_BYTES
-    assert read(AsgiPeer(pieces(body, 1)), {"Content-Length": str(MAX_BYTES)}) == json.loads(body)
-    assert read(AsgiPeer(pieces(body, 5))) == json.loads(body)  # chunked: no Content-Length
+    assert read(AsgiPeer(body_messages(body, 1)), {"Content-Length": str(MAX_BYTES)}) == json.loads(body)
+    assert read(AsgiPeer(body_messages(body, 5))) == json.loads(body)  # chunked: no Content-Length
     assert read(AsgiPeer([{"type": "http.request", "body": body}])) == json.loads(body)  # more_body left out
 
 
 def test_one_byte_more_is_a_413_by_content_length_before_anything_is_read():
-    peer = AsgiPeer(pieces(body_of(MAX_BYTES + 1), 1))
+    peer = AsgiPeer(body_messages(body_of(MAX_BYTES + 1), 1))
     error = read(peer, {"Content-Length": str(MAX_BYTES + 1)})
     assert (error.code, error.status) == ("request_too_large", 413) and str(MAX_BYTES) in error.message
     assert peer.num_received == 0
 
 
 def test_one_byte_more_is_a_413_when_chunked_or_when_content_length_understates_it():
-    for messages, headers in ((pieces(body_of(MAX_BYTES + 1), 5), None),
-                              (pieces(body_of(MAX_BYTES + 1), 1), {"Content-Length": "10"})):
+    for messages, headers in ((body_messages(body_of(MAX_BYTES + 1), 5), None),
+                              (body_messages(body_of(MAX_BYTES + 1), 1), {"Content-Length": "10"})):
         error = read(AsgiPeer(messages), headers)
         assert (error.code, error.status) == ("request_too_large", 413)
 
 
 def test_a_content_length_that_is_no_number_leaves_the_bound_to_the_count():
     body = body_of(MAX_BYTES)
-    assert read(AsgiPeer(pieces(body, 2)), {"Content-Length": "-5"}) == json.loads(body)
+    assert read(AsgiPeer(body_messages(body, 2)), {"Content-Length": "-5"}) == json.loads(body)
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408():
@@ -128,15 +79,15 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408():
 
 def test_the_deadline_is_for_the_whole_body_not_each_piece():
     body = body_of(MAX_BYTES)
-    trickled = AsgiPeer(pieces(body, 8), delays_s=[0.04] * 8)  # each piece in time, the whole body not
+    trickled = AsgiPeer(body_messages(body, 8), delays_s=[0.04] * 8)  # each piece in time, the whole body not
     error = read(trickled, timeout_s=0.2)
     assert (error.code, error.status) == ("request_timeout", 408) and trickled.num_received < 8
-    assert read(AsgiPeer(pieces(body, 8), delays_s=[0.01] * 8), timeout_s=2.0) == json.loads(body)
+    assert read(AsgiPeer(body_messages(body, 8), delays_s=[0.01] * 8), timeout_s=2.0) == json.loads(body)
 
 
 def test_a_client_that_disconnects_while_sending_is_gone():
     peer = AsgiPeer([{"type": "http.request", "body": b'{"a"', "more_body": True}, {"type": "http.disconnect"}])
-    exchange = peer.exchange()
+    exchange = exchange_for(peer)
 
     async def main():
         with pytest.raises(ClientGone):
@@ -149,13 +100,13 @@ def test_a_client_that_disconnects_while_sending_is_gone():
 @pytest.mark.parametrize("body, message", [(b"{", "the body is not valid JSON"), (b"[1]", "JSON object"),
                                            (b"\xff", "the body is not valid JSON")])
 def test_a_body_that_is_no_json_object_is_a_400(body, message):
-    error = read(AsgiPeer(pieces(body, 1)))
+    error = read(AsgiPeer(body_messages(body, 1)))
     assert (error.code, error.status) == ("invalid_json", 400) and message in error.message
 
 
 def test_wait_disconnect_returns_when_the_client_goes():
     peer = AsgiPeer([{"type": "http.request", "body": b""}, {"type": "http.disconnect"}])
-    exchange = peer.exchange()
+    exchange = exchange_for(peer)
     run(exchange.wait_disconnect())
     assert exchange.disconnected and peer.num_received == 2
 
@@ -177,7 +128,7 @@ def test_the_error_body_is_openais_error_object():
 def test_an_error_response_is_json_and_closes_only_after_an_unread_body_or_over_the_limit(code, status, closes):
     assert (code in CLOSING_ERRORS) == closes
     peer = AsgiPeer()
-    run(peer.exchange().respond_error(ProtocolError(code, "why", status=status), [(b"www-authenticate", b"Bearer")]))
+    run(exchange_for(peer).respond_error(ProtocolError(code, "why", status=status), [(b"www-authenticate", b"Bearer")]))
     assert peer.status == status
     assert peer.headers[b"content-type"] == b"application/json"
     assert peer.headers[b"www-authenticate"] == b"Bearer"
@@ -189,19 +140,19 @@ def test_an_error_response_is_json_and_closes_only_after_an_unread_body_or_over_
 
 def test_an_origin_that_passed_the_check_gets_cors_headers_and_no_origin_none():
     allowed, plain = AsgiPeer(), AsgiPeer()
-    exchange = allowed.exchange({"Origin": "http://localhost:3000"})
+    exchange = exchange_for(allowed, {"Origin": "http://localhost:3000"})
     exchange.cors_origin = "http://localhost:3000"
     run(exchange.respond_json(200, {"ok": True}))
     assert allowed.headers[b"access-control-allow-origin"] == b"http://localhost:3000"
     assert allowed.headers[b"vary"] == b"Origin"
-    run(plain.exchange().respond_json(200, {"ok": True}))
+    run(exchange_for(plain).respond_json(200, {"ok": True}))
     assert b"access-control-allow-origin" not in plain.headers and b"vary" not in plain.headers
     assert json.loads(plain.body) == {"ok": True}
 
 
 def test_a_preflight_names_the_methods_and_headers_a_browser_may_use():
     peer = AsgiPeer()
-    exchange = peer.exchange()
+    exchange = exchange_for(peer)
     exchange.cors_origin = "http://localhost:3000"
     run(exchange.respond_empty(204, exchange.cors_preflight_headers()))
     assert peer.status == 204 and peer.body == b"" and peer.headers[b"content-length"] == b"0"
@@ -212,10 +163,10 @@ def test_a_preflight_names_the_methods_and_headers_a_browser_may_use():
 
 def test_a_client_that_takes_a_write_in_time_gets_it_and_one_that_stops_reading_is_reset():
     reading = AsgiPeer(send_delay_s=0.02)
-    run(reading.exchange(send_timeout_s=0.5).respond_json(200, {"ok": True}))
+    run(exchange_for(reading, send_timeout_s=0.5).respond_json(200, {"ok": True}))
     assert reading.status == 200 and reading.resets == 0
     stuck = AsgiPeer(send_delay_s=None)
-    exchange = stuck.exchange(send_timeout_s=0.05)
+    exchange = exchange_for(stuck, send_timeout_s=0.05)
 
     async def main():
         with pytest.raises(ClientGone):
@@ -227,7 +178,7 @@ def test_a_client_that_takes_a_write_in_time_gets_it_and_one_that_stops_reading_
 
 def test_a_stream_write_that_stalls_mid_body_is_reset_too():
     peer = AsgiPeer(send_delay_s=0.0)
-    exchange = peer.exchange(send_timeout_s=0.05)
+    exchange = exchange_for(peer, send_timeout_s=0.05)
 
     async def main():
         await exchange.start(200, b"text/event-stream", [])
