@@ -62,7 +62,7 @@ def _number(text: str, command: str, kind: type, low: float, high: float | None)
         value = kind(text)
     except ValueError:
         raise ValueError(f"{command} needs {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-    if value < low or (high is not None and value > high):
+    if not (low <= value and (high is None or value <= high)):  # written so that NaN is refused too
         bounds = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
         raise ValueError(f"{command} must be {bounds}, got {text}")
     return value

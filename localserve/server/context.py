@@ -73,9 +73,12 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    # Not ::ffff:127.0.0.1, which Python 3.13 calls loopback and older ones do not: the answer must not
+    # depend on the Python version (and asyncio binds IPv6 sockets IPv6-only, where it is no address).
+    return address.is_loopback and not (address.version == 6 and address.ipv4_mapped is not None)
 
 
 def check_bind_safety(config: ServerConfig) -> None:

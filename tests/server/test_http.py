@@ -226,27 +226,6 @@ def test_listening_beyond_loopback_without_a_key_refuses_to_start(capsys, tmp_pa
     assert "refusing to listen on 0.0.0.0" in error and "--api-key" in error and "missing" not in error
 
 
-def test_conversation_store_is_bounded_in_count_and_characters():
-    from localserve.server.conversations import ConversationStore
-
-    store = ConversationStore(capacity=3, max_chars=10)
-    for index in range(4):
-        assert store.put(f"r{index}", [{"role": "user", "content": "ab"}])
-    assert len(store) == 3 and store.get("r0", "c") is None
-    assert store.get("r1", "c") == [{"role": "user", "content": "ab"}]  # r1 is now the most recent
-    store.put("r4", [{"role": "user", "content": "x" * 7}])
-    assert store.get("r2", "c") is None and store.get("r3", "c") is None and store.get("r1", "c") is not None
-    assert store.num_chars == 9
-    # a conversation larger than the whole budget is not kept, and evicts nothing
-    assert not store.put("big", [{"role": "user", "content": "y" * 50}])
-    assert store.get("big", "c") is None and len(store) == 2 and store.num_chars == 9
-    # a store: false conversation is its connection's alone, and goes with it
-    store.put("private", [{"role": "user", "content": "z"}], owner="c1")
-    assert store.get("private", "c2") is None and store.get("private", "c1") is not None
-    store.drop_owner("c1")
-    assert store.get("private", "c1") is None and store.num_chars == 9
-
-
 def test_serve_command_serves_until_interrupted(tiny_chat_model_dir):
     command = [sys.executable, "-m", "localserve.cli", "serve", "-m", str(tiny_chat_model_dir),
                "--device", "cpu", "--port", "0", "--alias", "tiny-cli", "--num-kv-blocks", "64"]

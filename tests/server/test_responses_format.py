@@ -1,11 +1,15 @@
 """The field maps of the Responses API without a server: what differs between the websocket's
 `response.create` and `POST /v1/responses`, the `localserve` object, the logprobs switches, warm-ups,
-what the response object echoes, and the websocket's frames and lanes."""
+what the response object echoes, parsing `response.create` into the request (input forms, sampling fields,
+refusals naming their param), and the websocket's frames and lanes."""
 
 from __future__ import annotations
 
+import pydantic
 import pytest
+from openai.types.responses import ResponsesServerEvent
 
+from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
 from localserve.server.request_fields import parse_request
 from localserve.server.request_model import RequestLimits
 from localserve.server.responses_format import (
@@ -15,8 +19,11 @@ from localserve.server.responses_format import (
     RESPONSES_WEBSOCKET,
     check_stream_id,
     event_stream_id,
+    parse_client_event,
 )
-from localserve.server.validation import ProtocolError
+from localserve.server.validation import ProtocolError, error_event
+
+SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
 
 
 def over(wire, **body):
@@ -105,3 +112,65 @@ def test_lanes():
             check_stream_id(bad)
         assert (raised.value.code, raised.value.param) == ("invalid_stream_id", "stream_id")
     assert event_stream_id({"stream_id": "ok"}) == "ok" and event_stream_id({"stream_id": "not ok"}) is None
+
+
+def parse_response_create(event: dict):
+    return parse_request(event, RESPONSES_WEBSOCKET, RequestLimits())
+
+
+def test_input_forms_become_role_messages():
+    request = parse_response_create({"type": "response.create", "instructions": "be brief", "input": [
+        {"role": "developer", "content": "rules"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi "},
+                                                        {"type": "input_text", "text": "there"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+        {"role": "user", "content": "again"}]})
+    assert request.input_messages == [{"role": "system", "content": "rules"},
+                                      {"role": "user", "content": "hi there"},
+                                      {"role": "assistant", "content": "hello"},
+                                      {"role": "user", "content": "again"}]
+    assert request.instructions == "be brief"
+    assert parse_response_create({"input": "hi"}).input_messages == [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_fields_and_the_extension_map_onto_sampling_params():
+    request = parse_response_create({"input": "hi", "temperature": 0, "top_p": 0.5, "max_output_tokens": 7,
+                                     "top_logprobs": 3, "localserve": {"top_k": 5, "min_p": 0.1, "seed": 4,
+                                                                       "stop": "END", "n": 2}})
+    params = request.sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=7)
+    assert (params.temperature, params.top_p, params.max_tokens, params.logprobs) == (0, 0.5, 7, 3)
+    assert (params.top_k, params.min_p, params.seed, params.stop, params.n) == (5, 0.1, 4, ["END"], 2)
+    # JSON integers are numbers
+    assert parse_response_create({"input": "hi", "temperature": 1}).sampling.temperature == 1.0
+
+
+@pytest.mark.parametrize("event, code, param", [
+    ({"input": "hi", "stream_id": 5}, "invalid_stream_id", "stream_id"),
+    ({"input": "hi", "temperature": float("nan")}, "invalid_value", "temperature"),
+    ({"input": "hi", "temperature": 2.5}, "decimal_above_max_value", "temperature"),
+    ({"input": "hi", "metadata": {"k": 1}}, "invalid_value", "metadata"),
+    ({"input": "hi", "background": True}, "unsupported_parameter", "background"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "unsupported_value", "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]}, "invalid_type",
+     "input[0].content[0].text"),
+    ({"input": "hi", "localserve": {"stop": ["a", 1]}}, "invalid_type", "localserve.stop"),
+    ({"input": "hi", "localserve": {"min_p": 1.5}}, "invalid_value", "localserve.min_p"),
+    ({"input": "hi", "top_logprobs": 40}, "integer_above_max_value", "top_logprobs"),
+])
+def test_bad_fields_name_their_param(event, code, param):
+    with pytest.raises(ProtocolError) as raised:
+        parse_response_create(event).sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=4)
+    assert (raised.value.code, raised.value.param) == (code, param)
+    assert param in raised.value.message
+
+
+def test_client_frames_must_be_json_objects_with_a_type():
+    assert parse_client_event('{"type": "x"}') == {"type": "x"}
+    for frame, code in [(b"{}", "unsupported_data"), ("{", "invalid_json"), ("3", "invalid_json"),
+                        ('{"type": null}', "missing_required_parameter")]:
+        with pytest.raises(ProtocolError) as raised:
+            parse_client_event(frame)
+        assert raised.value.code == code
+    event = error_event(ProtocolError("invalid_json", "bad"), stream_id="lane")
+    assert SERVER_EVENT.validate_python(event).error.code == "invalid_json"
+    assert event["stream_id"] == "lane"

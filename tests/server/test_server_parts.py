@@ -1,7 +1,6 @@
 """The server's parts get what they use, not the server: read from the source, no server module imports
 the engine, its thread or the KV cache, or reaches into them (`engine_thread.engine`, `.runner`); a
-LocalServer runs on any engine thread that offers `EngineAccess` (here one played by the test); the
-served model answers to its names and describes itself for /v1/models."""
+LocalServer runs on any engine thread that offers `EngineAccess` (here one played by the test)."""
 
 from __future__ import annotations
 
@@ -10,12 +9,8 @@ import asyncio
 from concurrent.futures import Future
 from pathlib import Path
 
-import pytest
-
-from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.app import LocalServer
 from localserve.server.context import ServedModel, ServerConfig, engine_result
-from localserve.server.validation import ProtocolError
 from tests.helpers.server import engine_facts
 
 SERVER = Path(__file__).resolve().parents[2] / "localserve" / "server"
@@ -91,16 +86,3 @@ def test_a_server_is_built_from_an_engine_access_and_its_facts():
                      "capacity": [{"format": "fp16", "bytes_per_token": 512, "num_tokens": 1024}]}
     assert asyncio.run(server._read_monitor(7)) == ("snapshot", [], 7)
     assert asyncio.run(engine_result(engine_thread.stats())) == "stats" and engine_thread.stats_reads == 1
-
-
-def test_the_served_model_answers_to_its_names():
-    defaults = SamplingDefaults(0.5, top_k=3, source="test")
-    model = ServedModel("alias", "own-name", 512, defaults)
-    for name in (None, "default", "alias", "own-name"):
-        model.check(name)
-    with pytest.raises(ProtocolError) as raised:
-        model.check("gpt-4o")
-    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
-    assert "alias" in raised.value.message
-    assert model.describe() == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
-                                "max_model_len": 512, "sampling_defaults": defaults.to_json()}

@@ -1,7 +1,9 @@
 """Every field checked at the edge, over the wire: values of the wrong JSON type, numbers too large for
 a float, text that is not valid Unicode, and every size a client controls get an `error` event naming
 the parameter (never a 1011 close), and the connection goes on serving. Parameters that would change
-the output and are not supported are refused; the ones accepted are echoed as requested."""
+the output and are not supported are refused; the ones accepted are echoed as requested. And the checks
+of server/validation.py on their own: JSON types, finite numbers, ranges and lengths at their bound and
+one past it, lone surrogates found by path, values shown short and printable."""
 
 from __future__ import annotations
 
@@ -12,6 +14,15 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from localserve.server.validation import (
+    ProtocolError,
+    check_length,
+    check_range,
+    check_value,
+    find_invalid_unicode,
+    parse_json_object,
+    shown,
+)
 from tests.helpers.server import CLOSING_EVENTS, collect_response, running_server
 
 MAX_STORED_CHARS = 4000
@@ -153,3 +164,64 @@ def test_the_response_echoes_what_was_requested(server):
     response = final["response"]
     assert {name: response[name] for name in requested} == requested
     assert len(response["output"][0]["content"][0]["logprobs"][0]["top_logprobs"]) == 2
+
+
+# ------------------------------------------------------------------ the checks on their own
+def refusal(check, *args) -> tuple[str, str | None]:
+    with pytest.raises(ProtocolError) as raised:
+        check(*args)
+    return raised.value.code, raised.value.param
+
+
+def test_json_types_booleans_are_no_numbers_and_integers_are():
+    assert check_value(None, int, "n") is None
+    assert check_value(3, float, "t") == 3.0 and isinstance(check_value(3, float, "t"), float)
+    assert check_value(3, (int, float), "x") == 3 and isinstance(check_value(3, (int, float), "x"), int)
+    assert check_value(True, bool, "b") is True
+    assert refusal(check_value, True, float, "t") == ("invalid_type", "t")
+    assert refusal(check_value, True, int, "n") == ("invalid_type", "n")
+    assert refusal(check_value, "1", int, "n") == ("invalid_type", "n")
+    assert refusal(check_value, 1.5, int, "n") == ("invalid_type", "n")
+    assert refusal(check_value, int(HUGE), float, "t") == ("decimal_above_max_value", "t")
+    for value in (float("inf"), float("-inf"), float("nan")):
+        assert refusal(check_value, value, float, "t") == ("invalid_value", "t")
+
+
+def test_ranges_at_their_bounds_and_one_past():
+    check_range(0, "t", 0, 2)
+    check_range(2, "t", 0, 2)
+    assert refusal(check_range, 2.0000001, "t", 0, 2) == ("decimal_above_max_value", "t")
+    assert refusal(check_range, -1, "n", 0, 2, True) == ("integer_below_min_value", "n")
+    check_range(None, "t", 0, 2)
+
+
+@pytest.mark.parametrize("at_bound, past_bound, code", [
+    ("abc", "abcd", "string_above_max_length"), ([1, 2, 3], [1, 2, 3, 4], "array_above_max_length"),
+    ({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 2, "c": 3, "d": 4}, "object_above_max_length"),
+])
+def test_lengths_at_their_bound_and_one_past(at_bound, past_bound, code):
+    check_length(at_bound, "x", 3)
+    with pytest.raises(ProtocolError) as raised:
+        check_length(past_bound, "x", 3)
+    assert (raised.value.code, raised.value.param) == (code, "x") and "at most 3" in raised.value.message
+
+
+def test_a_lone_surrogate_is_found_by_its_path():
+    assert find_invalid_unicode({"input": [{"content": "fine é"}]}) is None
+    assert find_invalid_unicode({"input": [{"content": "ok"}, {"content": "bad \ud800"}]}) == "input[1].content"
+    assert find_invalid_unicode({"metadata": {"\udfff": "v"}}) == "metadata"  # a key: its object is named
+    assert find_invalid_unicode("\ud800") == "(event)"
+
+
+def test_parse_json_object():
+    assert parse_json_object(b'{"a": [1]}', "the body", "not an object") == {"a": [1]}
+    assert refusal(parse_json_object, b"{", "the body", "not an object") == ("invalid_json", None)
+    assert refusal(parse_json_object, b"[]", "the body", "not an object") == ("invalid_json", None)
+    assert refusal(parse_json_object, "[" * 100_000, "the body", "not an object") == ("invalid_json", None)
+    assert refusal(parse_json_object, '{"input": "\\ud800"}', "the body", "x") == ("invalid_value", "input")
+
+
+def test_a_value_is_shown_short_and_printable():
+    assert shown("gpt-4o") == '"gpt-4o"' and shown(3) == "3"
+    assert shown("x" * 100, 10) == '"xxxxxxxxx...'
+    assert shown("a\nb\x1b\ud800") == '"a\\nb\\u001b\\ud800"'

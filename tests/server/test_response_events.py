@@ -1,10 +1,9 @@
-"""The wire format without a server: parsing response.create, and the events ResponseStream builds from
-engine outputs (order, numbering, coalesced deltas, closing status)."""
+"""`ResponseStream` (server/response_events.py) without a server: the events it builds from engine outputs
+(order, numbering, coalesced deltas, closing status), each validated as the `openai` SDK's server event."""
 
 from __future__ import annotations
 
 import pydantic
-import pytest
 from openai.types.responses import ResponsesServerEvent
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
@@ -12,72 +11,9 @@ from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
 from localserve.server.request_fields import parse_request
 from localserve.server.request_model import RequestLimits
 from localserve.server.response_events import ResponseStream
-from localserve.server.responses_format import RESPONSES_WEBSOCKET, parse_client_event
-from localserve.server.validation import ProtocolError, error_event
+from localserve.server.responses_format import RESPONSES_WEBSOCKET
 
 SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
-
-
-def parse_response_create(event: dict):
-    return parse_request(event, RESPONSES_WEBSOCKET, RequestLimits())
-
-
-def test_input_forms_become_role_messages():
-    request = parse_response_create({"type": "response.create", "instructions": "be brief", "input": [
-        {"role": "developer", "content": "rules"},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi "},
-                                                        {"type": "input_text", "text": "there"}]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
-        {"role": "user", "content": "again"}]})
-    assert request.input_messages == [{"role": "system", "content": "rules"},
-                                      {"role": "user", "content": "hi there"},
-                                      {"role": "assistant", "content": "hello"},
-                                      {"role": "user", "content": "again"}]
-    assert request.instructions == "be brief"
-    assert parse_response_create({"input": "hi"}).input_messages == [{"role": "user", "content": "hi"}]
-
-
-def test_sampling_fields_and_the_extension_map_onto_sampling_params():
-    request = parse_response_create({"input": "hi", "temperature": 0, "top_p": 0.5, "max_output_tokens": 7,
-                                     "top_logprobs": 3, "localserve": {"top_k": 5, "min_p": 0.1, "seed": 4,
-                                                                       "stop": "END", "n": 2}})
-    params = request.sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=7)
-    assert (params.temperature, params.top_p, params.max_tokens, params.logprobs) == (0, 0.5, 7, 3)
-    assert (params.top_k, params.min_p, params.seed, params.stop, params.n) == (5, 0.1, 4, ["END"], 2)
-    # JSON integers are numbers
-    assert parse_response_create({"input": "hi", "temperature": 1}).sampling.temperature == 1.0
-
-
-@pytest.mark.parametrize("event, code, param", [
-    ({"input": "hi", "stream_id": 5}, "invalid_stream_id", "stream_id"),
-    ({"input": "hi", "temperature": float("nan")}, "invalid_value", "temperature"),
-    ({"input": "hi", "temperature": 2.5}, "decimal_above_max_value", "temperature"),
-    ({"input": "hi", "metadata": {"k": 1}}, "invalid_value", "metadata"),
-    ({"input": "hi", "background": True}, "unsupported_parameter", "background"),
-    ({"input": [{"type": "function_call", "name": "f"}]}, "unsupported_value", "input[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]}, "invalid_type",
-     "input[0].content[0].text"),
-    ({"input": "hi", "localserve": {"stop": ["a", 1]}}, "invalid_type", "localserve.stop"),
-    ({"input": "hi", "localserve": {"min_p": 1.5}}, "invalid_value", "localserve.min_p"),
-    ({"input": "hi", "top_logprobs": 40}, "integer_above_max_value", "top_logprobs"),
-])
-def test_bad_fields_name_their_param(event, code, param):
-    with pytest.raises(ProtocolError) as raised:
-        parse_response_create(event).sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=4)
-    assert (raised.value.code, raised.value.param) == (code, param)
-    assert param in raised.value.message
-
-
-def test_client_frames_must_be_json_objects_with_a_type():
-    assert parse_client_event('{"type": "x"}') == {"type": "x"}
-    for frame, code in [(b"{}", "unsupported_data"), ("{", "invalid_json"), ("3", "invalid_json"),
-                        ('{"type": null}', "missing_required_parameter")]:
-        with pytest.raises(ProtocolError) as raised:
-            parse_client_event(frame)
-        assert raised.value.code == code
-    event = error_event(ProtocolError("invalid_json", "bad"), stream_id="lane")
-    assert SERVER_EVENT.validate_python(event).error.code == "invalid_json"
-    assert event["stream_id"] == "lane"
 
 
 def output(deltas: list[str], token_counts: list[int], finished=False, reasons=None, error=None, cached=0):
@@ -89,7 +25,7 @@ def output(deltas: list[str], token_counts: list[int], finished=False, reasons=N
 
 
 def make_stream(**event) -> ResponseStream:
-    request = parse_response_create({"input": "hi", **event})
+    request = parse_request({"input": "hi", **event}, RESPONSES_WEBSOCKET, RequestLimits())
     params = request.sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=request.max_output_tokens or 16)
     return ResponseStream(request, params, "resp_x", "tiny", num_prompt_tokens=3,
                           token_text=lambda token_id: f"t{token_id}")
@@ -150,3 +86,62 @@ def test_cancel_and_failure_close_the_response():
     assert final.type == "response.failed"
     error = final.response.error
     assert (error.code, error.message) == ("server_error", "internal error: boom")
+
+
+def test_a_shutdown_closes_incomplete_with_its_reason_and_the_text_so_far():
+    stream = make_stream()
+    stream.absorb(output(["so far"], [2]))
+    stream.shut_down()
+    stream.absorb(output([" late"], [3], finished=True, reasons=["stop"]))  # ignored: already over
+    final = stream.drain()[-1]  # raw: the SDK's types know no reason "server_shutdown" (docs/PROTOCOL.md has it)
+    response = final["response"]
+    assert (final["type"], response["status"]) == ("response.incomplete", "incomplete")
+    assert response["incomplete_details"] == {"reason": "server_shutdown"}
+    assert response["output"][0]["content"][0]["text"] == "so far" and response["output"][0]["status"] == "incomplete"
+    assert response["usage"]["output_tokens"] == 2
+
+
+def test_an_ending_after_the_end_changes_nothing():
+    stream = make_stream()
+    stream.absorb(output(["done"], [1], finished=True, reasons=["stop"]))
+    stream.cancel()
+    stream.shut_down()
+    stream.fail("too late")
+    final = validated(stream.drain())[-1]
+    assert final.type == "response.completed" and final.response.status == "completed"
+    assert final.response.error is None and final.response.incomplete_details is None
+
+
+def test_a_warm_up_answers_with_no_output_item():
+    stream = make_stream(generate=False)
+    stream.absorb(output(["unseen"], [1], finished=True, reasons=["length"], cached=2))
+    events = validated(stream.drain())
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+    assert events[-1].response.output == [] and events[-1].response.usage.output_tokens == 0
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == 2
+
+
+def test_a_logprob_entry_carries_the_token_its_bytes_and_its_alternatives():
+    stream = make_stream(top_logprobs=2)
+    completion = CompletionOutput(0, "", [7], 0.0, "stop", logprobs=[-0.25], top_logprobs=[[(7, -0.25), (9, -1.5)]],
+                                  delta_text="é", delta_token_ids=[7])
+    stream.token_text = {7: "é", 9: "e"}.get
+    stream.absorb(RequestOutput("resp_x", [1], [completion], True))
+    delta = next(e for e in validated(stream.drain()) if e.type == "response.output_text.delta")
+    (entry,) = delta.logprobs
+    assert (entry.token, entry.bytes, entry.logprob) == ("é", [0xC3, 0xA9], -0.25)
+    assert [(top.token, top.bytes, top.logprob) for top in entry.top_logprobs] == [("é", [0xC3, 0xA9], -0.25),
+                                                                                  ("e", [0x65], -1.5)]
+
+
+def test_nothing_is_unsent_only_after_the_opening_and_the_closing_went_out():
+    stream = make_stream()
+    assert stream.has_unsent_events  # the opening events
+    stream.drain()
+    assert not stream.has_unsent_events
+    stream.absorb(output(["a"], [1]))
+    assert stream.has_unsent_events
+    stream.drain()
+    stream.cancel()
+    assert stream.has_unsent_events  # the closing events
+    assert validated(stream.drain())[-1].type == "response.incomplete" and not stream.has_unsent_events

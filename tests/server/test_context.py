@@ -1,0 +1,129 @@
+"""What the server's parts share (server/context.py), on its own: which hosts count as this machine alone
+(near misses included) and the refusal to listen beyond it without a key; the names the served model
+answers to, and the 404 naming it; closing a websocket within a bound; reading an engine-thread future."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from localserve.loading.sampling_defaults import SamplingDefaults
+from localserve.server.context import (
+    ServedModel,
+    ServerConfig,
+    check_bind_safety,
+    close_within,
+    engine_result,
+    is_loopback,
+)
+from localserve.server.validation import ProtocolError
+
+LOOPBACK = ["localhost", "127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "0:0:0:0:0:0:0:1"]
+NOT_LOOPBACK = [
+    "0.0.0.0", "::", "[::]", "", "192.168.1.10", "128.0.0.1", "126.255.255.255",  # all interfaces, or another machine
+    "127.0.0.1.evil", "localhost.evil", "evil.localhost", "127.0.0.1.", "localhost.",  # a name that merely begins so
+    "LOCALHOST", " localhost", "localhost ", "127.0.0.1 ", "127.1", "0177.0.0.1", "2130706433",  # spelled otherwise
+    "::ffff:127.0.0.1", "[::ffff:127.0.0.1]", "::2", "::1:0",  # IPv6 near misses
+]
+
+
+@pytest.mark.parametrize("host", LOOPBACK)
+def test_loopback_hosts(host):
+    assert is_loopback(host)
+    check_bind_safety(ServerConfig(host=host))  # no key needed
+
+
+@pytest.mark.parametrize("host", NOT_LOOPBACK)
+def test_near_misses_are_not_loopback_and_need_a_key(host):
+    """A spelling the resolver might take for this machine is still refused: listening beyond loopback
+    without a key is the one mistake here that cannot be taken back. An IPv4-mapped address cannot even
+    be bound (asyncio binds IPv6 sockets IPv6-only), though Python 3.13's ipaddress calls it loopback."""
+    assert not is_loopback(host)
+    with pytest.raises(ValueError) as raised:
+        check_bind_safety(ServerConfig(host=host))
+    assert f"refusing to listen on {host}" in str(raised.value) and "--api-key" in str(raised.value)
+    check_bind_safety(ServerConfig(host=host, api_key="k"))  # with a key it may
+
+
+def test_an_empty_key_is_no_key():
+    with pytest.raises(ValueError, match="--api-key"):
+        check_bind_safety(ServerConfig(host="0.0.0.0", api_key=""))
+
+
+def test_the_served_model_answers_to_its_names():
+    defaults = SamplingDefaults(0.5, top_k=3, source="test")
+    model = ServedModel("alias", "own-name", 512, defaults)
+    for name in (None, "default", "alias", "own-name"):
+        model.check(name)
+    with pytest.raises(ProtocolError) as raised:
+        model.check("gpt-4o")
+    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
+    assert "alias" in raised.value.message
+    assert model.describe() == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
+                                "max_model_len": 512, "sampling_defaults": defaults.to_json()}
+
+
+@pytest.mark.parametrize("name", ["Alias", "alias ", " alias", "alia", "aliases", "own-name-2", "own", "Default",
+                                  "", "alias/own-name"])
+def test_a_near_miss_of_a_served_name_is_a_404_naming_both(name):
+    model = ServedModel("alias", "own-name", 512, SamplingDefaults(0.5, source="test"))
+    with pytest.raises(ProtocolError) as raised:
+        model.check(name)
+    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
+    assert f"model {json.dumps(name)} is not served" in raised.value.message  # what was asked, as JSON shows it
+    assert "serves 'alias'" in raised.value.message
+
+
+def test_the_404_shows_a_long_name_cut():
+    model = ServedModel("alias", "own-name", 512, SamplingDefaults(0.5, source="test"))
+    with pytest.raises(ProtocolError) as raised:
+        model.check("m" * 5000)
+    assert '"' + "m" * 79 + "..." in raised.value.message and len(raised.value.message) < 300
+
+
+class Closing:
+    """A websocket connection whose closing handshake the client answers after `answer_s` (None: never)."""
+
+    def __init__(self, answer_s: float | None) -> None:
+        self.answer_s = answer_s
+        self.closed_with: tuple[int, str] | None = None
+        self.aborted = False
+        self.transport = self
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed_with = (code, reason)
+        await asyncio.sleep(self.answer_s if self.answer_s is not None else 3600)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_close_the_client_answers_in_time_is_a_close_and_one_it_does_not_is_a_reset():
+    answered, unanswered = Closing(answer_s=0.01), Closing(answer_s=None)
+
+    async def close_both() -> None:
+        await asyncio.gather(close_within(answered, 1001, "bye", timeout_s=0.5),
+                             close_within(unanswered, 1008, "slow", timeout_s=0.2))
+
+    asyncio.run(asyncio.wait_for(close_both(), 5))  # returns: the unanswered close does not hold it
+    assert answered.closed_with == (1001, "bye") and not answered.aborted
+    assert unanswered.closed_with == (1008, "slow") and unanswered.aborted
+
+
+def test_engine_result_gives_what_the_engine_thread_set():
+    async def read(value=None, error=None):
+        future: Future = Future()
+        thread = threading.Timer(0.02, lambda: future.set_exception(error) if error else future.set_result(value))
+        thread.start()
+        try:
+            return await engine_result(future)
+        finally:
+            thread.join()
+
+    assert asyncio.run(read(value=("snapshot", 3))) == ("snapshot", 3)
+    with pytest.raises(KeyError, match="gone"):
+        asyncio.run(read(error=KeyError("gone")))
