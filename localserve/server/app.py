@@ -9,8 +9,8 @@ connection starts as HTTP/1.1
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
 duplicate headers, the Host header, a browser Origin, the API key, or for `/v1/monitor` a single-use
 ticket from `POST /v1/monitor/ticket` instead, since a browser cannot send the key on a websocket; the
-path; the connection limit) before `/v1/responses` or `/v1/monitor` is served. `shutdown()` ends every response in flight, on
-either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
+path; the connection limit) before `/v1/responses` or `/v1/monitor` is served. `shutdown()` ends every
+response in flight, on either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from localserve.server.access import AccessPolicy
+from localserve.server.access import AccessPolicy, MonitorTickets
 from localserve.server.context import ServedModel, ServerConfig, engine_result
 from localserve.server.conversations import ConversationStore
 from localserve.server.http_api import HttpApi
@@ -46,7 +46,8 @@ class Api:
         hub = MonitorHub(lambda after_seq: engine_result(self.engine.snapshot_and_events(after_seq)))
         self.app = HttpApi(config=self.config, access_policy=policy, engine=self.engine, model=model,
                            responses=self.responses, metrics=metrics, monitor_hub=hub,
-                           monitor_hello=monitor_hello(self.engine.facts, "served"))
+                           monitor_hello=monitor_hello(self.engine.facts, "served"),
+                           monitor_tickets=MonitorTickets())
 
     async def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                    peer: AsgiPeer | None = None) -> AsgiPeer:
