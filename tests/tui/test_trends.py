@@ -5,11 +5,11 @@ and a bf16 pool's format was missing from the table)."""
 from __future__ import annotations
 
 import pytest
-
 from localserve.tui.feed import parse_hello, parse_snapshot
 from localserve.tui.history import WINDOW_S, FeedHistory
 from localserve.tui.panels import capacity_rows
 from localserve.tui.trends import BARS, TRENDS, trend_line
+
 from tests.helpers.monitor_frames import hello_frame, snapshot_frame
 
 HELLO = parse_hello(hello_frame(64))
