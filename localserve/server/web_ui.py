@@ -28,8 +28,10 @@ CONTENT_SECURITY_POLICY = "; ".join((
     "object-src 'none'", "base-uri 'none'", "form-action 'none'", "frame-ancestors 'none'"))
 SECURITY_HEADERS = ((b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
                     (b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
-                    (b"x-frame-options", b"DENY"), (b"cross-origin-opener-policy", b"same-origin"),
-                    (b"cross-origin-resource-policy", b"same-origin"), (b"cache-control", b"no-cache"))
+                    (b"x-frame-options", b"DENY"), (b"cross-origin-resource-policy", b"same-origin"),
+                    (b"cache-control", b"no-cache"))
+# No Cross-Origin-Opener-Policy: a browser ignores it, with a console error, on an origin that is not
+# potentially trustworthy (the page over plain HTTP at a LAN address), and the page opens no windows.
 
 
 @dataclass(frozen=True)

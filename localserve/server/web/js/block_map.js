@@ -78,16 +78,21 @@ export class BlockMap {
     this.colourCells(layout);
     const pixels = this.pixels;
     pixels.fill(BACKGROUND);
-    const { pitch, columns, cellSize } = layout;
-    for (let cell = 0; cell < layout.numCells; cell += 1) {
-      const colour = PALETTE[this.cellColours[cell]];
-      const x = (cell % columns) * pitch;
-      const y = Math.floor(cell / columns) * pitch;
-      if (y + cellSize > height) break;
-      for (let row = 0; row < cellSize; row += 1) {
-        const start = (y + row) * width + x;
-        pixels.fill(colour, start, start + cellSize);
+    const { pitch, columns, cellSize, numCells } = layout;
+    // One pixel row of a row of cells is built, then copied into each of the cell's pixel rows.
+    if (!this.line || this.line.length !== width) this.line = new Uint32Array(width);
+    const line = this.line;
+    for (let first = 0, y = 0; first < numCells && y + cellSize <= height; first += columns, y += pitch) {
+      line.fill(BACKGROUND);
+      const end = Math.min(numCells, first + columns);
+      if (cellSize === 1) {
+        for (let cell = first; cell < end; cell += 1) line[cell - first] = PALETTE[this.cellColours[cell]];
+      } else {
+        for (let cell = first, x = 0; cell < end; cell += 1, x += pitch) {
+          line.fill(PALETTE[this.cellColours[cell]], x, x + cellSize);
+        }
       }
+      for (let row = 0; row < cellSize; row += 1) pixels.set(line, (y + row) * width);
     }
     this.context.putImageData(this.image, 0, 0);
     Object.assign(this.canvas.dataset, { columns, pitch, cellSize, blocksPerCell: layout.blocksPerCell,

@@ -5,6 +5,12 @@ const STORAGE_KEY = "localserve.conversations";
 const ACTIVE_KEY = "localserve.active-conversation";
 const TITLE_LENGTH = 48;
 
+/** A random id. Not crypto.randomUUID: that needs a secure context, and the page may be served over plain
+ * HTTP at a LAN address. */
+function newId() {
+  return Array.from(crypto.getRandomValues(new Uint8Array(16)), (byte) => byte.toString(16).padStart(2, "0")).join("");
+}
+
 export class ConversationStore {
   constructor(storage = window.localStorage) {
     this.storage = storage;
@@ -28,7 +34,7 @@ export class ConversationStore {
 
   create() {
     const now = Date.now();
-    const conversation = { id: crypto.randomUUID(), title: "New chat", titled: false, created: now, updated: now,
+    const conversation = { id: newId(), title: "New chat", titled: false, created: now, updated: now,
       messages: [] };
     this.conversations.push(conversation);
     this.save(conversation);

@@ -63,6 +63,11 @@ export class MonitorView {
     this.trends = new Trends(root.querySelector("#trends"), this.history);
     root.querySelector("#trends-title").textContent = `last ${WINDOW_S / 60} min`;
     this.slotsBody = root.querySelector("#slots tbody");
+    this.slotRows = new Map(); // label -> its row, kept from frame to frame (only changed cells are written)
+    this.slotsBody.addEventListener("click", (event) => {
+      const label = event.target.closest("tr[data-label]")?.dataset.label;
+      if (label) this.select(label === this.selectedLabel ? null : label);
+    });
     this.events = root.querySelector("#events");
     this.hover = root.querySelector("#map-hover");
     this.map.canvas.addEventListener("mousemove", (event) => this.showHover(event.offsetX, event.offsetY));
@@ -129,6 +134,7 @@ export class MonitorView {
   }
 
   redraw() {
+    this.trends.resize();
     this.map.resize();
     if (this.cpuStates.length) this.swapMap.resize();
     if (this.frame) this.trends.draw(this.frame.time);
@@ -174,21 +180,59 @@ export class MonitorView {
       ? `${gauges.num_requests_running}${slots} running · ${gauges.num_requests_waiting} waiting` +
         (gauges.num_requests_swapped ? ` · ${gauges.num_requests_swapped} swapped` : "") : "";
     if (!requests.length) {
+      this.slotRows.clear();
       replaceChildren(this.slotsBody, el("tr", { class: "empty" }, el("td", { colspan: 9 }, "no requests")));
       return;
     }
-    replaceChildren(this.slotsBody, ...requests.map((request) => {
+    this.slotsBody.querySelector("tr.empty")?.remove();
+    const rows = requests.map((request) => {
+      let row = this.slotRows.get(request.label);
+      if (!row) {
+        row = el("tr", { dataset: { label: request.label } }, ...Array.from({ length: 9 }, () => el("td")));
+        this.slotRows.set(request.label, row);
+      }
       const prompt = request.state === "prefill"
         ? `${request.num_computed_prompt_tokens}/${request.num_prompt_tokens}` : String(request.num_prompt_tokens);
-      const numBlocks = new Set(request.block_tables.flat()).size;
-      return el("tr", {
-        class: request.label === this.selectedLabel ? "selected" : null, dataset: { label: request.label },
-        onclick: () => this.select(request.label === this.selectedLabel ? null : request.label),
-      }, el("td", {}, request.label), el("td", {}, request.state), el("td", {}, prompt),
-      el("td", {}, String(request.num_output_tokens)), el("td", {}, String(request.num_seqs)),
-      el("td", {}, String(request.num_cached_tokens)), el("td", {}, String(request.num_preemptions)),
-      el("td", {}, request.tokens_per_s.toFixed(1)), el("td", {}, String(numBlocks)));
-    }));
+      const texts = [request.label, request.state, prompt, String(request.num_output_tokens), String(request.num_seqs),
+        String(request.num_cached_tokens), String(request.num_preemptions), request.tokens_per_s.toFixed(1),
+        String(this.countBlocks(request.block_tables))];
+      texts.forEach((text, index) => {
+        const cell = row.cells[index];
+        if (cell.textContent !== text) cell.textContent = text;
+      });
+      row.classList.toggle("selected", request.label === this.selectedLabel);
+      return row;
+    });
+    const shown = new Set(rows);
+    for (const [label, row] of this.slotRows) if (!shown.has(row)) this.slotRows.delete(label);
+    // Move only the rows out of place: most frames keep most requests, in the same order.
+    let cursor = this.slotsBody.firstElementChild;
+    for (const row of rows) {
+      if (row === cursor) cursor = cursor.nextElementSibling;
+      else this.slotsBody.insertBefore(row, cursor);
+    }
+    while (cursor) {
+      const next = cursor.nextElementSibling;
+      cursor.remove();
+      cursor = next;
+    }
+  }
+
+  /** How many distinct blocks a request's sequences hold (shared ones once). */
+  countBlocks(tables) {
+    if (tables.length === 1) return tables[0].length; // a block table never holds a block twice
+    if (this.blockStamps?.length !== this.states.length) this.blockStamps = new Uint32Array(this.states.length);
+    this.stamp = (this.stamp ?? 0) + 1;
+    let count = 0;
+    for (const table of tables) {
+      for (const block of table) {
+        if (this.blockStamps[block] !== this.stamp) {
+          this.blockStamps[block] = this.stamp;
+          count += 1;
+        }
+      }
+    }
+    return count;
   }
 
   select(label) {

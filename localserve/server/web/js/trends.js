@@ -27,13 +27,20 @@ export class Trends {
     });
   }
 
-  /** Redraw every chart for the window that ends at `endTime` (the latest snapshot's time). */
-  draw(endTime) {
-    for (const { spec, canvas, value } of this.rows) {
-      const ratio = window.devicePixelRatio || 1;
+  /** Fit each chart's bitmap to its size on screen (call when that changes: reading it forces a layout). */
+  resize() {
+    const ratio = window.devicePixelRatio || 1;
+    for (const { canvas } of this.rows) {
       const width = Math.max(1, Math.round(canvas.clientWidth * ratio));
       const height = Math.max(1, Math.round(canvas.clientHeight * ratio));
       if (canvas.width !== width || canvas.height !== height) Object.assign(canvas, { width, height });
+    }
+  }
+
+  /** Redraw every chart for the window that ends at `endTime` (the latest snapshot's time). */
+  draw(endTime) {
+    for (const { spec, canvas, value } of this.rows) {
+      const { width, height } = canvas;
       const bins = this.history.bins(spec.series, width, endTime);
       const top = spec.fullScale ?? Math.max(0, ...bins.filter((bin) => bin !== null));
       const context = canvas.getContext("2d");
@@ -47,7 +54,8 @@ export class Trends {
         context.fillRect(x, height - barHeight, 1, barHeight);
       });
       const latest = this.history.latest(spec.series);
-      value.textContent = latest === null ? "-" : latest.value === null ? spec.idle : spec.format(latest.value);
+      const text = latest === null ? "-" : latest.value === null ? spec.idle : spec.format(latest.value);
+      if (value.textContent !== text) value.textContent = text;
     }
   }
 }
