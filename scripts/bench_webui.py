@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_tui import NUM_REQUESTS, build_frames  # noqa: E402
-from localserve.server.web_ui import SECURITY_HEADERS, WebUi  # noqa: E402
 
+from localserve.server.web_ui import SECURITY_HEADERS, WebUi  # noqa: E402
 from tests.helpers.monitor_frames import hello_frame  # noqa: E402
 from tests.webui.conftest import CHROMIUM, CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 
@@ -77,7 +77,7 @@ class BenchPage:
             socket.send(json.dumps(hello))
 
         self.page.route(f"{ORIGIN}/**", serve)
-        self.page.route_web_socket(f"ws://bench.localserve/v1/monitor*", monitor)
+        self.page.route_web_socket("ws://bench.localserve/v1/monitor*", monitor)
         self.page.goto(f"{ORIGIN}/?view={view}")
         self.page.wait_for_selector("body[data-ready=true]")
         while not self.sockets:
@@ -95,7 +95,8 @@ class BenchPage:
 
     def main_thread_s(self) -> dict[str, float]:
         """The renderer's main-thread time so far (DevTools' Performance metrics, seconds)."""
-        metrics = {metric["name"]: metric["value"] for metric in self.devtools.send("Performance.getMetrics")["metrics"]}
+        answer = self.devtools.send("Performance.getMetrics")
+        metrics = {metric["name"]: metric["value"] for metric in answer["metrics"]}
         return {"task": metrics["TaskDuration"], "script": metrics["ScriptDuration"],
                 "layout": metrics["LayoutDuration"] + metrics["RecalcStyleDuration"]}
 
@@ -126,7 +127,8 @@ def frame_times(browser, hello: dict, frames: dict[str, list[dict]]) -> None:
             main = {name: (after[name] - before[name]) * 1000 / len(pool_frames) for name in after}
             size_kib = statistics.median(len(json.dumps(frame)) for frame in pool_frames) / 1024
             frame_ms, map_ms = zip(*timings)
-            print(f"| {pool} | {window} | {size_kib:,.0f} KiB | {statistics.median(frame_ms):.1f} ({max(frame_ms):.1f}) "
+            print(f"| {pool} | {window} | {size_kib:,.0f} KiB "
+                  f"| {statistics.median(frame_ms):.1f} ({max(frame_ms):.1f}) "
                   f"| {statistics.median(map_ms):.1f} ({max(map_ms):.1f}) | {main['task']:.1f} ({main['script']:.1f}, "
                   f"{main['layout']:.1f}) |", flush=True)
         bench.page.close()

@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))  # tests.helpers: the server on a free port, the b
 
 from localserve.loading.default_model import resolve_default_model  # noqa: E402
 from localserve.loading.sampling_defaults import sampling_defaults  # noqa: E402
-
 from tests.helpers.server import make_llm, running_server  # noqa: E402
 from tests.webui.conftest import CHROMIUM, CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 
