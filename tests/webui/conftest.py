@@ -1,7 +1,7 @@
 """The browser tests' set-up: Debian's Chromium (installed here when it is missing and we are root; the
 tests skip, saying why, when it cannot be), driven by Playwright for Python, never a browser download.
 
-`browser` is one headless Chromium for the session, launched with the flags that work in this sandbox
+`browser` is one headless Chromium for a module, launched with the flags that work in this sandbox
 (no GPU, no QUIC, no background traffic); every test gets a fresh context (`page`: its own profile
 storage, cookies, localStorage) with its console messages and page errors recorded.
 """
@@ -40,9 +40,11 @@ def ensure_chromium() -> str | None:
     return None if os.path.exists(CHROMIUM) else f"apt-get installed chromium, yet {CHROMIUM} is missing"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """One headless Chromium for every browser test."""
+    """One headless Chromium for a module's browser tests. Module-scoped, not session-scoped: while
+    Playwright's sync API is started, its event loop is the thread's running loop, and any other test's
+    asyncio.run() would fail."""
     reason = ensure_chromium()
     if reason is not None:
         pytest.skip(reason)

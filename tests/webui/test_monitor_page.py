@@ -7,6 +7,7 @@ the step trend says so."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 from collections import Counter
@@ -18,7 +19,7 @@ from localserve.tui.feed import GPU_STATE_CHARS, BlockState, decode_block_states
 
 from tests.helpers.server import make_llm, running_server
 from tests.webui.conftest import slowed
-from tests.webui.test_chat import get_json, open_page
+from tests.webui.test_chat import open_page
 
 STEP_DELAY_S = 0.03
 LONG_PROMPT = " ".join(["the cat and the dog tell a story about the sun"] * 6)  # 66 words: 4 full blocks
@@ -55,11 +56,33 @@ def watched_page(page, port: int) -> list[dict]:
     return frames
 
 
-def start_two_samples(port: int) -> threading.Thread:
-    body = {"prompt": LONG_PROMPT, "n": 2, "max_tokens": 120, "temperature": 1.0}
-    thread = threading.Thread(target=get_json, args=(port, "/v1/completions", body))
-    thread.start()
-    return thread
+class TwoSamples:
+    """A streamed completion of two samples over a long prompt, running until it ends or is closed
+    (the server then aborts it and frees its blocks)."""
+
+    def __init__(self, port: int, max_tokens: int = 120) -> None:
+        body = {"prompt": LONG_PROMPT, "n": 2, "max_tokens": max_tokens, "temperature": 1.0, "stream": True}
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        self.response = self.connection.getresponse()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            while self.response.read(4096):
+                pass
+        except (OSError, ValueError, AttributeError):
+            pass  # closed under the reader
+
+    def join(self) -> None:
+        """Stop it (if it still runs) and wait for the reader."""
+        self.connection.close()
+        self.thread.join(timeout=30)
+
+
+def start_two_samples(port: int, max_tokens: int = 120) -> TwoSamples:
+    return TwoSamples(port, max_tokens)
 
 
 def drawn_frame(frames: list[dict], drawn_time: float) -> dict:
@@ -94,7 +117,7 @@ def test_every_cell_shows_its_blocks_state_and_the_counts_equal_the_snapshots(pa
 
 def test_a_chosen_request_has_its_blocks_drawn_yellow(page, server):
     frames = watched_page(page, server.port)
-    request = start_two_samples(server.port)
+    request = start_two_samples(server.port, max_tokens=400)
     try:
         page.click("#slots tbody tr[data-label]")
         page.click("#pause")  # hold the screen: the request keeps growing meanwhile
