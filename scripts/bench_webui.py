@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 from bench_tui import NUM_REQUESTS, build_frames  # noqa: E402
 
 from localserve.server.web_ui import SECURITY_HEADERS, WebUi  # noqa: E402
+from tests.helpers.browser import CHROMIUM, CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 from tests.helpers.monitor_frames import hello_frame  # noqa: E402
-from tests.webui.conftest import CHROMIUM, CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 
 ORIGIN = "http://bench.localserve"
 MODEL = {"object": "list", "data": [{"id": "bench", "object": "model", "max_model_len": 2048,

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))  # tests.helpers: the server on a free port, the b
 
 from localserve.loading.default_model import resolve_default_model  # noqa: E402
 from localserve.loading.sampling_defaults import sampling_defaults  # noqa: E402
+from tests.helpers.browser import CHROMIUM, CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 from tests.helpers.server import make_llm, running_server  # noqa: E402
-from tests.webui.conftest import CHROMIUM, CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in full sentences and give examples where they help."
 QUESTIONS = ["Explain how a hash table works.", "Write a short story about a lighthouse keeper.",

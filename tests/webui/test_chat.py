@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import pytest
 
+from tests.helpers.browser import slowed
 from tests.helpers.server import make_llm, running_server
-from tests.webui.conftest import slowed
+from tests.helpers.webui_page import get_json, last_reply, open_page, send, set_settings, wait_reply_done
 
 STEP_DELAY_S = 0.02
 SETTINGS = {"temperature": "0", "max_tokens": "40"}
@@ -24,39 +24,6 @@ def server(tiny_chat_model_dir):
     llm = slowed(make_llm(tiny_chat_model_dir, max_model_len=512), STEP_DELAY_S)
     with running_server(llm, monitor_interval_s=0.1) as background:
         yield background
-
-
-def get_json(port: int, path: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode() if body else None,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)
-
-
-def open_page(page, port: int):
-    page.goto(f"http://127.0.0.1:{port}/")
-    page.wait_for_selector("body[data-ready=true]")
-    return page
-
-
-def set_settings(page, values: dict[str, str]) -> None:
-    if page.get_attribute("#settings", "open") is None:
-        page.click("#settings summary")
-    for name, value in values.items():
-        page.fill(f"#settings-fields [name={name}]", value)
-
-
-def send(page, text: str) -> None:
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-
-
-def last_reply(page):
-    return page.locator(".message.assistant").last
-
-
-def wait_reply_done(page) -> None:
-    page.wait_for_selector(".message.assistant:last-child .meta .regenerate")
 
 
 def test_the_page_loads_clean_and_a_message_streams_its_reply(page, server):

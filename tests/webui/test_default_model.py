@@ -7,7 +7,7 @@ import pytest
 
 from localserve.loading.sampling_defaults import sampling_defaults
 from tests.helpers.server import make_llm, running_server
-from tests.webui.test_chat import last_reply, open_page, send, wait_reply_done
+from tests.helpers.webui_page import last_reply, open_page, send, wait_reply_done
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ import pytest
 from localserve.tui.block_map import COLOURS, SELECTED_COLOUR
 from localserve.tui.feed import GPU_STATE_CHARS, BlockState, decode_block_states
 
+from tests.helpers.browser import slowed
 from tests.helpers.server import make_llm, running_server
-from tests.webui.conftest import slowed
-from tests.webui.test_chat import open_page
+from tests.helpers.webui_page import open_page
 
 STEP_DELAY_S = 0.03
 LONG_PROMPT = " ".join(["the cat and the dog tell a story about the sun"] * 6)  # 66 words: 4 full blocks

@@ -17,8 +17,7 @@ from localserve.server.access import TICKET_LIFETIME_S, MonitorTickets
 from localserve.server.app import LocalServer
 from localserve.server.context import ServerConfig
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
-from tests.server.test_http_api import API_KEY, KEY, Api
-from tests.webui.test_routes import response
+from tests.helpers.http_api import API_KEY, KEY, Api, response
 
 
 class Clock:

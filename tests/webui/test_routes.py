@@ -10,17 +10,10 @@ import re
 import pytest
 
 from localserve.server.web_ui import STATIC_PREFIX, WebUi
-from tests.server.test_http_api import API_KEY, KEY, Api
+from tests.helpers.http_api import API_KEY, KEY, Api, response
 
 CSP_DIRECTIVES = {"script-src 'self'", "style-src 'self'", "connect-src 'self'", "frame-ancestors 'none'",
                   "object-src 'none'", "base-uri 'none'"}
-
-
-def response(peer):
-    start = next(message for message in peer.sent if message["type"] == "http.response.start")
-    body = b"".join(message.get("body", b"") for message in peer.sent if message["type"] == "http.response.body")
-    headers = {name.decode(): value.decode() for name, value in start["headers"]}
-    return start["status"], headers, body
 
 
 def test_the_page_is_served_at_the_root_with_a_strict_policy_and_no_key():

@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.browser import write_chat_template
 from tests.helpers.scripted import write_scripted_model
 from tests.helpers.server import make_llm, running_server
-from tests.webui.conftest import write_chat_template
-from tests.webui.test_chat import get_json, open_page, send, wait_reply_done
+from tests.helpers.webui_page import get_json, open_page, send, wait_reply_done
 
 REPLY_IMG = "<img src=x onerror=window.__xssReply=1>"
 REPLY_SCRIPT = "<script>window.__xssReplyScript=1</script>"
