@@ -136,19 +136,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the model over websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0."""
     settings = engine_config(args)  # a bad setting fails at once, before torch is imported
     import asyncio
-    import os
     import signal
 
     from localserve.engine.engine_thread import EngineThread
     from localserve.server.app import LocalServer
-    from localserve.server.context import ServerConfig, check_bind_safety
+    from localserve.server.context import check_bind_safety
 
-    api_key = args.api_key or os.environ.get("LOCALSERVE_API_KEY")
-    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
-                          allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
-                          model_alias=args.alias, max_connections=args.max_connections,
-                          default_max_output_tokens=args.max_tokens,
-                          monitor_interval_s=args.monitor_interval)
+    config = server_config(args)
+    api_key = config.api_key
     check_bind_safety(config)  # before minutes of loading, not after
     # Only in a terminal: with any stream redirected (a log file, a pipe, a service) plain logs are wanted.
     show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
@@ -172,6 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
+        await server.start()
+        log_web_page(server)
         await server.serve_forever()
         await asyncio.gather(*shutdowns)
 
@@ -183,6 +180,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine_thread.stop()
     return 0
+
+
+def server_config(args: argparse.Namespace):
+    """The ServerConfig of `localserve serve`'s flags (the key also from $LOCALSERVE_API_KEY)."""
+    import os
+
+    from localserve.server.context import ServerConfig
+
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
+                        allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
+                        model_alias=args.alias, max_connections=args.max_connections,
+                        default_max_output_tokens=args.max_tokens, monitor_interval_s=args.monitor_interval,
+                        web_ui=not args.no_webui)
+
+
+def log_web_page(server) -> None:
+    """Say where the web page is, once the server listens (a newcomer opens the printed URL)."""
+    if server.config.web_ui:
+        host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
+        log.info("the web page (chat and monitor): http://%s:%d/", host, server.port)
 
 
 def server_sampling_defaults(args: argparse.Namespace, model_path: Path):
@@ -216,6 +233,7 @@ def serve_with_tui(server, api_key: str | None) -> None:
     root.handlers = [buffer]
     try:
         log.info("listening on ws://%s:%d (q in the TUI stops the server)", server.config.host, background.port)
+        log_web_page(server)
         host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
         MonitorApp(monitor_url(f"{host}:{background.port}", DEFAULT_INTERVAL_S), api_key=api_key,
                    server_log=buffer).run()
@@ -248,6 +266,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, help="min_p of a request that sets none (default: the model's, else 0.05)")
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
+    g.add_argument("--no-webui", action="store_true",
+                   help="serve no web page at / (the chat and monitor page; / is then a 404)")
     g.add_argument("--no-tui", action="store_true",
                    help="do not show the TUI in this terminal (shown when stdin, stdout and stderr are one)")
 

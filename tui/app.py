@@ -130,7 +130,7 @@ class MonitorApp(App[None]):
 
     def on_mount(self) -> None:
         self.query_one(BlockMap).border_title = "KV blocks"
-        self.query_one("#trends").border_title = "Trends"
+        self.query_one("#trends").border_title = f"Trends · last {self.history.window_s / 60:g} min"
         self.query_one("#capacity").border_title = "Capacity per KV format"
         self.query_one("#slots").border_title = "Slots"
         self.query_one("#events").border_title = "Events"

@@ -7,9 +7,10 @@ engine access, the served model, the conversation store, the metrics, the respon
 connection starts as HTTP/1.1
 (uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
-duplicate headers, the Host header, a browser Origin, the API key; the path; the connection limit)
-before `/v1/responses` or `/v1/monitor` is served. `shutdown()` ends every response in flight, on
-either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
+duplicate headers, the Host header, a browser Origin, the API key, or for `/v1/monitor` a single-use
+ticket from `POST /v1/monitor/ticket` instead, since a browser cannot send the key on a websocket; the
+path; the connection limit) before `/v1/responses` or `/v1/monitor` is served. `shutdown()` ends every
+response in flight, on either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
-from localserve.server.access import AccessPolicy, check_access
+from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.context import (
     CLOSE_TIMEOUT_S,
     EngineAccess,
@@ -65,6 +66,7 @@ class LocalServer:
                                          self.metrics)
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=engine_thread.last_event_seq)
         self.monitor_hello = monitor_hello(engine_thread.facts, self.model.served_name)
+        self.monitor_tickets = MonitorTickets()  # issued by the HTTP API, redeemed by the monitor's handshake
         self.num_connections = 0
         self.port = config.port
         self.sessions: set[ResponsesSession] = set()
@@ -88,7 +90,8 @@ class LocalServer:
                                                 config.allowed_origins, config.api_key)
         self.http_api = HttpApi(config=config, access_policy=self.access_policy, engine=self.engine_thread,
                                 model=self.model, responses=self.responses, metrics=self.metrics,
-                                monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello)
+                                monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello,
+                                monitor_tickets=self.monitor_tickets)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.model.served_name,
                  config.host, self.port, config.host, self.port)
 
@@ -157,8 +160,10 @@ class LocalServer:
 
     # ------------------------------------------------------------------ websocket handshakes
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = urlsplit(request.path).path
-        refusal = check_access(request.headers, self.access_policy)
+        target = urlsplit(request.path)
+        path = target.path
+        refusal = check_access(request.headers, self.access_policy,
+                               needs_key=not (path == MONITOR_PATH and self._has_monitor_ticket(target.query)))
         if refusal is not None:
             response = _json(connection, refusal.status, _http_error(refusal.code, refusal.message))
             if refusal.status == HTTPStatus.UNAUTHORIZED:
@@ -172,6 +177,11 @@ class LocalServer:
                 "too_many_connections", f"the server holds its limit of {self.config.max_connections} "
                 "connections; retry later", "rate_limit_error"))
         return None  # the websocket handshake goes on
+
+    def _has_monitor_ticket(self, query: str) -> bool:
+        """The query names a ticket this server issued, unused and unexpired (it is spent now)."""
+        tickets = parse_qs(query).get("ticket", [])
+        return len(tickets) == 1 and self.monitor_tickets.redeem(tickets[0])
 
     # ------------------------------------------------------------------ websockets
     async def _handle_connection(self, connection: ServerConnection) -> None:

@@ -65,6 +65,7 @@ class ServerConfig:
     # Sampling for what a response.create leaves out (per field); `localserve serve` takes the model's.
     sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
+    web_ui: bool = True  # the web page at / (server/web_ui.py); False: / is a 404 (--no-webui)
     limits: RequestLimits = field(default_factory=RequestLimits)
 
 
