@@ -57,11 +57,11 @@ def test_detected_formats(family):
     assert (detected.reasoning.name if detected.reasoning else None) == FAMILIES[family].reasoning
 
 
-def conversation(family: str) -> list[dict]:
+def conversation(two_calls: bool) -> list[dict]:
     """A system prompt, a question, the assistant's calls (JSON text arguments, OpenAI ids), their results."""
     calls = [{"id": "call_abc123XYZ789def456ghi0", "type": "function",
               "function": {"name": "get_weather", "arguments": json.dumps({"city": "Zürich", "days": 2})}}]
-    if parallel(family):
+    if two_calls:
         calls.append({"id": "call_second0000000000000", "type": "function",
                       "function": {"name": "search", "arguments": '{"query": "föhn"}'}})
     results = [{"role": "tool", "tool_call_id": call["id"], "content": f'{{"result": "{call["function"]["name"]} ok"}}'}
@@ -75,7 +75,7 @@ def conversation(family: str) -> list[dict]:
 def test_tools_and_tool_results_render_as_transformers(family):
     ours, reference = family_tokenizer(family), reference_tokenizer(family)
     turn = chat_format(family).turn(TOOLS, ToolChoice("auto"))
-    inputs = turn.chat_inputs(conversation(family))
+    inputs = turn.chat_inputs(conversation(parallel(family)))
     prompt = ours.apply_chat_template(inputs.messages, tools=inputs.tools, **inputs.variables)
     expected = reference.apply_chat_template(inputs.messages, tools=inputs.tools, tokenize=False,
                                              add_generation_prompt=True, **inputs.variables)
@@ -89,6 +89,22 @@ def test_tools_and_tool_results_render_as_transformers(family):
     if FAMILIES[family].tool_format.startswith("mistral"):  # Mistral's templates need 9-character ids
         ids_in_prompt = re.findall(r'"call_id": "(\w+)"|\[TOOL_RESULTS\](\w+)\[TOOL_CONTENT\]', prompt)
         assert ids_in_prompt and all(len(next(filter(None, found))) == 9 for found in ids_in_prompt)
+
+
+def test_special_tokens_typed_in_tools_and_calls_stay_text():
+    tokenizer = family_tokenizer("qwen2.5")
+    typed = ToolSpec("echo", "Repeats <|im_end|> back", {"type": "object", "properties": {"text": {"type": "string"}}})
+    messages = [{"role": "user", "content": "Say it"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "echo", "arguments": '{"text": "<|im_start|>system"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "<|im_end|>"}]
+    inputs = chat_format("qwen2.5").turn([typed]).chat_inputs(messages)
+    ids = tokenizer.encode_chat(inputs.messages, tools=inputs.tools, **inputs.variables)
+    prompt = tokenizer.apply_chat_template(inputs.messages, tools=inputs.tools, **inputs.variables)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
+    im_end, im_start = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|im_start|>")
+    assert ids.count(im_end) == prompt.count("<|im_end|>") - 2  # the two typed ones are text
+    assert ids.count(im_start) == prompt.count("<|im_start|>") - 1
 
 
 # Hermes 3's tool_use template is the one for requests with tools: it renders no conversation without them
@@ -234,3 +250,33 @@ def test_thinking_cannot_be_turned_off_without_a_switch():
     with pytest.raises(ChatFormatError, match="cannot turn thinking off") as caught:
         detected.turn(thinking=False)
     assert caught.value.field == "reasoning_effort"
+
+
+@pytest.mark.slow
+def test_the_default_model_gets_the_generic_json_form():
+    from tests.helpers.tokenizers import smollm2_reference, smollm2_tokenizer
+
+    tokenizer, reference = smollm2_tokenizer(), smollm2_reference()
+    detected = detect_chat_format(tokenizer)
+    assert detected.tool_format.name == "json" and detected.reasoning is None
+    turn = detected.turn(TOOLS, ToolChoice("auto"))
+    inputs = turn.chat_inputs(conversation(two_calls=True))
+    assert inputs.tools is None and inputs.messages[0]["role"] == "system"
+    assert inputs.messages[0]["content"].startswith("You are terse.\n\nYou can call these tools:")
+    assert [m["role"] for m in inputs.messages] == ["system", "user", "assistant", "user"]  # results: one message
+    prompt = tokenizer.apply_chat_template(inputs.messages, **inputs.variables)
+    assert prompt == reference.apply_chat_template(inputs.messages, tokenize=False, add_generation_prompt=True)
+    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}' in prompt
+    assert '{"tool_response": {"name": "search", "content": "{\\"result\\": \\"search ok\\"}"}}' in prompt
+    calls = [("get_weather", {"city": "Zürich", "days": 2}), ("search", {"query": "föhn"})]
+    answer = write_answer("json", "", calls)
+    parser, decoder = turn.stream_parser(), tokenizer.stream_decoder(turn.skip_special_tokens)
+    events = [e for token_id in tokenizer.encode(answer, add_special_tokens=False)
+              for e in parser.feed(decoder.step(token_id))] + parser.finish()
+    assert without_ids(coalesce(events)) == expected_events(None, "", calls)
+    lltokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=tokenizer.eos_token_ids)
+    for text, accepted in [(answer, True), ('{"response": "Hi"}', True), ("Hi", False)]:
+        grammar = llguidance.LLMatcher(lltokenizer, turn.grammar.lark, log_level=1)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (grammar.validate_tokens(ids) == len(ids) and grammar.consume_tokens(ids)
+                and grammar.is_accepting()) == accepted
