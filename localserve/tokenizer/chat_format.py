@@ -66,7 +66,7 @@ def detect_tool_format(template: str) -> type[ToolFormat]:
 
 
 def detect_chat_format(tokenizer: Tokenizer, chat_template: str | None = None) -> ChatFormat:
-    """The chat format of `tokenizer`'s template (or of `chat_template`, when given)."""
+    """The chat format of `tokenizer`'s template (or of `chat_template`, when given); TokenizerError without one."""
     template = chat_template or tokenizer.chat_template
     if not template:
         raise TokenizerError(f"{tokenizer.source}: the tokenizer has no chat template")

@@ -42,20 +42,19 @@ def files_dir() -> Path:
 
 
 @cache
-def llama_cpp_files() -> Path:
-    """The folder holding the templates and vocabularies, fetched on first use; skips the test when PyPI is
-    out of reach."""
+def _fetch() -> Path | str:
+    """The folder, fetched on first use, or why it could not be (kept, so that a machine without PyPI tries once)."""
     folder = files_dir()
     if all((folder / path).is_file() for path in MEMBERS.values()):
         return folder
     with tempfile.TemporaryDirectory(prefix="localserve-llama-cpp-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "--dest", tmp, SDIST_REQUIREMENT]
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--retries", "1",
+                   "--timeout", "30", "--dest", tmp, SDIST_REQUIREMENT]
         result = subprocess.run(command, capture_output=True, text=True)
         sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if result.returncode != 0 or not sdists:
             last_line = (result.stderr.strip().splitlines() or [""])[-1]
-            pytest.skip(f"cannot download {SDIST_REQUIREMENT} from PyPI (pip exit {result.returncode}): {last_line}")
+            return f"cannot download {SDIST_REQUIREMENT} from PyPI (pip exit {result.returncode}): {last_line}"
         staging = Path(tmp) / "extracted"
         with tarfile.open(sdists[0]) as sdist:
             for member, target in MEMBERS.items():
@@ -71,6 +70,14 @@ def llama_cpp_files() -> Path:
         shutil.rmtree(folder, ignore_errors=True)
         partial.replace(folder)  # all files or none: a crash never leaves half a folder behind
     return folder
+
+
+def llama_cpp_files() -> Path:
+    """The folder holding the templates and vocabularies; skips the test when PyPI is out of reach."""
+    fetched = _fetch()
+    if isinstance(fetched, str):
+        pytest.skip(fetched)
+    return fetched
 
 
 def template_text(name: str) -> str:

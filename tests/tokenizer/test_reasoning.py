@@ -3,12 +3,14 @@ answer with calls) parsed back from arbitrary splits."""
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localserve.tokenizer.chat_format import TOOL_FORMATS, ChatStreamParser
 from localserve.tokenizer.reasoning import ThinkFormat
-from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, ToolCallStart, coalesce
+from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, ToolCallEnd, ToolCallStart, coalesce
 from localserve.tokenizer.tool_formats.base import ToolUse
 from localserve.tokenizer.tools import ToolSpec
 from tests.helpers.tool_outputs import json_arguments, plain_text, write_answer, write_reasoning
@@ -52,16 +54,18 @@ TOOLS = (ToolSpec("get_weather"), ToolSpec("search"))
 
 
 @settings(max_examples=80, deadline=None)
-@given(plain_text(min_size=1), plain_text(), st.lists(st.tuples(st.sampled_from(["get_weather", "search"]),
-                                                                json_arguments()), max_size=2),
+@given(st.sampled_from(["hermes", "mistral_array", "mistral_args"]), plain_text(min_size=1), plain_text(),
+       st.lists(st.tuples(st.sampled_from(["get_weather", "search"]), json_arguments()), max_size=2),
        st.booleans(), st.data())
-def test_generated_reasoning_and_calls_parse_back(reasoning, content, calls, opened, data):
-    text = write_reasoning(reasoning, write_answer("hermes", content, calls), opened)
-    parser = ChatStreamParser(THINK.splitter(opened), TOOL_FORMATS["hermes"]().parser(ToolUse(TOOLS)))
+def test_generated_reasoning_and_calls_parse_back(format_name, reasoning, content, calls, opened, data):
+    text = write_reasoning(reasoning, write_answer(format_name, content, calls), opened)
+    parser = ChatStreamParser(THINK.splitter(opened), TOOL_FORMATS[format_name]().parser(ToolUse(TOOLS)))
     events = []
     for piece in data.draw(split_points(text)):
         events += parser.feed(piece)
     events = coalesce(events + parser.finish())
     assert events[0] == ReasoningDelta(reasoning)
     assert [e for e in events if isinstance(e, ContentDelta)] == ([ContentDelta(content)] if content else [])
-    assert [e.name for e in events if isinstance(e, ToolCallStart)] == [name for name, _ in calls]
+    names = [e.name for e in events if isinstance(e, ToolCallStart)]
+    arguments = [json.loads(e.arguments) for e in events if isinstance(e, ToolCallEnd)]
+    assert list(zip(names, arguments, strict=True)) == calls
