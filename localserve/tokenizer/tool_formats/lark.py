@@ -58,4 +58,6 @@ def calls_grammar(opener: str, trigger: str, call_rules: Sequence[str], call: st
     else:
         lines = [f"start: FREE_TEXT | text_then_trigger {call} {more} WS?", free_text,
                  f"text_then_trigger[lazy]: ANY_TEXT {literal(trigger)}"]
-    return "\n".join(["%llguidance {}", *lines, *call_rules, ANY_TEXT, WS]) + "\n"
+    rules = [*lines, *call_rules]
+    any_text = [ANY_TEXT] if any("ANY_TEXT" in rule for rule in rules) else []
+    return "\n".join(["%llguidance {}", *rules, *any_text, WS]) + "\n"
