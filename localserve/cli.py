@@ -243,9 +243,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=int, default=256,
                    help="connections with a request in progress, idle between two, or websockets that have spoken; "
                         "a whole request beyond them gets 429")
-    g.add_argument("--max-unfinished-connections", type=int, default=128,
+    g.add_argument("--max-unfinished-connections", type=int,
                    help="connections still sending their first (or next) request, counted apart; one more closes "
-                        "the oldest of them")
+                        "the oldest of them (default: --max-connections)")
     bounds = PhaseBounds()
     g.add_argument("--header-timeout", type=float, default=bounds.header_s, metavar="S",
                    help="seconds from a connection (or its first byte after a response) to the end of a request head")

@@ -69,7 +69,8 @@ class LocalServer:
                                          self.metrics)
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=engine_thread.last_event_seq)
         self.monitor_hello = monitor_hello(engine_thread.facts, self.model.served_name)
-        self.connections = ConnectionBook(config.max_connections, config.max_unfinished_connections)
+        self.connections = ConnectionBook(config.max_connections,
+                                          config.max_unfinished_connections or config.max_connections)
         self.port = config.port
         self.sessions: set[ResponsesSession] = set()
         self.http_api: HttpApi | None = None  # built by start(), once the access policy knows the port

@@ -54,7 +54,7 @@ class ServerConfig:
     # a whole request beyond them is a 429. Connections still sending theirs are capped apart (see
     # server/connection_phases.py): one more closes the oldest of them.
     max_connections: int = 256
-    max_unfinished_connections: int = 128
+    max_unfinished_connections: int | None = None  # None: as many as max_connections (a burst of clients fits)
     phase_bounds: PhaseBounds = field(default_factory=PhaseBounds)  # the time each phase of a request may take
     max_running_responses: int = 1024  # responses submitted and not ended, every transport; more: 429
     http_body_timeout_s: float = 30.0  # an HTTP request body must arrive whole within this long

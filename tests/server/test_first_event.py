@@ -116,7 +116,7 @@ def test_a_silent_websocket_is_evicted_for_a_newer_connection_with_1013_after_th
 
 def test_a_first_event_when_max_connections_are_served_is_refused_then_closed_with_1013():
     async def main():
-        server, engine = await start(max_connections=1)
+        server, engine = await start(max_connections=1, max_unfinished_connections=4)
         try:
             async with connect(f"ws://127.0.0.1:{server.port}/v1/responses") as late, \
                     connect(f"ws://127.0.0.1:{server.port}/v1/responses") as first:
@@ -158,3 +158,11 @@ def test_the_monitor_frame_counts_the_servers_connections_and_the_tui_reads_it()
     assert set(connections["num_closed_unfinished"]) == {"headers", "body", "handshake", "first_event"}
     assert all(counts == {"timeout": 0, "evicted": 0} for counts in connections["num_closed_unfinished"].values())
     parse_snapshot(frame, parse_hello(hello))  # the TUI's parser takes the frame as it is
+
+
+def test_the_unfinished_cap_follows_max_connections_unless_given():
+    def cap(**config) -> int:
+        server = LocalServer(RecordedEngineThread(), CountingTokenizer(), "played", ServerConfig(**config))
+        return server.connections.max_unfinished_connections
+
+    assert (cap(max_connections=7), cap(max_connections=7, max_unfinished_connections=3)) == (7, 3)
