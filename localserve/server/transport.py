@@ -197,8 +197,9 @@ class HttpConnection(H11Protocol):
         self._refuse(400, b"Bad Request", error_body(code, f"the HTTP request is malformed: {reason[:200]}"))
 
     def _refuse(self, status: int, reason: bytes, body: bytes) -> None:
-        """Answer now, with a JSON error body, and close the connection (reset if the answer is not taken
-        within close_timeout_s). h11 sends a response before any request too (a 408 to a head not whole)."""
+        """Answer now, with a JSON error body, and close the connection (lingering, see `_close`). h11 sends
+        a response before any request too (a 408 to a head not whole); an app waiting for the body is told
+        its client is gone."""
         self.hooks.enter(self.slot, Phase.CLOSING)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
