@@ -252,6 +252,7 @@ def test_max_connections_http_connections_are_served_and_one_more_is_a_429(bound
             wait_for_connections(bounded_server, CONNECTION_BOUND)
             over = exchange(port, models)
             assert (over.status, over.error_code) == (429, "too_many_connections"), over.body
+            assert f"limit of {CONNECTION_BOUND} connections" in over.json()["error"]["message"]  # which limit
             last.sendall(models)
             assert read_reply(last).status == 200  # those within the limit are still served
     finally:
