@@ -9,10 +9,11 @@ connection starts as HTTP/1.1
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
 duplicate headers, the Host header, a browser Origin, the API key; the path; the connection limit)
 before `/v1/responses` or `/v1/monitor` is served. Every connection has its place in the
-`ConnectionBook` (server/connection_phases.py) from its first byte to its last, across the upgrade: the
-transport moves it through the HTTP phases and the handshake, the handler on from there (a monitor is
-served at once, a `/v1/responses` websocket once its first event comes). `shutdown()` ends every response in flight, on
-either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
+`ConnectionBook` (server/connection_phases.py) from its first byte to its last, across the upgrade:
+the transport moves it through the HTTP phases and the handshake, the handler on from there (a
+monitor is served at once, a `/v1/responses` websocket once its first event comes). `shutdown()` ends
+every response in flight, on either transport, with a final event before closing (SIGINT / SIGTERM
+in `localserve serve`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
 from localserve.server.access import AccessPolicy, check_access
-from localserve.server.connection_phases import ConnectionBook, FirstEventWait, Phase, Slot
+from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
 from localserve.server.context import (
     CLOSE_TIMEOUT_S,
     EngineAccess,
@@ -191,7 +192,7 @@ class LocalServer:
             elif self.connections.enter(slot, Phase.WEBSOCKET):  # a monitor's upgrade is its whole request
                 await self._serve_monitor(connection, target.query)
             else:
-                await close_within(connection, 1013, "the server holds its limit of connections")
+                await close_within(connection, 1013, LIMIT_REACHED_REASON)
         except Exception:
             log.exception("connection handler failed")
             await close_within(connection, 1011, "internal error")

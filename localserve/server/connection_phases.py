@@ -96,6 +96,11 @@ class Slot:
         self.evictable = False
 
 
+# websocket close reasons (at most 123 bytes), with 1013: evicted before its first event; beyond max_connections
+EVICTED_REASON = "too many connections have sent no request yet: the oldest is closed"
+LIMIT_REACHED_REASON = "the server holds its limit of connections"
+
+
 def connection_limit_message(max_connections: int) -> str:
     """The refusal of a whole request beyond `max_connections` (429 `too_many_connections`), naming the limit."""
     return (f"the server holds its limit of {max_connections} connections with a request in progress "

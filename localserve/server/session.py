@@ -29,7 +29,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from localserve.server.connection_phases import FirstEventWait
+from localserve.server.connection_phases import EVICTED_REASON, LIMIT_REACHED_REASON, FirstEventWait
 from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, close_within
 from localserve.server.request_fields import parse_request
 from localserve.server.request_model import GenerationRequest
@@ -44,9 +44,6 @@ from localserve.server.responses_format import (
 from localserve.server.validation import ProtocolError, error_event, shown
 
 log = logging.getLogger(__name__)
-
-EVICTED_REASON = "too many connections have sent no request yet: the oldest is closed"  # a close reason (<= 123 bytes)
-
 
 class ClientTooSlow(Exception):
     """The client stopped taking frames, or sent nothing in time: it is cut (close code 1008)."""
@@ -167,7 +164,7 @@ class ResponsesSession:
             wait.arrived()
         except ProtocolError as error:
             await self._send(error_event(error))
-            raise NoRoom("the server holds its limit of connections") from None
+            raise NoRoom(LIMIT_REACHED_REASON) from None
         return frame
 
     async def _receive(self, frame: Any) -> None:

@@ -15,9 +15,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from localserve.server.app import LocalServer
-from localserve.server.connection_phases import CloseReason, Phase, PhaseBounds
+from localserve.server.connection_phases import EVICTED_REASON, CloseReason, Phase, PhaseBounds
 from localserve.server.context import ServerConfig
-from localserve.server.session import EVICTED_REASON
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 
 BOUNDS = PhaseBounds(first_event_s=0.5, evicted_linger_s=0.2)

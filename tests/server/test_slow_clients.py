@@ -5,8 +5,8 @@ trickled, a websocket upgrade head left without its end, a websocket that never 
 their own, while well-formed clients keep sending: every well-formed request is served, and every
 unfinished connection is closed within its phase's bound, or sooner, as the oldest unfinished one when
 one more came. Then the same flood reconnecting as soon as it is closed, for 60 s, beside the rate the
-same clients get without it (before the flood and after it). Small limits keep it fast; the bounds are checked with a second of slack for
-a loaded machine."""
+same clients get without it (before the flood and after it). Small limits keep it fast; the bounds are
+checked with a second of slack for a loaded machine."""
 
 from __future__ import annotations
 
