@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
+from localserve.server.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
     from localserve.llm import LLM
@@ -191,8 +192,9 @@ def server_config(args: argparse.Namespace):
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
                         allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
                         model_alias=args.alias, max_connections=args.max_connections,
-                        default_max_output_tokens=args.max_tokens, monitor_interval_s=args.monitor_interval,
-                        web_ui=not args.no_webui)
+                        max_unfinished_connections=args.max_unfinished_connections,
+                        phase_bounds=phase_bounds(args), default_max_output_tokens=args.max_tokens,
+                        monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui)
 
 
 def log_web_page(server) -> None:
@@ -255,7 +257,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Host header names answered besides loopback names, IP addresses and --host "
                         "('*': any; guards against DNS rebinding)")
     g.add_argument("--alias", help="the model name clients send and /v1/models lists")
-    g.add_argument("--max-connections", type=int, default=256)
+    g.add_argument("--max-connections", type=int, default=256,
+                   help="connections with a request in progress, idle between two, or websockets that have spoken; "
+                        "a whole request beyond them gets 429")
+    g.add_argument("--max-unfinished-connections", type=int,
+                   help="connections still sending their first (or next) request, counted apart; one more closes "
+                        "the oldest of them (default: --max-connections)")
+    bounds = PhaseBounds()
+    g.add_argument("--header-timeout", type=float, default=bounds.header_s, metavar="S",
+                   help="seconds from a connection (or its first byte after a response) to the end of a request head")
+    g.add_argument("--body-gap-timeout", type=float, default=bounds.body_gap_s, metavar="S",
+                   help="the longest pause between the bytes of a request body; also the grace of --min-body-rate")
+    g.add_argument("--min-body-rate", type=float, default=bounds.min_body_rate, metavar="BYTES_PER_S",
+                   help="the slowest average a request body may keep once past its first --body-gap-timeout "
+                        "(0: none)")
+    g.add_argument("--keep-alive-timeout", type=float, default=bounds.keep_alive_s, metavar="S",
+                   help="how long an idle keep-alive HTTP connection is kept")
+    g.add_argument("--handshake-timeout", type=float, default=bounds.handshake_s, metavar="S",
+                   help="seconds from a websocket upgrade's head to its 101")
+    g.add_argument("--first-event-timeout", type=float, default=bounds.first_event_s, metavar="S",
+                   help="seconds a /v1/responses websocket may stay silent after opening")
     g.add_argument("--max-tokens", "-n", type=int, default=1024,
                    help="max_output_tokens of a request that sets none (always cut to the context)")
     g.add_argument("--temperature", "--temp", type=float,
@@ -270,6 +291,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="serve no web page at / (the chat and monitor page; / is then a 404)")
     g.add_argument("--no-tui", action="store_true",
                    help="do not show the TUI in this terminal (shown when stdin, stdout and stderr are one)")
+
+
+def phase_bounds(args: argparse.Namespace) -> PhaseBounds:
+    """The time bounds of a connection's phases from `localserve serve`'s flags."""
+    return PhaseBounds(header_s=args.header_timeout, body_gap_s=args.body_gap_timeout,
+                       min_body_rate=args.min_body_rate, keep_alive_s=args.keep_alive_timeout,
+                       handshake_s=args.handshake_timeout, first_event_s=args.first_event_timeout)
 
 
 def cmd_tui(args: argparse.Namespace) -> int:

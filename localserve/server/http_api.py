@@ -23,6 +23,7 @@ from typing import Any
 from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.completion_events import CompletionView
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
+from localserve.server.connection_phases import connection_limit_message
 from localserve.server.context import EngineAccess, ServedModel, ServerConfig, engine_result
 from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
 from localserve.server.metrics import ServerMetrics
@@ -102,8 +103,7 @@ class HttpApi:
             raise ProtocolError(refusal.code, refusal.message, status=refusal.status)
         exchange.cors_origin = exchange.headers.get("Origin")
         if exchange.connection is not None and exchange.connection.over_limit:
-            raise ProtocolError("too_many_connections", f"the server holds its limit of "
-                                f"{self.config.max_connections} connections; retry later",
+            raise ProtocolError("too_many_connections", connection_limit_message(self.config.max_connections),
                                 error_type="rate_limit_error", status=429)
         if self.shutting_down:
             raise ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error",
