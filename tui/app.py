@@ -157,6 +157,8 @@ class MonitorApp(App[None]):
 
     def handle_feed_item(self, item: FeedItem) -> None:
         """Apply one item of the feed (see `client.follow_monitor`)."""
+        if not self.is_running:  # shutting down: the worker may still hand over a frame after the widgets went
+            return
         log = self.query_one(EventLog)
         match item:
             case Connected(hello):
