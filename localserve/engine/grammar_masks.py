@@ -2,11 +2,17 @@
 
 `GrammarMasks.start(rows)` runs right after the step is scheduled: the matchers have seen every token
 sampled so far (the previous step's included), so each constrained row's mask for its next token is
-known before the forward. A worker thread fills them (llguidance's parallel fill over the rows; it
-holds no GIL) and turns the bits into an additive bias (0 where allowed, -inf elsewhere) in a pinned
-host buffer while the main thread runs the model; `PendingMasks.apply(logits)` waits for it, copies
+known before the forward. A worker thread fills them (llguidance's fill holds no GIL) and turns the
+bits into an additive bias (0 where allowed, -inf elsewhere) in a pinned host buffer while the main
+thread runs the model; `PendingMasks.apply(logits)` waits for it, copies
 the bias to the logits' device and adds it to those rows in place, before the sampler reads them.
 Unconstrained rows are not touched, and a step without a constrained row does nothing at all.
+
+The worker fills the rows one after the other, not with llguidance's parallel executor: a mask costs
+microseconds (more only where a grammar branches a lot), and the executor's thread pool, spinning
+for work, took the cores from the model's own threads: on 2 cores its fill of 16 rows took 5-8 ms
+against 1 ms one by one, and the step's apply after it 8-9 ms against 0.4-1.8 ms
+(scripts/bench_constrained.py).
 
 So penalties, temperature, top-k / top-p / min-p and greedy choice all work on masked logits, and an
 end-of-sequence token is allowed only where the grammar is complete (llguidance's mask). The one
@@ -77,7 +83,6 @@ class GrammarMasks:
         self.host_bias = torch.empty((0, vocab_size), dtype=torch.float32)
         self._bits = np.empty((0, self.num_words), dtype=np.int32)
         self._worker: ThreadPoolExecutor | None = None
-        self._executor = None  # llguidance's LLExecutor, made with the worker
         self.timings: deque[MaskTiming] = deque(maxlen=100_000)
 
     def start(self, rows: Iterable[ScheduledRow]) -> PendingMasks | None:
@@ -97,10 +102,7 @@ class GrammarMasks:
             return None
         self._reserve(len(matchers))
         if self._worker is None:
-            import llguidance
-
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="localserve-masks")
-            self._executor = llguidance.LLExecutor()
         filled = self._worker.submit(self._fill, [grammar.matcher for grammar in matchers])
         return PendingMasks(self, logits_rows, len(logits_rows) == logits_row, filled)
 
@@ -113,19 +115,12 @@ class GrammarMasks:
 
     def _fill(self, matchers: list) -> float:
         """On the worker: each matcher's mask into its row of bits, then the bits into the bias rows."""
-        from llguidance.numpy import fill_next_token_bitmask_par
-
         start = time.perf_counter()
         num_rows = len(matchers)
         bits = self._bits[:num_rows]
-        fill_next_token_bitmask_par(self._executor, [(matcher, i) for i, matcher in enumerate(matchers)], bits)
+        for matcher, row in zip(matchers, bits):
+            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         disallowed = np.unpackbits((~bits).view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
         np.multiply(disallowed, NEG_INF_BITS, out=self.host_bias[:num_rows].numpy().view(np.uint32),
                     casting="unsafe")
         return time.perf_counter() - start
-
-    def close(self) -> None:
-        """Stop the worker thread (an engine that is dropped stops it too, with the process)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None

@@ -88,6 +88,27 @@ def test_masks_are_added_to_their_own_logits_rows_and_no_others():
     assert masks.start(rows[:1] + rows[3:]) is None  # nothing constrained: nothing to do
 
 
+@pytest.mark.gpu
+def test_masks_on_cuda_logits_equal_the_cpu_ones():
+    from localserve.engine.constraints import GrammarCompiler
+    from tests.helpers.tokenizers import CHATML_SPECIALS, train_bpe
+
+    backend = train_bpe(CHATML_SPECIALS)
+    vocab = backend.get_vocab_size()
+    compiler = GrammarCompiler(backend, vocab, [2])
+    params = SamplingParams(grammar=GrammarSpec.json_object())
+    seqs = [Sequence(i, 1, [5], torch.Generator()) for i in range(3)]
+    rows = []
+    for seq, constrained in zip(seqs, (True, False, True)):
+        seq.grammar = compiler.matcher(params) if constrained else None
+        rows.append(ScheduledRow(Request("r", 0, [5], params, [seq]), seq, 1, SeqChunk([5], 0, [0])))
+    logits = torch.randn(3, vocab)
+    on_cuda = logits.cuda()
+    GrammarMasks(vocab, torch.device("cpu")).start(rows).apply(logits)
+    GrammarMasks(vocab, torch.device("cuda")).start(rows).apply(on_cuda)  # pinned bias, copied without blocking
+    assert torch.equal(on_cuda.cpu(), logits)
+
+
 def test_end_of_sequence_only_where_the_grammar_accepts(tmp_path):
     engine, prompt = scripted_engine(tmp_path, ["a", "b"])  # then EOS
     free, not_yet, complete, accepting = run(
