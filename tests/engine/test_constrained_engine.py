@@ -184,6 +184,25 @@ def test_parallel_samples_each_follow_the_grammar_with_their_own_matcher(grammar
     assert len(set(texts)) > 1  # sampled apart: one matcher each, not one shared
 
 
+def test_penalties_and_filters_work_on_the_masked_logits(grammar_model):
+    model, tokenizer = grammar_model
+    engine = build_engine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    pattern = "[a-z]{2,5}( [a-z]{2,5}){1,3}[.]"
+    grammar = GrammarSpec.regex(pattern)
+    prompt = tokenizer.encode("words")
+    greedy_output, top_1, penalized = run(
+        engine, prompt, SamplingParams(temperature=0, max_tokens=30, grammar=grammar),
+        SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=30, grammar=grammar),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=3, repetition_penalty=1.5, presence_penalty=1.0,
+                       max_tokens=30, grammar=grammar))
+    # top-k = 1 of the masked logits is the best allowed token: the greedy answer (not the best of all,
+    # which the grammar may forbid, leaving no token at all)
+    assert top_1.token_ids == greedy_output.token_ids
+    for output in (greedy_output, top_1, penalized):
+        assert output.outputs[0].finish_reason == "stop"
+        check_regex(output.text, pattern)
+
+
 def test_beams_with_a_grammar_are_refused():
     with pytest.raises(ValueError, match="SamplingParams.grammar is not supported with beam_search"):
         SamplingParams(n=2, beam_search=True, grammar=GrammarSpec.regex("a"))

@@ -60,6 +60,11 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_why(compiler):
             compiler.check(SamplingParams(grammar=spec))
     with pytest.raises(ValueError, match="the regex grammar does not compile"):
         compiler.check(SamplingParams(grammar=GrammarSpec.regex("(ab").lazy("<tool_call>"), reasoning_end="</think>"))
+    # strict: a keyword llguidance cannot enforce is refused; not strict, it is ignored
+    conditional = {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}
+    with pytest.raises(ValueError, match=r'json_schema grammar does not compile: Unimplemented keys: \["if", "then"\]'):
+        compiler.check(SamplingParams(grammar=GrammarSpec.json_schema(conditional)))
+    compiler.check(SamplingParams(grammar=GrammarSpec.json_schema(conditional, strict=False)))
 
 
 def test_a_grammar_needs_a_tokenizer_the_model_can_hold(tokenizer):
