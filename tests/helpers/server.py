@@ -48,9 +48,10 @@ def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_l
 
 
 @contextmanager
-def running_server(llm, engine_thread_type=None, **config):
+def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defaults=None, **config):
     """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer.
-    `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say).
+    `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say);
+    `model_alias`: the name it is served under (besides its own); `sampling_defaults`: for requests that set none.
 
     torch runs on one thread meanwhile: on a shared 2-core machine, intra-op threads of a tiny model
     spin against the clients and the other processes (a step is ~10x slower with two).
@@ -58,16 +59,19 @@ def running_server(llm, engine_thread_type=None, **config):
     import torch
 
     from localserve.engine.engine_thread import EngineThread
+    from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
     from localserve.server.app import BackgroundServer, LocalServer
     from localserve.server.context import ServerConfig
+    from localserve.server.models import serving_loaded
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine_thread = (engine_thread_type or EngineThread)(llm.engine)
     engine_thread.start()
     try:
-        server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
-                                              ServerConfig(port=0, **config))).start()
+        models = serving_loaded(engine_thread, llm.tokenizer, llm.model_config.name, alias=model_alias,
+                                sampling_defaults=sampling_defaults or LLAMA_CPP_DEFAULTS)
+        server = BackgroundServer(LocalServer(models, ServerConfig(port=0, **config))).start()
         try:
             yield server
         finally:
