@@ -33,6 +33,8 @@ from localserve.loading.sampling_defaults import SamplingDefaults, sampling_defa
 log = logging.getLogger(__name__)
 
 POOL_CHECK_TIMEOUT_S = 30.0
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -105,18 +107,34 @@ class LoadedEngine:
             raise RuntimeError(f"the KV pool of {self.name} was not clean when it was unloaded: {why}")
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has `malloc_trim`); None elsewhere (musl and macOS return big
+    freed blocks on their own)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+def map_big_allocations_apart() -> None:
+    """From now on glibc serves every allocation of MMAP_THRESHOLD or more (a weight, a KV pool's
+    layer) from its own mapping, returned to the system when freed. By default the threshold rises to
+    the size of the largest block freed so far (up to 32 MiB), after which such blocks come from the
+    threads' heaps, where freed pages stay resident: a model unloaded would leave its pool behind."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def release_freed_memory() -> None:
     """Hand memory freed by Python objects back to the system: collect the cycles (the frozen ones too),
-    empty the CUDA caching allocator, and trim glibc's heap."""
+    empty the CUDA caching allocator, and trim glibc's heaps."""
     gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        libc = ctypes.CDLL(libc_name)
-        if hasattr(libc, "malloc_trim"):  # glibc only; musl and macOS return freed pages on their own
-            libc.malloc_trim(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 @dataclass(frozen=True)
@@ -131,6 +149,7 @@ class EngineLoader:
 
     def __call__(self, entry: ModelEntry) -> LoadedEngine:
         """Load `entry`'s model and start its engine thread (blocking: minutes for a big model)."""
+        map_big_allocations_apart()
         llm = LLM(str(entry.files.path), dtype=self.dtype, device=self.device, offline=True,
                   engine_config=self.engine_config, keep_quantized_weights=self.keep_quantized_weights)
         if self.chat_template is not None:

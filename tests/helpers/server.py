@@ -23,9 +23,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 VOCAB_SIZE = 256  # the tiny models' vocabulary
 
 
-def write_tiny_chat_model(folder: Path) -> Path:
-    """A random tiny Llama plus a word-level tokenizer covering all 256 ids, with a ChatML template."""
-    write_tiny_model(folder, "llama")
+def write_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A random tiny Llama (its weights drawn from `seed`) plus a word-level tokenizer covering all 256 ids,
+    with a ChatML template."""
+    write_tiny_model(folder, "llama", seed=seed)
     words = WORDS + [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(WORDS))]
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + words)}
     backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
