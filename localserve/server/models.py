@@ -104,6 +104,7 @@ class _Model:
     last_used: float = 0.0
     loaded_at: float = 0.0  # monotonic time its load ended (the monitor follows the latest)
     load_started: float = 0.0
+    unload_started: float = 0.0
     idle_timer: asyncio.TimerHandle | None = None
 
 
@@ -192,16 +193,30 @@ class ModelRegistry:
         return max(loaded, key=lambda model: model.loaded_at).serving if loaded else None
 
     def loading_state(self) -> dict[str, Any] | None:
-        """The model on its way, for the monitor: its id, `phase` ("waiting": for room, the requests of the
-        model making room finish first; "loading": being read) and the seconds since; None when none is."""
+        """The switch under way, for the monitor and the TUI: `model` (the one on its way), `phase`
+        ("waiting": the requests of the model making room finish first; "unloading": that model is being
+        freed; "loading": `model` is being read), `unloading` (the model making room, or None) and
+        `elapsed_s` (in this phase); None when no model is on its way."""
         now = time.monotonic()
         loading = next((model for model in self._models.values() if model.phase is _Phase.LOADING), None)
         if loading is not None:
-            return {"model": loading.entry.id, "phase": "loading", "elapsed_s": round(now - loading.load_started, 3)}
+            return {"model": loading.entry.id, "phase": "loading", "unloading": None,
+                    "elapsed_s": round(now - loading.load_started, 3)}
         head = self._head()
         if head is None:
             return None
-        return {"model": head.model.entry.id, "phase": "waiting", "elapsed_s": round(now - head.since, 3)}
+        unloading = next((model for model in self._models.values() if model.phase is _Phase.UNLOADING), None)
+        if unloading is not None:
+            return {"model": head.model.entry.id, "phase": "unloading", "unloading": unloading.entry.id,
+                    "elapsed_s": round(now - unloading.unload_started, 3)}
+        victim = self._making_room()
+        return {"model": head.model.entry.id, "phase": "waiting", "unloading": victim.entry.id if victim else None,
+                "elapsed_s": round(now - head.since, 3)}
+
+    @property
+    def is_switching(self) -> bool:
+        """A load or an unload is running now (on its worker thread)."""
+        return self._transition is not None
 
     # ------------------------------------------------------------------ leases
     async def acquire(self, entry: ModelEntry) -> ModelLease:
@@ -318,7 +333,7 @@ class ModelRegistry:
         model.loaded_at = model.last_used = time.monotonic()
 
     async def _unload_model(self, model: _Model, why: str) -> None:
-        started = time.monotonic()
+        started = model.unload_started = time.monotonic()
         log.info("unloading model %s (%s)", model.entry.id, why)
         loaded, model.loaded, model.serving, model.phase = model.loaded, None, None, _Phase.UNLOADING
         try:

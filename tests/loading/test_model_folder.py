@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
@@ -23,30 +22,7 @@ from localserve.loading.model_folder import (
     quantization_suffix,
     read_model_files,
 )
-
-
-def write_gguf_header(path: Path, name: str | None = None, basename: str | None = None, **extra) -> Path:
-    """A GGUF file with metadata and no tensors (naming reads nothing else)."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    if name is not None:
-        writer.add_name(name)
-    if basename is not None:
-        writer.add_basename(basename)
-    writer.add_context_length(2048)
-    writer.add_token_list(["<s>", "a", "b"])  # an array of strings before the keys asked for below
-    for key, value in extra.items():
-        writer.add_string(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
-    return path
-
-
-def write_hf_folder(path: Path) -> Path:
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (path / "model.safetensors").write_bytes(b"\0" * 100)
-    return path
+from tests.helpers.gguf import write_gguf_header, write_hf_folder
 
 
 def catalog_of(folder: Path, **options) -> ModelCatalog:
