@@ -25,10 +25,13 @@ from hypothesis.stateful import (
 from localserve.loading.model_folder import ModelEntry
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.model_loader import FoundModels, find_models
+from localserve.server.connection_phases import ConnectionBook
 from localserve.server.models import ModelLease, ModelPolicy, ModelRegistry, ModelStatus, serving_loaded
+from localserve.server.monitor import serve_monitor
 from localserve.server.validation import ProtocolError
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 from tests.helpers.gguf import write_gguf_header, write_hf_folder
+from tests.helpers.server import SlowConnection
 
 
 def one_model(defaults: SamplingDefaults | None = None):
@@ -351,3 +354,34 @@ def test_requests_naming_random_models_keep_the_rules(tmp_path):
     RequestsNamingModels.found = find_models([], write_models_folder(tmp_path / "models"))
     run_state_machine_as_test(RequestsNamingModels, settings=settings(
         max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)))
+
+
+def test_the_monitor_follows_the_loaded_model_and_says_what_is_on_its_way(tmp_path, loop):
+    registry, _ = folder_registry(write_models_folder(tmp_path / "models"))
+    client = SlowConnection([], send_delay_s=0)
+    client.wait_closed = client.closed.wait
+    counts = ConnectionBook(max_connections=1, max_unfinished_connections=1).counts
+
+    async def main() -> None:
+        monitor = asyncio.create_task(serve_monitor(client, registry, 0.02, counts))
+        await asyncio.sleep(0.05)  # no model loaded yet
+        beta = await registry.acquire(registry.find("beta"))
+        await asyncio.sleep(0.05)
+        gamma = asyncio.create_task(registry.acquire(registry.find("gamma")))
+        await asyncio.sleep(0.05)  # gamma waits for beta's request
+        beta.release()
+        (await gamma).release()
+        await asyncio.sleep(0.05)
+        client.closed.set()
+        await monitor
+
+    loop.run_until_complete(main())
+    kinds = [frame["type"] for frame in client.sent]
+    hellos = [frame["model"] for frame in client.sent if frame["type"] == "monitor.hello"]
+    assert kinds[0] == "monitor.no_model" and client.sent[0]["loading"] is None
+    assert hellos == ["beta", "gamma"]
+    waiting = [frame["loading"] for frame in client.sent if frame["type"] == "monitor.snapshot" and frame["loading"]]
+    assert waiting and waiting[0] | {"elapsed_s": 0} == {"model": "gamma", "phase": "waiting", "unloading": "beta",
+                                                         "elapsed_s": 0}
+    after_gamma = client.sent[kinds.index("monitor.hello", kinds.index("monitor.hello") + 1):]
+    assert all(frame["type"] == "monitor.hello" or frame["loading"] is None for frame in after_gamma)
