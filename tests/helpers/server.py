@@ -143,3 +143,36 @@ def engine_facts(max_model_len: int = 512):
     return EngineFacts(max_model_len=max_model_len, vocab_size=256, block_size=16, num_gpu_blocks=64,
                        num_cpu_blocks=0, max_num_seqs=16, max_num_batched_tokens=256, cache_type_k="fp16",
                        cache_type_v="fp16", kv_bytes_per_token=512, capacity=(KvCapacity("fp16", 512, 1024),))
+
+
+@contextmanager
+def running_models_server(models_dir: Path, load=None, policy=None, load_default: bool = True, **config):
+    """A LocalServer for every model of `models_dir` (tiny models: CPU, float32, small pools), one loaded at
+    a time unless `policy` says more, on a free port in a background thread; yields the BackgroundServer.
+    `load`: the loader (default: the server's own, EngineLoader); `load_default`: load the default model
+    before serving, as `localserve serve` does. Every model is unloaded when it ends."""
+    import torch
+
+    from localserve.engine.config import EngineConfig
+    from localserve.model_loader import EngineLoader, find_models
+    from localserve.server.app import BackgroundServer, LocalServer
+    from localserve.server.context import ServerConfig
+    from localserve.server.models import ModelPolicy, ModelRegistry
+
+    found = find_models([], models_dir)
+    load = load or EngineLoader(EngineConfig(num_kv_blocks=256, max_model_len=512, max_num_seqs=16,
+                                             max_num_batched_tokens=256), torch.float32, "cpu")
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    default = found.catalog.default
+    loaded = {default.id: load(default)} if load_default else {}
+    registry = ModelRegistry(found.catalog, load, found.sampling_defaults, policy or ModelPolicy(), loaded=loaded)
+    try:
+        server = BackgroundServer(LocalServer(registry, ServerConfig(port=0, **config))).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        registry.unload_all()
+        torch.set_num_threads(num_threads)

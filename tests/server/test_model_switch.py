@@ -28,12 +28,9 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.llm import LLM
 from localserve.loading.model_folder import ModelEntry
-from localserve.model_loader import EngineLoader, LoadedEngine, find_models
-from localserve.server.app import BackgroundServer, LocalServer
-from localserve.server.context import ServerConfig
-from localserve.server.models import ModelPolicy, ModelRegistry
+from localserve.model_loader import EngineLoader, LoadedEngine
 from tests.helpers.load_http import HttpConnection
-from tests.helpers.server import write_tiny_chat_model
+from tests.helpers.server import running_models_server, write_tiny_chat_model
 
 MiB = 1 << 20
 POOL_BLOCKS = 6144  # x 8 KiB (2 layers x K and V x 16 tokens x 2 heads x 16 dims x 4 bytes) = 48 MiB
@@ -117,34 +114,23 @@ def greedy_alone(llm: LLM) -> dict[str, str]:
 def serve_alternating(models_dir: Path, device: str) -> tuple[CheckedLoader, list[tuple[str, str, int, dict]], int]:
     """Serve the folder with one model loaded at a time and send requests naming each in turn; returns
     the loader's notes, (model asked, prompt, status, body) per request, and the memory before the first load."""
-    found = find_models([], models_dir)
     config = EngineConfig(num_kv_blocks=POOL_BLOCKS, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
     loader = CheckedLoader(EngineLoader(config, torch.float32, device))
-    registry = ModelRegistry(found.catalog, loader, found.sampling_defaults, ModelPolicy(max_loaded_models=1))
     # Requests naming each model in turn, in its spellings: concurrent ones (a switch with requests of the
     # model unloaded still running and requests of both waiting), then one at a time.
     # tiny-a is loaded for the first; the second waits while the first finishes, tiny-a is unloaded and
     # tiny-b loaded; the third (after it) waits for tiny-b's two, then tiny-a comes back.
     concurrent = list(zip(["tiny-a", "tiny-b", "default", "tiny-b"], PROMPTS, strict=False))
     one_by_one = [("tiny-b", PROMPTS[4]), ("tiny-b", PROMPTS[5])]
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     baseline = resident_bytes()
-    try:
-        server = BackgroundServer(LocalServer(registry, ServerConfig(port=0))).start()
-        try:
-            async def main() -> list[tuple[int, dict]]:
-                replies = await asyncio.gather(*(complete(server.port, name, prompt) for name, prompt in concurrent))
-                for name, prompt in one_by_one:
-                    replies.append(await complete(server.port, name, prompt))
-                return replies
+    with running_models_server(models_dir, loader, load_default=False) as server:
+        async def main() -> list[tuple[int, dict]]:
+            replies = await asyncio.gather(*(complete(server.port, name, prompt) for name, prompt in concurrent))
+            for name, prompt in one_by_one:
+                replies.append(await complete(server.port, name, prompt))
+            return replies
 
-            replies = asyncio.run(asyncio.wait_for(main(), 120))
-        finally:
-            server.stop()
-            registry.unload_all()
-    finally:
-        torch.set_num_threads(num_threads)
+        replies = asyncio.run(asyncio.wait_for(main(), 120))
     asked = concurrent + one_by_one
     return loader, [(name, prompt, *reply) for (name, prompt), reply in zip(asked, replies, strict=True)], baseline
 
