@@ -19,6 +19,7 @@ No torch, and no tensor is read: a GGUF's names come from its header (loading/gg
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -66,7 +67,7 @@ class ModelFiles:
     format: str | None = None  # "gguf" or "safetensors"
     size_bytes: int = 0  # of its weight files
     modified_s: float | None = None  # the weights' modification time (seconds since the epoch)
-    architecture: str | None = None  # general.architecture of a GGUF, `architectures[0]` is not read
+    architecture: str | None = None  # general.architecture of a GGUF, model_type of a config.json ("llama")
     parameter_size: str | None = None  # general.size_label ("135M")
     quantization: str | None = None  # the file name's suffix ("Q4_1")
 
@@ -114,8 +115,17 @@ def read_model_files(path: Path, requested_as: str | None = None) -> ModelFiles:
         modified = max((file.stat().st_mtime for file in weights), default=None)
         # A hub snapshot's folder is named by its commit hash: the repo id names it instead.
         file_name = requested_as or path.name
-        return ModelFiles(path, file_name, _unique(repo_names, file_name), "safetensors", size, modified)
+        return ModelFiles(path, file_name, _unique(repo_names, file_name), "safetensors", size, modified,
+                          _config_model_type(path / "config.json"))
     raise ModelCatalogError(f"{path}: not a model folder (with a config.json) or a .gguf file")
+
+
+def _config_model_type(config_path: Path) -> str | None:
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):  # loading it will say what is wrong
+        return None
+    return _text(config.get("model_type")) if isinstance(config, dict) else None
 
 
 def _gguf_metadata(path: Path) -> dict:
@@ -170,9 +180,19 @@ class ModelCatalog:
                         name, " and ".join(str(files.path) for files in owners))
         self.entries: tuple[ModelEntry, ...] = tuple(self._entry(files, by_file_name) for files in found)
         self._by_name = {name: entry for entry in self.entries for name in entry.names}
-        self.default = self.find(default_name) if default_name is not None else self.entries[0]
+        self.default = self._default(default_name) if default_name is not None else self.entries[0]
         if alias is not None:
             self._set_alias(alias)
+
+    def _default(self, name: str) -> ModelEntry:
+        try:
+            return self.find(name)
+        except UnknownModelError as exc:
+            raise ModelCatalogError(f"--default-model {name!r} names no model; the models are "
+                                    f"{', '.join(map(repr, exc.served))}") from None
+        except AmbiguousModelError as exc:
+            raise ModelCatalogError(f"--default-model {name!r} names several models: {', '.join(exc.paths)}; "
+                                    "name one by its file name") from None
 
     def _entry(self, files: ModelFiles, by_file_name: dict[str, ModelFiles]) -> ModelEntry:
         derived = [name for name in files.derived_names if name not in self.ambiguous and name not in by_file_name]

@@ -84,6 +84,23 @@ class ModelStatus(enum.Enum):
     UNLOADED = "unloaded"
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """One served model as every API lists it (OpenAI's /v1/models, Ollama's /api/tags, /api/show, /api/ps)."""
+
+    name: str  # its id: the name /v1/models lists
+    aliases: tuple[str, ...]  # every other name it answers to, "default" last for the default model
+    status: ModelStatus
+    format: str | None  # "gguf" or "safetensors" (None: a model handed over loaded)
+    family: str | None  # its architecture: "llama", "qwen3" (a GGUF's general.architecture, config.json's model_type)
+    parameter_size: str | None  # a GGUF's general.size_label ("135M")
+    quantization: str | None  # a GGUF file name's suffix ("Q4_1")
+    size_bytes: int  # of its weight files
+    modified_s: float | None  # its weights' modification time (seconds since the epoch)
+    max_model_len: int | None  # its context, once loaded
+    sampling_defaults: SamplingDefaults
+
+
 class _Phase(enum.Enum):
     UNLOADED = "unloaded"
     LOADING = "loading"
@@ -173,18 +190,30 @@ class ModelRegistry:
             return ModelStatus.LOADING
         return ModelStatus.UNLOADED
 
+    def info(self, entry: ModelEntry) -> ModelInfo:
+        """What every API lists of `entry`'s model, now."""
+        model = self._models[entry.id]
+        files = entry.files
+        aliases = (*entry.names[1:], "default") if entry is self.catalog.default else entry.names[1:]
+        return ModelInfo(entry.id, aliases, self.status(entry), files.format, files.architecture,
+                         files.parameter_size, files.quantization, files.size_bytes, files.modified_s,
+                         model.serving.model.max_model_len if model.serving else None, model.sampling_defaults)
+
+    def models(self) -> list[ModelInfo]:
+        """Every served model, in the catalog's order (the first model of the folder is the default, unless
+        --default-model names another)."""
+        return [self.info(entry) for entry in self.catalog.entries]
+
     def describe(self, entry: ModelEntry) -> dict[str, Any]:
         """The model object of `/v1/models`: id, status, every name it answers to, its context (null until
         loaded) and the sampling it defaults to."""
-        model = self._models[entry.id]
-        names = [*entry.names, "default"] if entry is self.catalog.default else list(entry.names)
-        return {"id": entry.id, "object": "model", "created": 0, "owned_by": "localserve",
-                "status": self.status(entry).value, "names": names,
-                "max_model_len": model.serving.model.max_model_len if model.serving else None,
-                "sampling_defaults": model.sampling_defaults.to_json()}
+        info = self.info(entry)
+        return {"id": info.name, "object": "model", "created": 0, "owned_by": "localserve",
+                "status": info.status.value, "names": [info.name, *info.aliases],
+                "max_model_len": info.max_model_len, "sampling_defaults": info.sampling_defaults.to_json()}
 
     def listing(self) -> list[dict[str, Any]]:
-        """Every model's object, in the catalog's order (the default first when it is the first)."""
+        """Every model's object of `/v1/models`, in the catalog's order."""
         return [self.describe(entry) for entry in self.catalog.entries]
 
     def serving_now(self) -> ServingNow | None:

@@ -169,6 +169,6 @@ def write_gguf_header(path: Path, name: str | None = None, basename: str | None 
 
 def write_hf_folder(path: Path) -> Path:
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     (path / "model.safetensors").write_bytes(b"\0" * 100)
     return path

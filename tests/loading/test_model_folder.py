@@ -61,6 +61,7 @@ def test_a_model_folder_answers_to_its_folder_name(tmp_path):
     entry = catalog.default
     assert (entry.id, entry.names, entry.files.format, entry.files.size_bytes) == (
         "tiny-llama", ("tiny-llama",), "safetensors", 100)
+    assert entry.files.architecture == "llama"  # config.json's model_type
 
 
 def test_a_hub_repo_answers_to_its_id_and_its_last_part_not_to_its_snapshot_hash(tmp_path):
@@ -87,7 +88,8 @@ def test_the_first_model_is_the_default_unless_one_is_named(tmp_path):
     write_gguf_header(tmp_path / "beta.Q4_0.gguf")
     assert catalog_of(tmp_path).default.id == "alpha"
     assert catalog_of(tmp_path, default_name="beta.Q4_0.gguf").default.id == "beta"
-    with pytest.raises(UnknownModelError):
+    with pytest.raises(ModelCatalogError, match="--default-model 'gamma' names no model; the models are 'alpha', "
+                                                "'beta'"):
         catalog_of(tmp_path, default_name="gamma")
 
 

@@ -385,3 +385,15 @@ def test_the_monitor_follows_the_loaded_model_and_says_what_is_on_its_way(tmp_pa
                                                          "elapsed_s": 0}
     after_gamma = client.sent[kinds.index("monitor.hello", kinds.index("monitor.hello") + 1):]
     assert all(frame["type"] == "monitor.hello" or frame["loading"] is None for frame in after_gamma)
+
+
+def test_every_api_lists_the_same_model_facts(tmp_path):
+    registry, _ = folder_registry(write_models_folder(tmp_path / "models"))
+    alpha, gamma = registry.models()[0], registry.models()[-1]
+    assert (alpha.name, alpha.aliases, alpha.status, alpha.format, alpha.family, alpha.quantization) == (
+        "Alpha-1B", ("Alpha-1B.Q4_1.gguf", "Alpha-1B.Q4_1", "Alpha One", "default"), ModelStatus.UNLOADED, "gguf",
+        "llama", "Q4_1")
+    assert alpha.size_bytes == (tmp_path / "models" / "Alpha-1B.Q4_1.gguf").stat().st_size
+    assert (gamma.name, gamma.aliases, gamma.format, gamma.family, gamma.size_bytes) == (
+        "gamma", (), "safetensors", "llama", 100)
+    assert [info.name for info in registry.models()] == [entry["id"] for entry in registry.listing()]
