@@ -19,6 +19,8 @@ from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_si
 from localserve.server.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
+    import torch
+
     from localserve.llm import LLM
 
 log = logging.getLogger("localserve")
@@ -93,7 +95,7 @@ def build_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
     return llm
 
 
-def model_device_and_dtype(args: argparse.Namespace):
+def model_device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     """The device and the torch dtype the flags ask for (defaults: cuda when there is one; serving_dtype)."""
     import torch
 
@@ -166,7 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
     if not args.verbose:  # one line per connection is noise at INFO
         logging.getLogger("websockets").setLevel(logging.WARNING)
-    from localserve.model_loader import EngineLoader, find_models
+    from localserve.model_loader import EngineLoader, find_models  # torch: only once the flags are accepted
 
     found = find_models(args.model, args.models_dir, default_name=args.default_model, alias=args.alias,
                         offline=args.offline, sampling_overrides=sampling_overrides(args))

@@ -120,9 +120,11 @@ async def serve_monitor(connection: ServerConnection, source: MonitorSource, int
     """Send the hello of the model `source` serves now, then a snapshot with the new events (and the
     server's `connection_counts` at that moment) every interval, until the client leaves; a new model
     starts with its hello, no model is a `monitor.no_model` frame."""
+    following = source.serving_now()
+    cursor = following.monitor_hub.last_seq if following is not None else 0  # events from the connection on
+    if following is not None:
+        await connection.send(json.dumps({"type": "monitor.hello", **following.monitor_hello}))
     closed = asyncio.create_task(connection.wait_closed())
-    following: ServingNow | None = None
-    cursor = 0
     try:
         loop = asyncio.get_running_loop()
         while not closed.done():
