@@ -31,6 +31,7 @@ from localserve.loading.model_folder import ModelEntry
 from localserve.model_loader import EngineLoader, LoadedEngine
 from tests.helpers.load_http import HttpConnection
 from tests.helpers.server import running_models_server, write_tiny_chat_model
+from tests.helpers.webui_page import get_json
 
 MiB = 1 << 20
 POOL_BLOCKS = 6144  # x 8 KiB (2 layers x K and V x 16 tokens x 2 heads x 16 dims x 4 bytes) = 48 MiB
@@ -63,6 +64,8 @@ class CheckedLoader:
         self.load = load
         self.loads: list[str] = []
         self.unloads: list[Unload] = []
+        self.listing: list[dict] = []  # /v1/models after the requests
+        self.unknown: tuple[int, dict] | None = None  # the answer to a request naming no model of the folder
 
     def __call__(self, entry: ModelEntry) -> CheckedEngine:
         self.loads.append(entry.id)
@@ -131,6 +134,8 @@ def serve_alternating(models_dir: Path, device: str) -> tuple[CheckedLoader, lis
             return replies
 
         replies = asyncio.run(asyncio.wait_for(main(), 120))
+        loader.listing = get_json(server.port, "/v1/models")["data"]
+        loader.unknown = asyncio.run(complete(server.port, "tiny-c", PROMPTS[0]))
     asked = concurrent + one_by_one
     return loader, [(name, prompt, *reply) for (name, prompt), reply in zip(asked, replies, strict=True)], baseline
 
@@ -159,6 +164,11 @@ def test_requests_alternating_between_two_models_each_get_their_models_answer(mo
     check_every_answer_came_from_the_model_it_named(models_dir, results, "cpu", tiny_a=tiny_chat_llm)
     assert loader.loads == ["tiny-a", "tiny-b", "tiny-a", "tiny-b"]  # one switch per change of model
     assert [unload.model for unload in loader.unloads] == loader.loads  # the last one by unload_all
+    assert [(model["id"], model["status"]) for model in loader.listing] == [("tiny-a", "unloaded"),
+                                                                           ("tiny-b", "loaded")]
+    status, body = loader.unknown
+    assert (status, body["error"]["code"], body["error"]["param"]) == (404, "model_not_found", "model")
+    assert "model \"tiny-c\" is not served here; this server serves 'tiny-a', 'tiny-b'" in body["error"]["message"]
     assert all(unload.pool_clean for unload in loader.unloads), loader.unloads
     above = [round((unload.resident_after - baseline) / MiB, 2) for unload in loader.unloads]
     assert all(unload.resident_after - baseline < RSS_TOLERANCE for unload in loader.unloads), above
