@@ -146,7 +146,8 @@ class ModelLease:
 
 
 class ModelRegistry:
-    """The catalog's models, loaded and unloaded as requests ask for them (see the module's docstring)."""
+    """The catalog's models, loaded and unloaded as requests ask for them (see the module's docstring).
+    Its methods, and a lease's `release`, run on the server's event loop."""
 
     def __init__(self, catalog: ModelCatalog, load: ModelLoad | None,
                  sampling_defaults: Mapping[str, SamplingDefaults], policy: ModelPolicy = ModelPolicy(),
