@@ -1,26 +1,22 @@
 """What the server's parts share (server/context.py), on its own: which hosts count as this machine alone
-(near misses included) and the refusal to listen beyond it without a key; the names the served model
-answers to, and the 404 naming it; closing a websocket within a bound; reading an engine-thread future."""
+(near misses included) and the refusal to listen beyond it without a key; closing a websocket within a
+bound; reading an engine-thread future. (The names a model answers to: tests/server/test_model_registry.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from concurrent.futures import Future
 
 import pytest
 
-from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.context import (
-    ServedModel,
     ServerConfig,
     check_bind_safety,
     close_within,
     engine_result,
     is_loopback,
 )
-from localserve.server.validation import ProtocolError
 
 LOOPBACK = ["localhost", "127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "0:0:0:0:0:0:0:1"]
 NOT_LOOPBACK = [
@@ -52,37 +48,6 @@ def test_near_misses_are_not_loopback_and_need_a_key(host):
 def test_an_empty_key_is_no_key():
     with pytest.raises(ValueError, match="--api-key"):
         check_bind_safety(ServerConfig(host="0.0.0.0", api_key=""))
-
-
-def test_the_served_model_answers_to_its_names():
-    defaults = SamplingDefaults(0.5, top_k=3, source="test")
-    model = ServedModel("alias", "own-name", 512, defaults)
-    for name in (None, "default", "alias", "own-name"):
-        model.check(name)
-    with pytest.raises(ProtocolError) as raised:
-        model.check("gpt-4o")
-    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
-    assert "alias" in raised.value.message
-    assert model.describe() == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
-                                "max_model_len": 512, "sampling_defaults": defaults.to_json()}
-
-
-@pytest.mark.parametrize("name", ["Alias", "alias ", " alias", "alia", "aliases", "own-name-2", "own", "Default",
-                                  "", "alias/own-name"])
-def test_a_near_miss_of_a_served_name_is_a_404_naming_both(name):
-    model = ServedModel("alias", "own-name", 512, SamplingDefaults(0.5, source="test"))
-    with pytest.raises(ProtocolError) as raised:
-        model.check(name)
-    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
-    assert f"model {json.dumps(name)} is not served" in raised.value.message  # what was asked, as JSON shows it
-    assert "serves 'alias'" in raised.value.message
-
-
-def test_the_404_shows_a_long_name_cut():
-    model = ServedModel("alias", "own-name", 512, SamplingDefaults(0.5, source="test"))
-    with pytest.raises(ProtocolError) as raised:
-        model.check("m" * 5000)
-    assert '"' + "m" * 79 + "..." in raised.value.message and len(raised.value.message) < 300
 
 
 class Closing:
