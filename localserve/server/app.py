@@ -42,6 +42,7 @@ from localserve.server.context import (
     engine_result,
 )
 from localserve.server.conversations import ConversationStore
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_api import HttpApi
 from localserve.server.metrics import ServerMetrics
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor
@@ -64,9 +65,10 @@ class LocalServer:
         check_bind_safety(config)
         self.engine_thread = engine_thread
         self.model = ServedModel(config.model_alias or model_name, model_name, engine_thread.facts.max_model_len,
-                                 config.sampling_defaults)
+                                 config.sampling_defaults, is_embedding=engine_thread.facts.embedding is not None)
         self.metrics = ServerMetrics(self.model.served_name)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
+        self.embeddings = EmbeddingRoutes(engine_thread, tokenizer, self.model, config)
         self.responses = ResponseService(engine_thread, tokenizer, self.model, config, self.conversations,
                                          self.metrics)
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=engine_thread.last_event_seq)
@@ -103,7 +105,8 @@ class LocalServer:
         self.http_api = HttpApi(config=config, access_policy=self.access_policy, engine=self.engine_thread,
                                 model=self.model, responses=self.responses, metrics=self.metrics,
                                 monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello,
-                                monitor_tickets=self.monitor_tickets)
+                                monitor_tickets=self.monitor_tickets,
+                                embeddings=self.embeddings)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.model.served_name,
                  config.host, self.port, config.host, self.port)
 

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
 from localserve.engine.outputs import RequestOutput
@@ -105,9 +106,10 @@ class EngineAccess(Protocol):
     def last_event_seq(self) -> int:
         """The number of the engine's latest event."""
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError at once if it can never run."""
+        """Queue a request (an embedding request with EmbeddingParams); raises ValueError at once if it can
+        never run."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step."""
@@ -132,6 +134,7 @@ class ServedModel:
     model_name: str
     max_model_len: int
     sampling_defaults: SamplingDefaults
+    is_embedding: bool = False  # an embedding model (EngineFacts.embedding): /v1/embeddings, no text generation
 
     def check(self, model: str | None) -> None:
         """Accept no model, "default", the served name or the model's own; else `model_not_found`."""
@@ -139,7 +142,19 @@ class ServedModel:
             raise ProtocolError("model_not_found", f"model {shown(model, 80)} is not served here; this server "
                                 f"serves {self.served_name!r} (or send 'default')", "model", status=404)
 
+    def check_generates(self) -> None:
+        """Refuse text generation from an embedding model (400 naming `model`)."""
+        if self.is_embedding:
+            raise ProtocolError("model_not_generative", f"model {self.served_name!r} is an embedding model: it "
+                                "computes embeddings (POST /v1/embeddings, /api/embed), not text", "model")
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What the model does, in Ollama's words (`/api/show`): "completion" or "embedding"."""
+        return ["embedding"] if self.is_embedding else ["completion"]
+
     def describe(self) -> dict[str, Any]:
         """The model object of `/v1/models`."""
         return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json()}
+                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json(),
+                "capabilities": self.capabilities}

@@ -1,7 +1,8 @@
 """The HTTP side of the port: an ASGI app for OpenAI's HTTP API and the plain GETs.
 
 `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
-events or whole), `GET /health`, `/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`, `POST
+events or whole), `POST /v1/embeddings` and `/api/embed` (server/embeddings_api.py), `GET /health`,
+`/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`, `POST
 /v1/monitor/ticket` (a single-use ticket for the monitor websocket), and the web page at `/` and under
 `/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False). Every request passes the same access
 checks as a websocket handshake (server/access.py; the page's files without the key, since the page
@@ -25,6 +26,7 @@ from localserve.server.completion_events import CompletionView
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
 from localserve.server.connection_phases import connection_limit_message
 from localserve.server.context import EngineAccess, ServedModel, ServerConfig, engine_result
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
 from localserve.server.metrics import ServerMetrics
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, slots_json
@@ -47,7 +49,7 @@ class HttpApi:
 
     def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, engine: EngineAccess,
                  model: ServedModel, responses: ResponseService, metrics: ServerMetrics, monitor_hub: MonitorHub,
-                 monitor_hello: dict[str, Any], monitor_tickets: MonitorTickets) -> None:
+                 monitor_hello: dict[str, Any], monitor_tickets: MonitorTickets, embeddings: EmbeddingRoutes) -> None:
         self.config, self.access_policy, self.engine, self.model = config, access_policy, engine, model
         self.responses, self.metrics = responses, metrics
         self.monitor_hub, self.monitor_hello, self.monitor_tickets = monitor_hub, monitor_hello, monitor_tickets
@@ -57,7 +59,8 @@ class HttpApi:
         self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
             ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
             ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket}
+            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket,
+            **embeddings.routes()}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app

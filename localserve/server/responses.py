@@ -68,6 +68,7 @@ class ResponseService:
         """Submit `request` for connection `owner`; raises ProtocolError if it cannot run."""
         config = self.config
         self.model.check(request.model)
+        self.model.check_generates()
         if self.num_running >= config.max_running_responses:
             raise ProtocolError("server_busy", f"the server is running its limit of "
                                 f"{config.max_running_responses} responses; retry later",

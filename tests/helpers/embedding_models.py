@@ -45,7 +45,8 @@ def write_tiny_embedding_model(folder: Path, pooling: str = "last", normalize: b
                                                                    "pooling_mode_max_tokens": False,
                                                                    "include_prompt": True}))
     words = WORDS + [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(WORDS))]
-    backend = BackendTokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL_TOKENS + words)}, unk_token="<unk>"))
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + words)}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens(SPECIAL_TOKENS)
     backend.save(str(folder / "tokenizer.json"))

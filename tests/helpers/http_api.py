@@ -10,6 +10,7 @@ from typing import Any
 from localserve.server.access import AccessPolicy, MonitorTickets
 from localserve.server.context import ServedModel, ServerConfig, engine_result
 from localserve.server.conversations import ConversationStore
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_api import HttpApi
 from localserve.server.metrics import ServerMetrics
 from localserve.server.monitor import MonitorHub, monitor_hello
@@ -38,7 +39,8 @@ class Api:
         self.app = HttpApi(config=self.config, access_policy=policy, engine=self.engine, model=model,
                            responses=self.responses, metrics=metrics, monitor_hub=hub,
                            monitor_hello=monitor_hello(self.engine.facts, "served"),
-                           monitor_tickets=MonitorTickets())
+                           monitor_tickets=MonitorTickets(),
+                           embeddings=EmbeddingRoutes(self.engine, CountingTokenizer(), model, self.config))
 
     async def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                    peer: AsgiPeer | None = None) -> AsgiPeer:
