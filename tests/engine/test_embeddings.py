@@ -122,3 +122,24 @@ def test_a_generation_model_refuses_embeddings_and_vice_versa(tmp_path, last_tok
     with pytest.raises(ValueError, match="not an embedding model"):
         generation.embed([prompt(4)])
     assert generation.engine.is_idle_and_clean()
+
+
+def test_an_embedding_prompt_preempted_mid_prefill_pools_the_same(embedding_model):
+    """Two generation requests outgrow a small pool while an embedding prompt is half prefilled: it is
+    preempted by recompute, prefilled again from its start (or its cached blocks, for last-token pooling),
+    and pools as if it had never been stopped; the generated tokens equal those of a run alone."""
+    pooling, llm, reference = embedding_model
+    small = LLM(str(llm.model_path), device="cpu", engine_config=EngineConfig(
+        num_kv_blocks=9, max_num_batched_tokens=4, max_num_seqs=4, check_integrity=True))
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    generation_prompts = [prompt(3, 1), prompt(3, 2)]
+    alone = [list(output.token_ids) for output in small.generate(generation_prompts, greedy)]
+    engine = small.engine
+    generation_ids = [engine.add_request(tokens, greedy) for tokens in generation_prompts]
+    tokens = prompt(70, 5)
+    embedding_id = engine.add_request(tokens, EmbeddingParams())
+    final = engine.run_to_completion()
+    assert engine.num_preemptions == 1
+    assert [list(final[i].token_ids) for i in generation_ids] == alone
+    assert cosine(final[embedding_id].embedding, reference_embedding(reference, tokens, pooling)) > 0.9999
+    assert engine.is_idle_and_clean()
