@@ -44,6 +44,8 @@ def folder_pooling(folder: Path, architecture: str) -> PoolingSpec | None:
         return None
     config_file = folder / str(pooling.get("path", "1_Pooling")) / "config.json"
     config = _read_json(config_file)
+    if not isinstance(config, dict):
+        raise PoolingConfigError(f"{config_file}: expected an object of pooling_mode_* flags")
     chosen = [name for name, value in config.items() if name.startswith("pooling_mode_") and value is True]
     if len(chosen) != 1 or chosen[0] not in POOLING_MODES:
         raise PoolingConfigError(f"{config_file}: pooling modes {chosen or 'none'} set; supported: exactly one of "
