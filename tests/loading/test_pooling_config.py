@@ -8,10 +8,10 @@ import json
 
 import gguf
 import pytest
+from localserve.models.pooling import PoolingMethod, PoolingSpec
 
 from localserve.loading.gguf import gguf_model_config
 from localserve.loading.pooling_config import PoolingConfigError, folder_pooling, gguf_pooling
-from localserve.models.pooling import PoolingMethod, PoolingSpec
 
 QWEN3 = "Qwen3ForCausalLM"
 POOLING = {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}
