@@ -6,6 +6,8 @@ hidden states pooled the same way, in floats and base64, cut to `dimensions`; ev
 from __future__ import annotations
 
 import base64
+import json
+from typing import NamedTuple
 
 import httpx
 import numpy as np
@@ -19,6 +21,7 @@ from localserve.engine.config import EngineConfig
 from localserve.llm import LLM
 from localserve.server.request_model import RequestLimits
 from tests.helpers.embedding_models import cosine, reference_embedding, write_tiny_embedding_model
+from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import running_server
 
 MAX_MODEL_LEN = 48
@@ -28,6 +31,15 @@ VOCAB_SIZE = 256
 TEXTS = ["hello world", "the cat and the dog", "what is the capital of france"]
 
 
+class Setup(NamedTuple):
+    server: object
+    llm: LLM
+    reference: object  # transformers' Qwen3Model of the same weights
+
+    def __repr__(self) -> str:  # hypothesis prints its arguments: not the model's module tree
+        return "Setup(tiny-embed)"
+
+
 @pytest.fixture(scope="module")
 def embedding_setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("embedding-server")
@@ -35,7 +47,7 @@ def embedding_setup(tmp_path_factory):
     llm = LLM(str(folder), device="cpu", engine_config=EngineConfig(
         num_kv_blocks=32, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32, check_integrity=True))
     with running_server(llm, model_alias="tiny-embed", limits=RequestLimits(max_embedding_inputs=MAX_INPUTS)) as server:
-        yield server, llm, reference
+        yield Setup(server, llm, reference)
 
 
 @pytest.fixture(scope="module")
@@ -206,13 +218,39 @@ INPUT = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=MAX_INPUT
 def test_generated_input_shapes_never_fail_the_server(embedding_setup, http, value):
     """Whatever `input` holds: a 200 with one vector per input, or a 400 naming `input` or one of its items."""
     _, llm, _ = embedding_setup
-    reply = http.post("/v1/embeddings", json={"input": value, "encoding_format": "float"})
+    reply = http.post("/v1/embeddings", content=json.dumps({"input": value, "encoding_format": "float"}).encode())
     assert reply.status_code in (200, 400), reply.text
     if reply.status_code == 400:
         assert reply.json()["error"]["param"].startswith("input"), reply.text
     else:
         num_inputs = 1 if isinstance(value, str) or all(isinstance(v, int) for v in value) else len(value)
         assert len(reply.json()["data"]) == num_inputs
+    assert_clean(llm)
+
+
+BODIES = st.fixed_dictionaries({}, optional={
+    "input": INPUT | nasty_text | st.lists(nasty_text, max_size=3), "model": maybe(st.sampled_from(["tiny-embed", "x"])),
+    "dimensions": maybe(extreme_numbers | st.integers(-1, HIDDEN_SIZE + 1)),
+    "encoding_format": maybe(st.sampled_from(["float", "base64", "int8"]) | nasty_text),
+    "truncate": maybe(st.booleans() | json_values), "options": maybe(json_values), "user": maybe(nasty_text),
+    "keep_alive": maybe(json_values), "stream": json_values})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/embeddings", "/api/embed"]), body=BODIES)
+def test_generated_bodies_get_an_answer_or_a_4xx_in_the_routes_shape(embedding_setup, http, path, body):
+    _, llm, _ = embedding_setup
+    reply = http.post(path, content=json.dumps(body).encode())  # ASCII: lone surrogates travel escaped
+    assert reply.status_code in (200, 400, 404), reply.text
+    answer = reply.json()
+    if reply.status_code != 200 and path == "/api/embed":
+        assert set(answer) == {"error"} and isinstance(answer["error"], str)
+    elif reply.status_code != 200:
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+    elif path == "/api/embed":
+        assert all(len(vector) == (body.get("dimensions") or HIDDEN_SIZE) for vector in answer["embeddings"])
+    else:
+        assert [item["index"] for item in answer["data"]] == list(range(len(answer["data"])))
     assert_clean(llm)
 
 
