@@ -229,7 +229,8 @@ def test_generated_input_shapes_never_fail_the_server(embedding_setup, http, val
 
 
 BODIES = st.fixed_dictionaries({}, optional={
-    "input": INPUT | nasty_text | st.lists(nasty_text, max_size=3), "model": maybe(st.sampled_from(["tiny-embed", "x"])),
+    "input": INPUT | nasty_text | st.lists(nasty_text, max_size=3),
+    "model": maybe(st.sampled_from(["tiny-embed", "x"])),
     "dimensions": maybe(extreme_numbers | st.integers(-1, HIDDEN_SIZE + 1)),
     "encoding_format": maybe(st.sampled_from(["float", "base64", "int8"]) | nasty_text),
     "truncate": maybe(st.booleans() | json_values), "options": maybe(json_values), "user": maybe(nasty_text),
