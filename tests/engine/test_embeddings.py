@@ -4,6 +4,7 @@ generation requests in the same steps, equal to transformers' hidden states pool
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localserve.engine.config import EngineConfig
 from localserve.engine.embedding_params import EmbeddingParams
@@ -77,6 +78,23 @@ def test_cached_prefix_leaves_embeddings_unchanged(embedding_model):
     took_hits = llm.engine.block_manager.prefix_hit_tokens > hits_before
     assert took_hits == (pooling == "last")
     assert llm.engine.is_idle_and_clean()
+
+
+def test_blocks_an_embedding_prompt_leaves_in_the_prefix_cache_hold_the_right_kv(embedding_model):
+    """Its full blocks enter the prefix cache: a generation request that takes them as hits generates what
+    transformers generates from the whole prompt (its tied embeddings as the head)."""
+    pooling, llm, reference = embedding_model
+    tokens = prompt(40, 23)
+    llm.embed([tokens])
+    hits_before = llm.engine.block_manager.prefix_hit_tokens
+    [output] = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.block_manager.prefix_hit_tokens - hits_before == 32  # both full blocks
+    expected = list(tokens)
+    with torch.no_grad():
+        for _ in range(4):
+            hidden = reference(torch.tensor([expected])).last_hidden_state[0, -1]
+            expected.append(int((hidden @ reference.embed_tokens.weight.T).argmax()))
+    assert list(output.token_ids) == expected[len(tokens):]
 
 
 @pytest.fixture(scope="module")
