@@ -1,7 +1,8 @@
 """localserve: a single-GPU LLM server with a paged, quantizable KV cache.
 
 The public API: `LLM` (load a model and generate offline, or embed with an embedding model),
-`SamplingParams`, `EmbeddingParams`, `EngineConfig`, `RequestOutput`. `LLM` pulls in torch and the model code, so it is imported on first use.
+`SamplingParams`, `EmbeddingParams`, `EngineConfig`, `RequestOutput`. `LLM` pulls in torch and the
+model code, so it is imported on first use.
 """
 
 from localserve.engine.config import EngineConfig
