@@ -161,3 +161,19 @@ def test_an_embedding_prompt_preempted_mid_prefill_pools_the_same(embedding_mode
     assert [list(final[i].token_ids) for i in generation_ids] == alone
     assert cosine(final[embedding_id].embedding, reference_embedding(reference, tokens, pooling)) > 0.9999
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.gpu
+def test_embeddings_on_cuda_with_the_triton_backend(tmp_path):
+    """The GPU path (Triton attention, bfloat16) pools as the reference does, chunked beside a generation."""
+    reference = write_tiny_embedding_model(tmp_path, "last")
+    llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, engine_config=EngineConfig(
+        num_kv_blocks=64, max_num_batched_tokens=32, attention_backend="triton", check_integrity=True))
+    prompts = [prompt(n, n) for n in PROMPT_LENGTHS]
+    engine = llm.engine
+    engine.add_request(prompt(9, 1), SamplingParams(temperature=0, max_tokens=8))
+    ids = [engine.add_request(tokens, EmbeddingParams()) for tokens in prompts]
+    final = engine.run_to_completion()
+    for request_id, tokens in zip(ids, prompts):
+        assert cosine(final[request_id].embedding, reference_embedding(reference, tokens, "last")) > 0.999
+    assert engine.is_idle_and_clean()
