@@ -57,7 +57,6 @@ class EngineFacts:
     kv_bytes_per_token: int  # K and V of every layer, in the pool's formats
     capacity: tuple[KvCapacity, ...]  # per format of CAPACITY_FORMATS that fits the model's head size
     embedding: EmbeddingFacts | None = None  # an embedding model's (None: a generation model)
-    can_generate: bool = True  # it has an output head (its own, or tied embeddings)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -86,5 +85,4 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
         num_gpu_blocks=config.num_kv_blocks, num_cpu_blocks=engine.block_manager.num_cpu_blocks,
         max_num_seqs=scheduler_config.max_num_seqs, max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         cache_type_k=str(kv_cache.key_format), cache_type_v=str(kv_cache.value_format),
-        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding,
-        can_generate=engine.runner.model.can_generate)
+        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding)

@@ -59,11 +59,11 @@ class ModelRunner:
     def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a step holding embedding chunks (`needs_hidden`): `execute`'s logits, and the final hidden
         states [tokens of those chunks, hidden_size] of their tokens, chunk after chunk. Always eager."""
+        if not any(chunk.needs_hidden for chunk in step.chunks):
+            raise ValueError("execute_pooled: the step holds no embedding chunk")
         self.kv_cache.swap_out(step.swap_out)
         self.kv_cache.swap_in(step.swap_in)
         self.kv_cache.copy_blocks(step.block_copies)
-        if not any(chunk.needs_hidden for chunk in step.chunks):
-            raise ValueError("execute_pooled: the step holds no embedding chunk")
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
         ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs))
         hidden = self.model(input_ids, inputs.positions, ctx)
