@@ -147,14 +147,16 @@ def test_an_embedding_prompt_preempted_mid_prefill_pools_the_same(embedding_mode
     preempted by recompute, prefilled again from its start (or its cached blocks, for last-token pooling),
     and pools as if it had never been stopped; the generated tokens equal those of a run alone."""
     pooling, llm, reference = embedding_model
+    # Blocks of 8 tokens: the generations need their third block (token 17) while the 35-token prompt,
+    # 2 tokens a step beside their decodes, is still prefilling.
     small = LLM(str(llm.model_path), device="cpu", engine_config=EngineConfig(
-        num_kv_blocks=9, max_num_batched_tokens=4, max_num_seqs=4, check_integrity=True))
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        num_kv_blocks=9, block_size=8, max_num_batched_tokens=4, max_num_seqs=4, check_integrity=True))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     generation_prompts = [prompt(3, 1), prompt(3, 2)]
     alone = [list(output.token_ids) for output in small.generate(generation_prompts, greedy)]
     engine = small.engine
     generation_ids = [engine.add_request(tokens, greedy) for tokens in generation_prompts]
-    tokens = prompt(70, 5)
+    tokens = prompt(35, 5)
     embedding_id = engine.add_request(tokens, EmbeddingParams())
     final = engine.run_to_completion()
     assert engine.num_preemptions == 1
