@@ -154,7 +154,7 @@ class ServedModel:
         return ["embedding"] if self.is_embedding else ["completion"]
 
     def describe(self) -> dict[str, Any]:
-        """The model object of `/v1/models`."""
-        return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json(),
-                "capabilities": self.capabilities}
+        """The model object of `/v1/models`; an embedding model's says so (`"capabilities": ["embedding"]`)."""
+        described = {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
+                     "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json()}
+        return described | {"capabilities": self.capabilities} if self.is_embedding else described

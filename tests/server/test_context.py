@@ -127,3 +127,15 @@ def test_engine_result_gives_what_the_engine_thread_set():
     assert asyncio.run(read(value=("snapshot", 3))) == ("snapshot", 3)
     with pytest.raises(KeyError, match="gone"):
         asyncio.run(read(error=KeyError("gone")))
+
+
+def test_an_embedding_model_says_so_and_refuses_text():
+    defaults = SamplingDefaults(0.5, source="test")
+    model = ServedModel("embed", "own-name", 512, defaults, is_embedding=True)
+    assert model.describe()["capabilities"] == ["embedding"] == model.capabilities
+    with pytest.raises(ProtocolError) as raised:
+        model.check_generates()
+    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_generative", "model", 400)
+    generation = ServedModel("alias", "own-name", 512, defaults)
+    generation.check_generates()
+    assert generation.capabilities == ["completion"]
