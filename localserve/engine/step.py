@@ -24,6 +24,8 @@ class SeqChunk:
     # Names the sequence across steps, so the runner can keep its table and copy only what changed
     # (engine/block_tables.py); None: a one-off chunk whose table is copied whole.
     seq_id: int | None = None
+    # An embedding prompt's chunk: the runner returns its tokens' final hidden states (ModelRunner.execute_pooled).
+    needs_hidden: bool = False
 
     @property
     def context_len(self) -> int:

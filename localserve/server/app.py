@@ -35,6 +35,7 @@ from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
 from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, check_bind_safety, close_within
 from localserve.server.conversations import ConversationStore
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_api import HttpApi
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelRegistry
@@ -60,6 +61,7 @@ class LocalServer:
         self.metrics = ServerMetrics(models.catalog.default.id)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
         self.responses = ResponseService(models, config, self.conversations, self.metrics)
+        self.embeddings = EmbeddingRoutes(models, config)
         self.monitor_tickets = MonitorTickets()  # issued by the HTTP API, redeemed by the monitor's handshake
         self.connections = ConnectionBook(config.max_connections,
                                           config.max_unfinished_connections or config.max_connections)
@@ -90,7 +92,8 @@ class LocalServer:
         self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
                                                 config.allowed_origins, config.api_key)
         self.http_api = HttpApi(config=config, access_policy=self.access_policy, models=self.models,
-                                responses=self.responses, metrics=self.metrics, monitor_tickets=self.monitor_tickets)
+                                responses=self.responses, metrics=self.metrics, monitor_tickets=self.monitor_tickets,
+                                embeddings=self.embeddings)
         self.models.start()
         served = ", ".join(entry.id for entry in self.models.catalog.entries)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", served, config.host, self.port,

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
 from localserve.engine.outputs import RequestOutput
@@ -24,6 +25,7 @@ from localserve.engine.snapshot import EngineSnapshot, EngineStats
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.connection_phases import PhaseBounds
 from localserve.server.request_model import RequestLimits
+from localserve.server.validation import ProtocolError
 
 T = TypeVar("T")
 ENGINE_CALL_TIMEOUT_S = 30.0  # a snapshot or statistics call on the engine thread never takes longer
@@ -102,9 +104,10 @@ class EngineAccess(Protocol):
     def last_event_seq(self) -> int:
         """The number of the engine's latest event."""
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError at once if it can never run."""
+        """Queue a request (an embedding request with EmbeddingParams); raises ValueError at once if it can
+        never run."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step."""
@@ -138,3 +141,15 @@ class ServedModel:
     served_name: str  # its id in /v1/models (--alias for the default model)
     max_model_len: int
     sampling_defaults: SamplingDefaults  # what a request leaves out (the model's generation_config.json, ...)
+    is_embedding: bool = False  # an embedding model (EngineFacts.embedding): /v1/embeddings, no text generation
+
+    def check_generates(self) -> None:
+        """Refuse text generation from an embedding model (400 naming `model`)."""
+        if self.is_embedding:
+            raise ProtocolError("model_not_generative", f"model {self.served_name!r} is an embedding model: it "
+                                "computes embeddings (POST /v1/embeddings, /api/embed), not text", "model")
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What the model does, in Ollama's words (`/api/show`): "completion" or "embedding"."""
+        return ["embedding"] if self.is_embedding else ["completion"]

@@ -1,12 +1,12 @@
 """The HTTP side of the port: an ASGI app for OpenAI's HTTP API and the plain GETs.
 
 `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
-events or whole, by the model each names), `GET /health`, `/metrics`, `/v1/models` (every model served,
-with its status), `/v1/models/{id}`, `/slots`, `POST
-/v1/monitor/ticket` (a single-use ticket for the monitor websocket), and the web page at `/` and under
-`/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False). Every request passes the same access
-checks as a websocket handshake (server/access.py; the page's files without the key, since the page
-must load to ask for it), then its body is read within
+events or whole, by the model each names), `POST /v1/embeddings` and `/api/embed`
+(server/embeddings_api.py), `GET /health`, `/metrics`, `/v1/models` (every model served, with its status),
+`/v1/models/{id}`, `/slots`, `POST /v1/monitor/ticket` (a single-use ticket for the monitor websocket),
+and the web page at `/` and under `/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False).
+Every request passes the same access checks as a websocket handshake (server/access.py; the page's files
+without the key, since the page must load to ask for it), then its body is read within
 bounds (server/http_exchange.py) and checked into the shared request model through its endpoint's
 field map (server/request_fields.py); the `ResponseService` runs it as it runs a websocket's
 response. A client that disconnects, or stops reading for `send_timeout_s`, has its response aborted
@@ -26,6 +26,7 @@ from localserve.server.completion_events import CompletionView
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
 from localserve.server.connection_phases import connection_limit_message
 from localserve.server.context import ServerConfig, engine_result
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelRegistry
@@ -48,7 +49,8 @@ class HttpApi:
     """The ASGI application of one LocalServer: the parts it is handed, nothing of the server itself."""
 
     def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, models: ModelRegistry,
-                 responses: ResponseService, metrics: ServerMetrics, monitor_tickets: MonitorTickets) -> None:
+                 responses: ResponseService, metrics: ServerMetrics, monitor_tickets: MonitorTickets,
+                 embeddings: EmbeddingRoutes) -> None:
         self.config, self.access_policy, self.models = config, access_policy, models
         self.responses, self.metrics, self.monitor_tickets = responses, metrics, monitor_tickets
         self.web_ui = WebUi.from_package() if config.web_ui else None
@@ -57,7 +59,8 @@ class HttpApi:
         self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
             ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
             ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket}
+            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket,
+            **embeddings.routes()}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app

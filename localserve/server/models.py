@@ -207,11 +207,15 @@ class ModelRegistry:
 
     def describe(self, entry: ModelEntry) -> dict[str, Any]:
         """The model object of `/v1/models`: id, status, every name it answers to, its context (null until
-        loaded) and the sampling it defaults to."""
+        loaded) and the sampling it defaults to; a loaded embedding model's `capabilities` say so."""
         info = self.info(entry)
-        return {"id": info.name, "object": "model", "created": 0, "owned_by": "localserve",
-                "status": info.status.value, "names": [info.name, *info.aliases],
-                "max_model_len": info.max_model_len, "sampling_defaults": info.sampling_defaults.to_json()}
+        described = {"id": info.name, "object": "model", "created": 0, "owned_by": "localserve",
+                     "status": info.status.value, "names": [info.name, *info.aliases],
+                     "max_model_len": info.max_model_len, "sampling_defaults": info.sampling_defaults.to_json()}
+        serving = self._models[entry.id].serving
+        if serving is not None and serving.model.is_embedding:  # known once loaded
+            described["capabilities"] = serving.model.capabilities
+        return described
 
     def listing(self) -> list[dict[str, Any]]:
         """Every model's object of `/v1/models`, in the catalog's order."""
@@ -355,7 +359,8 @@ class ModelRegistry:
 
     def _enter_loaded(self, model: _Model, loaded: LoadedModel) -> None:
         engine = loaded.engine
-        served = ServedModel(model.entry.id, engine.facts.max_model_len, model.sampling_defaults)
+        served = ServedModel(model.entry.id, engine.facts.max_model_len, model.sampling_defaults,
+                             is_embedding=engine.facts.embedding is not None)
         hub = MonitorHub(lambda after_seq: engine_result(engine.snapshot_and_events(after_seq)),
                          start_seq=engine.last_event_seq)
         model.serving = ServingNow(served, engine, hub, monitor_hello(engine.facts, served.served_name))

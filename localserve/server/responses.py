@@ -88,6 +88,7 @@ class ResponseService:
         finally:
             self._num_waiting -= 1
         try:
+            lease.model.check_generates()
             run = await self._submit(request, lease, conversation, owner, on_update)
         except BaseException:
             lease.release()

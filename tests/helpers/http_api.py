@@ -10,6 +10,7 @@ from typing import Any
 from localserve.server.access import AccessPolicy, MonitorTickets
 from localserve.server.context import ServerConfig
 from localserve.server.conversations import ConversationStore
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_api import HttpApi
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import serving_loaded
@@ -35,7 +36,8 @@ class Api:
         self.responses = ResponseService(models, self.config, conversations, metrics)
         policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
         self.app = HttpApi(config=self.config, access_policy=policy, models=models, responses=self.responses,
-                           metrics=metrics, monitor_tickets=MonitorTickets())
+                           metrics=metrics, monitor_tickets=MonitorTickets(),
+                           embeddings=EmbeddingRoutes(models, self.config))
 
     async def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                    peer: AsgiPeer | None = None) -> AsgiPeer:

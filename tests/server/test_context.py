@@ -10,13 +10,16 @@ from concurrent.futures import Future
 
 import pytest
 
+from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.context import (
+    ServedModel,
     ServerConfig,
     check_bind_safety,
     close_within,
     engine_result,
     is_loopback,
 )
+from localserve.server.validation import ProtocolError
 
 LOOPBACK = ["localhost", "127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "0:0:0:0:0:0:0:1"]
 NOT_LOOPBACK = [
@@ -92,3 +95,15 @@ def test_engine_result_gives_what_the_engine_thread_set():
     assert asyncio.run(read(value=("snapshot", 3))) == ("snapshot", 3)
     with pytest.raises(KeyError, match="gone"):
         asyncio.run(read(error=KeyError("gone")))
+
+
+def test_an_embedding_model_says_so_and_refuses_text():
+    defaults = SamplingDefaults(0.5, source="test")
+    model = ServedModel("embed", 512, defaults, is_embedding=True)
+    assert model.capabilities == ["embedding"]
+    with pytest.raises(ProtocolError) as raised:
+        model.check_generates()
+    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_generative", "model", 400)
+    generation = ServedModel("alias", 512, defaults)
+    generation.check_generates()
+    assert generation.capabilities == ["completion"]
