@@ -140,6 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from localserve.engine.engine_thread import EngineThread
+    from localserve.loading.model_card import ModelCard
     from localserve.server.app import LocalServer
     from localserve.server.context import check_bind_safety
 
@@ -155,7 +156,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("sampling defaults for requests that set none: %s", config.sampling_defaults.describe())
     engine_thread = EngineThread(llm.engine)
     engine_thread.start()
-    server = LocalServer(engine_thread, llm.tokenizer, llm.model_config.name, config)
+    server = LocalServer(engine_thread, llm.tokenizer, llm.model_config.name, config,
+                         ModelCard.read(llm.model_path, llm.model_config))
 
     async def serve_until_signalled() -> None:
         shutdowns: list[asyncio.Task] = []

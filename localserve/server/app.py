@@ -30,6 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
+from localserve.loading.model_card import ModelCard
 from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
 from localserve.server.context import (
@@ -59,12 +60,12 @@ class LocalServer:
     """The server for one model; `await start()` binds, `await shutdown()` or `await close()` stops."""
 
     def __init__(self, engine_thread: EngineAccess, tokenizer: ChatTokenizer, model_name: str,
-                 config: ServerConfig | None = None) -> None:
+                 config: ServerConfig | None = None, card: ModelCard | None = None) -> None:
         self.config = config = config or ServerConfig()
         check_bind_safety(config)
-        self.engine_thread = engine_thread
+        self.engine_thread, self.tokenizer = engine_thread, tokenizer
         self.model = ServedModel(config.model_alias or model_name, model_name, engine_thread.facts.max_model_len,
-                                 config.sampling_defaults)
+                                 config.sampling_defaults, card or ModelCard())
         self.metrics = ServerMetrics(self.model.served_name)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
         self.responses = ResponseService(engine_thread, tokenizer, self.model, config, self.conversations,
@@ -101,7 +102,8 @@ class LocalServer:
         self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
                                                 config.allowed_origins, config.api_key)
         self.http_api = HttpApi(config=config, access_policy=self.access_policy, engine=self.engine_thread,
-                                model=self.model, responses=self.responses, metrics=self.metrics,
+                                model=self.model, responses=self.responses, tokenizer=self.tokenizer,
+                                metrics=self.metrics,
                                 monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello,
                                 monitor_tickets=self.monitor_tickets)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.model.served_name,

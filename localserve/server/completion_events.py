@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from localserve.server.http_exchange import EVENT_STREAM, error_body, sse
 from localserve.server.response_events import ResponseStream
 
 # The engine's reasons, as OpenAI's endpoints name them (the engine says "stop" for EOS and stop strings).
@@ -18,7 +19,9 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 class CompletionView:
-    """One chat completion (`chat=True`) or text completion over a ResponseStream."""
+    """One chat completion (`chat=True`) or text completion over a ResponseStream (an `HttpView`)."""
+
+    stream_type = EVENT_STREAM
 
     def __init__(self, stream: ResponseStream, chat: bool, include_usage: bool = False) -> None:
         self.stream, self.chat, self.include_usage = stream, chat, include_usage
@@ -32,9 +35,24 @@ class CompletionView:
     @property
     def ended_normally(self) -> bool:
         """The engine finished every choice (a stop or the token limit): not failed, cancelled or shut down."""
-        stream = self.stream
-        return stream.status == "completed" or (stream.status == "incomplete"
-                                                and stream.incomplete_reason != "server_shutdown")
+        return self.stream.ended_normally
+
+    # ------------------------------------------------------------------ over HTTP
+    def whole(self) -> dict[str, Any]:
+        """The completion; a ProtocolError when the response did not end normally."""
+        if not self.ended_normally:
+            raise self.stream.ending_error()
+        return self.completion()
+
+    def pieces(self, done: bool) -> bytes:
+        """The chunks not sent yet as server-sent events; once `done`, an error if it did not end normally,
+        then `[DONE]`."""
+        pieces = [sse(chunk) for chunk in self.chunks()]
+        if done:
+            if not self.ended_normally:
+                pieces.append(sse(error_body(self.stream.ending_error())))
+            pieces.append(sse("[DONE]"))
+        return b"".join(pieces)
 
     # ------------------------------------------------------------------ the whole answer
     def completion(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from localserve.engine.facts import EngineFacts
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.snapshot import EngineSnapshot, EngineStats
+from localserve.loading.model_card import ModelCard
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from localserve.server.connection_phases import PhaseBounds
 from localserve.server.request_model import RequestLimits
@@ -132,6 +133,7 @@ class ServedModel:
     model_name: str
     max_model_len: int
     sampling_defaults: SamplingDefaults
+    card: ModelCard = ModelCard()  # its files and shape, for Ollama's and llama.cpp's model endpoints
 
     def check(self, model: str | None) -> None:
         """Accept no model, "default", the served name or the model's own; else `model_not_found`."""

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from localserve.server.request_messages import MessageFormat, parse_messages
 from localserve.server.request_model import GenerationRequest, RequestLimits, SamplingChoice
 from localserve.server.sampling_rules import SAMPLING_ORDER, SAMPLING_RULES
-from localserve.server.validation import ProtocolError, check_length, check_value, shown
+from localserve.server.validation import ProtocolError, check_length, check_range, check_value, shown
 
 JsonType = type | tuple[type, ...]
 
@@ -141,6 +141,37 @@ class Text(Field):
 
 
 @dataclass(frozen=True)
+class Required(Field):
+    """`inner`, and the request must carry it (`missing_required_parameter` without it)."""
+
+    inner: Field
+    required = True
+
+    @property
+    def shared(self) -> str | None:
+        return self.inner.shared
+
+    def rank(self) -> tuple[int, int]:
+        return self.inner.rank()
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        self.inner.apply(value, param, draft)
+
+
+@dataclass(frozen=True)
+class ContextWindow(Field):
+    """The tokens of prompt and output this request may take (>= 1): a window smaller than the context
+    bounds it; a larger one is cut to the context (as Ollama cuts `num_ctx` to what the model holds)."""
+
+    shared = "context_tokens"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, int, param)
+        check_range(value, param, 1, float("inf"), integer=True)
+        draft.set("context_tokens", value, param)
+
+
+@dataclass(frozen=True)
 class Flag(Field):
     """A boolean of the request: `store`, `generate`, `stream`, `include_usage`."""
 
@@ -148,6 +179,17 @@ class Flag(Field):
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
         draft.set(self.name, check_value(value, bool, param), param)
+
+
+@dataclass(frozen=True)
+class Setting(Field):
+    """A field of an endpoint that does not generate (`/tokenize`'s `with_pieces`): of JSON type `kind`,
+    kept under its name in `GenerationRequest.settings` for the endpoint to read."""
+
+    kind: JsonType
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        draft.values.setdefault("settings", {})[param] = check_value(value, self.kind, param)
 
 
 @dataclass(frozen=True)
@@ -281,6 +323,7 @@ class WireFormat:
 
     fields: Mapping[str, Field]
     default_max_tokens: int | None = None  # None: the server's (ServerConfig.default_max_output_tokens)
+    streams: bool = False  # whether a request that does not say `stream` is streamed (Ollama's are)
     stores: bool = True  # False: no answer is kept for previous_response_id beyond its own request
     echoed: Mapping[str, Any] = field(default_factory=dict)  # fields the answer echoes, and their defaults
     wire_names: Mapping[str, str] = field(init=False)  # shared field -> its first spelling in the map
@@ -353,7 +396,8 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
         previous_response_id=values.get("previous_response_id"),
         max_output_tokens=values.get("max_tokens", wire.default_max_tokens), sampling=sampling,
         metadata=values.get("metadata", {}), stream_id=values.get("stream_id"), store=values.get("store", wire.stores),
-        generate=values.get("generate", True), stream=values.get("stream", False),
+        generate=values.get("generate", True), stream=values.get("stream", wire.streams),
+        context_tokens=values.get("context_tokens"), settings=values.get("settings", {}),
         include_usage=values.get("include_usage", False),
         echoed={name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
         wire_names={name: draft.names.get(name, spelled) for name, spelled in wire.wire_names.items()})

@@ -69,6 +69,7 @@ class GenerationRequest:
     model: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None  # None: the server's default
+    context_tokens: int | None = None  # prompt plus output at most (Ollama's num_ctx); None: the context
     sampling: SamplingChoice = SamplingChoice()
     metadata: dict[str, str] = field(default_factory=dict)
     stream_id: str | None = None  # the websocket lane
@@ -77,7 +78,13 @@ class GenerationRequest:
     stream: bool = False  # over HTTP: server-sent events as the answer is generated
     include_usage: bool = False  # a streamed completion ends with a chunk holding the usage
     echoed: dict[str, Any] = field(default_factory=dict)  # what a Responses object echoes as requested
+    settings: dict[str, Any] = field(default_factory=dict)  # an endpoint's own fields (request_fields.Setting)
     wire_names: Mapping[str, str] = field(default_factory=dict)  # shared field -> the format's name for it
+
+    @property
+    def has_input(self) -> bool:
+        """False for a request with nothing to say (Ollama's way of asking that the model be loaded)."""
+        return bool(self.input_messages) or self.prompt is not None or self.previous_response_id is not None
 
     @property
     def num_input_chars(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.server.request_model import GenerationRequest
+from localserve.server.validation import ProtocolError
 
 
 def new_id(prefix: str) -> str:
@@ -48,7 +49,12 @@ class ResponseStream:
         self.all_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(num_items)]
         self.num_output_tokens = [0] * num_items
         self.finish_reasons: list[str | None] = [None] * num_items
+        self.final_token_ids: list[list[int] | None] = [None] * num_items  # each item's tokens once it ends
         self.num_cached_tokens = 0
+        # when the response began, its first output token came and it ended (time.monotonic)
+        self.started_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
         self.status = "in_progress"  # -> completed | incomplete | cancelled | failed
         self.incomplete_reason = "max_output_tokens"  # or "server_shutdown"
         self.error_message: str | None = None
@@ -60,6 +66,20 @@ class ResponseStream:
     def is_done(self) -> bool:
         """The engine is finished with this response (the closing events may still be unsent)."""
         return self.status != "in_progress"
+
+    @property
+    def ended_normally(self) -> bool:
+        """The engine finished every item (a stop or the token limit): not failed, cancelled or shut down."""
+        return self.status == "completed" or (self.status == "incomplete"
+                                              and self.incomplete_reason != "server_shutdown")
+
+    def ending_error(self) -> ProtocolError:
+        """Why a response that did not end normally ended (over HTTP nothing else cancels a response)."""
+        if self.status == "failed":
+            return ProtocolError("server_error", f"the request failed: {self.error_message}",
+                                 error_type="server_error", status=500)
+        return ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error",
+                             status=503)
 
     @property
     def has_unsent_events(self) -> bool:
@@ -77,6 +97,10 @@ class ResponseStream:
             self.texts[index] += completion.delta_text
             self.num_output_tokens[index] = len(completion.token_ids)
             self.finish_reasons[index] = completion.finish_reason
+            if completion.finish_reason is not None:
+                self.final_token_ids[index] = list(completion.token_ids)
+            if completion.delta_token_ids and self.first_token_at is None:
+                self.first_token_at = time.monotonic()
             if self.params.logprobs is not None and completion.delta_token_ids:
                 first = len(completion.token_ids) - len(completion.delta_token_ids)
                 for offset, token_id in enumerate(completion.delta_token_ids):
@@ -89,21 +113,24 @@ class ResponseStream:
             self.fail(output.error)
         elif output.finished:
             self.status = "incomplete" if "length" in self.finish_reasons else "completed"
+            self.finished_at = time.monotonic()
 
     def cancel(self) -> None:
         """The client cancelled: close with what was generated so far."""
         if not self.is_done:
-            self.status = "cancelled"
+            self.status, self.finished_at = "cancelled", time.monotonic()
 
     def shut_down(self) -> None:
         """The server is stopping: close as incomplete (reason `server_shutdown`) with the text so far."""
         if not self.is_done:
             self.status, self.incomplete_reason = "incomplete", "server_shutdown"
+            self.finished_at = time.monotonic()
 
     def fail(self, message: str) -> None:
         """The engine failed this request; it closes with `response.failed`."""
         if not self.is_done:
             self.status, self.error_message = "failed", message
+            self.finished_at = time.monotonic()
 
     def drain(self) -> list[dict[str, Any]]:
         """The events not sent yet, numbered."""

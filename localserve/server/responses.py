@@ -72,27 +72,8 @@ class ResponseService:
             raise ProtocolError("server_busy", f"the server is running its limit of "
                                 f"{config.max_running_responses} responses; retry later",
                                 error_type="rate_limit_error", status=429)
-        history: list[dict[str, str]] = []
-        if request.previous_response_id is not None:
-            found = self.conversations.get(request.previous_response_id, owner)
-            if found is None:
-                raise ProtocolError("previous_response_not_found", f"previous response "
-                                    f"{request.previous_response_id!r} is not available here (unknown, "
-                                    "evicted, or a store: false response of another connection); send the "
-                                    "whole conversation instead", "previous_response_id")
-            history = found
-        conversation = history + request.input_messages
-        limit = config.limits.max_conversation_chars
-        num_chars = sum(len(message["content"]) for message in conversation) + len(request.instructions or "")
-        if num_chars > limit:
-            raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
-                                f"most {limit} are accepted: start a new one", request.wire_name("input"))
-        if request.prompt is not None:
-            prompt_ids = await self._encode_text(request.prompt, request.wire_name("input"))
-        else:
-            system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-            # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-            prompt_ids = await self._encode_chat(system + conversation, request.generate, request.wire_name("input"))
+        conversation = self._conversation(request, owner)
+        prompt_ids = await self._prompt_ids(request, conversation)
         params = request.sampling_params(self.model.sampling_defaults, self._max_tokens(request, len(prompt_ids)))
         stream = ResponseStream(request, params, new_id("resp"), self.model.served_name, len(prompt_ids),
                                 self._token_text)
@@ -106,6 +87,37 @@ class ResponseService:
             raise ProtocolError("invalid_request", str(exc)) from None
         self._runs[stream.response_id] = run
         return stream
+
+    async def count_prompt_tokens(self, request: GenerationRequest, owner: str) -> int:
+        """The tokens `request`'s prompt would take, rendered as `start` renders it, without running it."""
+        self.model.check(request.model)
+        return len(await self._prompt_ids(request, self._conversation(request, owner)))
+
+    def _conversation(self, request: GenerationRequest, owner: str) -> list[dict[str, str]]:
+        """The stored turns `previous_response_id` names, then the request's input; its size checked."""
+        history: list[dict[str, str]] = []
+        if request.previous_response_id is not None:
+            found = self.conversations.get(request.previous_response_id, owner)
+            if found is None:
+                raise ProtocolError("previous_response_not_found", f"previous response "
+                                    f"{request.previous_response_id!r} is not available here (unknown, "
+                                    "evicted, or a store: false response of another connection); send the "
+                                    "whole conversation instead", "previous_response_id")
+            history = found
+        conversation = history + request.input_messages
+        limit = self.config.limits.max_conversation_chars
+        num_chars = sum(len(message["content"]) for message in conversation) + len(request.instructions or "")
+        if num_chars > limit:
+            raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
+                                f"most {limit} are accepted: start a new one", request.wire_name("input"))
+        return conversation
+
+    async def _prompt_ids(self, request: GenerationRequest, conversation: list[dict[str, str]]) -> list[int]:
+        if request.prompt is not None:
+            return await self._encode_text(request.prompt, request.wire_name("input"))
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
+        return await self._encode_chat(system + conversation, request.generate, request.wire_name("input"))
 
     def cancel(self, stream: ResponseStream) -> None:
         """The client cancelled: its blocks go back at once; the response ends with its text so far."""
@@ -156,12 +168,15 @@ class ResponseService:
     def _max_tokens(self, request: GenerationRequest, num_prompt_tokens: int) -> int:
         """max_output_tokens, cut to what the context has room for after the prompt; bounds checked."""
         max_model_len, field = self.model.max_model_len, request.wire_name("max_tokens")
+        window = "the context"
+        if request.context_tokens is not None and request.context_tokens < max_model_len:
+            max_model_len, window = request.context_tokens, f"'{request.wire_name('context_tokens')}'"
         if num_prompt_tokens >= max_model_len:
-            raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; the "
-                                f"context holds {max_model_len}, and generating needs room for one more",
+            raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; "
+                                f"{window} holds {max_model_len}, and generating needs room for one more",
                                 request.wire_name("input"))
         if request.max_output_tokens is not None and request.max_output_tokens > max_model_len:
-            raise ProtocolError("integer_above_max_value", f"'{field}' must be <= {max_model_len} (the context "
+            raise ProtocolError("integer_above_max_value", f"'{field}' must be <= {max_model_len} ({window}'s "
                                 f"length), got {request.max_output_tokens}", field)
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees

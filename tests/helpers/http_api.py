@@ -32,11 +32,12 @@ class Api:
         model = ServedModel("served", "model", 200, self.config.sampling_defaults)
         metrics = ServerMetrics("served")
         conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
-        self.responses = ResponseService(self.engine, CountingTokenizer(), model, self.config, conversations, metrics)
+        self.tokenizer = CountingTokenizer()
+        self.responses = ResponseService(self.engine, self.tokenizer, model, self.config, conversations, metrics)
         policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
         hub = MonitorHub(lambda after_seq: engine_result(self.engine.snapshot_and_events(after_seq)))
         self.app = HttpApi(config=self.config, access_policy=policy, engine=self.engine, model=model,
-                           responses=self.responses, metrics=metrics, monitor_hub=hub,
+                           responses=self.responses, tokenizer=self.tokenizer, metrics=metrics, monitor_hub=hub,
                            monitor_hello=monitor_hello(self.engine.facts, "served"),
                            monitor_tickets=MonitorTickets())
 

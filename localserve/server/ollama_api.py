@@ -1,0 +1,137 @@
+"""Ollama's API on this server's port: `GET /api/version`, `/api/tags`, `/api/ps`, `POST /api/show`,
+`/api/chat`, `/api/generate` and `/api/embed`, as Ollama's docs/api.md documents them.
+
+Generation goes through the one request model (server/ollama_format.py's field maps) and the shared
+HTTP runner; the model endpoints describe the one served model from its `ModelCard`. `/api/embed`
+answers a generation model with Ollama's 400 (embedding models come with the embeddings work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from localserve.engine.facts import EngineFacts
+from localserve.server import request_fields as fields
+from localserve.server.context import ServedModel
+from localserve.server.http_exchange import HttpExchange
+from localserve.server.http_generation import HttpGeneration
+from localserve.server.ollama_events import OllamaView, load_answer
+from localserve.server.ollama_format import OLLAMA_CHAT, OLLAMA_GENERATE
+from localserve.server.request_fields import WireFormat
+from localserve.server.validation import ProtocolError
+from localserve.tokenizer.chat_format import detect_chat_format
+from localserve.tokenizer.errors import TokenizerError
+from localserve.tokenizer.tokenizer import Tokenizer
+
+# The Ollama release whose documented API this follows (/api/ps, /api/embed, `format` schemas, `think`).
+OLLAMA_API_VERSION = "0.9.0"
+NEVER_EXPIRES = "9999-12-31T23:59:59Z"  # /api/ps: the model stays loaded while the server runs
+# Ollama's capabilities a chat template can have, beyond completion, and those this server honours on the
+# wire (tool calls and reasoning come with the OpenAI tool fields; until then a model lists neither).
+TEMPLATE_CAPABILITIES = ("tools", "thinking")
+HONOURED_CAPABILITIES: frozenset[str] = frozenset()
+
+SHOW = WireFormat({"model": fields.Required(fields.Text("model", bounded=True)),
+                   "name": fields.Text("model", bounded=True),  # Ollama's older spelling
+                   "verbose": fields.Ignored("model_info holds no token lists, verbose or not", bool)})
+EMBED = WireFormat({"model": fields.Required(fields.Text("model", bounded=True)),
+                    "input": fields.Setting((str, list)),
+                    **{name: fields.Ignored("nothing is embedded by a generation model")
+                       for name in ("truncate", "options", "keep_alive", "dimensions")}})
+
+
+def template_capabilities(tokenizer: Tokenizer) -> set[str]:
+    """What the model's chat template can do beyond completion: `tools` where it renders tools, `thinking`
+    where it reasons (tokenizer/chat_format.py)."""
+    template = tokenizer.chat_template
+    if not template:
+        return set()
+    try:
+        reasons = detect_chat_format(tokenizer).reasoning is not None
+    except TokenizerError:
+        reasons = False
+    return {name for name, can in (("tools", "tools" in template), ("thinking", reasons)) if can}
+
+
+def capabilities(template_can: set[str], honoured: frozenset[str] = HONOURED_CAPABILITIES) -> list[str]:
+    """Ollama's `capabilities` of the model: completion, and what its template can that the server honours."""
+    return ["completion", *(name for name in TEMPLATE_CAPABILITIES if name in template_can and name in honoured)]
+
+
+class OllamaApi:
+    """The routes of Ollama's API, with the parts they use."""
+
+    def __init__(self, generation: HttpGeneration, model: ServedModel, facts: EngineFacts,
+                 tokenizer: Tokenizer) -> None:
+        self.generation, self.model, self.facts, self.tokenizer = generation, model, facts, tokenizer
+        self._capabilities: list[str] | None = None  # read from the template at the first /api/show
+
+    def routes(self) -> dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]]:
+        return {("GET", "/api/version"): self._version, ("GET", "/api/tags"): self._tags,
+                ("GET", "/api/ps"): self._ps, ("POST", "/api/show"): self._show,
+                ("POST", "/api/chat"): self._chat, ("POST", "/api/generate"): self._generate,
+                ("POST", "/api/embed"): self._embed}
+
+    async def _version(self, exchange: HttpExchange) -> None:
+        await exchange.respond_json(200, {"version": OLLAMA_API_VERSION})
+
+    async def _tags(self, exchange: HttpExchange) -> None:
+        await exchange.respond_json(200, {"models": [self._model_entry()]})
+
+    async def _ps(self, exchange: HttpExchange) -> None:
+        size = self.model.card.size_bytes + self.facts.kv_cache_bytes  # the weights and the KV pool
+        entry = {**self._model_entry(), "size": size, "expires_at": NEVER_EXPIRES, "size_vram": size,
+                 "context_length": self.model.max_model_len}
+        await exchange.respond_json(200, {"models": [entry]})
+
+    async def _show(self, exchange: HttpExchange) -> None:
+        request = await self.generation.read(exchange, SHOW)
+        self._check_model(request.model)
+        if self._capabilities is None:
+            self._capabilities = capabilities(template_capabilities(self.tokenizer))
+        card, defaults = self.model.card, self.model.sampling_defaults
+        parameters = [f"temperature {defaults.temperature:g}", f"top_k {defaults.top_k}",
+                      f"top_p {defaults.top_p:g}", f"min_p {defaults.min_p:g}", f"num_ctx {self.model.max_model_len}"]
+        await exchange.respond_json(200, {
+            "modelfile": "", "parameters": "\n".join(parameters), "template": self.tokenizer.chat_template or "",
+            "details": self._details(), "model_info": dict(card.model_info), "capabilities": self._capabilities,
+            "modified_at": card.modified_at})
+
+    async def _chat(self, exchange: HttpExchange) -> None:
+        await self._run(exchange, OLLAMA_CHAT, chat=True)
+
+    async def _generate(self, exchange: HttpExchange) -> None:
+        await self._run(exchange, OLLAMA_GENERATE, chat=False)
+
+    async def _run(self, exchange: HttpExchange, wire: WireFormat, chat: bool) -> None:
+        request = await self.generation.read(exchange, wire)
+        if not request.has_input:  # Ollama's way of loading the model: it is loaded
+            self._check_model(request.model)
+            return await exchange.respond_json(200, load_answer(self.model.served_name, chat))
+        await self.generation.run(exchange, request, lambda stream: OllamaView(stream, chat))
+
+    async def _embed(self, exchange: HttpExchange) -> None:
+        request = await self.generation.read(exchange, EMBED)
+        self._check_model(request.model)
+        raise ProtocolError("unsupported_value", f"this model is not an embedding model: "
+                            f"{self.model.served_name!r} generates text", "model")
+
+    def _check_model(self, name: str | None) -> None:
+        """The served model's check, in Ollama's words for another name."""
+        try:
+            self.model.check(name)
+        except ProtocolError as error:
+            raise ProtocolError(error.code, f"model {name!r} not found: {error.message}", error.param,
+                                status=error.status) from None
+
+    def _model_entry(self) -> dict[str, Any]:
+        card, name = self.model.card, self.model.served_name
+        return {"name": name, "model": name, "modified_at": card.modified_at, "size": card.size_bytes,
+                "digest": card.digest, "details": self._details()}
+
+    def _details(self) -> dict[str, Any]:
+        card = self.model.card
+        return {"parent_model": "", "format": card.format, "family": card.family,
+                "families": [card.family] if card.family else None, "parameter_size": card.parameter_size,
+                "quantization_level": card.quantization}

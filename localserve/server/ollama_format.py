@@ -1,0 +1,117 @@
+"""Ollama's API as this server reads it: the field maps of `POST /api/chat` and `POST /api/generate`
+(no I/O here), as Ollama's docs/api.md documents them.
+
+Every field and every `options` key is honoured, ignored for a stated reason, or refused with
+`unsupported_parameter` when honouring it would change the output and this server cannot; any other
+is an `unknown_parameter`. Both endpoints stream unless `stream` is false. `num_predict` -1 and -2
+(Ollama's "no limit" and "fill the context") take the server's default, `--max-tokens`: every answer
+here has a bound. `num_ctx` bounds the request's prompt and output when it is smaller than the context
+and is cut to the context when it is larger, as Ollama cuts it to what the model holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from localserve.server import request_fields as fields
+from localserve.server.request_messages import MessageFormat
+from localserve.server.validation import ProtocolError, check_value
+
+NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
+THINK_REFUSED = fields.reasoning_refused(fields.one_of(False), (bool, str))
+FORMAT_REFUSED = fields.Refused("structured output is not supported; only plain text", kind=(str, dict), order=2)
+OLLAMA_MESSAGES = MessageFormat(text_parts=(), refused_roles={"tool": fields.NEVER_CALLS_TOOLS},
+                                refused_fields=("images", "tool_calls", "thinking"), unused_text_fields=("tool_name",))
+HARDWARE = "set when the server starts (see localserve serve --help)"
+
+
+class NumPredict(fields.Field):
+    """`options.num_predict`: the shared `max_tokens`; -1 and -2 leave it to the server."""
+
+    shared = "max_tokens"
+
+    def rank(self) -> tuple[int, int]:
+        return fields.Sampling("max_tokens").rank()
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        if check_value(value, int, param) not in NO_LIMIT:
+            fields.Sampling("max_tokens").apply(value, param, draft)
+
+
+class GeneratePrompt(fields.Field):
+    """`/api/generate`'s `prompt`: one user message (the raw text itself with `raw`); empty: nothing to say."""
+
+    stage = fields.Stage.INPUT
+    shared = "input"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        if check_value(value, str, param):
+            draft.set("input_messages", [{"role": "user", "content": value}], param)
+
+
+class Raw(fields.Field):
+    """`raw: true`: the prompt is tokenized as it is, with no chat template (and so no `system`)."""
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        if not check_value(value, bool, param):
+            return
+        if draft.values.get("instructions"):
+            raise ProtocolError("unsupported_parameter", "'system' is not supported with 'raw': true: a raw "
+                                "prompt has no template to put it in; write it into the prompt", "system")
+        messages = draft.values.pop("input_messages", [])
+        if messages:  # an empty raw prompt still only asks that the model be loaded
+            draft.set("prompt", messages[0]["content"], draft.names["input_messages"])
+
+
+OPTIONS = fields.Nested({
+    "num_predict": NumPredict(),
+    "temperature": fields.Sampling("temperature"),
+    "top_k": fields.Sampling("top_k"),
+    "top_p": fields.Sampling("top_p"),
+    "min_p": fields.Sampling("min_p"),
+    "seed": fields.Sampling("seed"),
+    "stop": fields.Sampling("stop"),
+    "repeat_penalty": fields.Sampling("repetition_penalty"),
+    "presence_penalty": fields.Sampling("presence_penalty"),
+    "frequency_penalty": fields.Sampling("frequency_penalty"),
+    "num_ctx": fields.ContextWindow(),
+    "repeat_last_n": fields.Refused("the repetition penalty reads the whole prompt and output (-1)",
+                                    fields.one_of(-1), int),
+    "typical_p": fields.Refused("locally typical sampling is not applied (1.0 is off)", fields.one_of(1), float),
+    "tfs_z": fields.Refused("tail-free sampling is not applied (1.0 is off)", fields.one_of(1), float),
+    "mirostat": fields.Refused("Mirostat sampling is not applied (0 is off)", fields.one_of(0), int),
+    "mirostat_tau": fields.Ignored("it is read only by Mirostat, which is off", float),
+    "mirostat_eta": fields.Ignored("it is read only by Mirostat, which is off", float),
+    "penalize_newline": fields.Ignored("Ollama no longer reads it either", bool),
+    "num_keep": fields.Ignored("a prompt is never cut here, so no tokens need keeping", int),
+    **{name: fields.Ignored(HARDWARE) for name in ("num_batch", "num_gpu", "main_gpu", "low_vram", "vocab_only",
+                                                   "use_mmap", "use_mlock", "num_thread", "numa", "f16_kv")},
+})
+
+COMMON: dict[str, fields.Field] = {
+    "model": fields.Required(fields.Text("model", bounded=True)),
+    "options": OPTIONS,
+    "stream": fields.Flag("stream"),
+    "format": FORMAT_REFUSED,
+    "think": THINK_REFUSED,
+    "keep_alive": fields.Ignored("the model stays loaded while the server runs (one model: nothing to unload)",
+                                 (str, int, float)),
+}
+
+OLLAMA_CHAT = fields.WireFormat({
+    "messages": fields.Messages(OLLAMA_MESSAGES),
+    **COMMON,
+    "tools": fields.TOOLS_REFUSED,
+}, stores=False, streams=True)
+
+OLLAMA_GENERATE = fields.WireFormat({
+    "prompt": GeneratePrompt(),
+    **COMMON,
+    "system": fields.Text("instructions"),
+    "raw": Raw(),
+    "suffix": fields.Refused("there is no fill-in-the-middle", kind=str),
+    "images": fields.Refused("the server takes text only", kind=list),
+    "template": fields.Refused("the model's own chat template is used; send a rendered prompt with raw: true",
+                               kind=str),
+    "context": fields.Refused("no context is handed out; send the conversation to /api/chat instead", kind=list),
+}, stores=False, streams=True)
