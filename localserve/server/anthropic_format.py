@@ -5,8 +5,10 @@ Every field of the request is honoured, ignored for a stated reason, or refused 
 `unsupported_parameter` when honouring it would change the output and this server cannot; any other
 is an `unknown_parameter`. `temperature`, `top_p` and `top_k` are honoured for the clients that still
 send them (the `anthropic` SDK 2.x has no arguments for them: send them with `extra_body`), by the
-shared rules (temperature up to 2, where Anthropic stops at 1). `tool_use` and `tool_result` blocks are
-refused like any block that is not text, until tool calls exist.
+shared rules (temperature up to 2, where Anthropic stops at 1). `output_config.format` (a JSON schema)
+constrains the answer. `tools`, `tool_choice` other than auto or none, `thinking` other than disabled, and
+`tool_use` and `tool_result` blocks are refused like any block that is not text, until the output side of
+tool calls and reasoning exists.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from typing import Any
 
 from localserve.server import request_fields as fields
 from localserve.server.request_messages import MessageFormat
-from localserve.server.validation import ProtocolError, check_type, check_value
+from localserve.server.request_model import OutputFormat
+from localserve.server.validation import ProtocolError, check_type, check_value, shown
 
 ANTHROPIC_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True,
                                    refused_roles={"system": "the system prompt is the top-level 'system' field",
                                                   "developer": "the system prompt is the top-level 'system' field"})
 NO_ACCOUNTS = "there are no accounts"
+NO_TOOLS_YET = "tool use is not served on the Messages API yet"
 
 
 def _auto_or_none(tool_choice: dict[str, Any]) -> bool:
@@ -29,6 +33,29 @@ def _auto_or_none(tool_choice: dict[str, Any]) -> bool:
 
 def _disabled(thinking: dict[str, Any]) -> bool:
     return thinking.get("type") == "disabled"
+
+
+class JsonOutput(fields.Field):
+    """`output_config.format`: `{"type": "json_schema", "schema": {...}}`, the answer a JSON value of the
+    schema; a keyword the engine cannot enforce is refused, naming it (Anthropic refuses those too)."""
+
+    shared = "output_format"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        value = check_value(value, dict, param)
+        if value.get("type") != "json_schema":
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'json_schema', got "
+                                f"{shown(value.get('type'))}", f"{param}.type")
+        schema = value.get("schema")
+        if not isinstance(schema, dict):
+            raise ProtocolError("invalid_type", f"'{param}.schema' must be a JSON schema object", f"{param}.schema")
+        output_format = OutputFormat("json_schema", schema, strict=True)
+        try:
+            output_format.grammar()
+        except ValueError as error:
+            raise ProtocolError("invalid_value", f"'{param}.schema' is not a usable JSON schema: {error}",
+                                f"{param}.schema") from None
+        draft.set("output_format", output_format, param)
 
 
 class SystemPrompt(fields.Field):
@@ -55,14 +82,15 @@ PROMPT_FIELDS: dict[str, fields.Field] = {
     "model": fields.Required(fields.Text("model", bounded=True)),
     "messages": fields.Messages(ANTHROPIC_MESSAGES),
     "system": SystemPrompt(),
-    "tool_choice": fields.Refused(f"{fields.NEVER_CALLS_TOOLS}, so it cannot be made to call one", _auto_or_none,
-                                  dict, order=0),
-    "tools": fields.TOOLS_REFUSED,
-    "thinking": fields.reasoning_refused(_disabled, dict),
+    "tool_choice": fields.Refused(f"{NO_TOOLS_YET}, so nothing can be made to call one", _auto_or_none, dict,
+                                  order=0),
+    "tools": fields.Refused(f"{NO_TOOLS_YET}; send no tools", fields.is_empty, list, order=1),
+    "thinking": fields.Refused("extended thinking is not served on the Messages API yet; send "
+                               "{\"type\": \"disabled\"} or leave it out", _disabled, dict, order=3),
     "mcp_servers": fields.Refused("there are no MCP servers to reach", kind=list),
-    "output_config": fields.Nested({"format": fields.Refused("structured output is not supported; only plain text",
-                                                             kind=dict, order=2),
-                                    "effort": fields.reasoning_refused(fields.is_empty, str)}),
+    "output_config": fields.Nested({"format": JsonOutput(),
+                                    "effort": fields.Refused("the served model's effort is not set on this API",
+                                                             fields.is_empty, str, order=3)}),
     "cache_control": fields.Ignored("the prefix cache keeps every prompt's blocks without being asked", dict),
     "context_management": fields.Refused("the context is never compacted"),
     "container": fields.Refused("there are no code-execution containers"),

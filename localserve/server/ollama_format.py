@@ -15,12 +15,15 @@ from typing import Any
 
 from localserve.server import request_fields as fields
 from localserve.server.request_messages import MessageFormat
-from localserve.server.validation import ProtocolError, check_value
+from localserve.server.request_model import OutputFormat
+from localserve.server.validation import ProtocolError, check_value, shown
 
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
-THINK_REFUSED = fields.reasoning_refused(fields.one_of(False), (bool, str))
-FORMAT_REFUSED = fields.Refused("structured output is not supported; only plain text", kind=(str, dict), order=2)
-OLLAMA_MESSAGES = MessageFormat(text_parts=(), refused_roles={"tool": fields.NEVER_CALLS_TOOLS},
+NO_TOOLS_YET = "tool calls are not served on Ollama's API yet"
+TOOLS_REFUSED = fields.Refused(f"{NO_TOOLS_YET}; send no tools", fields.is_empty, list, order=1)
+THINK_REFUSED = fields.Refused("thinking is not served on Ollama's API yet; send false or leave it out",
+                               fields.one_of(False), (bool, str), order=3)
+OLLAMA_MESSAGES = MessageFormat(text_parts=(), refused_roles={"tool": NO_TOOLS_YET},
                                 refused_fields=("images", "tool_calls", "thinking"), unused_text_fields=("tool_name",))
 HARDWARE = "set when the server starts (see localserve serve --help)"
 
@@ -36,6 +39,30 @@ class NumPredict(fields.Field):
     def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
         if check_value(value, int, param) not in NO_LIMIT:
             fields.Sampling("max_tokens").apply(value, param, draft)
+
+
+class AnswerFormat(fields.Field):
+    """`format`: "json" (any JSON object) or a JSON schema the answer must match; "" is plain text. A schema
+    keyword the engine cannot enforce is ignored, as Ollama's own grammars ignore what they cannot express."""
+
+    shared = "output_format"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        value = check_value(value, (str, dict), param)
+        if value == "":
+            return
+        if isinstance(value, str):
+            if value != "json":
+                raise ProtocolError("invalid_value", f"'{param}' must be \"json\" or a JSON schema, got {shown(value)}",
+                                    param)
+            draft.set("output_format", OutputFormat("json_object"), param)
+            return
+        output_format = OutputFormat("json_schema", value, strict=False)
+        try:
+            output_format.grammar()
+        except ValueError as error:
+            raise ProtocolError("invalid_value", f"'{param}' is not a usable JSON schema: {error}", param) from None
+        draft.set("output_format", output_format, param)
 
 
 class GeneratePrompt(fields.Field):
@@ -92,7 +119,7 @@ COMMON: dict[str, fields.Field] = {
     "model": fields.Required(fields.Text("model", bounded=True)),
     "options": OPTIONS,
     "stream": fields.Flag("stream"),
-    "format": FORMAT_REFUSED,
+    "format": AnswerFormat(),
     "think": THINK_REFUSED,
     "keep_alive": fields.Ignored("the model stays loaded while the server runs (one model: nothing to unload)",
                                  (str, int, float)),
@@ -101,7 +128,7 @@ COMMON: dict[str, fields.Field] = {
 OLLAMA_CHAT = fields.WireFormat({
     "messages": fields.Messages(OLLAMA_MESSAGES),
     **COMMON,
-    "tools": fields.TOOLS_REFUSED,
+    "tools": TOOLS_REFUSED,
 }, stores=False, streams=True)
 
 OLLAMA_GENERATE = fields.WireFormat({

@@ -23,9 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from localserve.server.request_messages import MessageFormat, parse_messages
-from localserve.server.request_model import GenerationRequest, RequestLimits, SamplingChoice
+from localserve.server.request_model import (
+    REASONING_EFFORTS,
+    GenerationRequest,
+    OutputFormat,
+    ReasoningChoice,
+    RequestLimits,
+    SamplingChoice,
+)
 from localserve.server.sampling_rules import SAMPLING_ORDER, SAMPLING_RULES
-from localserve.server.validation import ProtocolError, check_length, check_range, check_value, shown
+from localserve.server.validation import ProtocolError, check_length, check_range, check_type, check_value, shown
+from localserve.tokenizer.tools import AUTO, ChatFormatError, ToolChoice, ToolSpec
 
 JsonType = type | tuple[type, ...]
 
@@ -293,18 +301,114 @@ class Refused(Field):
             raise ProtocolError("unsupported_parameter", f"'{param}' is not supported: {why}", param)
 
 
-NEVER_CALLS_TOOLS = "this server never calls tools"
-# Refused the same way on every format that carries them, until tool calls and structured output exist.
-FORCED_TOOL_CHOICE_REFUSED = Refused(f"{NEVER_CALLS_TOOLS}, so it cannot be made to call one",
-                                     one_of("auto", "none"), (str, dict), order=0)
-TOOLS_REFUSED = Refused("the model is not offered tools by this server; send no tools", is_empty, list, order=1)
-STRUCTURED_OUTPUT_REFUSED = Refused(lambda value: f"structured output ({shown(value.get('type'))}) is not "
-                                    "supported; only plain text", plain_text, dict, order=2)
+# ---------------------------------------------------------------------------------- tools, formats, reasoning
+@dataclass(frozen=True)
+class Tools(Field):
+    """An array of function tools, as chat completions nest them (`{"type": "function", "function": {"name",
+    "description", "parameters"}}`) or, `flat`, as the Responses API writes them (`{"type": "function",
+    "name", ...}`); each checked into a ToolSpec, an error naming the tool's field."""
+
+    flat: bool = False
+    shared = "tools"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, list, param)
+        check_length(value, param, draft.limits.max_tools)
+        specs = []
+        for index, tool in enumerate(value):
+            where = f"{param}[{index}]"
+            if not isinstance(tool, dict):
+                raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
+            nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}
+            try:
+                specs.append(ToolSpec.from_openai(nested if self.flat else tool))
+            except ChatFormatError as error:
+                named = error.field.removeprefix("function.") if self.flat and error.field != "type" else error.field
+                at = where if named == "function" else f"{where}.{named}"
+                raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
+        draft.set("tools", tuple(specs), param)
 
 
-def reasoning_refused(allows: Callable[[Any], bool], kind: JsonType) -> Refused:
-    """The refusal of a reasoning effort (each format spells the setting its own way)."""
-    return Refused("the served model does not reason apart from its answer", allows, kind, order=3)
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolChoiceField(Field):
+    """`auto`, `none`, `required`, or one function: `{"type": "function", "function": {"name": ...}}` (chat
+    completions) or, `flat`, `{"type": "function", "name": ...}` (Responses)."""
+
+    flat: bool = False
+    shared = "tool_choice"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, (str, dict), param)
+        if isinstance(value, str):
+            if value not in TOOL_CHOICE_MODES:
+                raise ProtocolError("invalid_value", f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or a "
+                                    f"function, got {shown(value)}", param)
+            draft.set("tool_choice", ToolChoice(value), param)
+            return
+        if value.get("type") != "function":
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'function' (only function tools exist "
+                                f"here), got {shown(value.get('type'))}", f"{param}.type")
+        holder, where = (value, param) if self.flat else (value.get("function"), f"{param}.function")
+        if not isinstance(holder, dict) or not isinstance(holder.get("name"), str):
+            raise ProtocolError("invalid_type", f"'{where}.name' must be the name of one of the tools", f"{where}.name")
+        draft.set("tool_choice", ToolChoice.function(holder["name"]), param)
+        draft.set("tool_choice_name_param", f"{where}.name", param)
+
+
+@dataclass(frozen=True)
+class OutputFormatField(Field):
+    """The answer's format: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", ...}` with
+    the schema's `name`, `schema`, `strict` and `description` inside `json_schema` (chat completions'
+    `response_format`) or, `flat`, beside `type` (Responses' `text.format`). The schema must compile."""
+
+    flat: bool = False
+    shared = "output_format"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, dict, param)
+        kind = value.get("type")
+        if kind == "text":
+            return
+        if kind == "json_object":
+            draft.set("output_format", OutputFormat("json_object"), param)
+            return
+        if kind != "json_schema":
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'text', 'json_object' or 'json_schema', "
+                                f"got {shown(kind)}", f"{param}.type")
+        holder, where = (value, param) if self.flat else (value.get("json_schema"), f"{param}.json_schema")
+        if not isinstance(holder, dict):
+            raise ProtocolError("invalid_type", f"'{where}' must be an object with the schema", where)
+        name = check_type(holder, "name", str, f"{where}.name")
+        strict = check_type(holder, "strict", bool, f"{where}.strict")
+        check_type(holder, "description", str, f"{where}.description")
+        schema = holder.get("schema", {})
+        if not isinstance(schema, dict):
+            raise ProtocolError("invalid_type", f"'{where}.schema' must be a JSON schema object", f"{where}.schema")
+        output_format = OutputFormat("json_schema", schema, bool(strict), name)
+        try:
+            output_format.grammar()
+        except ValueError as error:
+            raise ProtocolError("invalid_value", f"'{where}.schema' is not a usable JSON schema: {error}",
+                                f"{where}.schema") from None
+        draft.set("output_format", output_format, param)
+
+
+@dataclass(frozen=True)
+class ReasoningEffort(Field):
+    """How hard a reasoning model thinks: one of REASONING_EFFORTS; "none" turns thinking off."""
+
+    shared = "reasoning"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, str, param)
+        if value not in REASONING_EFFORTS:
+            raise ProtocolError("invalid_value", f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{shown(value)}", param)
+        draft.set("reasoning", ReasoningChoice(value), param)
 
 
 @dataclass(frozen=True)
@@ -398,12 +502,32 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
         metadata=values.get("metadata", {}), stream_id=values.get("stream_id"), store=values.get("store", wire.stores),
         generate=values.get("generate", True), stream=values.get("stream", wire.streams),
         context_tokens=values.get("context_tokens"), settings=values.get("settings", {}),
-        include_usage=values.get("include_usage", False),
+        include_usage=values.get("include_usage", False), tools=values.get("tools", ()),
+        tool_choice=values.get("tool_choice", AUTO), parallel_tool_calls=values.get("parallel_tool_calls", True),
+        output_format=values.get("output_format"), reasoning=values.get("reasoning", ReasoningChoice()),
         echoed={name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
         wire_names={name: draft.names.get(name, spelled) for name, spelled in wire.wire_names.items()})
+    _check_tool_choice(request, draft)
     limit, param = draft.limits.max_input_chars, request.wire_name("input")
     if request.num_input_chars > limit:
         with_instructions = " with the instructions" if request.instructions else ""
         raise ProtocolError("string_above_max_length", f"'{param}' holds {request.num_input_chars} characters"
                             f"{with_instructions}; at most {limit} are accepted", param)
     return request
+
+
+def _check_tool_choice(request: GenerationRequest, draft: RequestDraft) -> None:
+    """`required` needs tools, a named function must be one of them, and an answer's format goes with tools only
+    when no call is offered or when one is forced (the answer is then a call, not text of the format)."""
+    choice = request.tool_choice
+    param = draft.names.get("tool_choice", request.wire_names.get("tool_choice", "tool_choice"))
+    try:
+        callable_tools = choice.chosen_tools(request.tools)
+    except ChatFormatError as error:
+        at = draft.values.get("tool_choice_name_param", param) if choice.mode == "function" else param
+        raise ProtocolError("invalid_value", f"'{at}': {error.reason}", at) from None
+    if request.output_format is not None and callable_tools and choice.mode == "auto":
+        at = draft.names["output_format"]
+        raise ProtocolError("unsupported_value", f"'{at}' with tools under tool_choice 'auto' is not supported: "
+                            "the answer would be either a call or text of the format; send tool_choice 'none', "
+                            "'required' or a function, or no tools", at)
