@@ -1,9 +1,9 @@
 """Ollama's API on this server's port: `GET /api/version`, `/api/tags`, `/api/ps`, `POST /api/show`,
-`/api/chat`, `/api/generate` and `/api/embed`, as Ollama's docs/api.md documents them.
+`/api/chat` and `/api/generate`, as Ollama's docs/api.md documents them (`/api/embed` belongs to the
+embeddings work).
 
 Generation goes through the one request model (server/ollama_format.py's field maps) and the shared
-HTTP runner; the model endpoints describe the one served model from its `ModelCard`. `/api/embed`
-answers a generation model with Ollama's 400 (embedding models come with the embeddings work).
+HTTP runner; the model endpoints describe the one served model from its `ModelCard`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ HONOURED_CAPABILITIES: frozenset[str] = frozenset()
 SHOW = WireFormat({"model": fields.Required(fields.Text("model", bounded=True)),
                    "name": fields.Text("model", bounded=True),  # Ollama's older spelling
                    "verbose": fields.Ignored("model_info holds no token lists, verbose or not", bool)})
-EMBED = WireFormat({"model": fields.Required(fields.Text("model", bounded=True)),
-                    "input": fields.Setting((str, list)),
-                    **{name: fields.Ignored("nothing is embedded by a generation model")
-                       for name in ("truncate", "options", "keep_alive", "dimensions")}})
 
 
 def template_capabilities(tokenizer: Tokenizer) -> set[str]:
@@ -70,8 +66,7 @@ class OllamaApi:
     def routes(self) -> dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]]:
         return {("GET", "/api/version"): self._version, ("GET", "/api/tags"): self._tags,
                 ("GET", "/api/ps"): self._ps, ("POST", "/api/show"): self._show,
-                ("POST", "/api/chat"): self._chat, ("POST", "/api/generate"): self._generate,
-                ("POST", "/api/embed"): self._embed}
+                ("POST", "/api/chat"): self._chat, ("POST", "/api/generate"): self._generate}
 
     async def _version(self, exchange: HttpExchange) -> None:
         await exchange.respond_json(200, {"version": OLLAMA_API_VERSION})
@@ -106,16 +101,10 @@ class OllamaApi:
 
     async def _run(self, exchange: HttpExchange, wire: WireFormat, chat: bool) -> None:
         request = await self.generation.read(exchange, wire)
+        self._check_model(request.model)
         if not request.has_input:  # Ollama's way of loading the model: it is loaded
-            self._check_model(request.model)
             return await exchange.respond_json(200, load_answer(self.model.served_name, chat))
         await self.generation.run(exchange, request, lambda stream: OllamaView(stream, chat))
-
-    async def _embed(self, exchange: HttpExchange) -> None:
-        request = await self.generation.read(exchange, EMBED)
-        self._check_model(request.model)
-        raise ProtocolError("unsupported_value", f"this model is not an embedding model: "
-                            f"{self.model.served_name!r} generates text", "model")
 
     def _check_model(self, name: str | None) -> None:
         """The served model's check, in Ollama's words for another name."""

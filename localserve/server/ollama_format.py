@@ -16,6 +16,7 @@ from typing import Any
 from localserve.server import request_fields as fields
 from localserve.server.request_messages import MessageFormat
 from localserve.server.request_model import OutputFormat
+from localserve.server.sampling_rules import INT64_MAX
 from localserve.server.validation import ProtocolError, check_value, shown
 
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
@@ -65,6 +66,20 @@ class AnswerFormat(fields.Field):
         draft.set("output_format", output_format, param)
 
 
+class TopK(fields.Field):
+    """`options.top_k`: the shared `top_k`; 0 or less keeps every token (llama.cpp's and so Ollama's "off")."""
+
+    shared = "top_k"
+
+    def rank(self) -> tuple[int, int]:
+        return fields.Sampling("top_k").rank()
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        if check_value(value, int, param) <= 0:
+            value = INT64_MAX  # beyond any vocabulary: the filter keeps every token
+        fields.Sampling("top_k").apply(value, param, draft)
+
+
 class GeneratePrompt(fields.Field):
     """`/api/generate`'s `prompt`: one user message (the raw text itself with `raw`); empty: nothing to say."""
 
@@ -93,7 +108,7 @@ class Raw(fields.Field):
 OPTIONS = fields.Nested({
     "num_predict": NumPredict(),
     "temperature": fields.Sampling("temperature"),
-    "top_k": fields.Sampling("top_k"),
+    "top_k": TopK(),
     "top_p": fields.Sampling("top_p"),
     "min_p": fields.Sampling("min_p"),
     "seed": fields.Sampling("seed"),

@@ -152,8 +152,9 @@ class GenerationRequest:
                 + len(self.prompt or ""))
 
     def wire_name(self, name: str) -> str:
-        """How the request's format names the shared field `name` ("input", "max_tokens")."""
-        return self.wire_names[name]
+        """How the request's format names the shared field `name` ("input", "max_tokens"); a format without
+        the field (`/api/show` has no input) leaves it its shared name."""
+        return self.wire_names.get(name, name)
 
     def sampling_params(self, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams, `max_tokens` resolved against the prompt: the server's `defaults`

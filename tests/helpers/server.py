@@ -58,6 +58,7 @@ def running_server(llm, engine_thread_type=None, **config):
     import torch
 
     from localserve.engine.engine_thread import EngineThread
+    from localserve.loading.model_card import ModelCard
     from localserve.server.app import BackgroundServer, LocalServer
     from localserve.server.context import ServerConfig
 
@@ -67,7 +68,8 @@ def running_server(llm, engine_thread_type=None, **config):
     engine_thread.start()
     try:
         server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
-                                              ServerConfig(port=0, **config))).start()
+                                              ServerConfig(port=0, **config),
+                                              ModelCard.read(llm.model_path, llm.model_config))).start()
         try:
             yield server
         finally:
