@@ -148,10 +148,11 @@ class GenerationRequest:
         """How the request's format names the shared field `name` ("input", "max_tokens")."""
         return self.wire_names[name]
 
-    def sampling_params(self, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults, max_tokens: int, **turn: Any) -> SamplingParams:
         """The engine's SamplingParams, `max_tokens` resolved against the prompt: the server's `defaults`
-        for temperature and the filters the request left out, SamplingParams' own for the rest. The
-        values passed the request's field rules, which are at least as strict as SamplingParams' checks."""
+        for temperature and the filters the request left out, SamplingParams' own for the rest; `turn`: the
+        fields the chat turn sets (grammar, reasoning_end, skip_special_tokens). The values passed the
+        request's field rules, which are at least as strict as SamplingParams' checks."""
         sampling = self.sampling
         chosen = {item.name: getattr(sampling, item.name) for item in dataclasses.fields(sampling)
                   if getattr(sampling, item.name) is not None}
@@ -159,4 +160,4 @@ class GenerationRequest:
             chosen["stop"] = list(chosen["stop"])
         server = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
                   "min_p": defaults.min_p}
-        return SamplingParams(max_tokens=max_tokens, **(server | chosen))
+        return SamplingParams(max_tokens=max_tokens, **(server | chosen | turn))
