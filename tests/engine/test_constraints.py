@@ -165,7 +165,8 @@ def test_a_chat_formats_call_grammar_starts_after_the_reasoning_and_waits_for_it
     assert EOS in allowed(grammar)  # a free answer may end here
     feed(grammar, tokenizer, call.trigger_token_id)
     assert EOS not in allowed(grammar)  # the trigger came: a call must follow
-    assert not feed(grammar, tokenizer, '\n{"name": "f", "arguments": {"a": 1}}\n', tokenizer.token_to_id("</tool_call>"))
+    close = tokenizer.token_to_id("</tool_call>")
+    assert not feed(grammar, tokenizer, '\n{"name": "f", "arguments": {"a": 1}}\n', close)
     assert EOS in allowed(grammar)
     with pytest.raises(GrammarRejected):  # once triggered, no other function
         feed(compiler.matcher(params), tokenizer, "</think>", call.trigger_token_id, '\n{"name": "g"')
