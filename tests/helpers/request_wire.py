@@ -7,7 +7,8 @@ spells a case as one format names its fields, and `Outcome.field` reads an error
 the shared name. Tools, a named tool choice and a JSON schema format are written in a case as the
 Responses API writes them (flat: `{"type": "function", "name": ...}`); chat completions nest them
 (`{"type": "function", "function": {...}}`, `{"type": "json_schema", "json_schema": {...}}`). The
-spellings are written here from the APIs' documentation, apart from the server's field maps: the tests compare the server against this table, not against itself.
+spellings are written here from the APIs' documentation, apart from the server's field maps: the tests
+compare the server against this table, not against itself.
 
 `RecordingEngineThread` is the engine thread these tests run the server on: it keeps the
 `SamplingParams` of every submission and answers each at once (every sample ends, with no text), so
