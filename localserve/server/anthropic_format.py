@@ -6,33 +6,173 @@ Every field of the request is honoured, ignored for a stated reason, or refused 
 is an `unknown_parameter`. `temperature`, `top_p` and `top_k` are honoured for the clients that still
 send them (the `anthropic` SDK 2.x has no arguments for them: send them with `extra_body`), by the
 shared rules (temperature up to 2, where Anthropic stops at 1). `output_config.format` (a JSON schema)
-constrains the answer. `tools`, `tool_choice` other than auto or none, `thinking` other than disabled, and
-`tool_use` and `tool_result` blocks are refused like any block that is not text, until the output side of
-tool calls and reasoning exists.
+constrains the answer. `tools` (custom tools: name, description, input_schema) and `tool_choice` (auto,
+any, tool, none; `disable_parallel_tool_use`) become the shared tool fields; an assistant's `tool_use`
+blocks become its calls and a user's `tool_result` blocks the tool messages before its text, as chat
+completions spell them; earlier `thinking` blocks are dropped (templates drop earlier reasoning).
+`thinking` enabled or disabled turns the model's reasoning on or off where its template can
+(`budget_tokens` is not enforced: the reasoning ends when the model ends it, within `max_tokens`); left
+out, the template's default holds.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from localserve.server import request_fields as fields
-from localserve.server.request_messages import MessageFormat
-from localserve.server.request_model import OutputFormat
-from localserve.server.validation import ProtocolError, check_type, check_value, shown
+from localserve.server.request_messages import MessageFormat, parse_messages
+from localserve.server.request_model import OutputFormat, ReasoningChoice
+from localserve.server.validation import ProtocolError, check_length, check_type, check_value, shown
+from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 
-ANTHROPIC_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True,
-                                   refused_roles={"system": "the system prompt is the top-level 'system' field",
-                                                  "developer": "the system prompt is the top-level 'system' field"})
+SYSTEM_FIELD = "the system prompt is the top-level 'system' field"
+# the messages once their tool blocks are spelled as chat completions spell calls and results
+ANTHROPIC_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True, tool_turns="chat",
+                                   refused_roles={"system": SYSTEM_FIELD, "developer": SYSTEM_FIELD})
 NO_ACCOUNTS = "there are no accounts"
-NO_TOOLS_YET = "tool use is not served on the Messages API yet"
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool", naming one
+DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # an earlier turn's reasoning: templates drop it
 
 
-def _auto_or_none(tool_choice: dict[str, Any]) -> bool:
-    return tool_choice.get("type") in ("auto", "none")
+class AnthropicMessages(fields.Field):
+    """`messages` of text, `tool_use`, `tool_result` and `thinking` blocks (module doc)."""
+
+    stage = fields.Stage.INPUT
+    required = True
+    shared = "input"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        if isinstance(value, list):
+            check_length(value, param, draft.limits.max_input_items)
+            value = [spelled for index, message in enumerate(value)
+                     for spelled in _chat_messages(message, f"{param}[{index}]")]
+        draft.set("input_messages", parse_messages(value, param, ANTHROPIC_MESSAGES, draft.limits), param)
 
 
-def _disabled(thinking: dict[str, Any]) -> bool:
-    return thinking.get("type") == "disabled"
+def _chat_messages(message: Any, where: str) -> list[Any]:
+    """One Anthropic message as chat completions' messages: a user's tool results first, each its own."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return [message]
+    role = message.get("role")
+    texts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for number, block in enumerate(content):
+        at = f"{where}.content[{number}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append({"type": "text", "text": check_type(block, "text", str, f"{at}.text") or ""})
+        elif kind in DROPPED_BLOCKS and role == "assistant":
+            continue
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            results.append({"role": "tool", "content": _result_text(block.get("content", ""), f"{at}.content"),
+                            "tool_call_id": block.get("tool_use_id")})
+        else:
+            raise ProtocolError("unsupported_value", f"'{at}' must be a text block{_blocks_of(role)}: "
+                                f"this server takes no {shown(kind)} block here", at)
+    if role == "assistant":
+        return [{"role": "assistant", "content": texts, **({"tool_calls": calls} if calls else {})}]
+    return results + ([{**message, "content": texts}] if texts or not results else [])
+
+
+def _blocks_of(role: Any) -> str:
+    return {"assistant": ", tool_use or thinking", "user": " or tool_result"}.get(role, "")
+
+
+def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
+    call_input = block.get("input", {})
+    if not isinstance(call_input, dict):
+        raise ProtocolError("invalid_type", f"'{at}.input' must be an object", f"{at}.input")
+    return {"id": block.get("id"), "type": "function",
+            "function": {"name": block.get("name"), "arguments": json.dumps(call_input)}}
+
+
+def _result_text(content: Any, at: str) -> str:
+    """A tool result's content: a string, or text blocks joined (`is_error` is left to the text to say)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ProtocolError("invalid_type", f"'{at}' must be a string or an array of text blocks", at)
+    texts = []
+    for number, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise ProtocolError("unsupported_value", f"'{at}[{number}]' must be a text block: this server "
+                                "takes text only", f"{at}[{number}]")
+        texts.append(check_type(block, "text", str, f"{at}[{number}].text") or "")
+    return "".join(texts)
+
+
+class AnthropicTools(fields.Field):
+    """`tools`: custom tools (`name`, `description`, `input_schema`); Anthropic's server tools (web search,
+    code execution, ...) are refused, naming the tool."""
+
+    shared = "tools"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        value = check_value(value, list, param)
+        check_length(value, param, draft.limits.max_tools)
+        specs = []
+        for index, tool in enumerate(value):
+            where = f"{param}[{index}]"
+            if not isinstance(tool, dict):
+                raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
+            if tool.get("type", "custom") != "custom":
+                raise ProtocolError("unsupported_value", f"'{where}.type' {shown(tool.get('type'))} is not "
+                                    "supported: only custom tools (the client runs them) exist here", f"{where}.type")
+            function = {"name": tool.get("name"), "description": tool.get("description"),
+                        "parameters": tool.get("input_schema")}
+            try:
+                specs.append(ToolSpec.from_openai({"type": "function", "function": function}))
+            except ChatFormatError as error:
+                named = {"function.parameters": "input_schema"}.get(error.field, error.field.removeprefix("function."))
+                at = where if named == "function" else f"{where}.{named}"
+                raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
+        draft.set("tools", tuple(specs), param)
+
+
+class AnthropicToolChoice(fields.Field):
+    """`tool_choice`: `{"type": "auto" | "any" | "none"}` or `{"type": "tool", "name"}`, with
+    `disable_parallel_tool_use` (at most one call)."""
+
+    shared = "tool_choice"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        value = check_value(value, dict, param)
+        kind = value.get("type")
+        if kind == "tool":
+            name = check_type(value, "name", str, f"{param}.name")
+            if name is None:
+                raise ProtocolError("invalid_type", f"'{param}.name' must be the name of one of the tools",
+                                    f"{param}.name")
+            draft.set("tool_choice", ToolChoice.function(name), param)
+            draft.set("tool_choice_name_param", f"{param}.name", param)
+        elif kind in TOOL_CHOICES:
+            draft.set("tool_choice", ToolChoice(TOOL_CHOICES[kind]), param)
+        else:
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'auto', 'any', 'tool' or 'none', got "
+                                f"{shown(kind)}", f"{param}.type")
+        if check_type(value, "disable_parallel_tool_use", bool, f"{param}.disable_parallel_tool_use"):
+            draft.set("parallel_tool_calls", False, param)
+
+
+class Thinking(fields.Field):
+    """`thinking`: `{"type": "enabled", "budget_tokens"}` (or "adaptive") thinks, `{"type": "disabled"}` does
+    not, where the template can switch it."""
+
+    shared = "reasoning"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        value = check_value(value, dict, param)
+        kind = value.get("type")
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'enabled', 'adaptive' or 'disabled', "
+                                f"got {shown(kind)}", f"{param}.type")
+        check_type(value, "budget_tokens", int, f"{param}.budget_tokens")
+        draft.set("reasoning", ReasoningChoice("none" if kind == "disabled" else "medium"), param)
 
 
 class JsonOutput(fields.Field):
@@ -80,13 +220,11 @@ class SystemPrompt(fields.Field):
 # The fields both endpoints take: the conversation, and what would change how it is rendered.
 PROMPT_FIELDS: dict[str, fields.Field] = {
     "model": fields.Required(fields.Text("model", bounded=True)),
-    "messages": fields.Messages(ANTHROPIC_MESSAGES),
+    "messages": AnthropicMessages(),
     "system": SystemPrompt(),
-    "tool_choice": fields.Refused(f"{NO_TOOLS_YET}, so nothing can be made to call one", _auto_or_none, dict,
-                                  order=0),
-    "tools": fields.Refused(f"{NO_TOOLS_YET}; send no tools", fields.is_empty, list, order=1),
-    "thinking": fields.Refused("extended thinking is not served on the Messages API yet; send "
-                               "{\"type\": \"disabled\"} or leave it out", _disabled, dict, order=3),
+    "tool_choice": AnthropicToolChoice(),
+    "tools": AnthropicTools(),
+    "thinking": Thinking(),
     "mcp_servers": fields.Refused("there are no MCP servers to reach", kind=list),
     "output_config": fields.Nested({"format": JsonOutput(),
                                     "effort": fields.Refused("the served model's effort is not set on this API",

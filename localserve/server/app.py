@@ -32,6 +32,7 @@ from websockets.http11 import Request, Response
 
 from localserve.loading.model_card import ModelCard
 from localserve.server.access import AccessPolicy, MonitorTickets, check_access
+from localserve.server.chat_turns import model_chat_format
 from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
 from localserve.server.context import (
     CLOSE_TIMEOUT_S,
@@ -65,7 +66,7 @@ class LocalServer:
         check_bind_safety(config)
         self.engine_thread, self.tokenizer = engine_thread, tokenizer
         self.model = ServedModel(config.model_alias or model_name, model_name, engine_thread.facts.max_model_len,
-                                 config.sampling_defaults, card or ModelCard())
+                                 config.sampling_defaults, model_chat_format(tokenizer), card or ModelCard())
         self.metrics = ServerMetrics(self.model.served_name)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
         self.responses = ResponseService(engine_thread, tokenizer, self.model, config, self.conversations,

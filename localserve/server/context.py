@@ -25,6 +25,7 @@ from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDef
 from localserve.server.connection_phases import PhaseBounds
 from localserve.server.request_model import RequestLimits
 from localserve.server.validation import ProtocolError, shown
+from localserve.tokenizer.chat_format import ChatFormat
 
 T = TypeVar("T")
 ENGINE_CALL_TIMEOUT_S = 30.0  # a snapshot or statistics call on the engine thread never takes longer
@@ -127,12 +128,14 @@ async def engine_result(future: Future[T]) -> T:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The model as clients see it: the names it answers to, its context, the sampling it defaults to."""
+    """The model as clients see it: the names it answers to, its context, the sampling it defaults to, and its
+    chat format (how it calls tools and reasons; None: its tokenizer has no chat template)."""
 
     served_name: str  # --alias, else the model's own name
     model_name: str
     max_model_len: int
     sampling_defaults: SamplingDefaults
+    chat_format: ChatFormat | None = None
     card: ModelCard = ModelCard()  # its files and shape, for Ollama's and llama.cpp's model endpoints
 
     def check(self, model: str | None) -> None:
@@ -143,5 +146,10 @@ class ServedModel:
 
     def describe(self) -> dict[str, Any]:
         """The model object of `/v1/models`."""
+        chat_format = self.chat_format
+        reasoning = chat_format.reasoning if chat_format is not None else None
         return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json()}
+                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json(),
+                "tool_call_format": chat_format.tool_format.name if chat_format is not None else None,
+                "reasoning": None if reasoning is None else {"format": reasoning.name,
+                                                             "can_disable": reasoning.can_disable}}

@@ -94,7 +94,8 @@ class HttpGeneration:
                     await exchange.respond_json(200, view.whole())
         finally:
             watcher.cancel()
-            exchange.model, exchange.tokens = stream.model, (stream.num_prompt_tokens, sum(stream.num_output_tokens))
+            num_output_tokens = sum(sample.num_output_tokens for sample in stream.samples)
+            exchange.model, exchange.tokens = stream.model, (stream.num_prompt_tokens, num_output_tokens)
             self.in_flight.discard(stream)
             if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
                 responses.abandon(stream)

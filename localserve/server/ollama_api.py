@@ -20,39 +20,26 @@ from localserve.server.ollama_events import OllamaView, load_answer
 from localserve.server.ollama_format import OLLAMA_CHAT, OLLAMA_GENERATE
 from localserve.server.request_fields import WireFormat
 from localserve.server.validation import ProtocolError
-from localserve.tokenizer.chat_format import detect_chat_format
-from localserve.tokenizer.errors import TokenizerError
+from localserve.tokenizer.chat_format import ChatFormat
 from localserve.tokenizer.tokenizer import Tokenizer
 
 # The Ollama release whose documented API this follows (/api/ps, /api/embed, `format` schemas, `think`).
 OLLAMA_API_VERSION = "0.9.0"
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"  # /api/ps: the model stays loaded while the server runs
-# Ollama's capabilities a chat template can have, beyond completion, and those this server honours on the
-# wire (tool calls and reasoning come with the OpenAI tool fields; until then a model lists neither).
-TEMPLATE_CAPABILITIES = ("tools", "thinking")
-HONOURED_CAPABILITIES: frozenset[str] = frozenset()
-
 SHOW = WireFormat({"model": fields.Required(fields.Text("model", bounded=True)),
                    "name": fields.Text("model", bounded=True),  # Ollama's older spelling
                    "verbose": fields.Ignored("model_info holds no token lists, verbose or not", bool)})
 
 
-def template_capabilities(tokenizer: Tokenizer) -> set[str]:
-    """What the model's chat template can do beyond completion: `tools` where it renders tools, `thinking`
-    where it reasons (tokenizer/chat_format.py)."""
-    template = tokenizer.chat_template
-    if not template:
-        return set()
-    try:
-        reasons = detect_chat_format(tokenizer).reasoning is not None
-    except TokenizerError:
-        reasons = False
-    return {name for name, can in (("tools", "tools" in template), ("thinking", reasons)) if can}
-
-
-def capabilities(template_can: set[str], honoured: frozenset[str] = HONOURED_CAPABILITIES) -> list[str]:
-    """Ollama's `capabilities` of the model: completion, and what its template can that the server honours."""
-    return ["completion", *(name for name in TEMPLATE_CAPABILITIES if name in template_can and name in honoured)]
+def capabilities(chat_format: ChatFormat | None) -> list[str]:
+    """Ollama's `capabilities` of the served model: completion; tools where it has a chat format (every format
+    can be offered tools: tokenizer/chat_format.py); thinking where that format reasons."""
+    found = ["completion"]
+    if chat_format is not None:
+        found.append("tools")
+        if chat_format.reasoning is not None:
+            found.append("thinking")
+    return found
 
 
 class OllamaApi:
@@ -61,7 +48,6 @@ class OllamaApi:
     def __init__(self, generation: HttpGeneration, model: ServedModel, facts: EngineFacts,
                  tokenizer: Tokenizer) -> None:
         self.generation, self.model, self.facts, self.tokenizer = generation, model, facts, tokenizer
-        self._capabilities: list[str] | None = None  # read from the template at the first /api/show
 
     def routes(self) -> dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]]:
         return {("GET", "/api/version"): self._version, ("GET", "/api/tags"): self._tags,
@@ -83,15 +69,13 @@ class OllamaApi:
     async def _show(self, exchange: HttpExchange) -> None:
         request = await self.generation.read(exchange, SHOW)
         self._check_model(request.model)
-        if self._capabilities is None:
-            self._capabilities = capabilities(template_capabilities(self.tokenizer))
         card, defaults = self.model.card, self.model.sampling_defaults
         parameters = [f"temperature {defaults.temperature:g}", f"top_k {defaults.top_k}",
                       f"top_p {defaults.top_p:g}", f"min_p {defaults.min_p:g}", f"num_ctx {self.model.max_model_len}"]
         await exchange.respond_json(200, {
             "modelfile": "", "parameters": "\n".join(parameters), "template": self.tokenizer.chat_template or "",
-            "details": self._details(), "model_info": dict(card.model_info), "capabilities": self._capabilities,
-            "modified_at": card.modified_at})
+            "details": self._details(), "model_info": dict(card.model_info),
+            "capabilities": capabilities(self.model.chat_format), "modified_at": card.modified_at})
 
     async def _chat(self, exchange: HttpExchange) -> None:
         await self._run(exchange, OLLAMA_CHAT, chat=True)

@@ -11,21 +11,20 @@ and is cut to the context when it is larger, as Ollama cuts it to what the model
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from localserve.server import request_fields as fields
-from localserve.server.request_messages import MessageFormat
-from localserve.server.request_model import OutputFormat
+from localserve.server.request_messages import MessageFormat, parse_messages
+from localserve.server.request_model import OutputFormat, ReasoningChoice
 from localserve.server.sampling_rules import INT64_MAX
-from localserve.server.validation import ProtocolError, check_value, shown
+from localserve.server.validation import ProtocolError, check_length, check_value, shown
 
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
-NO_TOOLS_YET = "tool calls are not served on Ollama's API yet"
-TOOLS_REFUSED = fields.Refused(f"{NO_TOOLS_YET}; send no tools", fields.is_empty, list, order=1)
-THINK_REFUSED = fields.Refused("thinking is not served on Ollama's API yet; send false or leave it out",
-                               fields.one_of(False), (bool, str), order=3)
-OLLAMA_MESSAGES = MessageFormat(text_parts=(), refused_roles={"tool": NO_TOOLS_YET},
-                                refused_fields=("images", "tool_calls", "thinking"), unused_text_fields=("tool_name",))
+THINK_LEVELS = ("low", "medium", "high")  # `think` as a string (gpt-oss); true thinks at the template's default
+# Ollama's messages once their calls carry ids (chat completions' shape): what the shared parser reads
+OLLAMA_MESSAGES = MessageFormat(text_parts=(), refused_fields=("images",), unused_text_fields=("tool_name",),
+                                tool_turns="chat")
 HARDWARE = "set when the server starts (see localserve serve --help)"
 
 
@@ -78,6 +77,78 @@ class TopK(fields.Field):
         if check_value(value, int, param) <= 0:
             value = INT64_MAX  # beyond any vocabulary: the filter keeps every token
         fields.Sampling("top_k").apply(value, param, draft)
+
+
+class OllamaMessages(fields.Field):
+    """`messages`, with Ollama's tool turns: an assistant's `tool_calls` are `{"function": {"name", "arguments":
+    {...}}}` with no id, and a `tool` message names the function it answers (`tool_name`) rather than a call.
+    Each call is given an id here and each result the id of the earliest unanswered call of its function (of
+    any function without `tool_name`), so the conversation reads as chat completions spell it. An earlier
+    turn's `thinking` is dropped, as templates drop earlier reasoning."""
+
+    stage = fields.Stage.INPUT
+    required = True
+    shared = "input"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        if isinstance(value, list):
+            check_length(value, param, draft.limits.max_input_items)
+            value = _with_call_ids(value, param)
+        draft.set("input_messages", parse_messages(value, param, OLLAMA_MESSAGES, draft.limits), param)
+
+
+def _with_call_ids(messages: list[Any], param: str) -> list[Any]:
+    unanswered: list[tuple[str, str]] = []  # (call id, function name), oldest first
+    spelled = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            spelled.append(message)
+            continue
+        message = {key: item for key, item in message.items() if key != "thinking"}
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            message["tool_calls"] = [_call(call, f"{param}[{index}].tool_calls[{number}]", f"call_{index}_{number}")
+                                     for number, call in enumerate(calls)]
+            unanswered += [(call["id"], call["function"]["name"]) for call in message["tool_calls"]]
+        elif message.get("role") == "tool":
+            name = message.get("tool_name")
+            match = next((pair for pair in unanswered if name is None or pair[1] == name), None)
+            if match is None:
+                where = f"{param}[{index}]"
+                raise ProtocolError("invalid_value", f"'{where}': the tool result answers no earlier call"
+                                    + (f" of {name!r}" if isinstance(name, str) else ""), where)
+            unanswered.remove(match)
+            message["tool_call_id"] = match[0]
+        spelled.append(message)
+    return spelled
+
+
+def _call(call: Any, where: str, call_id: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ProtocolError("invalid_type", f"'{where}' must be a call: {{\"function\": {{\"name\", \"arguments\"}}}}",
+                            where)
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, dict):
+        raise ProtocolError("invalid_type", f"'{where}.function.arguments' must be an object",
+                            f"{where}.function.arguments")
+    return {"id": call_id, "type": "function", "function": {"name": function.get("name"),
+                                                            "arguments": json.dumps(arguments)}}
+
+
+class Think(fields.Field):
+    """`think`: true or false (thinking on or off, where the template can switch it), or a level (low, medium,
+    high) for the templates that take one."""
+
+    shared = "reasoning"
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        value = check_value(value, (bool, str), param)
+        if isinstance(value, str) and value not in THINK_LEVELS:
+            raise ProtocolError("invalid_value", f"'{param}' must be true, false or one of "
+                                f"{', '.join(THINK_LEVELS)}, got {shown(value)}", param)
+        effort = value if isinstance(value, str) else "medium" if value else "none"
+        draft.set("reasoning", ReasoningChoice(effort), param)
 
 
 class GeneratePrompt(fields.Field):
@@ -135,15 +206,15 @@ COMMON: dict[str, fields.Field] = {
     "options": OPTIONS,
     "stream": fields.Flag("stream"),
     "format": AnswerFormat(),
-    "think": THINK_REFUSED,
+    "think": Think(),
     "keep_alive": fields.Ignored("the model stays loaded while the server runs (one model: nothing to unload)",
                                  (str, int, float)),
 }
 
 OLLAMA_CHAT = fields.WireFormat({
-    "messages": fields.Messages(OLLAMA_MESSAGES),
+    "messages": OllamaMessages(),
     **COMMON,
-    "tools": TOOLS_REFUSED,
+    "tools": fields.Tools(),
 }, stores=False, streams=True)
 
 OLLAMA_GENERATE = fields.WireFormat({

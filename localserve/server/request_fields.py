@@ -323,8 +323,8 @@ class Tools(Field):
             try:
                 specs.append(ToolSpec.from_openai(nested if self.flat else tool))
             except ChatFormatError as error:
-                named = error.field.removeprefix("function.") if self.flat and error.field != "type" else error.field
-                at = where if named == "function" else f"{where}.{named}"
+                named = error.field.removeprefix("function.") if self.flat else error.field
+                at = f"{where}.{named}"
                 raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
         draft.set("tools", tuple(specs), param)
 

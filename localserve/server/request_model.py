@@ -156,10 +156,11 @@ class GenerationRequest:
         the field (`/api/show` has no input) leaves it its shared name."""
         return self.wire_names.get(name, name)
 
-    def sampling_params(self, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults, max_tokens: int, **turn: Any) -> SamplingParams:
         """The engine's SamplingParams, `max_tokens` resolved against the prompt: the server's `defaults`
-        for temperature and the filters the request left out, SamplingParams' own for the rest. The
-        values passed the request's field rules, which are at least as strict as SamplingParams' checks."""
+        for temperature and the filters the request left out, SamplingParams' own for the rest; `turn`: the
+        fields the chat turn sets (grammar, reasoning_end, skip_special_tokens). The values passed the
+        request's field rules, which are at least as strict as SamplingParams' checks."""
         sampling = self.sampling
         chosen = {item.name: getattr(sampling, item.name) for item in dataclasses.fields(sampling)
                   if getattr(sampling, item.name) is not None}
@@ -167,5 +168,4 @@ class GenerationRequest:
             chosen["stop"] = list(chosen["stop"])
         server = {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
                   "min_p": defaults.min_p}
-        grammar = self.output_format.grammar() if self.output_format is not None else None
-        return SamplingParams(max_tokens=max_tokens, grammar=grammar, **(server | chosen))
+        return SamplingParams(max_tokens=max_tokens, **(server | chosen | turn))

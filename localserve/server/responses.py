@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from localserve.engine.outputs import RequestOutput
+from localserve.server.chat_turns import TurnPlan, check_tool_results, plan_turn
 from localserve.server.context import EngineAccess, ServedModel, ServerConfig
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
-from localserve.server.request_model import GenerationRequest
+from localserve.server.request_model import GenerationRequest, Message, message_chars
 from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError
+from localserve.tokenizer.tools import ChatFormatError
 
 OnUpdate = Callable[[ResponseStream], None]
 
@@ -34,7 +36,8 @@ class ChatTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -44,7 +47,7 @@ class _Run:
     """A response between submission and its end: what storing and metrics need."""
 
     stream: ResponseStream
-    conversation: list[dict[str, str]]  # the messages to store with the reply
+    conversation: list[Message]  # the messages to store with the reply
     owner: str  # the connection that asked
     on_update: OnUpdate
     arrival_time: float
@@ -73,10 +76,11 @@ class ResponseService:
                                 f"{config.max_running_responses} responses; retry later",
                                 error_type="rate_limit_error", status=429)
         conversation = self._conversation(request, owner)
-        prompt_ids = await self._prompt_ids(request, conversation)
-        params = request.sampling_params(self.model.sampling_defaults, self._max_tokens(request, len(prompt_ids)))
+        prompt_ids, plan = await self._prompt(request, conversation)
+        params = request.sampling_params(self.model.sampling_defaults, self._max_tokens(request, len(prompt_ids)),
+                                         **(self._engine_fields(request, plan) if request.generate else {}))
         stream = ResponseStream(request, params, new_id("resp"), self.model.served_name, len(prompt_ids),
-                                self._token_text)
+                                self._token_text, plan.parser if plan is not None and plan.parses else None)
         run = _Run(stream, conversation, owner, on_update, time.monotonic())
         loop = asyncio.get_running_loop()
         try:
@@ -84,6 +88,9 @@ class ResponseService:
                                lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
                                request_id=stream.response_id)
         except ValueError as exc:
+            grammar = params.grammar
+            if grammar is not None and plan is not None and str(exc).startswith(f"the {grammar.kind} grammar"):
+                raise ProtocolError("invalid_value", f"'{plan.grammar_field}': {exc}", plan.grammar_field) from None
             raise ProtocolError("invalid_request", str(exc)) from None
         self._runs[stream.response_id] = run
         return stream
@@ -91,11 +98,12 @@ class ResponseService:
     async def count_prompt_tokens(self, request: GenerationRequest, owner: str) -> int:
         """The tokens `request`'s prompt would take, rendered as `start` renders it, without running it."""
         self.model.check(request.model)
-        return len(await self._prompt_ids(request, self._conversation(request, owner)))
+        prompt_ids, _ = await self._prompt(request, self._conversation(request, owner))
+        return len(prompt_ids)
 
-    def _conversation(self, request: GenerationRequest, owner: str) -> list[dict[str, str]]:
+    def _conversation(self, request: GenerationRequest, owner: str) -> list[Message]:
         """The stored turns `previous_response_id` names, then the request's input; its size checked."""
-        history: list[dict[str, str]] = []
+        history: list[Message] = []
         if request.previous_response_id is not None:
             found = self.conversations.get(request.previous_response_id, owner)
             if found is None:
@@ -106,18 +114,31 @@ class ResponseService:
             history = found
         conversation = history + request.input_messages
         limit = self.config.limits.max_conversation_chars
-        num_chars = sum(len(message["content"]) for message in conversation) + len(request.instructions or "")
+        num_chars = sum(message_chars(message) for message in conversation) + len(request.instructions or "")
         if num_chars > limit:
             raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
                                 f"most {limit} are accepted: start a new one", request.wire_name("input"))
         return conversation
 
-    async def _prompt_ids(self, request: GenerationRequest, conversation: list[dict[str, str]]) -> list[int]:
+    async def _prompt(self, request: GenerationRequest, conversation: list[Message]) -> tuple[list[int],
+                                                                                             TurnPlan | None]:
+        """The prompt's token ids, and the chat turn's plan (None for a prompt tokenized as it is)."""
         if request.prompt is not None:
-            return await self._encode_text(request.prompt, request.wire_name("input"))
+            return await self._encode_text(request.prompt, request.wire_name("input")), None
+        check_tool_results(conversation, request.wire_name("input"))
+        plan = plan_turn(request, self.model.chat_format)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-        return await self._encode_chat(system + conversation, request.generate, request.wire_name("input"))
+        return await self._encode_chat(system + conversation, request.generate, request.wire_name("input"),
+                                       plan), plan
+
+    @staticmethod
+    def _engine_fields(request: GenerationRequest, plan: TurnPlan | None) -> dict[str, Any]:
+        """SamplingParams' fields of the turn; a prompt tokenized as it is (Ollama's raw) still gets the
+        answer's format as its grammar."""
+        if plan is not None:
+            return plan.engine_fields()
+        return {"grammar": request.output_format.grammar()} if request.output_format is not None else {}
 
     def cancel(self, stream: ResponseStream) -> None:
         """The client cancelled: its blocks go back at once; the response ends with its text so far."""
@@ -145,10 +166,20 @@ class ResponseService:
             self._store(run)
         run.on_update(stream)
 
-    async def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                           field: str) -> list[int]:
+    async def _encode_chat(self, messages: list[Message], add_generation_prompt: bool, field: str,
+                           plan: TurnPlan) -> list[int]:
+        """The prompt's ids: the messages, and the turn's tools and template variables when the model has a
+        chat format (tool turns converted as its template reads them)."""
+        template_inputs: dict[str, Any] = {}
+        if plan.turn is not None:
+            try:
+                inputs = plan.turn.chat_inputs(messages)
+            except ChatFormatError as error:
+                raise ProtocolError("invalid_value", f"'{field}': {error}", field) from None
+            messages, template_inputs = inputs.messages, {"tools": inputs.tools, **inputs.variables}
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_generation_prompt)
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_generation_prompt,
+                                                 **template_inputs)
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}", field) from None
@@ -217,6 +248,11 @@ class ResponseService:
     def _store(self, run: _Run) -> None:
         """Keep the conversation with its reply, so a follow-up can name this response."""
         stream = run.stream
-        reply = [{"role": "assistant", "content": stream.texts[0]}] if stream.texts else []
+        reply: list[Message] = []
+        if stream.samples:
+            sample = stream.samples[0]
+            reply = [{"role": "assistant", "content": sample.content}]
+            if sample.calls:
+                reply[0]["tool_calls"] = [call.message_call() for call in sample.calls]
         self.conversations.put(stream.response_id, run.conversation + reply,
                                      owner=None if stream.request.store else run.owner)

@@ -122,8 +122,8 @@ def test_the_sdk_raises_refusals_as_its_own_errors(server, client):
             model="tiny-chat", max_tokens=4, messages=MESSAGES)
     with pytest.raises(anthropic.BadRequestError) as raised:
         client.messages.create(model="tiny-chat", max_tokens=4, messages=MESSAGES,
-                               tools=[{"name": "f", "input_schema": {"type": "object"}}])
-    assert raised.value.body["error"]["param"] == "tools"
+                               tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    assert raised.value.body["error"]["param"] == "tools[0].type"
 
 
 @pytest.mark.parametrize("body, status, error_type, param", [
@@ -135,11 +135,14 @@ def test_the_sdk_raises_refusals_as_its_own_errors(server, client):
     ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400,
      "invalid_request_error", "messages[0].role"),
     ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]}, 400, "invalid_request_error",
+        {"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]}, 400, "invalid_request_error", "messages"),
+    ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, 400, "invalid_request_error", "messages[0].content[0]"),
+    ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid_request_error",
      "messages[0].content[0]"),
-    ({"model": "tiny-chat", "max_tokens": 4, "messages": MESSAGES, "thinking": {"type": "enabled",
-                                                                                "budget_tokens": 1024}},
-     400, "invalid_request_error", "thinking"),
+    ({"model": "tiny-chat", "max_tokens": 4, "messages": MESSAGES, "thinking": {"type": "sometimes"}},
+     400, "invalid_request_error", "thinking.type"),
     ({"model": "tiny-chat", "max_tokens": 4, "messages": MESSAGES, "tool_choice": {"type": "any"}}, 400,
      "invalid_request_error", "tool_choice"),
     ({"model": "tiny-chat", "max_tokens": 4, "messages": MESSAGES, "stop_sequences": [1]}, 400,

@@ -128,7 +128,7 @@ def test_tags_show_ps_and_version_describe_the_model(server, client, tiny_chat_m
     assert isinstance(shown, ollama.ShowResponse)
     assert shown.modelinfo["general.parameter_count"] == parameters
     assert shown.modelinfo["llama.context_length"] >= 512 and shown.modelinfo["general.architecture"] == "llama"
-    assert shown.capabilities == ["completion"]  # no tools in this template; tool calls are not served yet
+    assert shown.capabilities == ["completion", "tools"]  # a chat format (any can be offered tools), no reasoning
     assert shown.template == tiny_chat_llm.tokenizer.chat_template
     running = client.ps()
     assert [model.model for model in running.models] == ["tiny-chat"]
@@ -150,15 +150,16 @@ def test_a_request_with_nothing_to_say_loads_the_model(server):
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "llama3", "messages": CONVERSATION}, 404, "model"),
     ({"messages": CONVERSATION}, 400, "model"),
-    ({"model": "tiny-chat", "messages": CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
-    ({"model": "tiny-chat", "messages": CONVERSATION, "think": True}, 400, "think"),
+    ({"model": "tiny-chat", "messages": CONVERSATION, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
+    ({"model": "tiny-chat", "messages": CONVERSATION, "think": "max"}, 400, "think"),
     ({"model": "tiny-chat", "messages": CONVERSATION, "format": "yaml"}, 400, "format"),
     ({"model": "tiny-chat", "messages": CONVERSATION, "options": {"mirostat": 2}}, 400, "options.mirostat"),
     ({"model": "tiny-chat", "messages": CONVERSATION, "options": {"num_ctx": 0}}, 400, "options.num_ctx"),
     ({"model": "tiny-chat", "messages": CONVERSATION, "options": {"temperature": "hot"}}, 400, "options.temperature"),
     ({"model": "tiny-chat", "messages": CONVERSATION, "options": {"bogus": 1}}, 400, "options.bogus"),
-    ({"model": "tiny-chat", "messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0].role"),
+    ({"model": "tiny-chat", "messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0]"),
+    ({"model": "tiny-chat", "messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages[0].tool_calls[0].function.arguments"),
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400,
      "messages[0].images"),
 ])
