@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from localserve.engine.constraints import GrammarError
 from localserve.engine.outputs import RequestOutput
 from localserve.server.chat_turns import TurnPlan, check_tool_results, plan_turn
 from localserve.server.context import EngineAccess, ServedModel, ServerConfig
@@ -87,10 +88,9 @@ class ResponseService:
             self.engine.submit(prompt_ids, params,
                                lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
                                request_id=stream.response_id)
+        except GrammarError as exc:  # only a turn's grammar reaches the engine
+            raise ProtocolError("invalid_value", f"'{plan.grammar_field}': {exc}", plan.grammar_field) from None
         except ValueError as exc:
-            grammar = params.grammar
-            if grammar is not None and plan is not None and str(exc).startswith(f"the {grammar.kind} grammar"):
-                raise ProtocolError("invalid_value", f"'{plan.grammar_field}': {exc}", plan.grammar_field) from None
             raise ProtocolError("invalid_request", str(exc)) from None
         self._runs[stream.response_id] = run
         return stream
