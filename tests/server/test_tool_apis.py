@@ -1,0 +1,145 @@
+"""Tool calls over Anthropic's Messages API and Ollama's chat, on the tiny grammar model given Qwen2's chat
+template (Hermes calls, `<tool_call>` one token): a forced call comes back as a `tool_use` block the SDK
+parses (whole and streamed, its input an object valid under the tool's schema), the conversation goes on
+with the `tool_result`, and each API's tool turns render the same prompt as chat completions' spelling
+of the same conversation (the prompt token counts are equal)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import jsonschema
+import ollama
+import pytest
+
+from tests.helpers.server import make_llm, running_server
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "helpers" / "templates" / "qwen2.jinja"
+# bounded, so the random model's forced call ends well within max_tokens
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                           "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["city"], "additionalProperties": False}
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "the weather", "input_schema": SCHEMA}
+OPENAI_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                                "parameters": SCHEMA}}
+QUESTION = {"role": "user", "content": "weather in Paris?"}
+# Greedy, the random model pads a forced call with whitespace the call grammar allows before it until the
+# token limit; sampled, a call ends within 100 tokens four times in five (measured), so of ATTEMPTS sampled
+# at once (no seed on Anthropic's API) one fails to call only once in 10^5 runs or so.
+ATTEMPTS = 6
+SAMPLED = {"temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def server(grammar_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tool-model")
+    for path in grammar_model_dir.iterdir():
+        shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE.read_text()}))
+    with running_server(make_llm(folder, max_model_len=1024), model_alias="tool-model") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0,
+                             timeout=60) as client:
+        yield client
+
+
+def post(port: int, path: str, body: dict) -> dict:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert response.status == 200, answer
+    return answer
+
+
+def first_call(client, **fields):
+    """Of ATTEMPTS sampled forced calls made at once, the first that called (the others ran out of tokens)."""
+    def attempt(_):
+        return client.messages.create(model="tool-model", max_tokens=160, messages=[QUESTION],
+                                      tools=[ANTHROPIC_TOOL], extra_body=SAMPLED, **fields)
+
+    with ThreadPoolExecutor(ATTEMPTS) as pool:
+        messages = list(pool.map(attempt, range(ATTEMPTS)))
+    assert all(message.stop_reason in ("tool_use", "max_tokens") for message in messages)
+    return next(message for message in messages if message.stop_reason == "tool_use")
+
+
+def test_an_anthropic_tool_round_trip(server, client):
+    forced = first_call(client, tool_choice={"type": "tool", "name": "get_weather"})
+    calls = [block for block in forced.content if block.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id
+    jsonschema.validate(calls[0].input, SCHEMA)
+    conversation = [QUESTION, {"role": "assistant", "content": [block.model_dump() for block in forced.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                                  "content": "sunny, 21 C"}]}]
+    answer = client.messages.create(model="tool-model", max_tokens=5, messages=conversation, tools=[ANTHROPIC_TOOL],
+                                    tool_choice={"type": "none"}, extra_body={"temperature": 0})
+    assert answer.stop_reason in ("end_turn", "max_tokens") and [block.type for block in answer.content] == ["text"]
+    # the same conversation spelled as chat completions spell it reads the same prompt
+    reference = post(server.port, "/v1/chat/completions", {
+        "messages": [QUESTION, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": calls[0].id, "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": json.dumps(calls[0].input)}}]},
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 21 C"}],
+        "tools": [OPENAI_TOOL], "tool_choice": "none", "max_tokens": 5, "temperature": 0})
+    prompt_tokens = answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert prompt_tokens == reference["usage"]["prompt_tokens"]
+    assert answer.content[0].text == reference["choices"][0]["message"]["content"]
+    counted = client.messages.count_tokens(model="tool-model", messages=conversation, tools=[ANTHROPIC_TOOL],
+                                           tool_choice={"type": "none"})
+    assert counted.input_tokens == prompt_tokens
+
+
+def test_an_anthropic_tool_call_streamed(client):
+    def attempt(_):
+        with client.messages.stream(model="tool-model", max_tokens=160, messages=[QUESTION], tools=[ANTHROPIC_TOOL],
+                                    tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                    extra_body=SAMPLED) as stream:
+            return list(stream), stream.get_final_message()
+
+    with ThreadPoolExecutor(ATTEMPTS) as pool:
+        events, final = next(outcome for outcome in pool.map(attempt, range(ATTEMPTS))
+                             if outcome[1].stop_reason == "tool_use")
+    starts = [event.content_block for event in events if event.type == "content_block_start"]
+    calls = [block for block in final.content if block.type == "tool_use"]
+    assert [block.type for block in starts][-len(calls):] == ["tool_use"] * len(calls)
+    assert [(block.id, block.name) for block in starts if block.type == "tool_use"] == [
+        (block.id, block.name) for block in calls]
+    arguments = "".join(event.delta.partial_json for event in events
+                        if event.type == "content_block_delta" and event.delta.type == "input_json_delta")
+    assert len(calls) == 1 and json.loads(arguments) == calls[0].input  # one call at most: parallel use disabled
+    jsonschema.validate(calls[0].input, SCHEMA)
+
+
+def test_ollama_tool_turns_render_as_chat_completions_do(server):
+    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=60)
+    assert "tools" in client.show("tool-model").capabilities
+    arguments = {"city": "Paris", "days": 2}
+    # raw JSON: the ollama client rewrites a tool's schema into its own model (it drops maxLength and the like)
+    answer = ollama.ChatResponse.model_validate(post(server.port, "/api/chat", {
+        "model": "tool-model", "stream": False, "tools": [OPENAI_TOOL], "options": {"temperature": 0, "num_predict": 5},
+        "messages": [QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": arguments}}]},
+                     {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]}))
+    reference = post(server.port, "/v1/chat/completions", {
+        "messages": [QUESTION, {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1_0", "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": json.dumps(arguments)}}]},
+                     {"role": "tool", "tool_call_id": "call_1_0", "content": "sunny"}],
+        "tools": [OPENAI_TOOL], "max_tokens": 5, "temperature": 0})
+    assert answer.prompt_eval_count == reference["usage"]["prompt_tokens"]
+    message = reference["choices"][0]["message"]
+    assert answer.message.content == (message["content"] or "")
+    assert [call.function.name for call in answer.message.tool_calls or []] == [
+        call["function"]["name"] for call in message.get("tool_calls") or []]
