@@ -151,3 +151,15 @@ def test_each_request_leaves_one_log_line(caplog):
     assert len(lines) == 2
     assert lines[0].startswith("POST /api/chat model=served status=200 tokens=2 in, 2 out ")
     assert lines[1].startswith("GET /api/nope model=- status=404 tokens=- ")
+
+
+@pytest.mark.parametrize("headers, status", [({"Host": "evil.example"}, 403), ({"Origin": "http://evil.example"}, 403)])
+def test_host_and_origin_are_checked_on_the_new_paths_too(headers, status):
+    api = Api()
+    shapes = {"/api/chat": lambda error: error["error"],
+              "/v1/messages": lambda error: error["error"]["type"] == "permission_error",
+              "/tokenize": lambda error: error["error"]["message"]}
+    for path, read in shapes.items():
+        got, _, body = response(run(api.call("POST", path, CHAT, headers=headers)))
+        assert got == status and read(json.loads(body)), (path, body)
+    assert api.engine.submissions == []
