@@ -30,6 +30,9 @@ THINKING_TEMPLATE = HERMES_TEMPLATE.replace(
     "{% endif %}{% if messages[-1]")
 
 
+SINGLE_CHARACTERS = '{}[]":, 0123456789-.abcdefghijklmnopqrstuvwxyz'
+
+
 def hermes_call(name: str, arguments: dict) -> str:
     """One call as a Hermes model writes it."""
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
@@ -46,7 +49,10 @@ def write_tool_model(folder: Path, calls: list[str], answer: list[str], template
     assert len(set(data)) == len(data) and FIRST_PIECE + len(data) <= VOCAB, "pieces must differ and fit"
     ids = list(range(FIRST_PIECE, FIRST_PIECE + len(data)))
     call_ids, answer_ids = ids[:len(calls)], ids[len(calls):]
-    fillers = [f"<unused{i}>".encode() for i in range(FIRST_PIECE + len(data), VOCAB)]
+    # The rest of the vocabulary: single characters, so that any JSON a grammar forces can be spelled
+    singles = [char.encode() for char in SINGLE_CHARACTERS if char.encode() not in data]
+    fillers = singles[:VOCAB - FIRST_PIECE - len(data)]
+    fillers += [f"<unused{i}>".encode() for i in range(FIRST_PIECE + len(data) + len(fillers), VOCAB)]
     vocab = {token: i for i, token in enumerate(SPECIALS)}
     vocab.update({_byte_level(piece): i for i, piece in enumerate(data + fillers, start=FIRST_PIECE)})
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
