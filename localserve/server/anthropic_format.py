@@ -80,7 +80,9 @@ def _chat_messages(message: Any, where: str) -> list[Any]:
 
 
 def _blocks_of(role: Any) -> str:
-    return {"assistant": ", tool_use or thinking", "user": " or tool_result"}.get(role, "")
+    """The other blocks a message of `role` may hold (a role of the wrong JSON type is refused later)."""
+    return {"assistant": ", tool_use or thinking", "user": " or tool_result"}.get(role, "") if isinstance(
+        role, str) else ""
 
 
 def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:

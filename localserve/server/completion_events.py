@@ -76,7 +76,8 @@ class CompletionView:
     def _message(self, sample: SampleOutput) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": sample.content, "refusal": None}
         if sample.calls:
-            message["content"] = sample.content or None  # as OpenAI answers a turn of calls alone
+            # as OpenAI answers a turn of calls alone (whitespace around calls is no answer)
+            message["content"] = sample.content if sample.content.strip() else None
             message["tool_calls"] = [call.message_call() for call in sample.calls]
         if sample.reasoning:
             message["reasoning_content"] = message["reasoning"] = sample.reasoning

@@ -225,6 +225,18 @@ class ResponseStream:
             events.append(self._text_delta(self._last(index), text, entries))
         return events
 
+    def _settle_items(self) -> None:
+        """The items of a response answered whole (never drained): each sample's, in its order, all done."""
+        for index, sample in enumerate(self.samples):
+            sample.take_pending()
+            kinds = [("reasoning", None)] if sample.reasoning else []
+            kinds += [("message", None)] if sample.content or not sample.calls else []
+            kinds += [("function_call", number) for number in range(len(sample.calls))]
+            for kind, call in kinds:
+                item = OutputItem(kind, index, call)
+                item.done = True
+                self.items.append(item)
+
     def _last(self, sample: int) -> OutputItem | None:
         return next((item for item in reversed(self.items) if item.sample == sample), None)
 
@@ -302,6 +314,8 @@ class ResponseStream:
         request, params = self.request, self.params
         done = status != "in_progress"
         item_status = "completed" if status == "completed" else "incomplete"
+        if done and self.parsed and not self._started:
+            self._settle_items()
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,

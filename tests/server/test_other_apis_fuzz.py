@@ -92,10 +92,16 @@ fuzzed = st.one_of(
 too_large = st.integers(MAX_BODY_BYTES + 1, 2 * MAX_BODY_BYTES).map(lambda size: json.dumps({"x": "x" * size}).encode())
 raw_bodies = st.tuples(st.sampled_from([*OLLAMA_PATHS, *ANTHROPIC_PATHS, *LLAMA_CPP_PATHS]),
                        st.binary(max_size=40) | json_values.map(json.dumps).map(str.encode) | too_large)
-# drawn by weight: a third valid (so every kind of answer comes), half fuzzed fields, the rest raw bytes
+# drawn by weight: half valid (so every kind of answer comes, streams on both APIs among them), fuzzed
+# fields, raw bytes
+streamed_message = st.tuples(st.just("/v1/messages"), st.fixed_dictionaries({
+    "model": st.just("served"), "max_tokens": st.integers(1, 4), "stream": st.just(True),
+    "messages": st.just([{"role": "user", "content": "hello"}])}))
+streamed_chat = st.tuples(st.just("/api/chat"), st.fixed_dictionaries({
+    "model": st.just("served"), "messages": st.just([{"role": "user", "content": "hello"}])}))
 encoded = [strategy.map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
-           for strategy in (valid_chat, valid_generate, valid_message, fuzzed)]
-requests = st.sampled_from([*encoded[:3], encoded[3], encoded[3], encoded[3], raw_bodies]).flatmap(
+           for strategy in (valid_chat, valid_generate, valid_message, streamed_message, streamed_chat, fuzzed)]
+requests = st.sampled_from([*encoded[:5], encoded[5], encoded[5], encoded[5], encoded[5], raw_bodies]).flatmap(
     lambda chosen: chosen)
 
 
@@ -244,6 +250,9 @@ def test_other_api_bodies_never_break_the_server(server):
     ("/v1/messages/count_tokens", {"model": "served", "messages": [{"role": "user", "content": "hi"}],
                                    "max_tokens": 3}, 400, "max_tokens"),
     ("/detokenize", {"tokens": [10**20]}, 400, "tokens[0]"),
+    # found by the fuzzer (a 500): blocks in a message whose role is not a string
+    ("/v1/messages", {"model": "served", "max_tokens": 2, "messages": [{"role": [], "content": [None]}]}, 400,
+     "messages[0].content[0]"),
     ("/tokenize", {"content": ["a", "b"]}, 400, "content"),
 ])
 def test_each_bound_of_the_new_paths(server, path, body, status, param):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -28,11 +27,7 @@ ANTHROPIC_TOOL = {"name": "get_weather", "description": "the weather", "input_sc
 OPENAI_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
                                                 "parameters": SCHEMA}}
 QUESTION = {"role": "user", "content": "weather in Paris?"}
-# Greedy, the random model pads a forced call with whitespace the call grammar allows before it until the
-# token limit; sampled, a call ends within 100 tokens four times in five (measured), so of ATTEMPTS sampled
-# at once (no seed on Anthropic's API) one fails to call only once in 10^5 runs or so.
-ATTEMPTS = 6
-SAMPLED = {"temperature": 1.0}
+GREEDY = {"temperature": 0}  # a forced call of the random model ends in about 40 tokens
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +58,10 @@ def post(port: int, path: str, body: dict) -> dict:
     return answer
 
 
-def first_call(client, **fields):
-    """Of ATTEMPTS sampled forced calls made at once, the first that called (the others ran out of tokens)."""
-    def attempt(_):
-        return client.messages.create(model="tool-model", max_tokens=160, messages=[QUESTION],
-                                      tools=[ANTHROPIC_TOOL], extra_body=SAMPLED, **fields)
-
-    with ThreadPoolExecutor(ATTEMPTS) as pool:
-        messages = list(pool.map(attempt, range(ATTEMPTS)))
-    assert all(message.stop_reason in ("tool_use", "max_tokens") for message in messages)
-    return next(message for message in messages if message.stop_reason == "tool_use")
-
-
 def test_an_anthropic_tool_round_trip(server, client):
-    forced = first_call(client, tool_choice={"type": "tool", "name": "get_weather"})
+    forced = client.messages.create(model="tool-model", max_tokens=100, messages=[QUESTION], tools=[ANTHROPIC_TOOL],
+                                    tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    assert forced.stop_reason == "tool_use"
     calls = [block for block in forced.content if block.type == "tool_use"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id
     jsonschema.validate(calls[0].input, SCHEMA)
@@ -84,7 +69,7 @@ def test_an_anthropic_tool_round_trip(server, client):
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
                                                   "content": "sunny, 21 C"}]}]
     answer = client.messages.create(model="tool-model", max_tokens=5, messages=conversation, tools=[ANTHROPIC_TOOL],
-                                    tool_choice={"type": "none"}, extra_body={"temperature": 0})
+                                    tool_choice={"type": "none"}, extra_body=GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens") and [block.type for block in answer.content] == ["text"]
     # the same conversation spelled as chat completions spell it reads the same prompt
     reference = post(server.port, "/v1/chat/completions", {
@@ -102,15 +87,15 @@ def test_an_anthropic_tool_round_trip(server, client):
 
 
 def test_an_anthropic_tool_call_streamed(client):
-    def attempt(_):
-        with client.messages.stream(model="tool-model", max_tokens=160, messages=[QUESTION], tools=[ANTHROPIC_TOOL],
-                                    tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                    extra_body=SAMPLED) as stream:
-            return list(stream), stream.get_final_message()
-
-    with ThreadPoolExecutor(ATTEMPTS) as pool:
-        events, final = next(outcome for outcome in pool.map(attempt, range(ATTEMPTS))
-                             if outcome[1].stop_reason == "tool_use")
+    fields = {"model": "tool-model", "max_tokens": 100, "messages": [QUESTION], "tools": [ANTHROPIC_TOOL],
+              "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "extra_body": GREEDY}
+    whole = client.messages.create(**fields)
+    with client.messages.stream(**fields) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    assert [block.model_dump(exclude={"id"}) for block in final.content] == [
+        block.model_dump(exclude={"id"}) for block in whole.content]
     starts = [event.content_block for event in events if event.type == "content_block_start"]
     calls = [block for block in final.content if block.type == "tool_use"]
     assert [block.type for block in starts][-len(calls):] == ["tool_use"] * len(calls)
