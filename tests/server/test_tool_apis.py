@@ -2,7 +2,10 @@
 template (Hermes calls, `<tool_call>` one token): a forced call comes back as a `tool_use` block the SDK
 parses (whole and streamed, its input an object valid under the tool's schema), the conversation goes on
 with the `tool_result`, and each API's tool turns render the same prompt as chat completions' spelling
-of the same conversation (the prompt token counts are equal)."""
+of the same conversation (the prompt token counts are equal). On a scripted thinking model
+(tests/helpers/tool_models.py), whole round trips under tool_choice auto on both APIs: thinking, two calls
+(Ollama's each whole, arguments as objects; Anthropic's tool_use blocks), the results sent back, the
+thinking and the answer."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import ollama
 import pytest
 
 from tests.helpers.server import make_llm, running_server
+from tests.helpers.tool_models import THINKING_TEMPLATE, hermes_call, write_tool_model
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "helpers" / "templates" / "qwen2.jinja"
 # bounded, so the random model's forced call ends well within max_tokens
@@ -128,3 +132,64 @@ def test_ollama_tool_turns_render_as_chat_completions_do(server):
     assert answer.message.content == (message["content"] or "")
     assert [call.function.name for call in answer.message.tool_calls or []] == [
         call["function"]["name"] for call in message.get("tool_calls") or []]
+
+
+# ---------------------------------------------------------------------------------- a scripted thinking model
+# tests/helpers/tool_models.py: it thinks, calls get_weather and get_time, and after the results thinks and answers
+WEATHER = hermes_call("get_weather", {"city": "Paris"})
+TIME = hermes_call("get_time", {"zone": "CET"})
+SCRIPT_CALLS = ["<think>\nI should look.\n</think>\n\n", WEATHER, "\n", TIME]
+SCRIPT_ANSWER = ["<think>\nBoth came.\n</think>\n\n", "It is sunny ", "at noon."]
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {key: {"type": "string"}}, "required": [key]}}}
+    for name, key in (("get_weather", "city"), ("get_time", "zone"))]
+EXPECTED_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+ASK = [{"role": "user", "content": "what is the weather in paris and what time is it there"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory, server):  # after `server`: one engine thread at a time
+    folder = tmp_path_factory.mktemp("scripted-tools")
+    write_tool_model(folder, SCRIPT_CALLS, SCRIPT_ANSWER, THINKING_TEMPLATE)
+    with running_server(make_llm(folder, max_model_len=1024), model_alias="tools") as scripted:
+        yield scripted
+
+
+def test_an_ollama_tool_round_trip_with_thinking(scripted):
+    client = ollama.Client(host=f"http://127.0.0.1:{scripted.port}", timeout=60)
+    assert client.show("tools").capabilities == ["completion", "tools", "thinking"]
+    reference = post(scripted.port, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "temperature": 0})
+    called = client.chat(model="tools", messages=ASK, tools=TOOLS, options={"temperature": 0})
+    assert [(call.function.name, dict(call.function.arguments)) for call in called.message.tool_calls] == EXPECTED_CALLS
+    assert called.message.thinking == reference["choices"][0]["message"]["reasoning_content"] == "I should look."
+    streamed = list(client.chat(model="tools", messages=ASK, tools=TOOLS, options={"temperature": 0}, stream=True))
+    assert [(call.function.name, dict(call.function.arguments)) for part in streamed
+            for call in part.message.tool_calls or ()] == EXPECTED_CALLS  # each call whole, once
+    assert "".join(part.message.thinking or "" for part in streamed) == called.message.thinking
+    results = [{"role": "tool", "content": text, "tool_name": name}
+               for name, text in (("get_weather", "sunny"), ("get_time", "noon"))]
+    answer = client.chat(model="tools", tools=TOOLS, options={"temperature": 0},
+                         messages=[*ASK, called.message.model_dump(exclude_none=True), *results])
+    assert (answer.message.thinking, answer.message.content) == ("Both came.", "It is sunny at noon.")
+    assert not answer.message.tool_calls
+
+
+def test_an_anthropic_tool_round_trip_with_thinking(scripted):
+    tools = [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{scripted.port}", api_key="unused", max_retries=0) as sdk:
+        fields = {"model": "tools", "max_tokens": 200, "messages": ASK, "tools": tools, "extra_body": GREEDY}
+        called = sdk.messages.create(**fields)
+        with sdk.messages.stream(**fields) as stream:
+            final = stream.get_final_message()
+        assert [block.type for block in called.content] == ["thinking", "tool_use", "tool_use"]
+        assert called.stop_reason == final.stop_reason == "tool_use" and called.content[0].thinking == "I should look."
+        assert [(block.name, block.input) for block in called.content[1:]] == EXPECTED_CALLS
+        assert [block.model_dump(exclude={"id"}) for block in final.content] == [
+            block.model_dump(exclude={"id"}) for block in called.content]
+        results = [{"type": "tool_result", "tool_use_id": block.id, "content": text}
+                   for block, text in zip(called.content[1:], ("sunny", "noon"))]
+        answer = sdk.messages.create(**{**fields, "messages": [
+            *ASK, {"role": "assistant", "content": [block.model_dump() for block in called.content]},
+            {"role": "user", "content": results}]})
+    assert [block.type for block in answer.content] == ["thinking", "text"] and answer.stop_reason == "end_turn"
+    assert (answer.content[0].thinking, answer.content[1].text) == ("Both came.", "It is sunny at noon.")
