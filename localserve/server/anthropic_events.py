@@ -149,7 +149,8 @@ class AnthropicView:
         token_ids = stream.final_token_ids[0] if stream.final_token_ids else None
         if stream.params.stop and token_ids:
             whole = self.decode(token_ids)
-            met = [stop for stop in stream.params.stop if whole.startswith(stop, len(sample.content))]
+            # the engine's text (reasoning, answer and calls alike) ends where the stop string began
+            met = [stop for stop in stream.params.stop if whole.startswith(stop, stream.output_chars[0])]
             if met:
                 return "stop_sequence", min(met, key=len)
         return "end_turn", None

@@ -74,6 +74,7 @@ class ResponseStream:
         # Plain samples have their message from the start; parsed ones open items as their events come.
         self.items = [] if self.parsed else [OutputItem("message", index) for index in range(num_samples)]
         self.final_token_ids: list[list[int] | None] = [None] * num_samples  # each sample's tokens once it ends
+        self.output_chars = [0] * num_samples  # the characters of text the engine gave each sample, all parts
         self.num_cached_tokens = 0
         # when the response began, its first output token came and it ended (time.monotonic)
         self.started_at = time.monotonic()
@@ -123,6 +124,7 @@ class ResponseStream:
         for completion in output.outputs[:len(self.samples)]:
             sample = self.samples[completion.index]
             sample.feed(completion.delta_text)
+            self.output_chars[completion.index] += len(completion.delta_text)
             sample.num_output_tokens = len(completion.token_ids)
             sample.num_reasoning_tokens = completion.num_reasoning_tokens
             sample.finish_reason = completion.finish_reason

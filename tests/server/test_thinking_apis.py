@@ -64,6 +64,10 @@ def test_thinking_comes_apart_from_the_answer_on_every_api(server):
                       if event.type == "content_block_delta" and event.delta.type == "thinking_delta"]
             final = stream.get_final_message()
         assert "".join(deltas) == final.content[0].thinking == message.content[0].thinking
+        stop = message.content[0].thinking.split()[2]  # a word the model says while it thinks
+        stopped = sdk.messages.create(model="thinker", max_tokens=8, messages=MESSAGES, stop_sequences=[stop],
+                                      extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 99})
+        assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
         off = sdk.messages.create(model="thinker", max_tokens=8, messages=MESSAGES, extra_body={"temperature": 0},
                                   thinking={"type": "disabled"})
     unthinking = client.chat(model="thinker", messages=MESSAGES, think=False, options=options)
