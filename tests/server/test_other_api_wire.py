@@ -66,6 +66,12 @@ def test_ollama_format_becomes_the_engines_grammar(answer_format, kind):
     assert (params.grammar.kind if params.grammar is not None else None) == kind
 
 
+def test_ollama_format_holds_for_a_raw_prompt_too():
+    params = submitted_params(Api(), "/api/generate", {"model": "served", "prompt": "hi", "raw": True,
+                                                       "stream": False, "format": SCHEMA})
+    assert params.grammar is not None and params.grammar.kind == "json_schema"
+
+
 def test_anthropic_fields_become_the_engines_sampling_and_grammar():
     params = submitted_params(Api(), "/v1/messages", {**MESSAGE, "temperature": 0.3, "top_p": 0.8, "top_k": 5,
                                                       "stop_sequences": ["x", "y"], "output_config": {
