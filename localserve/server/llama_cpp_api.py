@@ -123,9 +123,9 @@ class LlamaCppApi:
         await exchange.respond_json(200, {"prompt": prompt})
 
     async def _props(self, exchange: HttpExchange) -> None:
-        defaults = self.model.sampling_defaults
+        defaults = self.model.sampling_defaults  # a top_k that is off is llama.cpp's 0
         params = {"n_predict": self.config.default_max_output_tokens, "temperature": defaults.temperature,
-                  "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": defaults.min_p, "seed": -1,
+                  "top_k": defaults.top_k or 0, "top_p": defaults.top_p, "min_p": defaults.min_p, "seed": -1,
                   "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [],
                   "max_tokens": self.config.default_max_output_tokens, "stream": False, "n_probs": 0}
         await exchange.respond_json(200, {

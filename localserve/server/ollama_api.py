@@ -70,8 +70,9 @@ class OllamaApi:
         request = await self.generation.read(exchange, SHOW)
         self._check_model(request.model)
         card, defaults = self.model.card, self.model.sampling_defaults
-        parameters = [f"temperature {defaults.temperature:g}", f"top_k {defaults.top_k}",
-                      f"top_p {defaults.top_p:g}", f"min_p {defaults.min_p:g}", f"num_ctx {self.model.max_model_len}"]
+        top_k = [f"top_k {defaults.top_k}"] if defaults.top_k is not None else []  # None: off, so not set
+        parameters = [f"temperature {defaults.temperature:g}", *top_k, f"top_p {defaults.top_p:g}",
+                      f"min_p {defaults.min_p:g}", f"num_ctx {self.model.max_model_len}"]
         await exchange.respond_json(200, {
             "modelfile": "", "parameters": "\n".join(parameters), "template": self.tokenizer.chat_template or "",
             "details": self._details(), "model_info": dict(card.model_info),

@@ -12,6 +12,7 @@ import logging
 
 import pytest
 
+from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.sampling_rules import INT64_MAX
 from tests.helpers.http_api import API_KEY, Api, response, run
 
@@ -169,3 +170,13 @@ def test_host_and_origin_are_checked_on_the_new_paths_too(headers, status):
         got, _, body = response(run(api.call("POST", path, CHAT, headers=headers)))
         assert got == status and read(json.loads(body)), (path, body)
     assert api.engine.submissions == []
+
+
+def test_a_top_k_that_is_off_is_written_as_each_api_writes_off():
+    api = Api(sampling_defaults=SamplingDefaults(temperature=0.0))  # top_k None: off (the default model's)
+    api.tokenizer.chat_template = ""  # the played tokenizer has no template
+    status, _, body = response(run(api.call("POST", "/api/show", {"model": "served"})))
+    assert status == 200 and json.loads(body)["parameters"].splitlines() == [
+        "temperature 0", "top_p 1", "min_p 0", "num_ctx 200"]  # Ollama lists the parameters that are set
+    status, _, body = response(run(api.call("GET", "/props")))
+    assert status == 200 and json.loads(body)["default_generation_settings"]["params"]["top_k"] == 0  # llama.cpp's off
