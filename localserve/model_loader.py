@@ -27,6 +27,7 @@ from localserve.engine.engine_thread import EngineThread
 from localserve.engine.sampling_params import SamplingParams
 from localserve.llm import LLM
 from localserve.loading.hf import resolve_model_path
+from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelCatalog, ModelEntry, find_model_paths, read_model_files
 from localserve.loading.sampling_defaults import SamplingDefaults, sampling_defaults
 
@@ -83,6 +84,7 @@ class LoadedEngine:
         self._llm: LLM | None = llm
         self.engine = EngineThread(llm.engine)
         self.tokenizer = llm.tokenizer
+        self.card = ModelCard.read(llm.model_path, llm.model_config)
         self.engine.start()
 
     def pool_is_clean(self) -> bool:

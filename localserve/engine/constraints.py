@@ -37,6 +37,11 @@ _EXCERPT = re.compile(r"^\s*(\d+ \|.*|\^+)\s*$")  # a numbered line of the gramm
 MAX_GAP = 4  # whitespace characters allowed between the reasoning block's end and the grammar
 
 
+class GrammarError(ValueError):
+    """A request's grammar cannot run on this model: it does not compile, or the model's tokenizer cannot
+    be read for grammars (the request is refused before it is added)."""
+
+
 class GrammarRejected(RuntimeError):
     """A sampled token the grammar does not allow: only a token that was not masked can be one."""
 
@@ -113,13 +118,17 @@ class GrammarCompiler:
         import llguidance
 
         if self._backend is None:
-            raise ValueError("a grammar needs the model's tokenizer, and this engine has none")
+            raise GrammarError("a grammar needs the model's tokenizer, and this engine has none")
         size = self._backend.get_vocab_size(with_added_tokens=True)
         if size > self.vocab_size:
-            raise ValueError(f"the tokenizer has {size} ids but the model's vocabulary only {self.vocab_size}: "
-                             f"grammars cannot be applied to this model")
-        tokenizer = llguidance.LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
-                                           eos_token=self._eos_ids or None)
+            raise GrammarError(f"the tokenizer has {size} ids but the model's vocabulary only {self.vocab_size}: "
+                               f"grammars cannot be applied to this model")
+        try:
+            tokenizer = llguidance.LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
+                                               eos_token=self._eos_ids or None)
+        except ValueError as exc:  # a tokenizer llguidance cannot read (say, one with no decoder)
+            raise GrammarError(f"grammars cannot be applied to this model: llguidance cannot read its tokenizer "
+                               f"({exc})") from None
         added = self._backend.get_added_tokens_decoder()
         special = frozenset(i for i in added if tokenizer.is_special_token(i))
         return Vocabulary(tokenizer, special, frozenset(tokenizer.eos_tokens))
@@ -137,7 +146,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(vocabulary.tokenizer, grammar, log_level=0,
                                        limits=llguidance.LLParserLimits(verbose_errors=False))
         if matcher.is_error():
-            raise ValueError(f"the {spec.kind} grammar does not compile: {_error_text(matcher.get_error())}")
+            raise GrammarError(f"the {spec.kind} grammar does not compile: {_error_text(matcher.get_error())}")
         with self._lock:
             self._compiled[key] = matcher
             while len(self._compiled) > self._cache_size:
@@ -160,10 +169,10 @@ def compose_grammar(spec: GrammarSpec, reasoning_end: str | None, vocabulary: Vo
         body = json.loads(spec.grammar)
         grammars = [dict(grammar) for grammar in body["grammars"]]
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"the {spec.kind} grammar is not llguidance's JSON (an object with a \"grammars\" "
+        raise GrammarError(f"the {spec.kind} grammar is not llguidance's JSON (an object with a \"grammars\" "
                          f"list)") from None
     if not grammars:
-        raise ValueError(f"the {spec.kind} grammar has no grammars")
+        raise GrammarError(f"the {spec.kind} grammar has no grammars")
     name = grammars[0].setdefault("name", BODY)
     rules: list[str] = []
     answer = f"@{name}"

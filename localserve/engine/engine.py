@@ -113,7 +113,7 @@ class LLMEngine:
         if isinstance(params, EmbeddingParams):
             return self._add_embedding_request(prompt_token_ids, params, request_id, arrival)
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
-                                 with_decoder=not params.beam_search)
+                                 with_decoder=not params.beam_search, skip_special_tokens=params.skip_special_tokens)
         seq.grammar = self.grammars.matcher(params)
         seq.in_reasoning = params.reasoning_end is not None
         request = Request(request_id, arrival, list(prompt_token_ids), params, [seq],
@@ -335,8 +335,9 @@ class LLMEngine:
         return seq.sampling_row
 
     def _new_sequence(self, token_ids: list[int], prompt_len: int, seed: int | None,
-                      with_decoder: bool = True) -> Sequence:
-        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None and with_decoder else None
+                      with_decoder: bool = True, skip_special_tokens: bool = True) -> Sequence:
+        decoder = (self.tokenizer.stream_decoder(skip_special_tokens) if self.tokenizer is not None and with_decoder
+                   else None)
         return Sequence(next(self._seq_ids), prompt_len, token_ids, make_generator(seed, self.device),
                         decoder=decoder)
 
@@ -347,7 +348,8 @@ class LLMEngine:
         mid-way, are detokenized when they finish.
         """
         child = self._new_sequence(list(parent.token_ids), parent.prompt_len, seed,
-                                   with_decoder=parent.decoder is not None and not parent.output_token_ids)
+                                   with_decoder=parent.decoder is not None and not parent.output_token_ids,
+                                   skip_special_tokens=getattr(parent.decoder, "skip_special_tokens", True))
         child.num_computed_tokens = parent.num_computed_tokens
         child.cumulative_logprob = parent.cumulative_logprob
         child.logprobs, child.top_logprobs = list(parent.logprobs), list(parent.top_logprobs)

@@ -85,7 +85,8 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
     for index, seq in enumerate(seqs):
         text = seq.text
         if beam_search:
-            text = tokenizer.decode(seq.output_token_ids) if tokenizer and finished else ""
+            text = (tokenizer.decode(seq.output_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+                    if tokenizer and finished else "")
         num_visible = len(text)
         if hold_back and not (seq.finish_reason or finished):
             num_visible = min(num_visible, max(seq.num_emitted_chars, num_visible - hold_back))

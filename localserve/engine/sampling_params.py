@@ -40,6 +40,11 @@ class SamplingParams:
     it first ("stop", "stop", "length"). Not with beam_search. `reasoning_end` (e.g. "</think>") is the
     text that ends the model's reasoning block: the output before it is reasoning, where no grammar
     applies; the grammar starts after it. It needs the marker as text the detokenizer shows.
+
+    `skip_special_tokens` (True, as transformers decodes) leaves the special tokens' text out of the
+    output's text; False keeps it, for a chat format whose markers are special tokens (Mistral's
+    `[TOOL_CALLS]`, Llama's `<|python_tag|>`, a `</think>` added as special). An end-of-sequence or stop
+    token's text is left out either way.
     """
 
     temperature: float = 1.0
@@ -59,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
     reasoning_end: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,14 +1,15 @@
 """Who may talk to the server, decided from the HTTP request before anything else (no I/O here).
 
 `check_access` returns the refusal (status, code, message) or None:
-- one `Host`, `Origin` and `Authorization` header at most: a duplicate is ambiguous (400);
+- one `Host`, `Origin`, `Authorization` and `x-api-key` header at most: a duplicate is ambiguous (400);
 - the `Host` header must be `name[:port]` and name this server: a loopback name, an IP address, `--host`
   or one of `--allowed-hosts` (any case), so a DNS-rebinding page (whose Host is its own domain) can read
   nothing (403); the port is not checked (a port forward names the server by its own);
 - a browser `Origin` must be the server's own or one of `--allowed-origins`, compared as browsers compare
   origins: scheme, host and port, the first two in any case, a default port written or not (403);
 - with an API key, `Authorization: Bearer KEY`: the scheme in any case, then spaces, then exactly the
-  key's bytes (compared in constant time); nothing else carries the key (401).
+  key's bytes (compared in constant time), or `x-api-key: KEY` (exactly the key's bytes: Anthropic's
+  clients send it so); nothing else carries the key (401).
 
 Every name is matched whole, never as a prefix or suffix, and only over ASCII: a header value is
 decoded as ISO-8859-1, where Python sees whitespace (U+00A0, U+0085) that HTTP does not.
@@ -32,7 +33,7 @@ from http import HTTPStatus
 
 from websockets.datastructures import Headers
 
-SINGLE_HEADERS = ("Host", "Origin", "Authorization")
+SINGLE_HEADERS = ("Host", "Origin", "Authorization", "X-Api-Key")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # RFC 3986's host: an IPv6 literal in brackets, or a name of unreserved characters (which covers IPv4)
 URI_HOST = r"(?P<name>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)"
@@ -121,7 +122,7 @@ def check_access(headers: Headers, policy: AccessPolicy, needs_key: bool = True)
                        "server; start it with --allowed-origins to allow it")
     if needs_key and policy.api_key is not None and not _has_key(headers, policy.api_key):
         return Refusal(HTTPStatus.UNAUTHORIZED, "invalid_api_key", "missing or wrong API key: send "
-                       "'Authorization: Bearer KEY'")
+                       "'Authorization: Bearer KEY' or 'x-api-key: KEY'")
     return None
 
 
@@ -129,7 +130,10 @@ def _has_key(headers: Headers, api_key: str) -> bool:
     # RFC 9110 11.4: credentials = auth-scheme 1*SP token; the parser has stripped whitespace around the value
     scheme, _, token = headers.get("Authorization", "").partition(" ")
     # the value holds the bytes as sent (decoded as ISO-8859-1); the key is sent as UTF-8
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode("latin-1"), api_key.encode())
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode("latin-1"), api_key.encode()):
+        return True
+    x_api_key = headers.get("X-Api-Key")
+    return x_api_key is not None and hmac.compare_digest(x_api_key.encode("latin-1"), api_key.encode())
 
 
 class MonitorTickets:

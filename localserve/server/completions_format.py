@@ -16,12 +16,12 @@ from localserve.server import request_fields as fields
 from localserve.server.request_messages import MessageFormat
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+LEGACY_FUNCTIONS = "the deprecated functions API is not supported; send tools and tool_choice"
 CHAT_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True,
-                                     refused_roles={"tool": fields.NEVER_CALLS_TOOLS,
-                                                    "function": fields.NEVER_CALLS_TOOLS},
-                                     refused_fields=("tool_calls", "function_call", "audio"),
+                                     refused_roles={"function": LEGACY_FUNCTIONS},
+                                     refused_fields=("function_call", "audio"),
                                      unused_text_fields=("name", "refusal"),  # the templates use neither
-                                     null_assistant_content=True)
+                                     null_assistant_content=True, tool_turns="chat")
 TEXT_ONLY = "the server answers in text only"
 
 
@@ -51,12 +51,13 @@ CHAT_COMPLETIONS = fields.WireFormat({
     "max_completion_tokens": fields.Sampling("max_tokens", preferred=True),
     "logprobs": fields.LogprobsSwitch(),
     "top_logprobs": fields.Sampling("logprobs", needs_switch=True),
-    "tool_choice": fields.FORCED_TOOL_CHOICE_REFUSED,
-    "function_call": fields.FORCED_TOOL_CHOICE_REFUSED,
-    "tools": fields.TOOLS_REFUSED,
-    "functions": fields.TOOLS_REFUSED,
-    "response_format": fields.STRUCTURED_OUTPUT_REFUSED,
-    "reasoning_effort": fields.reasoning_refused(fields.one_of("none"), str),
+    "tools": fields.Tools(),
+    "tool_choice": fields.ToolChoiceField(),
+    "parallel_tool_calls": fields.Flag("parallel_tool_calls"),
+    "function_call": fields.Refused(LEGACY_FUNCTIONS, fields.one_of("auto", "none"), (str, dict)),
+    "functions": fields.Refused(LEGACY_FUNCTIONS, fields.is_empty, list),
+    "response_format": fields.OutputFormatField(),
+    "reasoning_effort": fields.ReasoningEffort(),
     "modalities": fields.Refused(TEXT_ONLY, _text_only, list),
     "audio": fields.Refused(TEXT_ONLY),
     "prediction": fields.Refused("predicted outputs are not used"),
@@ -66,7 +67,6 @@ CHAT_COMPLETIONS = fields.WireFormat({
     "store": fields.Ignored("chat completions are not stored; use /v1/responses with previous_response_id to "
                             "continue"),
     "metadata": fields.Ignored("chat completions are not stored, so there is nothing to tag"),
-    "parallel_tool_calls": fields.Ignored("no tools are accepted, so none is called"),
 }, stores=False)
 
 COMPLETIONS = fields.WireFormat({

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-Messages = list[dict[str, str]]
+from localserve.server.request_model import Message, message_chars
+
+Messages = list[Message]
 
 
 @dataclass
@@ -42,7 +44,7 @@ class ConversationStore:
 
     def put(self, response_id: str, messages: Messages, owner: str | None = None) -> bool:
         """Keep a conversation (`owner`: the connection of a store: false response); False if too large."""
-        num_chars = sum(len(message["content"]) for message in messages)
+        num_chars = sum(message_chars(message) for message in messages)
         if num_chars > self.max_chars:
             return False
         self._entries[response_id] = _Entry(messages, num_chars, owner)

@@ -1,39 +1,44 @@
-"""The HTTP side of the port: an ASGI app for OpenAI's HTTP API and the plain GETs.
+"""The HTTP side of the port: an ASGI app for OpenAI's HTTP API, the other APIs local clients speak, and
+the plain GETs.
 
 `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
 events or whole, by the model each names), `POST /v1/embeddings` and `/api/embed`
-(server/embeddings_api.py), `GET /health`, `/metrics`, `/v1/models` (every model served, with its status),
+(server/embeddings_api.py), Ollama's `/api/...` (server/ollama_api.py), Anthropic's `/v1/messages`
+(server/anthropic_api.py), llama.cpp's `/tokenize`, `/detokenize`, `/apply-template` and `/props`
+(server/llama_cpp_api.py), `GET /health`, `/metrics`, `/v1/models` (every model served, with its status),
 `/v1/models/{id}`, `/slots`, `POST /v1/monitor/ticket` (a single-use ticket for the monitor websocket),
 and the web page at `/` and under `/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False).
 Every request passes the same access checks as a websocket handshake (server/access.py; the page's files
-without the key, since the page must load to ask for it), then its body is read within
-bounds (server/http_exchange.py) and checked into the shared request model through its endpoint's
-field map (server/request_fields.py); the `ResponseService` runs it as it runs a websocket's
-response. A client that disconnects, or stops reading for `send_timeout_s`, has its response aborted
-at once.
+without the key, since the page must load to ask for it), then its body is read within bounds
+(server/http_exchange.py) and checked into the shared request model through its endpoint's field map
+(server/request_fields.py); the `ResponseService` runs it as it runs a websocket's response
+(server/http_generation.py). Errors take the shape of the path's API (server/api_errors.py). Each
+request leaves one log line: method, path, model, status, tokens in and out, time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
 from localserve.server.access import AccessPolicy, MonitorTickets, check_access
+from localserve.server.anthropic_api import AnthropicApi
+from localserve.server.api_errors import error_shape_for
 from localserve.server.completion_events import CompletionView
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
 from localserve.server.connection_phases import connection_limit_message
 from localserve.server.context import ServerConfig, engine_result
 from localserve.server.embeddings_api import EmbeddingRoutes
-from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
+from localserve.server.http_exchange import ClientGone, HttpExchange
+from localserve.server.http_generation import HttpGeneration, ResponsesView
+from localserve.server.llama_cpp_api import LlamaCppApi
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelRegistry
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, slots_json
-from localserve.server.request_fields import WireFormat, parse_request
-from localserve.server.request_model import GenerationRequest
-from localserve.server.response_events import ResponseStream, new_id
+from localserve.server.ollama_api import OllamaApi
 from localserve.server.responses import ResponseService
 from localserve.server.responses_format import RESPONSES_HTTP
 from localserve.server.validation import ProtocolError, shown
@@ -42,7 +47,7 @@ from localserve.server.web_ui import SECURITY_HEADERS, WebUi
 log = logging.getLogger(__name__)
 
 WEBSOCKET_PATHS = ("/v1/responses", "/v1/monitor")
-SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+Handler = Callable[[HttpExchange], Awaitable[None]]
 
 
 class HttpApi:
@@ -54,18 +59,28 @@ class HttpApi:
         self.config, self.access_policy, self.models = config, access_policy, models
         self.responses, self.metrics, self.monitor_tickets = responses, metrics, monitor_tickets
         self.web_ui = WebUi.from_package() if config.web_ui else None
-        self.in_flight: set[ResponseStream] = set()  # HTTP responses the engine is still running
+        self.generation = HttpGeneration(config, responses)
         self.shutting_down = False
-        self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
+        self.routes: dict[tuple[str, str], Handler] = {
             ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
             ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket,
-            **embeddings.routes()}
+            **embeddings.routes(),
+            **OllamaApi(self.generation, models).routes(),
+            **AnthropicApi(self.generation).routes(),
+            **LlamaCppApi(self.generation, models, config).routes()}
+
+    @property
+    def in_flight(self) -> set:
+        """The HTTP responses the engine is still running."""
+        return self.generation.in_flight
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app
             return
         exchange = HttpExchange(scope, receive, send, self.config.send_timeout_s)
+        exchange.error_shape = error_shape_for(exchange.path)
+        began = time.monotonic()
         try:
             await self._dispatch(exchange)
         except ClientGone:
@@ -77,12 +92,13 @@ class HttpApi:
             await self._answer_error(exchange, ProtocolError("server_error", f"the request failed: "
                                                              f"{type(exc).__name__}", error_type="server_error",
                                                              status=500))
+        finally:
+            log_request(exchange, time.monotonic() - began)
 
     def shut_down(self) -> None:
         """The server is stopping: end every HTTP response in flight (reason `server_shutdown`)."""
         self.shutting_down = True
-        for stream in list(self.in_flight):
-            self.responses.shut_down(stream)
+        self.generation.shut_down()
 
     async def _answer_error(self, exchange: HttpExchange, error: ProtocolError) -> None:
         if exchange.disconnected:
@@ -170,88 +186,24 @@ class HttpApi:
                              [*headers, (b"content-length", str(len(static.body)).encode())])
         await exchange.write(static.body, more=False)
 
-    # ------------------------------------------------------------------ generation
-    async def _request(self, exchange: HttpExchange, wire: WireFormat) -> GenerationRequest:
-        body = await exchange.read_json(self.config.max_message_bytes, self.config.http_body_timeout_s)
-        return parse_request(body, wire, self.config.limits)
-
+    # ------------------------------------------------------------------ OpenAI's generation
     async def _chat_completions(self, exchange: HttpExchange) -> None:
-        request = await self._request(exchange, CHAT_COMPLETIONS)
-        await self._generate(exchange, request, lambda stream: CompletionView(stream, chat=True,
-                                                                              include_usage=request.include_usage))
+        request = await self.generation.read(exchange, CHAT_COMPLETIONS)
+        await self.generation.run(exchange, request, lambda stream: CompletionView(
+            stream, chat=True, include_usage=request.include_usage))
 
     async def _completions(self, exchange: HttpExchange) -> None:
-        request = await self._request(exchange, COMPLETIONS)
-        await self._generate(exchange, request, lambda stream: CompletionView(stream, chat=False,
-                                                                              include_usage=request.include_usage))
+        request = await self.generation.read(exchange, COMPLETIONS)
+        await self.generation.run(exchange, request, lambda stream: CompletionView(
+            stream, chat=False, include_usage=request.include_usage))
 
     async def _responses(self, exchange: HttpExchange) -> None:
-        await self._generate(exchange, await self._request(exchange, RESPONSES_HTTP), None)
-
-    async def _generate(self, exchange: HttpExchange, request: GenerationRequest,
-                        make_view: Callable[[ResponseStream], CompletionView] | None) -> None:
-        """Run one response for this exchange; `make_view` shapes chat or text completions (None: Responses)."""
-        responses = self.responses
-        owner = new_id("http")  # a store: false response belongs to this request alone
-        wake = asyncio.Event()
-        stream = await responses.start(request, owner, lambda _: wake.set())
-        self.in_flight.add(stream)
-
-        async def watch_disconnect() -> None:
-            await exchange.wait_disconnect()
-            wake.set()
-
-        watcher = asyncio.create_task(watch_disconnect())
-        try:
-            view = make_view(stream) if make_view is not None else None
-            if request.stream:
-                await self._stream(exchange, stream, view, wake)
-            else:
-                while not stream.is_done and not exchange.disconnected:
-                    await wake.wait()
-                    wake.clear()
-                if not exchange.disconnected:
-                    await self._respond_whole(exchange, stream, view)
-        finally:
-            watcher.cancel()
-            self.in_flight.discard(stream)
-            if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
-                responses.abandon(stream)
-            responses.end_owner(owner)
-
-    async def _respond_whole(self, exchange: HttpExchange, stream: ResponseStream,
-                             view: CompletionView | None) -> None:
-        if view is None:  # a Responses object tells every outcome itself (failed, incomplete)
-            return await exchange.respond_json(200, stream.response_object(stream.status))
-        if view.ended_normally:
-            return await exchange.respond_json(200, view.completion())
-        raise _ending_error(stream)
-
-    async def _stream(self, exchange: HttpExchange, stream: ResponseStream, view: CompletionView | None,
-                      wake: asyncio.Event) -> None:
-        """Server-sent events as the engine produces them, coalesced while the client reads slower."""
-        await exchange.start(200, EVENT_STREAM, SSE_HEADERS)
-        while not exchange.disconnected:
-            done = stream.is_done  # read once: the stream may end while a write below awaits the client
-            if view is None:
-                pieces = [sse(event, event["type"]) for event in stream.drain()]
-            else:
-                pieces = [sse(chunk) for chunk in view.chunks()]
-            if done and view is not None:
-                if not view.ended_normally:
-                    pieces.append(sse(error_body(_ending_error(stream))))
-                pieces.append(sse("[DONE]"))
-            if pieces or done:
-                await exchange.write(b"".join(pieces), more=not done)
-            if done:
-                return
-            await wake.wait()
-            wake.clear()
+        await self.generation.run(exchange, await self.generation.read(exchange, RESPONSES_HTTP), ResponsesView)
 
 
-def _ending_error(stream: ResponseStream) -> ProtocolError:
-    """Why a chat or text completion did not end normally (over HTTP nothing else cancels a response)."""
-    if stream.status == "failed":
-        return ProtocolError("server_error", f"the request failed: {stream.error_message}",
-                             error_type="server_error", status=500)
-    return ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error", status=503)
+def log_request(exchange: HttpExchange, seconds: float) -> None:
+    """The request's one log line: method, path, model, status, tokens in and out, time."""
+    status = exchange.status if exchange.status is not None else "gone"  # the client left before an answer
+    tokens = f"{exchange.tokens[0]} in, {exchange.tokens[1]} out" if exchange.tokens is not None else "-"
+    log.info("%s %s model=%s status=%s tokens=%s %.3fs", exchange.method, exchange.path[:200],
+             exchange.model or "-", status, tokens, seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from websockets.datastructures import Headers
@@ -19,6 +20,7 @@ from localserve.server.validation import ProtocolError, parse_json_object
 
 JSON = b"application/json"
 EVENT_STREAM = b"text/event-stream; charset=utf-8"
+NDJSON = b"application/x-ndjson"
 CORS_METHODS = b"GET, POST, OPTIONS"
 CORS_HEADERS = b"Authorization, Content-Type"
 CLOSING_ERRORS = ("request_too_large", "request_timeout", "too_many_connections")
@@ -46,6 +48,10 @@ class HttpExchange:
         self.started = False
         self.disconnected = False
         self.cors_origin: str | None = None  # set once the Origin passed the access check
+        self.error_shape: Callable[[ProtocolError], dict[str, Any]] = error_body  # the path's API's errors
+        self.status: int | None = None  # of the response, once started
+        self.model: str | None = None  # what the request's log line says of a generation: the model,
+        self.tokens: tuple[int, int] | None = None  # and the tokens in and out
 
     # ------------------------------------------------------------------ reading
     async def read_json(self, max_bytes: int, timeout_s: float) -> dict[str, Any]:
@@ -94,7 +100,7 @@ class HttpExchange:
 
     async def respond_error(self, error: ProtocolError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         # a refused body may be unread (413, 408): the connection cannot carry another request
-        await self.respond_json(error.status, error_body(error), headers, close=error.code in CLOSING_ERRORS)
+        await self.respond_json(error.status, self.error_shape(error), headers, close=error.code in CLOSING_ERRORS)
 
     async def respond_empty(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self.start(status, None, headers + [(b"content-length", b"0")])
@@ -107,7 +113,7 @@ class HttpExchange:
             all_headers.append((b"content-type", content_type))
         if self.cors_origin is not None:
             all_headers += [(b"access-control-allow-origin", self.cors_origin.encode("latin-1")), (b"vary", b"Origin")]
-        self.started = True
+        self.started, self.status = True, int(status)
         await self._timed(self._send({"type": "http.response.start", "status": int(status), "headers": all_headers}))
 
     async def write(self, data: bytes, more: bool = True) -> None:
@@ -130,6 +136,11 @@ class HttpExchange:
     def cors_preflight_headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"access-control-allow-methods", CORS_METHODS), (b"access-control-allow-headers", CORS_HEADERS),
                 (b"access-control-max-age", b"600")]
+
+
+def ndjson(data: Any) -> bytes:
+    """One line of newline-delimited JSON (Ollama's streams)."""
+    return (json.dumps(data) + "\n").encode()
 
 
 def sse(data: Any, event: str | None = None) -> bytes:

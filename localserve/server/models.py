@@ -25,14 +25,16 @@ The monitor follows the model loaded last (`serving_now`); `loading_state` says 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import (
     AmbiguousModelError,
     ModelCatalog,
@@ -41,6 +43,7 @@ from localserve.loading.model_folder import (
     UnknownModelError,
 )
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
+from localserve.server.chat_turns import model_chat_format
 from localserve.server.context import ChatTokenizer, EngineAccess, ServedModel, engine_result
 from localserve.server.monitor import MonitorHub, ServingNow, monitor_hello
 from localserve.server.validation import ProtocolError, shown
@@ -53,6 +56,7 @@ class LoadedModel(Protocol):
 
     engine: EngineAccess
     tokenizer: ChatTokenizer
+    card: ModelCard  # its files and shape, for Ollama's and llama.cpp's model endpoints
 
     def unload(self) -> None:
         """Stop the engine thread and free the engine, its KV pool and the weights (blocking)."""
@@ -206,14 +210,17 @@ class ModelRegistry:
         return [self.info(entry) for entry in self.catalog.entries]
 
     def describe(self, entry: ModelEntry) -> dict[str, Any]:
-        """The model object of `/v1/models`: id, status, every name it answers to, its context (null until
-        loaded) and the sampling it defaults to; a loaded embedding model's `capabilities` say so."""
+        """The model object of `/v1/models`: id, status, every name it answers to, its context, tool-call
+        format and reasoning (null until loaded), the sampling it defaults to; a loaded embedding model's
+        `capabilities` say so."""
         info = self.info(entry)
         described = {"id": info.name, "object": "model", "created": 0, "owned_by": "localserve",
                      "status": info.status.value, "names": [info.name, *info.aliases],
                      "max_model_len": info.max_model_len, "sampling_defaults": info.sampling_defaults.to_json()}
-        serving = self._models[entry.id].serving
-        if serving is not None and serving.model.is_embedding:  # known once loaded
+        serving = self._models[entry.id].serving  # what only the loaded model tells
+        described |= serving.model.chat_fields() if serving is not None else {"tool_call_format": None,
+                                                                               "reasoning": None}
+        if serving is not None and serving.model.is_embedding:
             described["capabilities"] = serving.model.capabilities
         return described
 
@@ -253,6 +260,21 @@ class ModelRegistry:
         return self._transition is not None
 
     # ------------------------------------------------------------------ leases
+    @contextlib.asynccontextmanager
+    async def leased(self, name: str | None) -> AsyncIterator[ModelLease]:
+        """A lease on the model `name` names (loaded first if need be) for the span of an `async with`:
+        the model endpoints' way (tokenize, show, props) of reading one model."""
+        lease = await self.acquire(self.find(name))
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    def loaded(self) -> list[tuple[ModelInfo, ServedModel, EngineAccess]]:
+        """Each model loaded now, with what its requests see of it and its engine (Ollama's /api/ps)."""
+        return [(self.info(model.entry), model.serving.model, model.serving.engine)
+                for model in self._models.values() if model.phase is _Phase.LOADED and model.serving is not None]
+
     async def acquire(self, entry: ModelEntry) -> ModelLease:
         """A lease on `entry`'s model, once it is loaded (this may wait for other requests and a load);
         ProtocolError (503) when the load fails or the wait passes `wait_timeout_s`."""
@@ -360,7 +382,8 @@ class ModelRegistry:
     def _enter_loaded(self, model: _Model, loaded: LoadedModel) -> None:
         engine = loaded.engine
         served = ServedModel(model.entry.id, engine.facts.max_model_len, model.sampling_defaults,
-                             is_embedding=engine.facts.embedding is not None)
+                             is_embedding=engine.facts.embedding is not None,
+                             chat_format=model_chat_format(loaded.tokenizer), card=loaded.card)
         hub = MonitorHub(lambda after_seq: engine_result(engine.snapshot_and_events(after_seq)),
                          start_seq=engine.last_event_seq)
         model.serving = ServingNow(served, engine, hub, monitor_hello(engine.facts, served.served_name))
@@ -413,15 +436,17 @@ class HandedModel:
 
     engine: EngineAccess
     tokenizer: ChatTokenizer
+    card: ModelCard = ModelCard()
 
     def unload(self) -> None:
         """Nothing: the caller owns the engine thread."""
 
 
 def serving_loaded(engine: EngineAccess, tokenizer: ChatTokenizer, name: str, *, alias: str | None = None,
-                   sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS) -> ModelRegistry:
+                   sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
+                   card: ModelCard | None = None) -> ModelRegistry:
     """A registry of one model loaded by the caller (answering to `name`, and `alias` first): never unloaded."""
     catalog = ModelCatalog([ModelFiles(None, name, ())], alias=alias)
     model_id = catalog.default.id
     return ModelRegistry(catalog, None, {model_id: sampling_defaults},
-                         loaded={model_id: HandedModel(engine, tokenizer)})
+                         loaded={model_id: HandedModel(engine, tokenizer, card or ModelCard())})

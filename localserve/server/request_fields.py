@@ -23,9 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from localserve.server.request_messages import MessageFormat, parse_messages
-from localserve.server.request_model import GenerationRequest, RequestLimits, SamplingChoice
+from localserve.server.request_model import (
+    REASONING_EFFORTS,
+    GenerationRequest,
+    OutputFormat,
+    ReasoningChoice,
+    RequestLimits,
+    SamplingChoice,
+)
 from localserve.server.sampling_rules import SAMPLING_ORDER, SAMPLING_RULES
-from localserve.server.validation import ProtocolError, check_length, check_value, shown
+from localserve.server.validation import ProtocolError, check_length, check_range, check_type, check_value, shown
+from localserve.tokenizer.tools import AUTO, ChatFormatError, ToolChoice, ToolSpec
 
 JsonType = type | tuple[type, ...]
 
@@ -141,6 +149,37 @@ class Text(Field):
 
 
 @dataclass(frozen=True)
+class Required(Field):
+    """`inner`, and the request must carry it (`missing_required_parameter` without it)."""
+
+    inner: Field
+    required = True
+
+    @property
+    def shared(self) -> str | None:
+        return self.inner.shared
+
+    def rank(self) -> tuple[int, int]:
+        return self.inner.rank()
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        self.inner.apply(value, param, draft)
+
+
+@dataclass(frozen=True)
+class ContextWindow(Field):
+    """The tokens of prompt and output this request may take (>= 1): a window smaller than the context
+    bounds it; a larger one is cut to the context (as Ollama cuts `num_ctx` to what the model holds)."""
+
+    shared = "context_tokens"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, int, param)
+        check_range(value, param, 1, float("inf"), integer=True)
+        draft.set("context_tokens", value, param)
+
+
+@dataclass(frozen=True)
 class Flag(Field):
     """A boolean of the request: `store`, `generate`, `stream`, `include_usage`."""
 
@@ -148,6 +187,17 @@ class Flag(Field):
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
         draft.set(self.name, check_value(value, bool, param), param)
+
+
+@dataclass(frozen=True)
+class Setting(Field):
+    """A field of an endpoint that does not generate (`/tokenize`'s `with_pieces`): of JSON type `kind`,
+    kept under its name in `GenerationRequest.settings` for the endpoint to read."""
+
+    kind: JsonType
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        draft.values.setdefault("settings", {})[param] = check_value(value, self.kind, param)
 
 
 @dataclass(frozen=True)
@@ -251,18 +301,114 @@ class Refused(Field):
             raise ProtocolError("unsupported_parameter", f"'{param}' is not supported: {why}", param)
 
 
-NEVER_CALLS_TOOLS = "this server never calls tools"
-# Refused the same way on every format that carries them, until tool calls and structured output exist.
-FORCED_TOOL_CHOICE_REFUSED = Refused(f"{NEVER_CALLS_TOOLS}, so it cannot be made to call one",
-                                     one_of("auto", "none"), (str, dict), order=0)
-TOOLS_REFUSED = Refused("the model is not offered tools by this server; send no tools", is_empty, list, order=1)
-STRUCTURED_OUTPUT_REFUSED = Refused(lambda value: f"structured output ({shown(value.get('type'))}) is not "
-                                    "supported; only plain text", plain_text, dict, order=2)
+# ---------------------------------------------------------------------------------- tools, formats, reasoning
+@dataclass(frozen=True)
+class Tools(Field):
+    """An array of function tools, as chat completions nest them (`{"type": "function", "function": {"name",
+    "description", "parameters"}}`) or, `flat`, as the Responses API writes them (`{"type": "function",
+    "name", ...}`); each checked into a ToolSpec, an error naming the tool's field."""
+
+    flat: bool = False
+    shared = "tools"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, list, param)
+        check_length(value, param, draft.limits.max_tools)
+        specs = []
+        for index, tool in enumerate(value):
+            where = f"{param}[{index}]"
+            if not isinstance(tool, dict):
+                raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
+            nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}
+            try:
+                specs.append(ToolSpec.from_openai(nested if self.flat else tool))
+            except ChatFormatError as error:
+                named = error.field.removeprefix("function.") if self.flat else error.field
+                at = f"{where}.{named}"
+                raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
+        draft.set("tools", tuple(specs), param)
 
 
-def reasoning_refused(allows: Callable[[Any], bool], kind: JsonType) -> Refused:
-    """The refusal of a reasoning effort (each format spells the setting its own way)."""
-    return Refused("the served model does not reason apart from its answer", allows, kind, order=3)
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolChoiceField(Field):
+    """`auto`, `none`, `required`, or one function: `{"type": "function", "function": {"name": ...}}` (chat
+    completions) or, `flat`, `{"type": "function", "name": ...}` (Responses)."""
+
+    flat: bool = False
+    shared = "tool_choice"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, (str, dict), param)
+        if isinstance(value, str):
+            if value not in TOOL_CHOICE_MODES:
+                raise ProtocolError("invalid_value", f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or a "
+                                    f"function, got {shown(value)}", param)
+            draft.set("tool_choice", ToolChoice(value), param)
+            return
+        if value.get("type") != "function":
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'function' (only function tools exist "
+                                f"here), got {shown(value.get('type'))}", f"{param}.type")
+        holder, where = (value, param) if self.flat else (value.get("function"), f"{param}.function")
+        if not isinstance(holder, dict) or not isinstance(holder.get("name"), str):
+            raise ProtocolError("invalid_type", f"'{where}.name' must be the name of one of the tools", f"{where}.name")
+        draft.set("tool_choice", ToolChoice.function(holder["name"]), param)
+        draft.set("tool_choice_name_param", f"{where}.name", param)
+
+
+@dataclass(frozen=True)
+class OutputFormatField(Field):
+    """The answer's format: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", ...}` with
+    the schema's `name`, `schema`, `strict` and `description` inside `json_schema` (chat completions'
+    `response_format`) or, `flat`, beside `type` (Responses' `text.format`). The schema must compile."""
+
+    flat: bool = False
+    shared = "output_format"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, dict, param)
+        kind = value.get("type")
+        if kind == "text":
+            return
+        if kind == "json_object":
+            draft.set("output_format", OutputFormat("json_object"), param)
+            return
+        if kind != "json_schema":
+            raise ProtocolError("invalid_value", f"'{param}.type' must be 'text', 'json_object' or 'json_schema', "
+                                f"got {shown(kind)}", f"{param}.type")
+        holder, where = (value, param) if self.flat else (value.get("json_schema"), f"{param}.json_schema")
+        if not isinstance(holder, dict):
+            raise ProtocolError("invalid_type", f"'{where}' must be an object with the schema", where)
+        name = check_type(holder, "name", str, f"{where}.name")
+        strict = check_type(holder, "strict", bool, f"{where}.strict")
+        check_type(holder, "description", str, f"{where}.description")
+        schema = holder.get("schema", {})
+        if not isinstance(schema, dict):
+            raise ProtocolError("invalid_type", f"'{where}.schema' must be a JSON schema object", f"{where}.schema")
+        output_format = OutputFormat("json_schema", schema, bool(strict), name)
+        try:
+            output_format.grammar()
+        except ValueError as error:
+            raise ProtocolError("invalid_value", f"'{where}.schema' is not a usable JSON schema: {error}",
+                                f"{where}.schema") from None
+        draft.set("output_format", output_format, param)
+
+
+@dataclass(frozen=True)
+class ReasoningEffort(Field):
+    """How hard a reasoning model thinks: one of REASONING_EFFORTS; "none" turns thinking off."""
+
+    shared = "reasoning"
+
+    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        value = check_value(value, str, param)
+        if value not in REASONING_EFFORTS:
+            raise ProtocolError("invalid_value", f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{shown(value)}", param)
+        draft.set("reasoning", ReasoningChoice(value), param)
 
 
 @dataclass(frozen=True)
@@ -281,6 +427,7 @@ class WireFormat:
 
     fields: Mapping[str, Field]
     default_max_tokens: int | None = None  # None: the server's (ServerConfig.default_max_output_tokens)
+    streams: bool = False  # whether a request that does not say `stream` is streamed (Ollama's are)
     stores: bool = True  # False: no answer is kept for previous_response_id beyond its own request
     echoed: Mapping[str, Any] = field(default_factory=dict)  # fields the answer echoes, and their defaults
     wire_names: Mapping[str, str] = field(init=False)  # shared field -> its first spelling in the map
@@ -353,13 +500,34 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
         previous_response_id=values.get("previous_response_id"),
         max_output_tokens=values.get("max_tokens", wire.default_max_tokens), sampling=sampling,
         metadata=values.get("metadata", {}), stream_id=values.get("stream_id"), store=values.get("store", wire.stores),
-        generate=values.get("generate", True), stream=values.get("stream", False),
-        include_usage=values.get("include_usage", False),
+        generate=values.get("generate", True), stream=values.get("stream", wire.streams),
+        context_tokens=values.get("context_tokens"), settings=values.get("settings", {}),
+        include_usage=values.get("include_usage", False), tools=values.get("tools", ()),
+        tool_choice=values.get("tool_choice", AUTO), parallel_tool_calls=values.get("parallel_tool_calls", True),
+        output_format=values.get("output_format"), reasoning=values.get("reasoning", ReasoningChoice()),
         echoed={name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
         wire_names={name: draft.names.get(name, spelled) for name, spelled in wire.wire_names.items()})
+    _check_tool_choice(request, draft)
     limit, param = draft.limits.max_input_chars, request.wire_name("input")
     if request.num_input_chars > limit:
         with_instructions = " with the instructions" if request.instructions else ""
         raise ProtocolError("string_above_max_length", f"'{param}' holds {request.num_input_chars} characters"
                             f"{with_instructions}; at most {limit} are accepted", param)
     return request
+
+
+def _check_tool_choice(request: GenerationRequest, draft: RequestDraft) -> None:
+    """`required` needs tools, a named function must be one of them, and an answer's format goes with tools only
+    when no call is offered or when one is forced (the answer is then a call, not text of the format)."""
+    choice = request.tool_choice
+    param = draft.names.get("tool_choice", request.wire_names.get("tool_choice", "tool_choice"))
+    try:
+        callable_tools = choice.chosen_tools(request.tools)
+    except ChatFormatError as error:
+        at = draft.values.get("tool_choice_name_param", param) if choice.mode == "function" else param
+        raise ProtocolError("invalid_value", f"'{at}': {error.reason}", at) from None
+    if request.output_format is not None and callable_tools and choice.mode == "auto":
+        at = draft.names["output_format"]
+        raise ProtocolError("unsupported_value", f"'{at}' with tools under tool_choice 'auto' is not supported: "
+                            "the answer would be either a call or text of the format; send tool_choice 'none', "
+                            "'required' or a function, or no tools", at)

@@ -18,15 +18,19 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from localserve.engine.constraints import GrammarError
 from localserve.engine.outputs import RequestOutput
+from localserve.server.chat_turns import TurnPlan, check_tool_results, plan_turn
 from localserve.server.context import ChatTokenizer, ServedModel, ServerConfig
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelLease, ModelRegistry
-from localserve.server.request_model import GenerationRequest
+from localserve.server.request_model import GenerationRequest, Message, message_chars
 from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError
+from localserve.tokenizer.tools import ChatFormatError
 
 OnUpdate = Callable[[ResponseStream], None]
 
@@ -37,7 +41,7 @@ class _Run:
 
     stream: ResponseStream
     lease: ModelLease  # the model serving it, until it ends
-    conversation: list[dict[str, str]]  # the messages to store with the reply
+    conversation: list[Message]  # the messages to store with the reply
     owner: str  # the connection that asked
     on_update: OnUpdate
     arrival_time: float
@@ -67,26 +71,8 @@ class ResponseService:
             raise ProtocolError("server_busy", f"the server is running its limit of "
                                 f"{config.max_running_responses} responses; retry later",
                                 error_type="rate_limit_error", status=429)
-        history: list[dict[str, str]] = []
-        if request.previous_response_id is not None:
-            found = self.conversations.get(request.previous_response_id, owner)
-            if found is None:
-                raise ProtocolError("previous_response_not_found", f"previous response "
-                                    f"{request.previous_response_id!r} is not available here (unknown, "
-                                    "evicted, or a store: false response of another connection); send the "
-                                    "whole conversation instead", "previous_response_id")
-            history = found
-        conversation = history + request.input_messages
-        limit = config.limits.max_conversation_chars
-        num_chars = sum(len(message["content"]) for message in conversation) + len(request.instructions or "")
-        if num_chars > limit:
-            raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
-                                f"most {limit} are accepted: start a new one", request.wire_name("input"))
-        self._num_waiting += 1
-        try:
-            lease = await self.models.acquire(entry)
-        finally:
-            self._num_waiting -= 1
+        conversation = self._conversation(request, owner)
+        lease = await self._acquire(entry)
         try:
             lease.model.check_generates()
             run = await self._submit(request, lease, conversation, owner, on_update)
@@ -96,29 +82,86 @@ class ResponseService:
         self._runs[run.stream.response_id] = run
         return run.stream
 
-    async def _submit(self, request: GenerationRequest, lease: ModelLease, conversation: list[dict[str, str]],
+    async def _acquire(self, entry: Any) -> ModelLease:
+        self._num_waiting += 1
+        try:
+            return await self.models.acquire(entry)
+        finally:
+            self._num_waiting -= 1
+
+    async def _submit(self, request: GenerationRequest, lease: ModelLease, conversation: list[Message],
                       owner: str, on_update: OnUpdate) -> _Run:
-        tokenizer = lease.tokenizer
-        if request.prompt is not None:
-            prompt_ids = await self._encode_text(tokenizer, request.prompt, request.wire_name("input"))
-        else:
-            system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-            # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-            prompt_ids = await self._encode_chat(tokenizer, system + conversation, request.generate,
-                                                 request.wire_name("input"))
-        model = lease.model
-        params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)))
+        model, tokenizer = lease.model, lease.tokenizer
+        prompt_ids, plan = await self._prompt(request, conversation, lease)
+        params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)),
+                                         **(self._engine_fields(request, plan) if request.generate else {}))
         stream = ResponseStream(request, params, new_id("resp"), model.served_name, len(prompt_ids),
-                                lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+                                lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+                                plan.parser if plan is not None and plan.parses else None,
+                                lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=False))
         run = _Run(stream, lease, conversation, owner, on_update, time.monotonic())
         loop = asyncio.get_running_loop()
         try:
             lease.engine.submit(prompt_ids, params,
                                 lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
                                 request_id=stream.response_id)
+        except GrammarError as exc:  # only a turn's grammar reaches the engine
+            field = plan.grammar_field if plan is not None else request.wire_name("output_format")
+            raise ProtocolError("invalid_value", f"'{field}': {exc}", field) from None
         except ValueError as exc:
             raise ProtocolError("invalid_request", str(exc)) from None
         return run
+
+    async def count_prompt_tokens(self, request: GenerationRequest, owner: str) -> int:
+        """The tokens `request`'s prompt would take, rendered as `start` renders it, without running it."""
+        entry = self.models.find(request.model)
+        conversation = self._conversation(request, owner)
+        lease = await self._acquire(entry)
+        try:
+            prompt_ids, _ = await self._prompt(request, conversation, lease)
+        finally:
+            lease.release()
+        return len(prompt_ids)
+
+    def _conversation(self, request: GenerationRequest, owner: str) -> list[Message]:
+        """The stored turns `previous_response_id` names, then the request's input; its size checked."""
+        history: list[Message] = []
+        if request.previous_response_id is not None:
+            found = self.conversations.get(request.previous_response_id, owner)
+            if found is None:
+                raise ProtocolError("previous_response_not_found", f"previous response "
+                                    f"{request.previous_response_id!r} is not available here (unknown, "
+                                    "evicted, or a store: false response of another connection); send the "
+                                    "whole conversation instead", "previous_response_id")
+            history = found
+        conversation = history + request.input_messages
+        limit = self.config.limits.max_conversation_chars
+        num_chars = sum(message_chars(message) for message in conversation) + len(request.instructions or "")
+        if num_chars > limit:
+            raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
+                                f"most {limit} are accepted: start a new one", request.wire_name("input"))
+        return conversation
+
+    async def _prompt(self, request: GenerationRequest, conversation: list[Message],
+                      lease: ModelLease) -> tuple[list[int], TurnPlan | None]:
+        """The prompt's token ids with the lease's tokenizer, and the chat turn's plan (None for a prompt
+        tokenized as it is)."""
+        if request.prompt is not None:
+            return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None
+        check_tool_results(conversation, request.wire_name("input"))
+        plan = plan_turn(request, lease.model.chat_format)
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
+        return await self._encode_chat(lease.tokenizer, system + conversation, request.generate,
+                                       request.wire_name("input"), plan), plan
+
+    @staticmethod
+    def _engine_fields(request: GenerationRequest, plan: TurnPlan | None) -> dict[str, Any]:
+        """SamplingParams' fields of the turn; a prompt tokenized as it is (Ollama's raw) still gets the
+        answer's format as its grammar."""
+        if plan is not None:
+            return plan.engine_fields()
+        return {"grammar": request.output_format.grammar()} if request.output_format is not None else {}
 
     def cancel(self, stream: ResponseStream) -> None:
         """The client cancelled: its blocks go back at once; the response ends with its text so far."""
@@ -148,10 +191,20 @@ class ResponseService:
         run.on_update(stream)
 
     @staticmethod
-    async def _encode_chat(tokenizer: ChatTokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,
-                           field: str) -> list[int]:
+    async def _encode_chat(tokenizer: ChatTokenizer, messages: list[Message], add_generation_prompt: bool,
+                           field: str, plan: TurnPlan) -> list[int]:
+        """The prompt's ids: the messages, and the turn's tools and template variables when the model has a
+        chat format (tool turns converted as its template reads them)."""
+        template_inputs: dict[str, Any] = {}
+        if plan.turn is not None:
+            try:
+                inputs = plan.turn.chat_inputs(messages)
+            except ChatFormatError as error:
+                raise ProtocolError("invalid_value", f"'{field}': {error}", field) from None
+            messages, template_inputs = inputs.messages, {"tools": inputs.tools, **inputs.variables}
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
-            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt)
+            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt,
+                                                 **template_inputs)
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}", field) from None
@@ -169,12 +222,15 @@ class ResponseService:
     def _max_tokens(self, request: GenerationRequest, model: ServedModel, num_prompt_tokens: int) -> int:
         """max_output_tokens, cut to what the model's context has room for after the prompt; bounds checked."""
         max_model_len, field = model.max_model_len, request.wire_name("max_tokens")
+        window = "the context"
+        if request.context_tokens is not None and request.context_tokens < max_model_len:
+            max_model_len, window = request.context_tokens, f"'{request.wire_name('context_tokens')}'"
         if num_prompt_tokens >= max_model_len:
-            raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; the "
-                                f"context holds {max_model_len}, and generating needs room for one more",
+            raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; "
+                                f"{window} holds {max_model_len}, and generating needs room for one more",
                                 request.wire_name("input"))
         if request.max_output_tokens is not None and request.max_output_tokens > max_model_len:
-            raise ProtocolError("integer_above_max_value", f"'{field}' must be <= {max_model_len} (the context "
+            raise ProtocolError("integer_above_max_value", f"'{field}' must be <= {max_model_len} ({window}'s "
                                 f"length), got {request.max_output_tokens}", field)
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees
@@ -216,6 +272,11 @@ class ResponseService:
     def _store(self, run: _Run) -> None:
         """Keep the conversation with its reply, so a follow-up can name this response."""
         stream = run.stream
-        reply = [{"role": "assistant", "content": stream.texts[0]}] if stream.texts else []
+        reply: list[Message] = []
+        if stream.samples:
+            sample = stream.samples[0]
+            reply = [{"role": "assistant", "content": sample.content}]
+            if sample.calls:
+                reply[0]["tool_calls"] = [call.message_call() for call in sample.calls]
         self.conversations.put(stream.response_id, run.conversation + reply,
                                      owner=None if stream.request.store else run.owner)

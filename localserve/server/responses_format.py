@@ -22,13 +22,7 @@ EXTENSION_SAMPLING = ("top_k", "min_p", "seed", "stop", "n", "logprobs", "presen
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 STREAM_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 RESPONSES_INPUT = MessageFormat(text_parts=("input_text", "output_text"), bare_string=True,
-                                       item_types=("message",))
-NO_TOOLS_CALLED = "no tools are accepted, so none is called"
-
-
-def _reasoning_off(reasoning: dict[str, Any]) -> bool:
-    return reasoning.get("effort") in (None, "none") and all(
-        value is None for key, value in reasoning.items() if key != "effort")
+                                       item_types=("message",), tool_turns="responses")
 
 
 def _not_enabled(value: dict[str, Any]) -> bool:
@@ -63,11 +57,16 @@ FIELDS: dict[str, fields.Field] = {
     "store": fields.Flag("store"),
     "generate": fields.Flag("generate"),
     "prompt_cache_options": fields.Nested({"prewarm": fields.Prewarm()}, open=True),
-    "tool_choice": fields.FORCED_TOOL_CHOICE_REFUSED,
-    "tools": fields.TOOLS_REFUSED,
-    "text": fields.Nested({"format": fields.STRUCTURED_OUTPUT_REFUSED, "verbosity": fields.Refused(
+    "tools": fields.Tools(flat=True),
+    "tool_choice": fields.ToolChoiceField(flat=True),
+    "parallel_tool_calls": fields.Flag("parallel_tool_calls"),
+    "text": fields.Nested({"format": fields.OutputFormatField(flat=True), "verbosity": fields.Refused(
         "the model's length is set with max_output_tokens", fields.one_of("medium"))}, open=True),
-    "reasoning": fields.reasoning_refused(_reasoning_off, dict),
+    "reasoning": fields.Nested({
+        "effort": fields.ReasoningEffort(),
+        "summary": fields.Ignored("the reasoning is given whole, as the reasoning item's reasoning_text", str),
+        "generate_summary": fields.Ignored("the reasoning is given whole, as the reasoning item's reasoning_text",
+                                           str)}),
     "truncation": fields.Refused("an input longer than the context is an error (context_length_exceeded), never "
                                  "cut", fields.one_of("disabled")),
     "background": fields.Refused("background responses do not exist over a websocket"),
@@ -76,8 +75,8 @@ FIELDS: dict[str, fields.Field] = {
     "context_management": fields.Refused("the context is never compacted"),
     "moderation": fields.Refused("there is no moderation model"),
     "multi_agent": fields.Refused("there is one model and no agents", _not_enabled, dict),
-    "parallel_tool_calls": fields.Ignored(NO_TOOLS_CALLED, bool),
-    "max_tool_calls": fields.Ignored(NO_TOOLS_CALLED, int),
+    "max_tool_calls": fields.Ignored("one response is one turn of the model: parallel_tool_calls bounds its calls",
+                                     int),
     "service_tier": fields.Ignored("there is one tier", str),
     "user": fields.Ignored("there are no accounts", str),
     "safety_identifier": fields.Ignored("there are no accounts", str),

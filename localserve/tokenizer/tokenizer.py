@@ -40,6 +40,7 @@ class StreamDecoder:
 
     def __init__(self, backend: BackendTokenizer, skip_special_tokens: bool = True) -> None:
         self._backend = backend
+        self.skip_special_tokens = skip_special_tokens
         self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:

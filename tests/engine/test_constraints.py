@@ -146,3 +146,27 @@ def test_forks_are_independent_and_start_where_their_parent_is(compiler, tokeniz
     feed(parent, tokenizer, "ab")
     assert feed(child, tokenizer, "d") is False and EOS in allowed(child)
     assert compiler.matcher(SamplingParams(grammar=GrammarSpec.regex("(ab|cd)+"))).matcher is not parent.matcher
+
+
+def test_a_chat_formats_call_grammar_starts_after_the_reasoning_and_waits_for_its_token_trigger(compiler, tokenizer):
+    """What the server sends for tool_choice auto on a thinking Hermes model: the call grammar of the whole answer
+    (free text, then calls once the trigger token comes) composed after the reasoning block."""
+    from localserve.tokenizer.tool_formats.base import MarkerTokens, ToolUse
+    from localserve.tokenizer.tool_formats.hermes import HermesFormat
+    from localserve.tokenizer.tools import ToolSpec
+
+    call = HermesFormat(MarkerTokens.of(tokenizer.added_tokens)).grammar(ToolUse((ToolSpec("f", parameters=SCHEMA),)))
+    assert call.trigger == "<tool_call>" and call.trigger_token_id == tokenizer.token_to_id("<tool_call>")
+    params = SamplingParams(grammar=GrammarSpec.lark(call.lark), reasoning_end="</think>")
+    grammar = compiler.matcher(params)
+    feed(grammar, tokenizer, "Maybe ", call.trigger_token_id, " { not a call")  # inside the reasoning: free
+    assert EOS not in allowed(grammar)
+    feed(grammar, tokenizer, tokenizer.token_to_id("</think>"), "Let me look.")
+    assert EOS in allowed(grammar)  # a free answer may end here
+    feed(grammar, tokenizer, call.trigger_token_id)
+    assert EOS not in allowed(grammar)  # the trigger came: a call must follow
+    close = tokenizer.token_to_id("</tool_call>")
+    assert not feed(grammar, tokenizer, '\n{"name": "f", "arguments": {"a": 1}}\n', close)
+    assert EOS in allowed(grammar)
+    with pytest.raises(GrammarRejected):  # once triggered, no other function
+        feed(compiler.matcher(params), tokenizer, "</think>", call.trigger_token_id, '\n{"name": "g"')

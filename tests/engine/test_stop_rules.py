@@ -193,3 +193,14 @@ def test_stop_strings_are_refused_where_no_text_is_made(scripted):
     assert textless.is_idle_and_clean()
     with pytest.raises(ValueError, match="SamplingParams.stop .*beam_search"):
         SamplingParams(n=2, beam_search=True, stop=["lo"])
+
+
+def test_special_tokens_show_in_the_text_when_not_skipped(scripted):
+    """A chat format whose markers are special tokens (Mistral's [TOOL_CALLS]) reads them in the text."""
+    llm, script = scripted(["Hel", "lo"])
+    params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 4}  # Hel lo </s> Hel
+    shown, _ = run_streaming(llm, script.prompt, SamplingParams(**params, n=2, skip_special_tokens=False))
+    skipped, _ = run_streaming(llm, script.prompt, SamplingParams(**params))
+    assert shown.outputs[0].token_ids == skipped.outputs[0].token_ids == [*script.piece_ids, EOS, script.piece_ids[0]]
+    assert [output.text for output in shown.outputs] == ["Hello</s>Hel"] * 2  # a parallel sample's own decoder too
+    assert skipped.outputs[0].text == "HelloHel"

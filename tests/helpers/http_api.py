@@ -30,9 +30,10 @@ class Api:
     def __init__(self, api_key: str | None = None, **config: Any) -> None:
         self.engine = RecordedEngineThread(max_model_len=200)
         self.config = ServerConfig(api_key=api_key, allowed_origins=(ORIGIN,), **config)
-        models = serving_loaded(self.engine, CountingTokenizer(), "model", alias="served")
         metrics = ServerMetrics("served")
         conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
+        self.tokenizer = CountingTokenizer()
+        models = serving_loaded(self.engine, self.tokenizer, "model", alias="served")
         self.responses = ResponseService(models, self.config, conversations, metrics)
         policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
         self.app = HttpApi(config=self.config, access_policy=policy, models=models, responses=self.responses,

@@ -4,8 +4,11 @@ over HTTP and over the websocket, `/v1/chat/completions` and `/v1/completions`.
 A case is a dict of the shared fields under their own names (`temperature`, `top_k`, `max_tokens`,
 `logprobs`, `tools`, `structured_output`, ...; a value of None is sent as JSON null). `body_for`
 spells a case as one format names its fields, and `Outcome.field` reads an error's `param` back into
-the shared name. The spellings are written here from the APIs' documentation, apart from the server's
-field maps: the tests compare the server against this table, not against itself.
+the shared name. Tools, a named tool choice and a JSON schema format are written in a case as the
+Responses API writes them (flat: `{"type": "function", "name": ...}`); chat completions nest them
+(`{"type": "function", "function": {...}}`, `{"type": "json_schema", "json_schema": {...}}`). The
+spellings are written here from the APIs' documentation, apart from the server's field maps: the tests
+compare the server against this table, not against itself.
 
 `RecordingEngineThread` is the engine thread these tests run the server on: it keeps the
 `SamplingParams` of every submission and answers each at once (every sample ends, with no text), so
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +98,8 @@ def body_for(fmt: str, case: dict[str, Any]) -> dict[str, Any]:
             _put(body, SPELLINGS[name][family], value if family == "responses" else messages)
         elif name == "input_items":
             _put(body, SPELLINGS[name][family], [{"role": "user", "content": text} for text in value])
+        elif name in CHAT_NESTING and family == "chat":
+            _put(body, SPELLINGS[name][family], CHAT_NESTING[name](value))
         elif name == "logprobs" and family == "chat" and value is not None:
             body.update(logprobs=True, top_logprobs=value)  # chat asks with a switch, then how many
         else:
@@ -101,15 +107,37 @@ def body_for(fmt: str, case: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def _nested(value: Any, inner: str, kind: str) -> Any:
+    """A flat object of type `kind` as chat completions nest it: its other keys inside `inner`."""
+    if not isinstance(value, dict) or value.get("type") != kind:
+        return value
+    return {"type": kind, inner: {key: item for key, item in value.items() if key != "type"}}
+
+
+CHAT_NESTING = {
+    "tools": lambda tools: [_nested(tool, "function", "function") for tool in tools] if isinstance(tools, list)
+    else tools,
+    "tool_choice": lambda choice: _nested(choice, "function", "function"),
+    "structured_output": lambda answer: _nested(answer, "json_schema", "json_schema"),
+}
+# chat completions' nested params as the flat ones read
+CHAT_FLATTENED = [(re.compile(r"^(tools\[\d+\])\.function(?=\.|$)"), r"\1"),
+                  (re.compile(r"^tool_choice\.function(?=\.|$)"), "tool_choice"),
+                  (re.compile(r"^response_format\.json_schema(?=\.|$)"), "response_format")]
+
+
 def shared_name(fmt: str, param: str | None) -> str | None:
     """The shared field an error's `param` names in this format (`stop[0]` for `localserve.stop[0]`)."""
     if param is None:
         return None
     family = FAMILY[fmt]
+    if family == "chat":
+        for pattern, flat in CHAT_FLATTENED:
+            param = pattern.sub(flat, param)
     reverse = {spelled[family]: name for name, spelled in SPELLINGS.items() if family in spelled}
     reverse |= REPORTED[family]
     for wire, name in sorted(reverse.items(), key=lambda item: -len(item[0])):
-        if param == wire or param.startswith(wire + "["):
+        if param == wire or param.startswith((wire + "[", wire + ".")):
             return name + param[len(wire):]
     return param
 

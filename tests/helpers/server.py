@@ -60,6 +60,7 @@ def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defa
     import torch
 
     from localserve.engine.engine_thread import EngineThread
+    from localserve.loading.model_card import ModelCard
     from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
     from localserve.server.app import BackgroundServer, LocalServer
     from localserve.server.context import ServerConfig
@@ -71,7 +72,8 @@ def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defa
     engine_thread.start()
     try:
         models = serving_loaded(engine_thread, llm.tokenizer, llm.model_config.name, alias=model_alias,
-                                sampling_defaults=sampling_defaults or LLAMA_CPP_DEFAULTS)
+                                sampling_defaults=sampling_defaults or LLAMA_CPP_DEFAULTS,
+                                card=ModelCard.read(llm.model_path, llm.model_config))
         server = BackgroundServer(LocalServer(models, ServerConfig(port=0, **config))).start()
         try:
             yield server

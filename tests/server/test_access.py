@@ -302,3 +302,25 @@ def test_a_carriage_return_inside_the_key_is_a_malformed_request(keyed_server):
     headers = [("Host", f"127.0.0.1:{port}"), ("Authorization", f"Bearer {API_KEY}\r".encode())]
     for entrance in ENTRANCES:
         assert_refused(knock(port, entrance, headers), 400, "invalid_http_request")
+
+
+@pytest.mark.parametrize("entrance", ENTRANCES)
+@pytest.mark.parametrize("value, admitted", [
+    (API_KEY, True),  # Anthropic's clients send the key so (x-api-key: KEY), any case of the name
+    (f"Bearer {API_KEY}", False), (API_KEY.upper(), False), (API_KEY[:-1], False), (f"{API_KEY}x", False),
+    (f"{API_KEY}, {API_KEY}", False), ("", False), (f"{API_KEY}\xa0".encode("latin-1"), False),
+])
+def test_the_x_api_key_header_carries_the_key_as_bearer_does(keyed_server, entrance, value, admitted):
+    port = keyed_server.port
+    reply = knock(port, entrance, [("Host", f"127.0.0.1:{port}"), ("X-Api-Key", value)])
+    if admitted:
+        assert_admitted(reply, entrance)
+    else:
+        assert_refused(reply, 401, "invalid_api_key")
+
+
+def test_a_second_x_api_key_header_is_a_400(keyed_server):
+    port = keyed_server.port
+    for entrance in ENTRANCES:
+        headers = [("Host", f"127.0.0.1:{port}"), ("x-api-key", "wrong"), ("X-Api-Key", API_KEY)]
+        assert_refused(knock(port, entrance, headers), 400, "duplicate_header")

@@ -149,8 +149,8 @@ def test_keep_alive_carries_several_requests_on_one_connection(server):
     (b"[" * 20_000 + b"]" * 20_000, "invalid_json"),  # nested deeper than the parser goes
     (json.dumps({**CHAT, "n": 0}).encode(), "integer_below_min_value"),
     (json.dumps({**CHAT, "max_tokens": 10 ** 30}).encode(), None),
-    (json.dumps({**CHAT, "messages": [{"role": "tool", "content": "x"}]}).encode(), "unsupported_value"),
-    (json.dumps({**CHAT, "tools": [{"type": "function"}]}).encode(), "unsupported_parameter"),
+    (json.dumps({**CHAT, "messages": [{"role": "tool", "content": "x"}]}).encode(), "invalid_type"),  # no call id
+    (json.dumps({**CHAT, "tools": [{"type": "function"}]}).encode(), "invalid_value"),
     (json.dumps({**CHAT, "temperature": "hot"}).encode(), "invalid_type"),
     (json.dumps({**CHAT, "stream_options": []}).encode(), "invalid_type"),
 ])

@@ -51,7 +51,8 @@ def test_the_served_model_answers_to_its_names():
     assert "alias" in raised.value.message
     assert models.describe(entry) == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
                                       "status": "loaded", "names": ["alias", "own-name", "default"],
-                                      "max_model_len": 512, "sampling_defaults": defaults.to_json()}
+                                      "max_model_len": 512, "sampling_defaults": defaults.to_json(),
+                                      "tool_call_format": None, "reasoning": None}  # no chat format given
 
 
 @pytest.mark.parametrize("name", ["Alias", "alias ", " alias", "alia", "aliases", "own-name-2", "own", "Default",

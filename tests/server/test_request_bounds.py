@@ -26,10 +26,14 @@ from tests.helpers.server import running_server
 
 LIMITS = RequestLimits(max_input_chars=40, max_conversation_chars=60, max_input_items=3, max_stop_strings=2,
                        max_stop_chars=4, max_parallel_samples=3, max_logprob_entries=60, max_metadata_keys=2,
-                       max_metadata_key_chars=3, max_metadata_value_chars=5, max_id_chars=40)
+                       max_metadata_key_chars=3, max_metadata_value_chars=5, max_id_chars=40, max_tools=2)
 MAX_MODEL_LEN = 512  # the tiny model's context
 SERVED_NAME = "tinychat" + "x" * 32  # an id as long as the limit allows
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def tools(count: int) -> list[dict]:
+    return [{"type": "function", "name": f"f{index}"} for index in range(count)]
 
 
 def past(bound: float, direction: float) -> float:
@@ -101,6 +105,7 @@ BOUNDS = [
      refused("integer_above_max_value", "max_tokens")),
     ("max_completion_tokens the context", {"max_completion_tokens": MAX_MODEL_LEN}, None,
      {"max_completion_tokens": MAX_MODEL_LEN + 1}, refused("integer_above_max_value", "max_tokens")),
+    ("tools", {"tools": tools(2)}, None, {"tools": tools(3)}, refused("array_above_max_length", "tools")),
 ]
 CASES = [pytest.param(fmt, case, expected, id=f"{what}-{side}-{fmt}")
          for what, at_case, at_expected, past_case, past_expected in BOUNDS
@@ -126,6 +131,8 @@ def check_accepted(outcome: Outcome, case: dict) -> None:
             assert params.max_tokens == value if value < MAX_MODEL_LEN else 0 < params.max_tokens < MAX_MODEL_LEN
         elif name in ("logprobs", "extension_logprobs"):
             assert params.logprobs == value
+        elif name == "tools":
+            assert params.grammar is not None and params.grammar.kind == "lark"  # the calls' grammar
         elif name in params.__slots__:
             assert getattr(params, name) == ([value] if name == "stop" and isinstance(value, str) else value)
 

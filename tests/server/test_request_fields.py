@@ -15,6 +15,15 @@ from localserve.server.validation import ProtocolError
 LIMITS = RequestLimits(max_input_chars=20, max_input_items=2, max_stop_strings=2, max_stop_chars=3,
                        max_parallel_samples=4, max_id_chars=8)
 DEFAULTS = SamplingDefaults(0.5, top_k=7, top_p=0.8, min_p=0.01, source="test")
+# Refusals shared by formats, checked in their `order` before a format's own ones.
+FORCED_TOOL_CHOICE_REFUSED = fields.Refused("no tool is called", fields.one_of("auto", "none"), (str, dict), order=0)
+TOOLS_REFUSED = fields.Refused("no tools are offered", fields.is_empty, list, order=1)
+STRUCTURED_OUTPUT_REFUSED = fields.Refused("only plain text", fields.plain_text, dict, order=2)
+
+
+def reasoning_refused(allows, kind) -> fields.Refused:
+    return fields.Refused("the model does not reason", allows, kind, order=3)
+
 
 # An Ollama-shaped /api/chat, written as a test would write the next format: a map and nothing else.
 OLLAMA_CHAT = fields.WireFormat({
@@ -25,9 +34,9 @@ OLLAMA_CHAT = fields.WireFormat({
         "top_k": fields.Sampling("top_k"), "top_p": fields.Sampling("top_p"), "seed": fields.Sampling("seed"),
         "stop": fields.Sampling("stop"), "repeat_penalty": fields.Sampling("repetition_penalty")}),
     "stream": fields.Flag("stream"),
-    "tools": fields.TOOLS_REFUSED,
+    "tools": TOOLS_REFUSED,
     "format": fields.Refused("structured output is not supported; only plain text", kind=(str, dict)),
-    "think": fields.reasoning_refused(fields.is_empty, bool),
+    "think": reasoning_refused(fields.is_empty, bool),
     "keep_alive": fields.Ignored("the model stays loaded while the server runs"),
 }, default_max_tokens=128)
 
@@ -85,12 +94,12 @@ def test_fields_are_checked_in_one_order_whatever_the_map_or_the_body_says():
     assert refusal({"model": 5}) == ("missing_required_parameter", "messages")  # the input before identifiers
 
 
-def test_the_shared_refusals_come_first_in_one_order():
+def test_refusals_come_first_in_their_order():
     chat_like = fields.WireFormat({"messages": fields.Messages(MessageFormat(text_parts=("text",))),
-                                   "reasoning_effort": fields.reasoning_refused(fields.one_of("none"), str),
+                                   "reasoning_effort": reasoning_refused(fields.one_of("none"), str),
                                    "audio": fields.Refused("text only"),
-                                   "response_format": fields.STRUCTURED_OUTPUT_REFUSED,
-                                   "tools": fields.TOOLS_REFUSED, "tool_choice": fields.FORCED_TOOL_CHOICE_REFUSED})
+                                   "response_format": STRUCTURED_OUTPUT_REFUSED,
+                                   "tools": TOOLS_REFUSED, "tool_choice": FORCED_TOOL_CHOICE_REFUSED})
     body = {**HELLO, "audio": {"voice": "x"}, "reasoning_effort": "high", "response_format": {"type": "json_object"},
             "tools": [{"type": "function"}], "tool_choice": "required"}
     for name in ("tool_choice", "tools", "response_format", "reasoning_effort", "audio"):
@@ -136,7 +145,7 @@ def test_open_and_closed_objects_and_the_input_size():
 
 def test_echoed_fields_keep_what_was_sent_over_their_defaults():
     wire = fields.WireFormat({"prompt": fields.Prompt(), "text": fields.Nested({}, open=True),
-                              "tools": fields.TOOLS_REFUSED},
+                              "tools": TOOLS_REFUSED},
                              echoed={"text": {"format": {"type": "text"}}, "tools": [], "absent": None})
     request = parse({"prompt": "x", "text": {"verbosity": "medium"}}, wire)
     assert request.echoed == {"text": {"format": {"type": "text"}, "verbosity": "medium"}, "tools": [], "absent": None}

@@ -6,7 +6,9 @@ defaults for the rest), or refused with the same code naming the same field, as 
 The server runs on a recording engine thread (tests/helpers/request_wire.py): every request goes
 through the whole server (HTTP or websocket, parsing, the conversation, tokenizing, the context) to the
 engine's door, where its SamplingParams are kept and the request is answered at once; so every
-generated case runs on the wire, not on the parsers alone.
+generated case runs on the wire, not on the parsers alone. Tools, the tool choice and the answer's
+format reach the engine as its grammar: the reference is worked out from the rules (the calls' grammar
+of the model's chat format when tools are offered, else the format's JSON schema).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from localserve.engine.grammar import GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
+from localserve.tokenizer.chat_format import detect_chat_format
+from localserve.tokenizer.tools import ToolChoice, ToolSpec
 from tests.helpers.request_wire import (
     CHAT,
     COMPLETIONS,
@@ -49,14 +54,37 @@ def wire(tiny_chat_llm):
         client.close()
 
 
-def expected_params(case: dict) -> SamplingParams:
-    """The reference: the case's values, the server's defaults where it sent none."""
+@pytest.fixture(scope="module")
+def chat_format(tiny_chat_llm):
+    return detect_chat_format(tiny_chat_llm.tokenizer)
+
+
+def expected_grammar(case: dict, chat_format) -> GrammarSpec | None:
+    """The grammar the case's tools, tool choice and answer format make (cases written flat, as Responses)."""
+    no_parameters = {"type": "object", "properties": {}}
+    tools = [ToolSpec(tool["name"], tool.get("description"), tool.get("parameters", no_parameters))
+             for tool in case.get("tools") or ()]
+    choice = case.get("tool_choice") or "auto"
+    choice = ToolChoice.function(choice["name"]) if isinstance(choice, dict) else ToolChoice(choice)
+    if tools and choice.mode != "none":
+        return GrammarSpec.lark(chat_format.turn(tools, choice).grammar.lark)
+    answer = case.get("structured_output") or {"type": "text"}
+    if answer["type"] == "json_object":
+        return GrammarSpec.json_object()
+    if answer["type"] == "json_schema":
+        return GrammarSpec.json_schema(answer["schema"], strict=answer.get("strict", False))
+    return None
+
+
+def expected_params(case: dict, chat_format=None) -> SamplingParams:
+    """The reference: the case's values, the server's defaults where it sent none, the grammar it makes."""
     chosen = {name: value for name, value in case.items() if value is not None and name in SamplingParams.__slots__}
     if isinstance(chosen.get("stop"), str):
         chosen["stop"] = [chosen["stop"]]
     defaults = {"temperature": DEFAULTS.temperature, "top_k": DEFAULTS.top_k, "top_p": DEFAULTS.top_p,
                 "min_p": DEFAULTS.min_p, "max_tokens": DEFAULT_MAX_TOKENS}
-    return SamplingParams(**(defaults | chosen))
+    grammar = expected_grammar(case, chat_format) if chat_format is not None else None
+    return SamplingParams(**(defaults | chosen), grammar=grammar)
 
 
 def outcomes(wire: WireClient, case: dict) -> dict[str, Outcome]:
@@ -81,6 +109,12 @@ def numbers(low: float, high: float):
 
 
 texts = st.text(max_size=6)
+TOOL_F = {"type": "function", "name": "f", "parameters": {}}
+TOOL_G = {"type": "function", "name": "g", "description": "Gets.",
+          "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
+SCHEMA_FORMAT = {"type": "json_schema", "name": "x", "strict": True,
+                 "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                            "additionalProperties": False}}
 valid = {
     "max_tokens": st.integers(1, MAX_UNCUT_TOKENS), "temperature": st.floats(0, 2) | st.integers(0, 2),
     "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(1, INT64_MAX),
@@ -88,8 +122,10 @@ valid = {
     "stop": st.text(min_size=1, max_size=5) | st.lists(st.text(min_size=1, max_size=5), max_size=8),
     "n": st.integers(1, 16), "logprobs": st.integers(0, 20), "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.001, 10),
-    "tools": st.just([]), "tool_choice": st.sampled_from(["auto", "none"]),
-    "structured_output": st.just({"type": "text"}), "reasoning_effort": st.just("none"),
+    "tools": st.sampled_from([[], [TOOL_F], [TOOL_G], [TOOL_F, TOOL_G]]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "structured_output": st.sampled_from([{"type": "text"}, {"type": "json_object"}, SCHEMA_FORMAT]),
+    "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high"]),
 }
 anything = {
     "max_tokens": integers(1, MAX_UNCUT_TOKENS) | st.sampled_from([513, INT64_MAX, INT64_MAX + 1]),
@@ -99,11 +135,15 @@ anything = {
                       st.just("x" * 129), wrong_types, st.none()),
     "n": integers(1, 16), "logprobs": integers(0, 20), "presence_penalty": numbers(-2, 2),
     "frequency_penalty": numbers(-2, 2), "repetition_penalty": numbers(0.001, 10),
-    "tools": st.sampled_from([[], [{"type": "function", "name": "f", "parameters": {}}], [1], "f", {}, None]),
-    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}, 5, None]),
+    "tools": st.sampled_from([[], [TOOL_F], [TOOL_F, TOOL_F], [1], "f", {}, None, [{"type": "web_search"}],
+                              [{"type": "function", "name": "bad name"}], [{"type": "function"}],
+                              [{"type": "function", "name": "f", "parameters": {"type": "array"}}]]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"},
+                                    {"type": "function", "name": "zzz"}, {"type": "function"}, "any", 5, None]),
     "structured_output": st.sampled_from([{"type": "text"}, {}, {"type": "json_object"}, {"type": 5}, "json",
-                                          {"type": "json_schema", "name": "x", "schema": {}}, None]),
-    "reasoning_effort": st.sampled_from(["none", "low", "high", None]),
+                                          {"type": "json_schema", "name": "x", "schema": {}}, SCHEMA_FORMAT,
+                                          {"type": "json_schema", "name": "x", "schema": 5}, None]),
+    "reasoning_effort": st.sampled_from(["none", "low", "high", "extreme", 3, None]),
 }
 unknown_fields = st.dictionaries(st.sampled_from(["frobnicate", "temprature", "max_new_tokens"]), st.integers(),
                                  max_size=1)
@@ -137,15 +177,21 @@ cases = st.one_of(
 @example(case={"max_tokens": 513})
 @example(case={"logprobs": 21})
 @example(case={"frobnicate": 1, "temperature": "hot"})
-def test_every_format_gives_the_same_answer(wire, case):
+@example(case={"tools": [TOOL_F, TOOL_G], "tool_choice": {"type": "function", "name": "g"}})
+@example(case={"tools": [TOOL_F], "tool_choice": {"type": "function", "name": "zzz"}})
+@example(case={"tools": [{"type": "function", "name": "bad name"}]})
+@example(case={"structured_output": SCHEMA_FORMAT, "tools": [TOOL_F]})
+@example(case={"reasoning_effort": "extreme"})
+def test_every_format_gives_the_same_answer(wire, chat_format, case):
     answers = outcomes(wire, case)
     first = next(iter(answers.values()))
     assert all(answer == first for answer in answers.values()), answers
     if first.accepted:
-        assert first.params == expected_params(case)
+        assert first.params == expected_params(case, chat_format)
 
 
 # ---------------------------------------------------------------------------------- each outcome pinned
+ACCEPTED = Outcome(params=SamplingParams())  # accepted with expected_params(case): worked out in the test
 PINNED = [
     ({}, Outcome(params=expected_params({}))),
     ({"temperature": 0.5, "top_k": 3, "stop": "END", "seed": 7, "n": 2, "max_tokens": 5, "logprobs": 2,
@@ -153,15 +199,34 @@ PINNED = [
       "reasoning_effort": "none"},
      Outcome(params=SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.02, seed=7, max_tokens=5,
                                    stop=["END"], n=2, logprobs=2, repetition_penalty=1.1))),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]},
-     Outcome(status=400, code="unsupported_parameter", field="tools")),
-    ({"tools": [1]}, Outcome(status=400, code="unsupported_parameter", field="tools")),
+    ({"tools": [TOOL_F]}, ACCEPTED),  # tool_choice auto: the calls' grammar
+    ({"tools": [TOOL_F, TOOL_G], "tool_choice": "required"}, ACCEPTED),
+    ({"tools": [TOOL_F, TOOL_G], "tool_choice": {"type": "function", "name": "g"}}, ACCEPTED),
+    ({"tools": [TOOL_F], "tool_choice": "none"}, Outcome(params=expected_params({}))),  # no tools offered
+    ({"tools": [1]}, Outcome(status=400, code="invalid_type", field="tools[0]")),
     ({"tools": "f"}, Outcome(status=400, code="invalid_type", field="tools")),
-    ({"tool_choice": "required"}, Outcome(status=400, code="unsupported_parameter", field="tool_choice")),
-    ({"structured_output": {"type": "json_object"}},
-     Outcome(status=400, code="unsupported_parameter", field="structured_output")),
+    ({"tools": [{"type": "web_search"}]}, Outcome(status=400, code="invalid_value", field="tools[0].type")),
+    ({"tools": [{"type": "function", "name": "bad name"}]},
+     Outcome(status=400, code="invalid_value", field="tools[0].name")),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+     Outcome(status=400, code="invalid_value", field="tools[0].parameters")),
+    ({"tools": [TOOL_F, TOOL_F]}, Outcome(status=400, code="invalid_value", field="tools")),  # one name twice
+    ({"tool_choice": "required"}, Outcome(status=400, code="invalid_value", field="tool_choice")),
+    ({"tool_choice": "any"}, Outcome(status=400, code="invalid_value", field="tool_choice")),
+    ({"tools": [TOOL_F], "tool_choice": {"type": "function", "name": "zzz"}},
+     Outcome(status=400, code="invalid_value", field="tool_choice.name")),
+    ({"structured_output": {"type": "json_object"}}, ACCEPTED),
+    ({"structured_output": SCHEMA_FORMAT}, ACCEPTED),
+    ({"structured_output": {"type": "json_schema", "name": "x", "schema": 5}},
+     Outcome(status=400, code="invalid_type", field="structured_output.schema")),
+    ({"structured_output": {"type": "yaml"}},
+     Outcome(status=400, code="invalid_value", field="structured_output.type")),
     ({"structured_output": "json"}, Outcome(status=400, code="invalid_type", field="structured_output")),
-    ({"reasoning_effort": "high"}, Outcome(status=400, code="unsupported_parameter", field="reasoning_effort")),
+    ({"structured_output": SCHEMA_FORMAT, "tools": [TOOL_F]},
+     Outcome(status=400, code="unsupported_value", field="structured_output")),
+    ({"structured_output": SCHEMA_FORMAT, "tools": [TOOL_F], "tool_choice": "required"}, ACCEPTED),  # a call
+    ({"reasoning_effort": "high"}, ACCEPTED),  # the tiny model does not reason: nothing changes
+    ({"reasoning_effort": "extreme"}, Outcome(status=400, code="invalid_value", field="reasoning_effort")),
     ({"temperature": "hot"}, Outcome(status=400, code="invalid_type", field="temperature")),
     ({"temperature": math.nan}, Outcome(status=400, code="invalid_value", field="temperature")),
     ({"temperature": 10 ** 400}, Outcome(status=400, code="decimal_above_max_value", field="temperature")),
@@ -175,16 +240,19 @@ PINNED = [
     ({"max_tokens": 513}, Outcome(status=400, code="integer_above_max_value", field="max_tokens")),
     ({"logprobs": 21}, Outcome(status=400, code="integer_above_max_value", field="logprobs")),
     ({"frobnicate": 1, "temperature": "hot"}, Outcome(status=400, code="unknown_parameter", field="frobnicate")),
-    ({"tools": [{"type": "function"}], "temperature": "hot"},
-     Outcome(status=400, code="unsupported_parameter", field="tools")),
+    ({"tools": [{"type": "function"}], "temperature": "hot"},  # sampling is checked before the tools
+     Outcome(status=400, code="invalid_type", field="temperature")),
 ]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case, expected", PINNED, ids=[str(case)[:60] for case, _ in PINNED])
-def test_each_outcome_is_pinned(wire, fmt, case, expected):
+def test_each_outcome_is_pinned(wire, chat_format, fmt, case, expected):
     if fmt not in formats_carrying(case):
         pytest.skip(f"{fmt} has no such field")
+    if expected is ACCEPTED:
+        expected = Outcome(params=expected_params(case, chat_format))
+        assert expected.params.grammar is not None or case == {"reasoning_effort": "high"}
     assert wire.send(fmt, case) == expected
 
 

@@ -127,12 +127,7 @@ def test_a_conversation_larger_than_the_store_is_not_kept(server):
     assert conversations.num_chars <= MAX_STORED_CHARS
 
 
-UNSUPPORTED = [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}], "tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+UNSUPPORTED = [  # tools, tool_choice, text.format and reasoning are honoured (test_request_formats.py pins them)
     ({"truncation": "auto"}, "truncation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"conversation": "conv_1"}, "conversation"),
@@ -153,7 +148,7 @@ def test_unknown_parameters_are_refused(server):
 
 
 def test_the_response_echoes_what_was_requested(server):
-    tools = []  # until tool calls exist, any tool is refused (unsupported_parameter, in test_request_formats.py)
+    tools = []  # the tiny model's word-level tokenizer is one llguidance cannot read: no grammar runs on it
     requested = {"tools": tools, "tool_choice": "auto", "parallel_tool_calls": False, "top_logprobs": 2,
                  "temperature": 0.5, "top_p": 0.9, "max_output_tokens": 3, "store": False,
                  "text": {"format": {"type": "text"}, "verbosity": "medium"}, "truncation": "disabled",

@@ -14,7 +14,9 @@ from typing import Any
 
 __all__ = ["ANY_TEXT", "WS", "calls_grammar", "json_value", "literal", "marker", "regex_literal"]
 
-WS = r"WS: /[ \t\r\n]+/"
+# Whitespace between and after calls, bounded: a small model may otherwise go on writing newlines after a
+# complete call until its token limit (the grammar could never end).
+WS = r"WS: /[ \t\r\n]{1,4}/"
 ANY_TEXT = r"ANY_TEXT: /(?s:.*)/"
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
 

@@ -1,0 +1,92 @@
+"""One sample of a response as the APIs show it: its answer text, its reasoning and its tool calls, read from
+the engine's text deltas by the chat format's stream parser (no I/O here).
+
+A `SampleOutput` keeps what the sample said so far and the events not yet sent (`pending`, in order), which
+one API's view (server/response_events.py for Responses, server/completion_events.py for chat completions)
+takes and spells. Without a parser (a plain completion, or a chat turn that neither offers tools nor
+reasons) every delta is content as it comes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from localserve.tokenizer.chat_format import ChatStreamParser
+from localserve.tokenizer.stream_events import (
+    ContentDelta,
+    ReasoningDelta,
+    StreamEvent,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+
+
+@dataclass
+class ToolCall:
+    """A call the sample made: its id (the API's `call_id`), the function and its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str = ""
+    done: bool = False
+
+    def message_call(self) -> dict[str, Any]:
+        """As a conversation stores it (request_model.Message's `tool_calls`)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class SampleOutput:
+    """What one sample said, and what of it is not sent yet."""
+
+    parser: ChatStreamParser | None = None
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    pending: list[StreamEvent] = field(default_factory=list)
+    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    all_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
+    finish_reason: str | None = None
+    _finished: bool = False
+
+    def feed(self, text: str) -> None:
+        """The engine's next text delta of this sample."""
+        if not text:
+            return
+        self._take(self.parser.feed(text) if self.parser is not None else [ContentDelta(text)])
+
+    def finish(self) -> None:
+        """The sample has ended (or the response did): release what the parser holds, close an open call."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.parser is not None:
+            self._take(self.parser.finish())
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending or self.pending_logprobs)
+
+    def take_pending(self) -> tuple[list[StreamEvent], list[dict[str, Any]]]:
+        """The events and log-probability entries not sent yet (a view sends them)."""
+        events, entries = self.pending, self.pending_logprobs
+        self.pending, self.pending_logprobs = [], []
+        return events, entries
+
+    def _take(self, events: list[StreamEvent]) -> None:
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self.content += event.text
+            elif isinstance(event, ReasoningDelta):
+                self.reasoning += event.text
+            elif isinstance(event, ToolCallStart):
+                self.calls.append(ToolCall(event.id, event.name))
+            elif isinstance(event, ToolCallArgumentsDelta):
+                self.calls[event.index].arguments += event.text
+            elif isinstance(event, ToolCallEnd):
+                self.calls[event.index].arguments, self.calls[event.index].done = event.arguments, True
+            self.pending.append(event)
