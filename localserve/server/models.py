@@ -361,6 +361,11 @@ class ModelRegistry:
         log.info("loading model %s (%s)", entry.id, entry.files.path)
         try:
             loaded = await asyncio.to_thread(self._load, entry)
+            try:
+                self._enter_loaded(model, loaded)
+            except Exception:  # loaded but not servable (its facts, its chat template): freed again
+                await asyncio.to_thread(loaded.unload)
+                raise
         except Exception as exc:  # the requests waiting for it fail; the server goes on
             log.error("loading model %s failed: %s: %s", entry.id, type(exc).__name__, exc)
             model.phase = _Phase.UNLOADED
@@ -371,7 +376,6 @@ class ModelRegistry:
                 self._queue.remove(waiter)
                 waiter.granted.set_exception(error)
         else:
-            self._enter_loaded(model, loaded)
             log.info("model %s loaded in %.1f s (%d tokens of context)", entry.id,
                      time.monotonic() - model.load_started, model.serving.model.max_model_len)
             self._arm_idle_timer(model)

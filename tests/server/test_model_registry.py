@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelEntry
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.model_loader import FoundModels, find_models
@@ -114,6 +115,7 @@ class PlayedModel:
     def __init__(self, model_id: str, loads: PlayedLoads) -> None:
         self.model_id, self.loads = model_id, loads
         self.engine, self.tokenizer = RecordedEngineThread(max_model_len=512), CountingTokenizer()
+        self.card = ModelCard()
 
     def unload(self) -> None:
         self.loads.unload(self.model_id)
@@ -232,6 +234,21 @@ def test_a_model_that_fails_to_load_fails_its_requests_and_the_others_go_on(tmp_
         assert "truncated file" in task.exception().message
     lease = loop.run_until_complete(registry.acquire(registry.find("gamma")))
     assert lease.model.served_name == "gamma" and loads.events == [("load", "broken"), ("load", "gamma")]
+
+
+def test_a_model_that_loads_but_cannot_be_served_fails_its_waiters_and_is_unloaded(tmp_path, loop):
+    """A fault after the load (here: the loaded model lacks its card) fails the requests waiting for it at
+    once with the reason, instead of leaving them to wait out their bound, and the model is freed."""
+    registry, loads = folder_registry(write_models_folder(tmp_path / "models"))
+    broken = PlayedModel("gamma", loads)
+    del broken.card
+    registry._load = lambda entry: loads.events.append(("load", entry.id)) or broken
+    with pytest.raises(ProtocolError) as raised:
+        loop.run_until_complete(asyncio.wait_for(registry.acquire(registry.find("gamma")), 5))
+    assert (raised.value.code, raised.value.status) == ("model_load_failed", 503)
+    assert "AttributeError" in raised.value.message
+    assert loads.events == [("load", "gamma"), ("unload", "gamma")]
+    assert registry.serving_now() is None
 
 
 def test_a_request_waiting_past_the_bound_gets_a_503_and_leaves_the_queue(tmp_path, loop):
