@@ -1,0 +1,117 @@
+"""A step's cost in time, learnt from the steps as they run, and the prefill a step may take within a time
+budget. No torch: the measurements come in as numbers (engine/engine.py times each step).
+
+A budget counted in tokens cannot fit both a CPU and a GPU: 512 prompt tokens cost a CPU several decode
+steps and a GPU next to nothing. So the scheduler asks `StepTimeBudget` how many prefill tokens a step
+may add to its decodes: as many as keep the step's estimated time within `max_step_ms`, by default about
+twice what the step's decodes alone take (`DECODE_MULTIPLE`), so that an arriving prompt stretches every
+stream's gap to at most about twice its usual. `max_num_batched_tokens` stays an upper bound. The
+trade-off is the time to first token: a prompt arriving among running streams is prefilled in chunks of
+what the budget leaves (docs/BENCHMARKS.md, "Step budget in time", has the figures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The features are scaled to about 1 for a typical step, so that one prior fits every coefficient.
+FEATURE_SCALES = (1.0, 16.0, 64.0, 256.0)  # constant, rows, tokens, context blocks
+FORGETTING = 0.98  # each older step counts 2% less: about the last 50 steps shape the fit
+PRIOR_VARIANCE = 1.0  # of each scaled coefficient, in s^2: vague next to step times of ms to s
+MAX_TRACE = 1e4  # the forgetting pauses while the fit is this uncertain (no wind-up between prefills)
+MIN_OBSERVATIONS = 8
+MIN_MULTI_TOKEN_STEPS = 3  # steps with more tokens than rows, which tell a token's cost from a row's
+OUTLIER_MULTIPLE = 3.0  # a step taking more than this times its estimate counts as this (another process ran)
+DECODE_MULTIPLE = 2.0  # the default budget: this times the step's decodes alone
+MIN_COST_S = 1e-6  # a coefficient the fit puts at or below 0 (noise) is taken as this
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step's time is modelled on: its rows (sequences), its query tokens, and the KV it reads
+    (the rows' context tokens over the block size)."""
+
+    num_rows: int
+    num_tokens: int
+    num_context_blocks: float
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, self.num_rows / FEATURE_SCALES[1], self.num_tokens / FEATURE_SCALES[2],
+                self.num_context_blocks / FEATURE_SCALES[3])
+
+
+class StepCostModel:
+    """duration = fixed + per_row * rows + per_token * tokens + per_block * context blocks, fitted by recursive
+    least squares with forgetting, so it follows the device, the model, the batch and the machine's load."""
+
+    def __init__(self) -> None:
+        self._theta = [0.0] * 4
+        self._p = [[PRIOR_VARIANCE if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self.num_observations = 0
+        self.num_multi_token_steps = 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether the fit has seen enough steps, some of them with several tokens a row, to be used."""
+        return self.num_observations >= MIN_OBSERVATIONS and self.num_multi_token_steps >= MIN_MULTI_TOKEN_STEPS
+
+    def estimate(self, shape: StepShape) -> float:
+        """The step's estimated duration in seconds (at least 0)."""
+        return max(0.0, sum(t * x for t, x in zip(self._theta, shape.features())))
+
+    @property
+    def per_token_s(self) -> float:
+        """The estimated cost of one more query token in a row that is already in the step."""
+        return max(MIN_COST_S, self._theta[2] / FEATURE_SCALES[2])
+
+    @property
+    def per_row_s(self) -> float:
+        """The estimated cost of one more row, beside its tokens."""
+        return max(MIN_COST_S, self._theta[1] / FEATURE_SCALES[1])
+
+    @property
+    def per_block_s(self) -> float:
+        """The estimated cost of reading one more block of context."""
+        return max(0.0, self._theta[3] / FEATURE_SCALES[3])
+
+    def observe(self, shape: StepShape, duration_s: float) -> None:
+        """One step's measured duration."""
+        if shape.num_rows == 0:
+            return
+        if self.ready:
+            duration_s = min(duration_s, OUTLIER_MULTIPLE * max(self.estimate(shape), MIN_COST_S))
+        x = shape.features()
+        p = self._p
+        px = [sum(p[i][j] * x[j] for j in range(4)) for i in range(4)]
+        forgetting = FORGETTING if sum(p[i][i] for i in range(4)) < MAX_TRACE else 1.0
+        gain_denominator = forgetting + sum(x[i] * px[i] for i in range(4))
+        gain = [v / gain_denominator for v in px]
+        error = duration_s - sum(t * v for t, v in zip(self._theta, x))
+        self._theta = [t + g * error for t, g in zip(self._theta, gain)]
+        self._p = [[(p[i][j] - gain[i] * px[j]) / forgetting for j in range(4)] for i in range(4)]
+        self.num_observations += 1
+        self.num_multi_token_steps += shape.num_tokens > shape.num_rows
+
+
+class StepTimeBudget:
+    """How many prefill tokens a step may add (module doc): `max_step_s` a fixed limit, or None for
+    `DECODE_MULTIPLE` times the step's decodes alone."""
+
+    def __init__(self, cost: StepCostModel, max_step_s: float | None, min_prefill_tokens: int) -> None:
+        self.cost = cost
+        self.max_step_s = max_step_s
+        # Every step may prefill this much, whatever the estimate: a prompt always makes progress.
+        self.min_prefill_tokens = min_prefill_tokens
+        self.last_limit_s = 0.0  # the limit of the last step that had one (the monitor shows it)
+
+    def prefill_tokens(self, decodes: StepShape, now: StepShape) -> int | None:
+        """Prefill tokens a step whose decodes are `decodes`, and which holds `now` so far (the decodes and
+        their drafts), may add; None: only the token budget bounds it (no decodes to keep steady, or the
+        cost is not learnt yet)."""
+        cost = self.cost
+        if decodes.num_rows == 0 or not cost.ready:
+            return None
+        limit = self.max_step_s if self.max_step_s is not None else DECODE_MULTIPLE * cost.estimate(decodes)
+        self.last_limit_s = limit
+        left = limit - cost.estimate(now) - cost.per_row_s
+        return max(self.min_prefill_tokens, int(left / cost.per_token_s))
