@@ -126,7 +126,7 @@ class DraftModelDrafter:
         seq = self._seqs.pop(query.seq_id, None)
         if seq is not None:
             common = 0
-            limit = min(seq.num_written, len(target))
+            limit = min(seq.num_written, len(target) - 1)  # the last token is run again: its logits are wanted
             held = seq.token_ids
             while common < limit and held[common] == target[common]:
                 common += 1

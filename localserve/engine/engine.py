@@ -213,9 +213,9 @@ class LLMEngine:
                 sampled += self._fork_samples(row)
         self.num_prompt_tokens += num_prompt_tokens
         if sampled:
-            # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
-            # place; else the row index is built once, on the device.
-            identity = len(sampled) == num_logits_rows and not beam_rows
+            # Without forks, beams or verify rows every logits row is one sampled row, in order: the sampler
+            # reads them in place; else the row index is built once, on the device.
+            identity = len(sampled) == num_logits_rows and not beam_rows and not verified
             index = None if identity else torch.tensor([row.logits_row for row in sampled], device=logits.device)
             rows = [row.seq.sampling_row or self._sampling_row(row.request, row.seq) for row in sampled]
             self._append_sampled(sampled, self.sampler(logits, rows, index))

@@ -243,9 +243,12 @@ class Speculation:
         manager keeps the KV of its tokens up to the accepted ones (the last appended is pending, as after
         any sampled token). Counts the verification."""
         num_computed = len(seq.token_ids) - 1
-        self.block_manager.truncate(seq.seq_id, num_computed)
-        self.block_manager.mark_computed(seq.seq_id, num_computed)
+        bm = self.block_manager
+        bm.truncate(seq.seq_id, num_computed)
+        bm.mark_computed(seq.seq_id, num_computed)
         seq.num_computed_tokens = num_computed
+        if seq.decode_row is not None:  # a truncation that dropped blocks made the table another list
+            seq.decode_row.chunk.block_table = bm.live_block_table(seq.seq_id)
         self.record(seq, num_drafted, num_accepted)
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:

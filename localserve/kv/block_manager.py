@@ -350,6 +350,7 @@ class BlockManager:
         """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
 
         The blocks past the kept tokens lose one count each (last first) and join the free queue's tail.
+        When blocks go, the sequence's table becomes a new list (see `live_block_table`).
         Only uncomputed tokens can go (`num_computed_tokens <= num_tokens`): a block enters the prefix cache
         only once full of computed tokens, so none that held a dropped token is registered under any key,
         and the kept last block is written again only past the kept tokens. A shared token list
@@ -362,7 +363,9 @@ class BlockManager:
         num_blocks = self._num_blocks_for(num_tokens)
         dropped = seq.block_table[num_blocks:]
         if dropped:
-            del seq.block_table[num_blocks:]
+            # A new list: a table that shrank is never the same list grown back (whoever mirrors tables by
+            # list, as the model runner does, sees another list and reads it whole).
+            seq.block_table = seq.block_table[:num_blocks]
             self._release_blocks(dropped)
         if not seq.shares_token_ids:
             del seq.token_ids[num_tokens:]
