@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 # outweigh within a few steps.
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0
 DECAY = 0.9  # per verification: the last ~10 count most, so the estimate follows the text being written
-IDLE_DECAY = 0.98  # per step without a draft: the estimate drifts back to the prior, so drafting is tried again
+IDLE_DECAY = 0.998  # per step without a draft: the estimate drifts back to the prior: a draft is tried now and then
 
 
 @dataclass(slots=True)

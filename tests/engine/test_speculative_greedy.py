@@ -80,7 +80,8 @@ def generated_requests(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     for _ in range(NUM_REQUESTS):
         kind = rng.random()
         if kind < 0.3:  # shares a prefix with others: a prefix hit once those blocks are cached
-            prompt = rng.choice(bases)[:rng.randint(17, 48)] + [rng.randrange(3, 256) for _ in range(rng.randint(0, 5))]
+            prompt = rng.choice(bases)[:rng.randint(17, 48)]
+            prompt += [rng.randrange(3, 256) for _ in range(rng.randint(0, 5))]
         elif kind < 0.6:  # repeats itself: n-gram drafts find matches
             piece = [rng.randrange(3, 256) for _ in range(rng.randint(2, 6))]
             prompt = (piece * 12)[:rng.randint(8, 60)]
@@ -97,7 +98,8 @@ def generated_requests(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
             options["presence_penalty"] = 0.5
         if rng.random() < 0.2:
             options["logprobs"] = 2
-        params = SamplingParams(temperature=0, max_tokens=rng.choice([rng.randint(1, 16), rng.randint(17, 64)]), ignore_eos=rng.random() < 0.7,
+        max_tokens = rng.choice([rng.randint(1, 16), rng.randint(17, 64)])
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.7,
                                 n=rng.choice([1] * 8 + [2, 4]), **options)
         requests.append((prompt, params))
     return requests
@@ -128,8 +130,8 @@ def reference(target):
     return outputs
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft: the target itself", "draft: another model"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("drafter, mode", [("ngram", "recompute"), ("draft: the target itself", "recompute"),
+                                           ("draft: the target itself", "swap"), ("draft: another model", "swap")])
 def test_greedy_output_is_the_same_with_speculation(target, other_draft, reference, drafter, mode):
     model, _ = target
     draft_model = {"ngram": None, "draft: the target itself": model, "draft: another model": other_draft}[drafter]
@@ -148,4 +150,5 @@ def test_greedy_output_is_the_same_with_speculation(target, other_draft, referen
         assert [o.finish_reason for o in output.outputs] == [o.finish_reason for o in expected.outputs]
         for got, want in zip(output.outputs, expected.outputs):
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-9)
-            assert [[t for t, _ in top] for top in got.top_logprobs] == [[t for t, _ in top] for top in want.top_logprobs]
+            assert [[t for t, _ in top] for top in got.top_logprobs] == \
+                [[t for t, _ in top] for top in want.top_logprobs]
