@@ -32,6 +32,7 @@ The rules, and why:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Protocol
@@ -109,11 +110,15 @@ class SpecTotals:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def spec_totals(state: SpecState | None) -> SpecTotals:
-    """One sequence's totals."""
-    if state is None:
-        return SpecTotals()
-    return SpecTotals(state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens)
+def spec_totals(states: Iterable[SpecState | None]) -> SpecTotals:
+    """The totals of some sequences (those that never drafted have None)."""
+    totals = SpecTotals()
+    for state in states:
+        if state is not None:
+            totals.num_drafts += state.num_drafts
+            totals.num_draft_tokens += state.num_draft_tokens
+            totals.num_accepted_tokens += state.num_accepted_tokens
+    return totals
 
 
 class Speculation:
