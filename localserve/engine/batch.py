@@ -61,7 +61,9 @@ class Batch:
 
     def shape(self, block_size: int) -> StepShape:
         """What the step's time is estimated from (engine/step_budget.py)."""
-        return StepShape(len(self.rows), self.num_tokens, self.num_context_tokens / block_size)
+        num_rows = len(self.rows)
+        num_prefill_tokens = self.num_tokens - num_rows - self.num_draft_tokens  # past each row's first token
+        return StepShape(num_rows, num_prefill_tokens, self.num_draft_tokens, self.num_context_tokens / block_size)
 
     def close(self) -> None:
         """Every row is in: their chunks become the step input's, in row order (the runner's logits rows

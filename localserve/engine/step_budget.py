@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The features are scaled to about 1 for a typical step, so that one prior fits every coefficient.
-FEATURE_SCALES = (1.0, 16.0, 64.0, 256.0)  # constant, rows, tokens, context blocks
+FEATURE_SCALES = (1.0, 16.0, 64.0, 16.0, 256.0)  # constant, rows, prefill tokens, drafted tokens, context blocks
+NUM_FEATURES = len(FEATURE_SCALES)
 FORGETTING = 0.98  # each older step counts 2% less: about the last 50 steps shape the fit
 PRIOR_VARIANCE = 1.0  # of each scaled coefficient, in s^2: vague next to step times of ms to s
 MAX_TRACE = 1e4  # the forgetting pauses while the fit is this uncertain (no wind-up between prefills)
 MIN_OBSERVATIONS = 8
-MIN_MULTI_TOKEN_STEPS = 3  # steps with more tokens than rows, which tell a token's cost from a row's
+MIN_PREFILL_STEPS = 3  # steps with prefill chunks, which tell a prompt token's cost from a row's
 OUTLIER_MULTIPLE = 3.0  # a step taking more than this times its estimate counts as this (another process ran)
 DECODE_MULTIPLE = 2.0  # the default budget: this times the step's decodes alone
 MIN_COST_S = 1e-6  # a coefficient the fit puts at or below 0 (noise) is taken as this
@@ -28,51 +29,64 @@ MIN_COST_S = 1e-6  # a coefficient the fit puts at or below 0 (noise) is taken a
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """What a step's time is modelled on: its rows (sequences), its query tokens, and the KV it reads
-    (the rows' context tokens over the block size)."""
+    """What a step's time is modelled on: its rows (sequences; each row's first token included), the tokens of
+    its prefill chunks past each chunk's first, its drafted tokens (verify rows past their first), and the KV
+    it reads (the rows' context tokens over the block size). A drafted token costs more than a prompt token
+    on a CPU: a few more rows of a small matrix product, where a prompt chunk fills the product well."""
 
     num_rows: int
-    num_tokens: int
+    num_prefill_tokens: int
+    num_draft_tokens: int
     num_context_blocks: float
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, self.num_rows / FEATURE_SCALES[1], self.num_tokens / FEATURE_SCALES[2],
-                self.num_context_blocks / FEATURE_SCALES[3])
+    def features(self) -> tuple[float, ...]:
+        values = (1.0, self.num_rows, self.num_prefill_tokens, self.num_draft_tokens, self.num_context_blocks)
+        return tuple(value / scale for value, scale in zip(values, FEATURE_SCALES))
 
 
 class StepCostModel:
-    """duration = fixed + per_row * rows + per_token * tokens + per_block * context blocks, fitted by recursive
-    least squares with forgetting, so it follows the device, the model, the batch and the machine's load."""
+    """duration = fixed + per_row * rows + per_prefill_token * prefill tokens + per_draft_token * drafted tokens
+    + per_block * context blocks, fitted by recursive least squares with forgetting, so it follows the device,
+    the model, the batch and the machine's load. Before it has seen a draft, a drafted token costs nothing by
+    its estimate: the first drafts are tried, and their cost is then learnt."""
 
     def __init__(self) -> None:
-        self._theta = [0.0] * 4
-        self._p = [[PRIOR_VARIANCE if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._theta = [0.0] * NUM_FEATURES
+        self._p = [[PRIOR_VARIANCE if i == j else 0.0 for j in range(NUM_FEATURES)] for i in range(NUM_FEATURES)]
         self.num_observations = 0
-        self.num_multi_token_steps = 0
+        self.num_prefill_steps = 0
 
     @property
     def ready(self) -> bool:
-        """Whether the fit has seen enough steps, some of them with several tokens a row, to be used."""
-        return self.num_observations >= MIN_OBSERVATIONS and self.num_multi_token_steps >= MIN_MULTI_TOKEN_STEPS
+        """Whether the fit has seen enough steps, some of them with prefill chunks, to be used."""
+        return self.num_observations >= MIN_OBSERVATIONS and self.num_prefill_steps >= MIN_PREFILL_STEPS
 
     def estimate(self, shape: StepShape) -> float:
         """The step's estimated duration in seconds (at least 0)."""
         return max(0.0, sum(t * x for t, x in zip(self._theta, shape.features())))
 
-    @property
-    def per_token_s(self) -> float:
-        """The estimated cost of one more query token in a row that is already in the step."""
-        return max(MIN_COST_S, self._theta[2] / FEATURE_SCALES[2])
+    def _coefficient(self, index: int) -> float:
+        return self._theta[index] / FEATURE_SCALES[index]
 
     @property
     def per_row_s(self) -> float:
-        """The estimated cost of one more row, beside its tokens."""
-        return max(MIN_COST_S, self._theta[1] / FEATURE_SCALES[1])
+        """The estimated cost of one more row, its first token included."""
+        return max(MIN_COST_S, self._coefficient(1))
+
+    @property
+    def per_prefill_token_s(self) -> float:
+        """The estimated cost of one more token in a prefill chunk."""
+        return max(MIN_COST_S, self._coefficient(2))
+
+    @property
+    def per_draft_token_s(self) -> float:
+        """The estimated cost of one more drafted token in a verify row."""
+        return max(MIN_COST_S, self._coefficient(3))
 
     @property
     def per_block_s(self) -> float:
         """The estimated cost of reading one more block of context."""
-        return max(0.0, self._theta[3] / FEATURE_SCALES[3])
+        return max(0.0, self._coefficient(4))
 
     def observe(self, shape: StepShape, duration_s: float) -> None:
         """One step's measured duration."""
@@ -81,16 +95,16 @@ class StepCostModel:
         if self.ready:
             duration_s = min(duration_s, OUTLIER_MULTIPLE * max(self.estimate(shape), MIN_COST_S))
         x = shape.features()
-        p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(4)) for i in range(4)]
-        forgetting = FORGETTING if sum(p[i][i] for i in range(4)) < MAX_TRACE else 1.0
-        gain_denominator = forgetting + sum(x[i] * px[i] for i in range(4))
+        p, size = self._p, NUM_FEATURES
+        px = [sum(p[i][j] * x[j] for j in range(size)) for i in range(size)]
+        forgetting = FORGETTING if sum(p[i][i] for i in range(size)) < MAX_TRACE else 1.0
+        gain_denominator = forgetting + sum(x[i] * px[i] for i in range(size))
         gain = [v / gain_denominator for v in px]
         error = duration_s - sum(t * v for t, v in zip(self._theta, x))
         self._theta = [t + g * error for t, g in zip(self._theta, gain)]
-        self._p = [[(p[i][j] - gain[i] * px[j]) / forgetting for j in range(4)] for i in range(4)]
+        self._p = [[(p[i][j] - gain[i] * px[j]) / forgetting for j in range(size)] for i in range(size)]
         self.num_observations += 1
-        self.num_multi_token_steps += shape.num_tokens > shape.num_rows
+        self.num_prefill_steps += shape.num_prefill_tokens > 0
 
 
 class StepTimeBudget:
@@ -114,4 +128,4 @@ class StepTimeBudget:
         limit = self.max_step_s if self.max_step_s is not None else DECODE_MULTIPLE * cost.estimate(decodes)
         self.last_limit_s = limit
         left = limit - cost.estimate(now) - cost.per_row_s
-        return max(self.min_prefill_tokens, int(left / cost.per_token_s))
+        return max(self.min_prefill_tokens, int(left / cost.per_prefill_token_s))

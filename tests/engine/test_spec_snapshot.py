@@ -33,7 +33,7 @@ class HalfRight:
 
 
 class Cost:
-    ready, per_token_s = True, 1e-9
+    ready, per_draft_token_s = True, 1e-9
 
     @staticmethod
     def estimate(shape) -> float:

@@ -36,7 +36,7 @@ class Cost:
     """A step cost: `per_token_share` of a decode step per drafted token."""
 
     def __init__(self, per_token_share: float) -> None:
-        self.ready, self.per_token_s = True, per_token_share
+        self.ready, self.per_draft_token_s = True, per_token_share
 
     @staticmethod
     def estimate(shape) -> float:

@@ -47,7 +47,7 @@ class FreeTokens:
     the budget and the blocks allow, the same on any machine."""
 
     ready = True
-    per_token_s = 1e-9
+    per_draft_token_s = 1e-9
 
     @staticmethod
     def estimate(shape) -> float:

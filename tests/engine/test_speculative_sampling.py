@@ -59,7 +59,7 @@ class PointMass:
 class AlwaysWorth:
     """A step cost under which every drafted token is worth it: every request drafts."""
 
-    ready, per_token_s = True, 1e-9
+    ready, per_draft_token_s = True, 1e-9
 
     @staticmethod
     def estimate(shape) -> float:
