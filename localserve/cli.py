@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
+from localserve.server.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
     from localserve.llm import LLM
@@ -163,19 +164,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the model over websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0."""
     settings = engine_config(args)  # a bad setting fails at once, before torch is imported
     import asyncio
-    import os
     import signal
 
     from localserve.engine.engine_thread import EngineThread
     from localserve.server.app import LocalServer
-    from localserve.server.context import ServerConfig, check_bind_safety
+    from localserve.server.context import check_bind_safety
 
-    api_key = args.api_key or os.environ.get("LOCALSERVE_API_KEY")
-    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
-                          allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
-                          model_alias=args.alias, max_connections=args.max_connections,
-                          default_max_output_tokens=args.max_tokens,
-                          monitor_interval_s=args.monitor_interval)
+    config = server_config(args)
+    api_key = config.api_key
     check_bind_safety(config)  # before minutes of loading, not after
     # Only in a terminal: with any stream redirected (a log file, a pipe, a service) plain logs are wanted.
     show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
@@ -199,6 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
+        await server.start()
+        log_web_page(server)
         await server.serve_forever()
         await asyncio.gather(*shutdowns)
 
@@ -210,6 +208,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine_thread.stop()
     return 0
+
+
+def server_config(args: argparse.Namespace):
+    """The ServerConfig of `localserve serve`'s flags (the key also from $LOCALSERVE_API_KEY)."""
+    import os
+
+    from localserve.server.context import ServerConfig
+
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
+                        allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
+                        model_alias=args.alias, max_connections=args.max_connections,
+                        max_unfinished_connections=args.max_unfinished_connections,
+                        phase_bounds=phase_bounds(args), default_max_output_tokens=args.max_tokens,
+                        monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui)
+
+
+def log_web_page(server) -> None:
+    """Say where the web page is, once the server listens (a newcomer opens the printed URL)."""
+    if server.config.web_ui:
+        host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
+        log.info("the web page (chat and monitor): http://%s:%d/", host, server.port)
 
 
 def server_sampling_defaults(args: argparse.Namespace, model_path: Path):
@@ -243,6 +262,7 @@ def serve_with_tui(server, api_key: str | None) -> None:
     root.handlers = [buffer]
     try:
         log.info("listening on ws://%s:%d (q in the TUI stops the server)", server.config.host, background.port)
+        log_web_page(server)
         host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
         MonitorApp(monitor_url(f"{host}:{background.port}", DEFAULT_INTERVAL_S), api_key=api_key,
                    server_log=buffer).run()
@@ -264,7 +284,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="Host header names answered besides loopback names, IP addresses and --host "
                         "('*': any; guards against DNS rebinding)")
     g.add_argument("--alias", help="the model name clients send and /v1/models lists")
-    g.add_argument("--max-connections", type=int, default=256)
+    g.add_argument("--max-connections", type=int, default=256,
+                   help="connections with a request in progress, idle between two, or websockets that have spoken; "
+                        "a whole request beyond them gets 429")
+    g.add_argument("--max-unfinished-connections", type=int,
+                   help="connections still sending their first (or next) request, counted apart; one more closes "
+                        "the oldest of them (default: --max-connections)")
+    bounds = PhaseBounds()
+    g.add_argument("--header-timeout", type=float, default=bounds.header_s, metavar="S",
+                   help="seconds from a connection (or its first byte after a response) to the end of a request head")
+    g.add_argument("--body-gap-timeout", type=float, default=bounds.body_gap_s, metavar="S",
+                   help="the longest pause between the bytes of a request body; also the grace of --min-body-rate")
+    g.add_argument("--min-body-rate", type=float, default=bounds.min_body_rate, metavar="BYTES_PER_S",
+                   help="the slowest average a request body may keep once past its first --body-gap-timeout "
+                        "(0: none)")
+    g.add_argument("--keep-alive-timeout", type=float, default=bounds.keep_alive_s, metavar="S",
+                   help="how long an idle keep-alive HTTP connection is kept")
+    g.add_argument("--handshake-timeout", type=float, default=bounds.handshake_s, metavar="S",
+                   help="seconds from a websocket upgrade's head to its 101")
+    g.add_argument("--first-event-timeout", type=float, default=bounds.first_event_s, metavar="S",
+                   help="seconds a /v1/responses websocket may stay silent after opening")
     g.add_argument("--max-tokens", "-n", type=int, default=1024,
                    help="max_output_tokens of a request that sets none (always cut to the context)")
     g.add_argument("--temperature", "--temp", type=float,
@@ -275,8 +314,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, help="min_p of a request that sets none (default: the model's, else 0.05)")
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
+    g.add_argument("--no-webui", action="store_true",
+                   help="serve no web page at / (the chat and monitor page; / is then a 404)")
     g.add_argument("--no-tui", action="store_true",
                    help="do not show the TUI in this terminal (shown when stdin, stdout and stderr are one)")
+
+
+def phase_bounds(args: argparse.Namespace) -> PhaseBounds:
+    """The time bounds of a connection's phases from `localserve serve`'s flags."""
+    return PhaseBounds(header_s=args.header_timeout, body_gap_s=args.body_gap_timeout,
+                       min_body_rate=args.min_body_rate, keep_alive_s=args.keep_alive_timeout,
+                       handshake_s=args.handshake_timeout, first_event_s=args.first_event_timeout)
 
 
 def cmd_tui(args: argparse.Namespace) -> int:

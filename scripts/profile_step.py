@@ -8,7 +8,12 @@ lm_head), sampling, detokenization, the rest of the output path, and what sendin
 (building the response events of the step's outputs and their JSON). Prints a table of milliseconds
 per step and shares of the step.
 
-    python scripts/profile_step.py [--batches 1 32 128] [--steps 16]
+With `--constrained` every request has a JSON-schema grammar (scripts/bench_constrained.py's), and the
+table's "grammar masks" row is what the step spent on them: waiting after the forward for the masks
+(filled on a worker thread while the model runs) and adding them to the logits; the worker's own fill
+per step is printed under the table.
+
+    python scripts/profile_step.py [--batches 1 32 128] [--steps 16] [--constrained]
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from benchlib import DOCS, bar_chart, machine, markdown_table, print_machine, save_raw
+from bench_constrained import GRAMMAR
+from benchlib import DOCS, bar_chart, machine, markdown_table, percentile, print_machine, save_raw
 
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
@@ -34,7 +40,7 @@ from localserve.server.responses_format import RESPONSES_WEBSOCKET
 from localserve.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 STAGES = ("schedule", "prepare inputs", "embedding", "norms", "q/k/v projections", "RoPE tables", "attention",
-          "output projection", "MLP", "lm_head", "sampling", "detokenization", "other output path",
+          "output projection", "MLP", "lm_head", "grammar masks", "sampling", "detokenization", "other output path",
           "sending (events + JSON)")
 
 
@@ -85,7 +91,8 @@ def hook_modules(model, clock: Clock) -> list:
     return handles
 
 
-def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock) -> tuple[dict[str, float], float]:
+def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock,
+            constrained: bool) -> tuple[dict[str, float], float, float]:
     engine = build_engine(model, tokenizer, EngineConfig(num_kv_blocks=max(256, batch * 8), max_num_seqs=batch,
                                                       max_num_batched_tokens=max(512, batch)))
     scheduler_schedule = engine.scheduler.schedule
@@ -101,13 +108,15 @@ def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock) -
     try:
         for index in range(batch):
             prompt = tokenizer.encode(f"Story {index}: once upon a time")
-            params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True,
+                                    grammar=GRAMMAR if constrained else None)
             request_id = engine.add_request(prompt, params)
             request = parse_request({"type": "response.create", "input": "x"}, RESPONSES_WEBSOCKET, RequestLimits())
             streams[request_id] = ResponseStream(request, params, request_id, "m", len(prompt), tokenizer.decode)
         while any(step.num_prefill_tokens for step in list(engine.step_history)[-1:]) or not engine.step_history:
             engine.step()  # prefill, outside the measurement
         clock.on = True
+        engine.grammar_masks.timings.clear()
         start = time.perf_counter()
         for _ in range(steps):
             with clock.stage("step"):
@@ -123,18 +132,22 @@ def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock) -
         StreamDecoder.step = decoder_step
         del model.compute_logits, model.rotary.forward
     totals = dict(clock.totals)
+    masks = list(engine.grammar_masks.timings)
+    totals["grammar masks"] = sum(timing.wait_s + timing.apply_s for timing in masks)
+    fill_s = percentile([timing.fill_s for timing in masks], 50) if masks else 0.0
     inner = sum(totals.get(name, 0.0) for name in STAGES if name not in ("other output path",
                                                                           "sending (events + JSON)"))
     # Stages nested in the model forward are disjoint; what the step spent outside all of them is the
     # output path (stop rules, bookkeeping, building RequestOutputs) plus the unhooked model glue.
     totals["other output path"] = max(0.0, totals.pop("step") - inner)
-    return {name: totals.get(name, 0.0) / steps for name in STAGES}, elapsed / steps
+    return {name: totals.get(name, 0.0) / steps for name in STAGES}, elapsed / steps, fill_s
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--constrained", action="store_true", help="every request under a JSON-schema grammar")
     args = parser.parse_args()
     info = machine()
     print_machine(info)
@@ -145,11 +158,11 @@ def main() -> None:
         clock = Clock()
         hooks = hook_modules(loaded.model, clock)
         try:
-            per_stage, per_step = profile(loaded.model, tokenizer, batch, args.steps, clock)
+            per_stage, per_step, fill_s = profile(loaded.model, tokenizer, batch, args.steps, clock, args.constrained)
         finally:
             for handle in hooks:
                 handle.remove()
-        results[batch] = {"per_step_s": per_step, "stages_s": per_stage}
+        results[batch] = {"per_step_s": per_step, "stages_s": per_stage, "mask_fill_s": fill_s}
     headers = ["stage"] + [f"{b} seq: ms/step (share)" for b in args.batches]
     rows = [[name] + [f"{results[b]['stages_s'][name] * 1000:.2f} "
                       f"({results[b]['stages_s'][name] / results[b]['per_step_s']:.0%})" for b in args.batches]
@@ -157,10 +170,14 @@ def main() -> None:
     rows.append(["**whole step + sending**"] + [f"{results[b]['per_step_s'] * 1000:.1f}" for b in args.batches])
     print()
     print(markdown_table(headers, rows))
-    png = bar_chart(DOCS / "profile_step.png", "Where a step's time goes (ms per step)", list(STAGES),
+    if args.constrained:
+        print("\nmask fill on the worker, while the model runs (median ms/step): " + ", ".join(
+            f"{b} seq: {results[b]['mask_fill_s'] * 1000:.2f}" for b in args.batches))
+    name = "profile_step_constrained" if args.constrained else "profile_step"
+    png = bar_chart(DOCS / f"{name}.png", "Where a step's time goes (ms per step)", list(STAGES),
                     {f"{b} seq": [results[b]["stages_s"][name] * 1000 for name in STAGES] for b in args.batches},
                     "ms per step", log=True)
-    print(f"\nplot: {png}; raw numbers: {save_raw('profile_step', info, results)}")
+    print(f"\nplot: {png}; raw numbers: {save_raw(name, info, results)}")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Where each sub-package's source lives (kernels/, models/ and tui/ install under localserve).
 SOURCES = {"localserve": ROOT / "localserve", "localserve.kernels": ROOT / "kernels",
            "localserve.models": ROOT / "models", "localserve.tui": ROOT / "tui"}
-# the scheduler and its parts, the step contract and the block manager: bookkeeping, never tensors
+# the scheduler and its parts, the step contract and the block manager: bookkeeping, never tensors; a
+# request's grammar (plain data) and the matchers that follow it (llguidance, no torch)
 TORCH_FREE = ("localserve.engine.scheduler", "localserve.engine.request_queues", "localserve.engine.batch",
               "localserve.engine.admission", "localserve.engine.preemption", "localserve.engine.step",
-              "localserve.kv.block_manager")
+              "localserve.kv.block_manager", "localserve.engine.grammar", "localserve.engine.constraints")
 
 
 def module_files() -> dict[str, Path]:

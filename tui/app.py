@@ -130,7 +130,7 @@ class MonitorApp(App[None]):
 
     def on_mount(self) -> None:
         self.query_one(BlockMap).border_title = "KV blocks"
-        self.query_one("#trends").border_title = "Trends"
+        self.query_one("#trends").border_title = f"Trends · last {self.history.window_s / 60:g} min"
         self.query_one("#capacity").border_title = "Capacity per KV format"
         self.query_one("#slots").border_title = "Slots"
         self.query_one("#events").border_title = "Events"
@@ -157,6 +157,8 @@ class MonitorApp(App[None]):
 
     def handle_feed_item(self, item: FeedItem) -> None:
         """Apply one item of the feed (see `client.follow_monitor`)."""
+        if not self.is_running:  # shutting down: the worker may still hand over a frame after the widgets went
+            return
         log = self.query_one(EventLog)
         match item:
             case Connected(hello):

@@ -88,6 +88,11 @@ def _take(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: 
     return value
 
 
+def _optional(data: dict[str, Any], key: str, kind: type, default: Any, where: str) -> Any:
+    """data[key] checked as `_take` does, or `default` when the frame has no such key."""
+    return _take(data, key, kind, where) if key in data else default
+
+
 def _number(data: dict[str, Any], key: str, where: str) -> float:
     return float(_take(data, key, (int, float), where))
 
@@ -151,6 +156,9 @@ class RequestInfo:
     num_cached_tokens: int
     tokens_per_s: float
     block_tables: tuple[tuple[int, ...], ...] = ()
+    # Newer fields (docs/PROTOCOL.md); a server that predates them sends none: free, not reasoning, no draft.
+    constrained: bool = False
+    num_reasoning_seqs: int = 0
     spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over drafted tokens (0: no draft)
     spec_mean_accepted_length: float = 0.0  # tokens per verification (0: none)
 
@@ -259,7 +267,12 @@ def _parse_request(data: Any, where: str, num_blocks: int) -> RequestInfo:
             raise FeedError(f"{where}.block_tables[{index}] points at block {outside}, "
                             f"outside the pool of {num_blocks}")
         block_tables.append(tuple(table))
-    return _fill(RequestInfo, data, where, state=state, block_tables=tuple(block_tables))
+    constrained = _optional(data, "constrained", bool, False, where)
+    num_reasoning_seqs = _optional(data, "num_reasoning_seqs", int, 0, where)
+    if num_reasoning_seqs < 0:
+        raise FeedError(f"{where}.num_reasoning_seqs must be >= 0, got {num_reasoning_seqs}")
+    return _fill(RequestInfo, data, where, state=state, block_tables=tuple(block_tables), constrained=constrained,
+                 num_reasoning_seqs=num_reasoning_seqs)
 
 
 def _parse_event(data: Any, where: str) -> MonitorEvent:

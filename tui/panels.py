@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localserve.tui.feed import MonitorHello
+from localserve.tui.feed import FormatCapacity, MonitorHello
 from localserve.tui.history import Pressure
 from rich.console import Group
 from rich.table import Table
@@ -43,6 +43,18 @@ class PressureBanner(Static):
                         f"in {pressure.window_s:.0f} s: requests are recomputed (? help)")
 
 
+def capacity_rows(hello: MonitorHello) -> list[tuple[FormatCapacity, bool]]:
+    """Each format the server lists, and whether the pool uses it; the pool's own format first when the
+    list leaves it out (bf16 on a CPU, K and V in different formats), read off the pool itself."""
+    current = hello.cache_type_k if hello.cache_type_k == hello.cache_type_v else \
+        f"K {hello.cache_type_k} V {hello.cache_type_v}"
+    rows = [(entry, entry.format == current) for entry in hello.capacity]
+    if not any(now for _, now in rows):
+        num_tokens = hello.num_blocks * hello.block_size
+        rows.insert(0, (FormatCapacity(current, hello.kv_cache_bytes // max(1, num_tokens), num_tokens), True))
+    return rows
+
+
 def capacity_table(hello: MonitorHello) -> Table:
     """Tokens, and sequences at full context, that the server's KV memory holds in each format."""
     table = Table(box=None, padding=(0, 1), expand=False, show_edge=False)
@@ -51,8 +63,7 @@ def capacity_table(hello: MonitorHello) -> Table:
     table.add_column("tokens", justify="right")
     table.add_column(f"seqs@{hello.max_model_len}", justify="right")
     table.add_column("")
-    for entry in hello.capacity:
-        current = entry.format == hello.cache_type_k == hello.cache_type_v
+    for entry, current in capacity_rows(hello):
         table.add_row(entry.format, f"{entry.bytes_per_token:,}", f"{entry.num_tokens:,}",
                       str(entry.num_tokens // hello.max_model_len), "◀ now" if current else "",
                       style="bold" if current else None)

@@ -29,11 +29,15 @@ CURSOR_COLOURS = {True: "#264f78", False: "#3a3a3a"}  # the cursor's row, with a
 
 
 def state_label(request: RequestInfo) -> str:
-    """The state as the table shows it; a prefill carries its progress."""
+    """The state as the table shows it; a prefill carries its progress; a request whose sequences are
+    reasoning, or that has a grammar, is marked [thinking] / [grammar]."""
+    label = request.state
     if request.state == "prefill" and request.num_prompt_tokens:
         percent = 100 * request.num_computed_prompt_tokens // request.num_prompt_tokens
-        return f"prefill {percent}% {request.num_computed_prompt_tokens}/{request.num_prompt_tokens}"
-    return request.state
+        label = f"prefill {percent}% {request.num_computed_prompt_tokens}/{request.num_prompt_tokens}"
+    marks = [mark for mark, shown in (("thinking", request.num_reasoning_seqs > 0), ("grammar", request.constrained))
+             if shown]
+    return f"{label} [{', '.join(marks)}]" if marks else label
 
 
 def spec_label(request: RequestInfo) -> str:

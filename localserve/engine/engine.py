@@ -20,7 +20,9 @@ from localserve.engine.admission import peak_blocks
 from localserve.engine.batch import Batch
 from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
+from localserve.engine.constraints import GrammarCompiler
 from localserve.engine.events import EventKind, EventLog
+from localserve.engine.grammar_masks import GrammarMasks
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -73,6 +75,9 @@ class LLMEngine:
         self.device = runner.device
         self.sampler = Sampler()
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self.grammars = GrammarCompiler(tokenizer.backend if tokenizer else None, self.model_config.vocab_size,
+                                        self.eos_token_ids)
+        self.grammar_masks = GrammarMasks(self.model_config.vocab_size, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -97,6 +102,8 @@ class LLMEngine:
             raise
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
                                  with_decoder=not params.beam_search)
+        seq.grammar = self.grammars.matcher(params)
+        seq.in_reasoning = params.reasoning_end is not None
         request = Request(request_id, arrival, list(prompt_token_ids), params, [seq],
                           eos_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
@@ -116,6 +123,9 @@ class LLMEngine:
                              f"exceeds the context length of {self.max_model_len} tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none")
+        if params.reasoning_end and self.tokenizer is None:
+            raise ValueError("a reasoning marker needs a tokenizer to detokenize the output, and this engine has none")
+        self.grammars.check(params)  # compiled here (and kept), or refused naming why
         if params.n > self.scheduler.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds the {self.scheduler.config.max_num_seqs} parallel slots")
         # Exactly the tokens written: the last sampled token never is; samples share full prompt blocks.
@@ -171,7 +181,10 @@ class LLMEngine:
         """Schedule, run the model, sample, and report every request that moved."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        masks = self.grammar_masks.start(batch.rows)  # filled while the model runs
         logits = self.runner.execute(batch.step_input)
+        if masks is not None:
+            masks.apply(logits)
         outputs = self._postprocess(batch, logits)
         self.num_steps += 1
         duration = time.perf_counter() - start
@@ -280,6 +293,8 @@ class LLMEngine:
         child.cumulative_logprob = parent.cumulative_logprob
         child.logprobs, child.top_logprobs = list(parent.logprobs), list(parent.top_logprobs)
         child.text = parent.text
+        child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+        child.in_reasoning, child.num_reasoning_tokens = parent.in_reasoning, parent.num_reasoning_tokens
         return child
 
     def fork(self, request: Request, parent: Sequence, index: int = 0) -> Sequence:

@@ -27,6 +27,8 @@ class CompletionOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     delta_text: str = ""  # text added by the step that produced this output (for streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    # Output tokens inside the reasoning block (SamplingParams.reasoning_end), the one that ends it included.
+    num_reasoning_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -66,7 +68,7 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
         output = CompletionOutput(
             0, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
             seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
-            text[seq.num_emitted_chars:], token_ids[prompt_len + seq.num_emitted_tokens:])
+            text[seq.num_emitted_chars:], token_ids[prompt_len + seq.num_emitted_tokens:], seq.num_reasoning_tokens)
         seq.num_emitted_chars, seq.num_emitted_tokens = len(text), num_tokens - prompt_len
         return RequestOutput(request.request_id, request.prompt_token_ids, [output], finished,
                              request.num_cached_tokens, request.error)
@@ -87,7 +89,8 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
         outputs.append(CompletionOutput(
             index, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
             seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
-            text[seq.num_emitted_chars:num_visible], token_ids[prompt_len + seq.num_emitted_tokens:]))
+            text[seq.num_emitted_chars:num_visible], token_ids[prompt_len + seq.num_emitted_tokens:],
+            seq.num_reasoning_tokens))
         seq.num_emitted_chars, seq.num_emitted_tokens = num_visible, num_tokens - prompt_len
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
                          request.num_cached_tokens, request.error)

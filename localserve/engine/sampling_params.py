@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from localserve.engine.grammar import GrammarSpec
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -30,6 +32,14 @@ class SamplingParams:
     token after that one); the text ends before the first stop string to be completed (the longest
     of those completed at the same character). `max_tokens`, or the end of the context, ends it with
     reason "length".
+
+    `grammar` (engine/grammar.py's `GrammarSpec`) constrains the output: each token is sampled from
+    those the grammar allows (the mask comes before the penalties and the filters), an end-of-sequence
+    token only where the grammar is complete, and a sequence whose grammar is complete ends there with
+    reason "stop". A stop string, a stop token the grammar allows, or the length limit can still end
+    it first ("stop", "stop", "length"). Not with beam_search. `reasoning_end` (e.g. "</think>") is the
+    text that ends the model's reasoning block: the output before it is reasoning, where no grammar
+    applies; the grammar starts after it. It needs the marker as text the detokenizer shows.
     """
 
     temperature: float = 1.0
@@ -47,6 +57,8 @@ class SamplingParams:
     n: int = 1
     beam_search: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +77,12 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             # Beams are detokenized only when the search ends, so no stop string could ever be seen.
             ("stop", not (self.stop and self.beam_search), "is not supported with beam_search"),
+            ("grammar", self.grammar is None or isinstance(self.grammar, GrammarSpec), "must be a GrammarSpec"),
+            # A beam step ranks candidates over the whole vocabulary and forks beams mid-way.
+            ("grammar", not (self.grammar is not None and self.beam_search), "is not supported with beam_search"),
+            ("reasoning_end", self.reasoning_end is None or (isinstance(self.reasoning_end, str)
+                                                             and self.reasoning_end), "must be a non-empty string"),
+            ("reasoning_end", not (self.reasoning_end and self.beam_search), "is not supported with beam_search"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -17,6 +17,7 @@ from localserve.engine.step import SeqChunk
 if TYPE_CHECKING:
     import torch
 
+    from localserve.engine.constraints import SequenceGrammar
     from localserve.engine.sampler import SamplingRow
 
 
@@ -88,6 +89,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    grammar: SequenceGrammar | None = None  # its matcher, when the request has a grammar
+    # Inside the request's reasoning block (from the start of the output until `reasoning_end` appears).
+    in_reasoning: bool = False
+    num_reasoning_tokens: int = 0  # output tokens of the reasoning block, the one that ends it included
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -145,6 +150,7 @@ class Request:
     eos_ids: frozenset[int] = frozenset()  # a sampled id among these ends its sequence with "stop"
     max_num_tokens: int | None = None  # a sequence reaching this many tokens ends with "length"
     stop_strings: list[str] = field(init=False)
+    reasoning_end: str | None = field(init=False)
     beam_search: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +158,7 @@ class Request:
         if self.max_num_tokens is None:
             self.max_num_tokens = len(self.prompt_token_ids) + params.max_tokens
         self.stop_strings = params.stop
+        self.reasoning_end = params.reasoning_end
         self.beam_search = params.beam_search
 
     @property

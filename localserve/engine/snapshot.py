@@ -109,6 +109,8 @@ class RequestSnapshot:
     tokens_per_s: float
     block_tables: list[list[int]]  # each live sequence's GPU blocks while it runs, else none
     cpu_block_tables: list[list[int]]  # each live sequence's swap-pool blocks while it is swapped out, else none
+    constrained: bool  # the request has a grammar (SamplingParams.grammar)
+    num_reasoning_seqs: int  # live sequences inside their reasoning block (SamplingParams.reasoning_end)
     spec_acceptance_rate: float = 0.0  # its sequences' accepted over drafted tokens (0: no draft yet)
     spec_mean_accepted_length: float = 0.0  # tokens per verification (0: none yet)
 
@@ -166,6 +168,7 @@ def _request_snapshot(engine: EngineState, request: Request, queue: str, now: fl
                            request.num_preemptions, request.num_cached_tokens,
                            num_output / elapsed if elapsed > 0 else 0.0,
                            tables if queue == "running" else [], tables if queue == "swapped" else [],
+                           request.params.grammar is not None, sum(seq.in_reasoning for seq in live),
                            spec.acceptance_rate, spec.mean_accepted_length)
 
 

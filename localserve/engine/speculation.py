@@ -24,8 +24,11 @@ The rules, and why:
 - A draft never runs past `max_tokens` or the context: a verification yields at most K + 1 tokens, and a
   sequence with L tokens of its limit left drafts at most L - 1. Stop tokens, stop strings and the
   length limit apply to each accepted token in turn (the engine appends them one by one).
-- Grammars (constrained decoding): `constrain_draft` is where a draft is cut at its first token the
-  sequence's constraint refuses; today no sequence has a constraint and it returns the draft unchanged.
+- Grammars (constrained decoding): a draft is cut where the sequence's grammar forbids a token
+  (`constrain_draft`), and each place of a verify row gets the mask of the matcher advanced by the draft
+  before it (engine/grammar_masks.py; the matcher is rolled back: only the tokens appended after the
+  verification advance it). So a drafted token is kept only if the grammar allows it, greedy output is
+  the same as without a draft, and sampled output is the masked target's.
 - Beam search drafts nothing (a beam step needs every beam's logits at once).
 """
 
@@ -86,9 +89,19 @@ class Drafter(Protocol):
 
 
 def constrain_draft(seq: Sequence, draft: Draft) -> Draft:
-    """The draft cut before its first token the sequence's constraint (a grammar) refuses. The seam for
-    constrained decoding: no sequence has a constraint yet, so every draft passes unchanged."""
-    return draft
+    """The draft cut at its first token the sequence's grammar forbids (unchanged without a grammar).
+
+    A drafted point mass (n-gram, or greedy) on a forbidden token would surely be rejected: it is dropped.
+    A draft model's sampled draft keeps it as its last token: its rejection draws the target's token from
+    the residual max(0, p - q) (engine/spec_acceptance.py), and only that keeps the target's distribution
+    (drawing from p there, as a cut draft would, favours the tokens the draft model also proposes)."""
+    if seq.grammar is None or not draft.token_ids:
+        return draft
+    num_allowed = seq.grammar.num_allowed(draft.token_ids)
+    if num_allowed == len(draft.token_ids):
+        return draft
+    keep = num_allowed + (draft.probs is not None)
+    return Draft(draft.token_ids[:keep], draft.probs[:keep] if draft.probs is not None else None)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """What a sampled token does to its sequence: it is appended, with its log-probability and its text, and it
 may end the sequence: an end-of-sequence or stop token, a stop string completed in the text (the text cut
-where it begins), or the length limit. No torch here."""
+where it begins), the sequence's grammar complete, or the length limit; it may end the reasoning block.
+No torch here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from localserve.engine.sequence import Request, Sequence
 def append_sampled_token(request: Request, seq: Sequence, token_id: int, logprob: float | None,
                          top_logprobs: list[tuple[int, float]] | None) -> str | None:
     """Append `token_id` to `seq` of `request`; returns why the sequence ends with it ("stop" or "length"),
-    or None while it goes on. The block manager gets the token when the next step schedules it."""
+    or None while it goes on. The block manager gets the token when the next step schedules it. The
+    sequence's grammar sees every token that does not end it first (constraints.GrammarRejected for
+    one it does not allow)."""
     token_ids = seq.token_ids
     token_ids.append(token_id)
     seq.pending_append = True
@@ -23,9 +26,15 @@ def append_sampled_token(request: Request, seq: Sequence, token_id: int, logprob
     if seq.decoder is not None:
         new_from = len(seq.text)
         seq.text += seq.decoder.step(token_id)
+        if seq.in_reasoning:
+            seq.num_reasoning_tokens += 1
+            marker = request.reasoning_end
+            seq.in_reasoning = seq.text.find(marker, max(0, new_from - len(marker) + 1)) < 0
         if request.stop_strings and (cut := stop_string_cut(seq.text, request.stop_strings, new_from)) is not None:
             seq.text = seq.text[:cut]
             return "stop"
+    if seq.grammar is not None and seq.grammar.advance(token_id):
+        return "stop"
     if len(token_ids) >= request.max_num_tokens:
         return "length"
     return None

@@ -12,6 +12,10 @@
 
 Every name is matched whole, never as a prefix or suffix, and only over ASCII: a header value is
 decoded as ISO-8859-1, where Python sees whitespace (U+00A0, U+0085) that HTTP does not.
+
+A browser cannot set headers on a websocket, so the web page opens `/v1/monitor` with a ticket instead
+of the key: `MonitorTickets` hands out random tickets (to `POST /v1/monitor/ticket`, which needs the
+key) that are good once, for `TICKET_LIFETIME_S`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -32,6 +40,8 @@ HOST_HEADER = re.compile(URI_HOST + r"(?::[0-9]*)?", re.ASCII)  # RFC 9110 7.2: 
 SERIALIZED_ORIGIN = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://" + URI_HOST + r"(?::(?P<port>[0-9]+))?/?",
                                re.ASCII)
 DEFAULT_PORTS = {"http": 80, "https": 443}
+TICKET_LIFETIME_S = 30.0  # from POST /v1/monitor/ticket to the websocket's handshake
+MAX_OUTSTANDING_TICKETS = 64  # tickets issued and not used; beyond, the oldest is forgotten
 
 
 @dataclass(frozen=True)
@@ -120,3 +130,31 @@ def _has_key(headers: Headers, api_key: str) -> bool:
     scheme, _, token = headers.get("Authorization", "").partition(" ")
     # the value holds the bytes as sent (decoded as ISO-8859-1); the key is sent as UTF-8
     return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode("latin-1"), api_key.encode())
+
+
+class MonitorTickets:
+    """Single-use tickets that stand for the API key on one `/v1/monitor` handshake.
+
+    A ticket is 256 random bits (URL-safe), good for `lifetime_s` after it is issued and only for the
+    first handshake that shows it; at most `max_outstanding` wait at once (a client that asks for many
+    and uses none only pushes out its own). It appears in the websocket's URL, where logs may keep it:
+    by then it is spent.
+    """
+
+    def __init__(self, lifetime_s: float = TICKET_LIFETIME_S, max_outstanding: int = MAX_OUTSTANDING_TICKETS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lifetime_s, self.max_outstanding, self._clock = lifetime_s, max_outstanding, clock
+        self._expiries: OrderedDict[str, float] = OrderedDict()  # ticket -> when it expires, oldest first
+
+    def issue(self) -> str:
+        """A new ticket."""
+        ticket = secrets.token_urlsafe(32)
+        self._expiries[ticket] = self._clock() + self.lifetime_s
+        while len(self._expiries) > self.max_outstanding:
+            self._expiries.popitem(last=False)
+        return ticket
+
+    def redeem(self, ticket: str) -> bool:
+        """True once for a ticket issued within its lifetime; it is spent either way."""
+        expires_at = self._expiries.pop(ticket, None)
+        return expires_at is not None and self._clock() < expires_at

@@ -7,9 +7,14 @@ engine access, the served model, the conversation store, the metrics, the respon
 connection starts as HTTP/1.1
 (uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
-duplicate headers, the Host header, a browser Origin, the API key; the path; the connection limit)
-before `/v1/responses` or `/v1/monitor` is served. `shutdown()` ends every response in flight, on
-either transport, with a final event before closing (SIGINT / SIGTERM in `localserve serve`).
+duplicate headers, the Host header, a browser Origin, the API key, or for `/v1/monitor` a single-use
+ticket from `POST /v1/monitor/ticket` instead, since a browser cannot send the key on a websocket; the
+path; the connection limit) before `/v1/responses` or `/v1/monitor` is served. Every connection has
+its place in the `ConnectionBook` (server/connection_phases.py) from its first byte to its last,
+across the upgrade: the transport moves it through the HTTP phases and the handshake, the handler on
+from there (a monitor is served at once, a `/v1/responses` websocket once its first event comes).
+`shutdown()` ends every response in flight, on either transport, with a final event before closing
+(SIGINT / SIGTERM in `localserve serve`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
-from localserve.server.access import AccessPolicy, check_access
+from localserve.server.access import AccessPolicy, MonitorTickets, check_access
+from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
 from localserve.server.context import (
     CLOSE_TIMEOUT_S,
     EngineAccess,
@@ -41,7 +47,7 @@ from localserve.server.metrics import ServerMetrics
 from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor
 from localserve.server.responses import ChatTokenizer, ResponseService
 from localserve.server.session import ResponsesSession
-from localserve.server.transport import HttpConnection, SharedPort
+from localserve.server.transport import SharedPort
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,9 @@ class LocalServer:
                                          self.metrics)
         self.monitor_hub = MonitorHub(self._read_monitor, start_seq=engine_thread.last_event_seq)
         self.monitor_hello = monitor_hello(engine_thread.facts, self.model.served_name)
-        self.num_connections = 0
+        self.monitor_tickets = MonitorTickets()  # issued by the HTTP API, redeemed by the monitor's handshake
+        self.connections = ConnectionBook(config.max_connections,
+                                          config.max_unfinished_connections or config.max_connections)
         self.port = config.port
         self.sessions: set[ResponsesSession] = set()
         self.http_api: HttpApi | None = None  # built by start(), once the access policy knows the port
@@ -74,13 +82,19 @@ class LocalServer:
         self._server: Server | None = None
         self._port: SharedPort | None = None
         self.access_policy: AccessPolicy | None = None
-        self.metrics.num_connections.set_function(lambda: self.num_connections)
+        self.metrics.watch_connections(self.connections.counts)
+
+    @property
+    def num_connections(self) -> int:
+        """Open connections, of every kind and phase."""
+        return self.connections.num_open
 
     async def start(self) -> None:
         """Bind and start accepting connections (self.port is the bound port afterwards)."""
         config = self.config
-        self._port = SharedPort(self._serve_http, self, max_message_bytes=config.max_message_bytes,
-                                write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S)
+        self._port = SharedPort(self._serve_http, self.connections, max_message_bytes=config.max_message_bytes,
+                                write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S,
+                                bounds=config.phase_bounds)
         self._server = await self._port.listen(config.host, config.port, self._process_request,
                                                self._handle_connection)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -88,7 +102,8 @@ class LocalServer:
                                                 config.allowed_origins, config.api_key)
         self.http_api = HttpApi(config=config, access_policy=self.access_policy, engine=self.engine_thread,
                                 model=self.model, responses=self.responses, metrics=self.metrics,
-                                monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello)
+                                monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello,
+                                monitor_tickets=self.monitor_tickets)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.model.served_name,
                  config.host, self.port, config.host, self.port)
 
@@ -147,18 +162,12 @@ class LocalServer:
         """The ASGI entry: the HTTP API, built once the port is bound (no request arrives before)."""
         await self.http_api(scope, receive, send)
 
-    # ------------------------------------------------------------------ connection counts (transport hooks)
-    def http_connection_opened(self, connection: HttpConnection) -> bool:
-        self.num_connections += 1
-        return self.num_connections <= self.config.max_connections
-
-    def http_connection_closed(self, connection: HttpConnection) -> None:
-        self.num_connections -= 1
-
     # ------------------------------------------------------------------ websocket handshakes
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = urlsplit(request.path).path
-        refusal = check_access(request.headers, self.access_policy)
+        target = urlsplit(request.path)
+        path = target.path
+        refusal = check_access(request.headers, self.access_policy,
+                               needs_key=not (path == MONITOR_PATH and self._has_monitor_ticket(target.query)))
         if refusal is not None:
             response = _json(connection, refusal.status, _http_error(refusal.code, refusal.message))
             if refusal.status == HTTPStatus.UNAUTHORIZED:
@@ -167,33 +176,38 @@ class LocalServer:
         if path not in (RESPONSES_PATH, MONITOR_PATH):
             return _json(connection, HTTPStatus.NOT_FOUND, _http_error(
                 "not_found", f"no websocket endpoint at {path[:200]}: use {RESPONSES_PATH} or {MONITOR_PATH}"))
-        if self.num_connections >= self.config.max_connections:
+        if self.connections.served_full:  # it could not be served: refused now rather than at its first event
             return _json(connection, HTTPStatus.TOO_MANY_REQUESTS, _http_error(
-                "too_many_connections", f"the server holds its limit of {self.config.max_connections} "
-                "connections; retry later", "rate_limit_error"))
+                "too_many_connections", self.connections.limit_message, "rate_limit_error"))
         return None  # the websocket handshake goes on
 
+    def _has_monitor_ticket(self, query: str) -> bool:
+        """The query names a ticket this server issued, unused and unexpired (it is spent now)."""
+        tickets = parse_qs(query).get("ticket", [])
+        return len(tickets) == 1 and self.monitor_tickets.redeem(tickets[0])
+
     # ------------------------------------------------------------------ websockets
-    async def _handle_connection(self, connection: ServerConnection) -> None:
-        self.num_connections += 1
+    async def _handle_connection(self, connection: ServerConnection, slot: Slot) -> None:
         self._connections.add(connection)
         try:
             target = urlsplit(connection.request.path)
             if target.path == RESPONSES_PATH:
-                session = ResponsesSession(self.config, self.responses, connection)
+                session = ResponsesSession(self.config, self.responses, connection,
+                                           FirstEventWait(self.connections, slot))
                 self.sessions.add(session)
                 try:
                     await session.run()
                 finally:
                     self.sessions.discard(session)
-            else:
+            elif self.connections.enter(slot, Phase.WEBSOCKET):  # a monitor's upgrade is its whole request
                 await self._serve_monitor(connection, target.query)
+            else:
+                await close_within(connection, 1013, LIMIT_REACHED_REASON)
         except Exception:
             log.exception("connection handler failed")
             await close_within(connection, 1011, "internal error")
         finally:
             self._connections.discard(connection)
-            self.num_connections -= 1
 
     async def _serve_monitor(self, connection: ServerConnection, query: str) -> None:
         wanted = parse_qs(query).get("interval", [str(self.config.monitor_interval_s)])[0]
@@ -204,7 +218,7 @@ class LocalServer:
             return
         self._monitors.add(connection)
         try:
-            await serve_monitor(connection, self.monitor_hub, self.monitor_hello, interval_s)
+            await serve_monitor(connection, self.monitor_hub, self.monitor_hello, interval_s, self.connections.counts)
         finally:
             self._monitors.discard(connection)
 

@@ -16,12 +16,13 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 from websockets.exceptions import InvalidStatus, WebSocketException
+from websockets.protocol import State
 from websockets.sync.client import ClientConnection, connect
 
 from localserve.loading.default_model import cache_dir
@@ -151,6 +152,18 @@ class ChatInput:
                 pass
 
 
+def open_chat(target: str, headers: dict[str, str] | None, err: TextIO) -> ClientConnection | None:
+    """The websocket to `target`; None (the reason told on `err`) when it cannot be opened."""
+    try:
+        return connect(target, additional_headers=headers, max_size=None)
+    except InvalidStatus as exc:
+        print(f"localserve chat: {target}: refused with HTTP {exc.response.status_code}"
+              f"{' (check --api-key)' if exc.response.status_code == 401 else ''}", file=err)
+    except (OSError, WebSocketException) as exc:
+        print(f"localserve chat: cannot connect to {target}: {exc}", file=err)
+    return None
+
+
 def run_chat(url: str, api_key: str | None = None, model: str | None = None, instructions: str | None = None,
              max_output_tokens: int | None = None, temperature: float | None = None,
              lines: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -158,14 +171,8 @@ def run_chat(url: str, api_key: str | None = None, model: str | None = None, ins
     api_key = api_key or os.environ.get("LOCALSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     target = responses_url(url)
-    try:
-        connection = connect(target, additional_headers=headers, max_size=None)
-    except InvalidStatus as exc:
-        print(f"localserve chat: {target}: refused with HTTP {exc.response.status_code}"
-              f"{' (check --api-key)' if exc.response.status_code == 401 else ''}", file=err)
-        return 2
-    except (OSError, WebSocketException) as exc:
-        print(f"localserve chat: cannot connect to {target}: {exc}", file=err)
+    connection = open_chat(target, headers, err)
+    if connection is None:
         return 2
     settings = ChatSettings(instructions=instructions, temperature=temperature, max_output_tokens=max_output_tokens)
     user = ChatInput(lines)
@@ -173,7 +180,8 @@ def run_chat(url: str, api_key: str | None = None, model: str | None = None, ins
     if user.interactive:
         print(f"localserve chat: connected to {target} (/help lists commands, Ctrl-C stops a reply, "
               "Ctrl-D quits)", file=err)
-    with connection:
+    with ExitStack() as connections:
+        connections.enter_context(connection)
         try:
             while True:
                 try:
@@ -190,6 +198,13 @@ def run_chat(url: str, api_key: str | None = None, model: str | None = None, ins
                     except ValueError as exc:
                         print(f"localserve chat: {exc}", file=err)
                     continue
+                if connection.state is not State.OPEN:
+                    # The server closed it while the user was typing (a websocket silent for
+                    # --first-event-timeout is): the conversation is kept by the server, a new one goes on.
+                    connection = open_chat(target, headers, err)
+                    if connection is None:
+                        return 2
+                    connections.enter_context(connection)
                 with keys_kept_out(lines):
                     closing, seconds = chat_turn(connection, text, out, model=model, **settings.create_fields())
                 out.write("\n")

@@ -21,6 +21,7 @@ from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.snapshot import EngineSnapshot, EngineStats
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
+from localserve.server.connection_phases import PhaseBounds
 from localserve.server.request_model import RequestLimits
 from localserve.server.validation import ProtocolError, shown
 
@@ -49,9 +50,14 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host header names allowed besides loopback names and --host
     model_alias: str | None = None  # the name clients use and /v1/models lists (default: the model's)
     max_message_bytes: int = 1 << 20  # a bigger client message closes the connection with 1009
-    max_connections: int = 256  # open connections of every kind (HTTP and websocket) at once
+    # Connections with a request (HTTP, answered or idle between two; websockets that have spoken; monitors);
+    # a whole request beyond them is a 429. Connections still sending theirs are capped apart (see
+    # server/connection_phases.py): one more closes the oldest of them.
+    max_connections: int = 256
+    max_unfinished_connections: int | None = None  # None: as many as max_connections (a burst of clients fits)
+    phase_bounds: PhaseBounds = field(default_factory=PhaseBounds)  # the time each phase of a request may take
     max_running_responses: int = 1024  # responses submitted and not ended, every transport; more: 429
-    http_body_timeout_s: float = 30.0  # an HTTP request body must arrive within this long
+    http_body_timeout_s: float = 30.0  # an HTTP request body must arrive whole within this long
     max_lanes: int = 16  # stream_id lanes with a response running or queued, per connection
     max_queued_requests: int = 16  # response.create events waiting for their lane, per connection
     send_queue_size: int = 256  # error events waiting to be sent, per connection; a full queue cuts it
@@ -65,6 +71,7 @@ class ServerConfig:
     # Sampling for what a response.create leaves out (per field); `localserve serve` takes the model's.
     sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
+    web_ui: bool = True  # the web page at / (server/web_ui.py); False: / is a 404 (--no-webui)
     limits: RequestLimits = field(default_factory=RequestLimits)
 
 

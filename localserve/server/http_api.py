@@ -1,8 +1,11 @@
 """The HTTP side of the port: an ASGI app for OpenAI's HTTP API and the plain GETs.
 
 `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
-events or whole), `GET /health`, `/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`. Every request
-passes the same access checks as a websocket handshake (server/access.py), then its body is read within
+events or whole), `GET /health`, `/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`, `POST
+/v1/monitor/ticket` (a single-use ticket for the monitor websocket), and the web page at `/` and under
+`/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False). Every request passes the same access
+checks as a websocket handshake (server/access.py; the page's files without the key, since the page
+must load to ask for it), then its body is read within
 bounds (server/http_exchange.py) and checked into the shared request model through its endpoint's
 field map (server/request_fields.py); the `ResponseService` runs it as it runs a websocket's
 response. A client that disconnects, or stops reading for `send_timeout_s`, has its response aborted
@@ -17,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from localserve.server.access import AccessPolicy, check_access
+from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.completion_events import CompletionView
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
+from localserve.server.connection_phases import connection_limit_message
 from localserve.server.context import EngineAccess, ServedModel, ServerConfig, engine_result
 from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
 from localserve.server.metrics import ServerMetrics
@@ -30,6 +34,7 @@ from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.responses import ResponseService
 from localserve.server.responses_format import RESPONSES_HTTP
 from localserve.server.validation import ProtocolError, shown
+from localserve.server.web_ui import SECURITY_HEADERS, WebUi
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +47,17 @@ class HttpApi:
 
     def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, engine: EngineAccess,
                  model: ServedModel, responses: ResponseService, metrics: ServerMetrics, monitor_hub: MonitorHub,
-                 monitor_hello: dict[str, Any]) -> None:
+                 monitor_hello: dict[str, Any], monitor_tickets: MonitorTickets) -> None:
         self.config, self.access_policy, self.engine, self.model = config, access_policy, engine, model
         self.responses, self.metrics = responses, metrics
-        self.monitor_hub, self.monitor_hello = monitor_hub, monitor_hello
+        self.monitor_hub, self.monitor_hello, self.monitor_tickets = monitor_hub, monitor_hello, monitor_tickets
+        self.web_ui = WebUi.from_package() if config.web_ui else None
         self.in_flight: set[ResponseStream] = set()  # HTTP responses the engine is still running
         self.shutting_down = False
         self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
             ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
             ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/responses"): self._responses}
+            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app
@@ -91,19 +97,21 @@ class HttpApi:
         method, path = exchange.method, exchange.path
         if path == "/health" and method == "GET":
             return await exchange.respond_json(200, {"status": "ok"})
-        refusal = check_access(exchange.headers, self.access_policy, needs_key=method != "OPTIONS")
+        page = self.web_ui is not None and method == "GET" and self.web_ui.serves(path)
+        refusal = check_access(exchange.headers, self.access_policy, needs_key=method != "OPTIONS" and not page)
         if refusal is not None:
             raise ProtocolError(refusal.code, refusal.message, status=refusal.status)
         exchange.cors_origin = exchange.headers.get("Origin")
         if exchange.connection is not None and exchange.connection.over_limit:
-            raise ProtocolError("too_many_connections", f"the server holds its limit of "
-                                f"{self.config.max_connections} connections; retry later",
+            raise ProtocolError("too_many_connections", connection_limit_message(self.config.max_connections),
                                 error_type="rate_limit_error", status=429)
         if self.shutting_down:
             raise ProtocolError("server_shutdown", "the server is shutting down", error_type="server_error",
                                 status=503)
         if method == "OPTIONS":  # a browser's CORS preflight, from an allowed origin
             return await exchange.respond_empty(204, exchange.cors_preflight_headers())
+        if page:
+            return await self._page(exchange)
         handler = self.routes.get((method, path))
         if handler is None and method == "GET" and path.startswith("/v1/models/"):
             handler = self._model
@@ -133,6 +141,23 @@ class HttpApi:
     async def _slots(self, exchange: HttpExchange) -> None:
         snapshot = await self.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
         await exchange.respond_json(200, slots_json(snapshot, self.monitor_hello))
+
+    async def _monitor_ticket(self, exchange: HttpExchange) -> None:
+        """A ticket that opens one `/v1/monitor` socket (the key checked here stands for it there)."""
+        await exchange.respond_json(200, {"ticket": self.monitor_tickets.issue(),
+                                          "expires_in_s": self.monitor_tickets.lifetime_s},
+                                    [(b"cache-control", b"no-store")])
+
+    async def _page(self, exchange: HttpExchange) -> None:
+        static = self.web_ui.find(exchange.path)
+        if static is None:
+            raise ProtocolError("not_found", f"no such path: {exchange.path[:200]}", status=404)
+        headers = [*SECURITY_HEADERS, (b"etag", static.etag.encode())]
+        if exchange.headers.get("If-None-Match") == static.etag:
+            return await exchange.respond_empty(304, headers)
+        await exchange.start(200, static.content_type.encode(),
+                             [*headers, (b"content-length", str(len(static.body)).encode())])
+        await exchange.write(static.body, more=False)
 
     # ------------------------------------------------------------------ generation
     async def _request(self, exchange: HttpExchange, wire: WireFormat) -> GenerationRequest:

@@ -2,18 +2,20 @@
 
 The engine's own counters (tokens, preemptions, prefix-cache lookups) and gauges (running, waiting,
 KV usage) are read from an `EngineStats` taken on the engine thread at scrape time; the latency
-histograms are observed by the server as it streams, and the connection gauge is read from the server.
+histograms are observed by the server as it streams, and the connection figures are read from the
+server's connection book (server/connection_phases.py) at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from localserve.engine.snapshot import EngineStats
+from localserve.server.connection_phases import UNFINISHED_PHASES, CloseReason, ConnectionCounts
 
 PREFIX = "localserve"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -62,6 +64,34 @@ class _EngineStatsCollector(Collector):
             yield family
 
 
+class _ConnectionCollector(Collector):
+    """The connection book's figures: served connections, unfinished ones by phase, those closed unfinished."""
+
+    def __init__(self, model_name: str, read: Callable[[], ConnectionCounts]) -> None:
+        self.model_name, self.read = model_name, read
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.read()
+        served = GaugeMetricFamily(f"{PREFIX}_num_served_connections", "Connections with a request in progress "
+                                   "or idle between two, and websockets that have spoken (what "
+                                   "--max-connections bounds).", labels=["model_name"])
+        served.add_metric([self.model_name], counts.num_served)
+        yield served
+        unfinished = GaugeMetricFamily(f"{PREFIX}_num_unfinished_connections", "Connections that have not "
+                                       "sent a whole request yet, by phase (what --max-unfinished-connections "
+                                       "bounds).", labels=["model_name", "phase"])
+        closed = CounterMetricFamily(f"{PREFIX}_unfinished_connections_closed", "Connections closed before "
+                                     "they sent a whole request, by phase: past the phase's time bound "
+                                     "(reason timeout) or as the oldest when one more came (reason evicted).",
+                                     labels=["model_name", "phase", "reason"])
+        for phase in UNFINISHED_PHASES:
+            unfinished.add_metric([self.model_name, phase.value], counts.unfinished[phase])
+            for reason in CloseReason:
+                closed.add_metric([self.model_name, phase.value, reason.value], counts.closed[phase, reason])
+        yield unfinished
+        yield closed
+
+
 class ServerMetrics:
     """The server's Prometheus registry: engine statistics plus streaming-latency histograms."""
 
@@ -72,7 +102,7 @@ class ServerMetrics:
         self.registry.register(self._engine_collector)
         labels = ["model_name"]
         self.num_connections = Gauge(
-            f"{PREFIX}_num_connections", "Open websocket connections (/v1/responses and /v1/monitor).", labels,
+            f"{PREFIX}_num_connections", "Open connections, HTTP and websocket, in every phase.", labels,
             registry=self.registry).labels(model_name)
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Time from request arrival to its first token.", labels,
@@ -83,6 +113,11 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             f"{PREFIX}_e2e_request_latency_seconds", "Time from request arrival to its last token.", labels,
             registry=self.registry, buckets=E2E_BUCKETS).labels(model_name)
+
+    def watch_connections(self, read: Callable[[], ConnectionCounts]) -> None:
+        """Report the figures `read` returns at every scrape: the open connections and the book's counts."""
+        self.num_connections.set_function(lambda: read().num_open)
+        self.registry.register(_ConnectionCollector(self.model_name, read))
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the engine figures of `stats`."""

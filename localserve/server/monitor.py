@@ -4,7 +4,8 @@
 clients there are, and copies the engine's new events into a bounded buffer of its own. Each client
 has a cursor into that buffer: it gets every event after its cursor exactly once, in order, and a
 `missed_events` count when it fell further behind than the buffer holds. A client that reads slower
-than its interval gets fewer snapshots (always the latest), never a growing queue.
+than its interval gets fewer snapshots (always the latest), never a growing queue. Each snapshot frame
+also carries the server's own figures on its connections (`connections`), which the engine never sees.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from websockets.exceptions import ConnectionClosed
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
 from localserve.engine.snapshot import EngineSnapshot
+from localserve.server.connection_phases import ConnectionCounts
 from localserve.server.context import close_within
 
 MIN_MONITOR_INTERVAL_S = 0.05
@@ -89,8 +91,9 @@ class MonitorHub:
 
 
 async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: dict[str, Any],
-                        interval_s: float) -> None:
-    """Send `hello`, then a snapshot with the new events every interval, until the client leaves."""
+                        interval_s: float, connection_counts: Callable[[], ConnectionCounts]) -> None:
+    """Send `hello`, then a snapshot with the new events (and the server's `connection_counts` at that
+    moment) every interval, until the client leaves."""
     cursor = hub.last_seq  # events from the moment the client connected on
     await connection.send(json.dumps({"type": "monitor.hello", **hello}))
     closed = asyncio.create_task(connection.wait_closed())
@@ -102,7 +105,8 @@ async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: di
             events, missed = hub.events_after(cursor)
             if events:
                 cursor = events[-1]["seq"]
-            frame = {"type": "monitor.snapshot", **snapshot.to_json(), "events": events, "missed_events": missed}
+            frame = {"type": "monitor.snapshot", **snapshot.to_json(), "events": events, "missed_events": missed,
+                     "connections": connection_counts().to_json()}
             send = asyncio.create_task(connection.send(json.dumps(frame)))
             # A client that does not read blocks only its own send, and only for so long.
             await asyncio.wait([send, closed], timeout=SEND_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)

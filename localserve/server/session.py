@@ -7,7 +7,9 @@ the `ResponseService`. The service absorbs the engine's outputs into each respon
 event loop and wakes the sender; the sender alone writes to the socket, draining every live stream
 (text piles up as fewer, longer deltas for a slow reader, never as a growing queue).
 
-Every wait on the client is bounded: while `send_queue_size` error events wait to be sent, nothing
+Every wait on the client is bounded: the first event must come within `phase_bounds.first_event_s` of
+the opening (until then the connection is unfinished, and may be evicted for a newer one; see
+server/connection_phases.py), while `send_queue_size` error events wait to be sent, nothing
 more is read from the client (one that floods and never reads is cut after `send_timeout_s`), each
 frame must be taken within `send_timeout_s` (the write buffer is capped by `write_limit_bytes`), and a
 ping must be answered within that time. A cut or vanished client's
@@ -20,12 +22,14 @@ import asyncio
 import json
 import logging
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from localserve.server.connection_phases import EVICTED_REASON, LIMIT_REACHED_REASON, FirstEventWait
 from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, close_within
 from localserve.server.request_fields import parse_request
 from localserve.server.request_model import GenerationRequest
@@ -42,7 +46,11 @@ from localserve.server.validation import ProtocolError, error_event, shown
 log = logging.getLogger(__name__)
 
 class ClientTooSlow(Exception):
-    """The client stopped taking frames: it is cut (close code 1008)."""
+    """The client stopped taking frames, or sent nothing in time: it is cut (close code 1008)."""
+
+
+class NoRoom(Exception):
+    """The server keeps no place for this connection (evicted, or beyond max_connections): close code 1013."""
 
 
 @dataclass
@@ -61,8 +69,10 @@ class Lane:
 class ResponsesSession:
     """Serves one client: lanes of responses over one connection, as in OpenAI's WebSocket mode."""
 
-    def __init__(self, config: ServerConfig, responses: ResponseService, connection: ServerConnection) -> None:
+    def __init__(self, config: ServerConfig, responses: ResponseService, connection: ServerConnection,
+                 first_event: FirstEventWait) -> None:
         self.config, self.responses, self.connection = config, responses, connection
+        self.first_event = first_event
         self.owner = new_id("conn")  # whose store: false conversations these are
         self.lanes: dict[str | None, Lane] = {}
         self.streams: list[ResponseStream] = []  # started and not all sent, in start order
@@ -87,6 +97,8 @@ class ResponsesSession:
                 error = task.exception()
                 if isinstance(error, ClientTooSlow):
                     self.close_code, self.close_reason = 1008, str(error)
+                elif isinstance(error, NoRoom):
+                    self.close_code, self.close_reason = 1013, str(error)
                 elif error is not None and not isinstance(error, ConnectionClosed):
                     raise error
         finally:
@@ -118,24 +130,61 @@ class ResponsesSession:
 
     # ------------------------------------------------------------------ receiving
     async def _receive_loop(self) -> None:
-        async for frame in self.connection:
-            if self._shutting_down:
-                continue
-            if len(self.errors) >= self.config.send_queue_size:
-                await self._wait_for_errors_taken()
-            stream_id = None
-            try:
-                event = parse_client_event(frame)
-                stream_id = event_stream_id(event)
-                if event["type"] == "response.create":
-                    self._queue(parse_request(event, RESPONSES_WEBSOCKET, self.config.limits))
-                elif event["type"] == "response.cancel":
-                    self._cancel(check_stream_id(event.get("stream_id")))
-                else:
-                    raise ProtocolError("unknown_event_type", f"unknown event type {shown(event['type'], 80)}; "
-                                        "this server accepts response.create and response.cancel", "type")
-            except ProtocolError as error:
-                self._send_error(error, stream_id)
+        frames = aiter(self.connection)
+        try:
+            first = await self._first_event(frames)
+        except StopAsyncIteration:  # the client closed without a word
+            return
+        await self._receive(first)
+        async for frame in frames:
+            await self._receive(frame)
+
+    async def _first_event(self, frames: AsyncIterator[Any]) -> Any:
+        """The client's first frame. Until it comes the connection is unfinished: evicted for a newer one
+        (1013), or cut once `first_event_s` has passed (1008); when it comes, it takes a place among
+        max_connections, or is refused (an error event, then 1013)."""
+        wait, bounds, loop = self.first_event, self.config.phase_bounds, asyncio.get_running_loop()
+        deadline = loop.time() + bounds.first_event_s
+        receive = asyncio.ensure_future(anext(frames))
+        evicted = asyncio.ensure_future(wait.evicted.wait())
+        try:
+            done, _ = await asyncio.wait((receive, evicted), timeout=bounds.first_event_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if wait.evicted.is_set():  # closed after the linger, or at the bound if sooner (see PhaseBounds)
+                await asyncio.sleep(max(0.0, min(bounds.evicted_linger_s, deadline - loop.time())))
+                raise NoRoom(EVICTED_REASON)
+            if receive not in done:
+                wait.timed_out()
+                raise ClientTooSlow(f"no event within {bounds.first_event_s:g} s of opening")
+            frame = receive.result()  # the end of the stream, or a closed connection, goes up from here
+        finally:
+            receive.cancel()  # no-op once done; websockets' recv may be cancelled without losing a frame
+            evicted.cancel()
+        try:
+            wait.arrived()
+        except ProtocolError as error:
+            await self._send(error_event(error))
+            raise NoRoom(LIMIT_REACHED_REASON) from None
+        return frame
+
+    async def _receive(self, frame: Any) -> None:
+        if self._shutting_down:
+            return
+        if len(self.errors) >= self.config.send_queue_size:
+            await self._wait_for_errors_taken()
+        stream_id = None
+        try:
+            event = parse_client_event(frame)
+            stream_id = event_stream_id(event)
+            if event["type"] == "response.create":
+                self._queue(parse_request(event, RESPONSES_WEBSOCKET, self.config.limits))
+            elif event["type"] == "response.cancel":
+                self._cancel(check_stream_id(event.get("stream_id")))
+            else:
+                raise ProtocolError("unknown_event_type", f"unknown event type {shown(event['type'], 80)}; "
+                                    "this server accepts response.create and response.cancel", "type")
+        except ProtocolError as error:
+            self._send_error(error, stream_id)
 
     def _queue(self, request: GenerationRequest) -> None:
         lane = self.lanes.get(request.stream_id)

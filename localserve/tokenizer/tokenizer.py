@@ -124,6 +124,13 @@ class Tokenizer:
         """The first end-of-generation id (`eos_token_ids` holds all of them)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @property
+    def added_tokens(self) -> dict[str, tuple[int, bool]]:
+        """Each added token by its text: its id and whether it is special (a decoder that skips special tokens
+        leaves its text out; ordinary added tokens, like Qwen's `<tool_call>`, are matched whole but are text)."""
+        decoder = self.backend.get_added_tokens_decoder()
+        return {token.content: (token_id, token.special) for token_id, token in sorted(decoder.items())}
+
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string (None if it is not in the vocabulary)."""
         return self.backend.token_to_id(token)

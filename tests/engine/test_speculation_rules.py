@@ -6,11 +6,13 @@ drafter's lookups, the constraint seam, and the settings refused."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.ngram_drafter import NgramDrafter
 from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.sequence import Sequence
 from localserve.engine.speculation import Draft, DraftQuery, constrain_draft
 from tests.helpers.engine_checks import StepChecker
 
@@ -165,9 +167,9 @@ def test_the_ngram_drafter_drafts_what_followed_the_latest_longest_match():
     assert draft.token_ids == [3, 4]
 
 
-def test_the_constraint_seam_passes_every_draft_unchanged_until_grammars_exist():
+def test_a_sequence_without_a_grammar_keeps_its_draft_unchanged():
     draft = Draft([4, 5, 6])
-    assert constrain_draft(None, draft) is draft
+    assert constrain_draft(Sequence(0, 1, [3], torch.Generator()), draft) is draft  # grammars: test_speculative_grammar
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -80,3 +80,20 @@ def tiny_chat_model_dir(tmp_path_factory) -> Path:
 def tiny_chat_llm(tiny_chat_model_dir):
     """An LLM over the tiny chat model (context 512, 256 KV blocks)."""
     return make_llm(tiny_chat_model_dir, max_model_len=512)
+
+
+@pytest.fixture(scope="session")
+def grammar_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a JSON-trained byte-level BPE tokenizer (tests/helpers/grammar_model.py)."""
+    from tests.helpers.grammar_model import write_grammar_model
+
+    return write_grammar_model(tmp_path_factory.mktemp("grammar-model"))
+
+
+@pytest.fixture(scope="session")
+def grammar_model(grammar_model_dir):
+    """That model loaded in float64 (a different batch cannot flip a near-tie) and its tokenizer."""
+    from localserve.loading.hf import load_model
+    from localserve.tokenizer.tokenizer import Tokenizer
+
+    return load_model(grammar_model_dir, dtype=torch.float64).model, Tokenizer.from_path(grammar_model_dir)

@@ -22,15 +22,16 @@ ARCHITECTURES = {
 }
 
 
-def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, num_layers: int = 2):
+def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, num_layers: int = 2,
+                     vocab_size: int = 256):
     """Write a random tiny model of `arch` with transformers' own save_pretrained; returns the HF model."""
     import transformers
 
     config_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
         **({"rms_norm_eps": 1e-6} | extra))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # random init is tiny; widen it so logits are far from flat and ties rare

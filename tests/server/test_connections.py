@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
+from localserve.server.connection_phases import PhaseBounds
 from localserve.server.transport import MAX_HEAD_BYTES
 from tests.helpers.raw_client import RawClient
 from tests.helpers.raw_http import WEBSOCKET_UPGRADE, RawReply, exchange, open_socket, read_reply, request_bytes
@@ -59,8 +60,7 @@ def wait_for_no_connections(server, timeout: float) -> float:
 
 
 def wait_for_a_connection(server, timeout: float = 10) -> None:
-    """Until the server counts a connection: a websocket is counted once its handler starts, which can be
-    a moment after the client has its 101."""
+    """Until the server counts a connection (it does from the connection's opening on, across the upgrade)."""
     start = time.monotonic()
     while not server.server.num_connections:
         assert time.monotonic() - start < timeout, "the connection was never counted"
@@ -160,8 +160,10 @@ LONG = {"input": "tell me a story", "max_output_tokens": 480, "temperature": 0, 
 
 @pytest.fixture(scope="module")
 def bounded_server(tiny_chat_llm, impatient_server):  # after the others: one engine thread at a time
+    # idle keep-alive connections hold their places for as long as a test needs them
     with running_server(tiny_chat_llm, max_message_bytes=MESSAGE_BOUND, max_connections=CONNECTION_BOUND,
-                        max_lanes=LANE_BOUND, max_queued_requests=QUEUE_BOUND) as bounded:
+                        max_lanes=LANE_BOUND, max_queued_requests=QUEUE_BOUND,
+                        phase_bounds=PhaseBounds(keep_alive_s=60)) as bounded:
         yield bounded
 
 
@@ -230,17 +232,27 @@ def test_a_websocket_message_of_max_message_bytes_is_read_and_one_more_byte_clos
     wait_for_connections(bounded_server, 0)
 
 
+def served_then_idle(port: int, request: bytes):
+    """A connection that has had one answer and stays open (keep-alive): it holds a place among
+    max_connections (one that has sent nothing is unfinished, and counted apart)."""
+    sock = open_socket(port)
+    sock.sendall(request)
+    assert read_reply(sock).status == 200
+    return sock
+
+
 def test_max_connections_http_connections_are_served_and_one_more_is_a_429(bounded_server):
     port = bounded_server.port
     models = request_bytes("GET", "/v1/models", [("Host", f"127.0.0.1:{port}")])
-    held = [open_socket(port) for _ in range(CONNECTION_BOUND - 1)]  # open, and nothing sent yet: counted
+    held = [served_then_idle(port, models) for _ in range(CONNECTION_BOUND - 1)]
     try:
         wait_for_connections(bounded_server, CONNECTION_BOUND - 1)
         assert exchange(port, models).status == 200  # the last connection there is room for
-        with open_socket(port) as last:
+        with served_then_idle(port, models) as last:
             wait_for_connections(bounded_server, CONNECTION_BOUND)
             over = exchange(port, models)
             assert (over.status, over.error_code) == (429, "too_many_connections"), over.body
+            assert f"limit of {CONNECTION_BOUND} connections" in over.json()["error"]["message"]  # which limit
             last.sendall(models)
             assert read_reply(last).status == 200  # those within the limit are still served
     finally:
@@ -257,6 +269,9 @@ def test_max_connections_counts_websockets_and_http_together(bounded_server):
 
     async def main() -> None:
         clients = [await RawClient.open(port) for _ in range(CONNECTION_BOUND - 1)]
+        for client in clients:  # a websocket holds a place once it has spoken
+            await client.send_text(json.dumps({"type": "response.cancel"}))
+            assert (await client.recv(timeout=30))["error"]["code"] == "response_cancel_not_active"
         try:
             await asyncio.to_thread(wait_for_connections, bounded_server, CONNECTION_BOUND - 1)
             third = await RawClient.open(port, path="/v1/monitor")  # the last slot, on the other endpoint
@@ -266,7 +281,7 @@ def test_max_connections_counts_websockets_and_http_together(bounded_server):
                 assert (over.status, over.error_code) == (429, "too_many_connections"), over.body
             third.abort()
             await asyncio.to_thread(wait_for_connections, bounded_server, CONNECTION_BOUND - 1)
-            with open_socket(port) as idle:  # an idle HTTP connection takes the slot as well
+            with await asyncio.to_thread(served_then_idle, port, models) as idle:  # an idle one takes the slot too
                 await asyncio.to_thread(wait_for_connections, bounded_server, CONNECTION_BOUND)
                 over = await asyncio.to_thread(exchange, port, upgrade)
                 assert (over.status, over.error_code) == (429, "too_many_connections"), over.body

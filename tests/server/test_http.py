@@ -167,6 +167,9 @@ def test_connections_beyond_the_limit_get_429(server):
     async def main():
         url = f"ws://127.0.0.1:{server.port}/v1/responses"
         held = [await connect(url) for _ in range(4)]
+        for connection in held:  # a websocket holds a place once it has spoken (a silent one is unfinished)
+            await connection.send(json.dumps({"type": "response.cancel"}))
+            assert json.loads(await connection.recv())["error"]["code"] == "response_cancel_not_active"
         try:
             with pytest.raises(InvalidStatus) as refused:
                 await connect(url)

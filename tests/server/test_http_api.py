@@ -10,80 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from localserve.server.access import AccessPolicy
-from localserve.server.context import ServedModel, ServerConfig, engine_result
-from localserve.server.conversations import ConversationStore
-from localserve.server.http_api import HttpApi
-from localserve.server.metrics import ServerMetrics
-from localserve.server.monitor import MonitorHub, monitor_hello
-from localserve.server.responses import ResponseService
 from tests.helpers.asgi import AsgiPeer, body_messages
-from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
+from tests.helpers.http_api import API_KEY, KEY, ORIGIN, Api, run, until
 
-API_KEY = "sekrit"
-ORIGIN = "http://localhost:3000"
-HOST = {"Host": "127.0.0.1:8080"}
-KEY = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
-
-
-class Api:
-    """An HttpApi and the parts it is handed."""
-
-    def __init__(self, api_key: str | None = None, **config: Any) -> None:
-        self.engine = RecordedEngineThread(max_model_len=200)
-        self.config = ServerConfig(api_key=api_key, allowed_origins=(ORIGIN,), **config)
-        model = ServedModel("served", "model", 200, self.config.sampling_defaults)
-        metrics = ServerMetrics("served")
-        conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
-        self.responses = ResponseService(self.engine, CountingTokenizer(), model, self.config, conversations, metrics)
-        policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
-        hub = MonitorHub(lambda after_seq: engine_result(self.engine.snapshot_and_events(after_seq)))
-        self.app = HttpApi(config=self.config, access_policy=policy, engine=self.engine, model=model,
-                           responses=self.responses, metrics=metrics, monitor_hub=hub,
-                           monitor_hello=monitor_hello(self.engine.facts, "served"))
-
-    async def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-                   peer: AsgiPeer | None = None) -> AsgiPeer:
-        if peer is None:
-            peer = AsgiPeer(body_messages(json.dumps(body).encode()) if body is not None else body_messages(b""))
-        await self.app(peer.scope(method, path, {**HOST, **(headers or {})}), peer.receive, peer.send)
-        return peer
-
-    def get(self, path: str, headers: dict[str, str] | None = None) -> AsgiPeer:
-        return run(self.call("GET", path, headers=headers))
-
-    async def answered(self, path: str, body: Any, texts: list[str], error: str | None = None,
-                       peer: AsgiPeer | None = None) -> AsgiPeer:
-        """POST `body` to `path`; the engine ends the request with `texts` (one token per character)."""
-        submitted = len(self.engine.submissions)
-        call = asyncio.create_task(self.call("POST", path, body, peer=peer))
-        await until(lambda: len(self.engine.submissions) > submitted or call.done())
-        if not call.done():
-            submission = self.engine.submissions[-1]
-            for count, text in enumerate(texts, start=1):
-                self.engine.answer(submission, [text], count, finished=count == len(texts) and error is None,
-                                   reason="stop")
-                await asyncio.sleep(0)
-            if error is not None:
-                self.engine.answer(submission, [], len(texts), finished=True, error=error)
-        return await call
-
-
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, 10))
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
-        await asyncio.sleep(0.005)
 
 
 def error_of(peer: AsgiPeer) -> tuple[int, str]:

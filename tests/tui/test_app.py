@@ -8,8 +8,9 @@ import collections
 import numpy as np
 from localserve.tui.app import HelpScreen, MonitorApp
 from localserve.tui.block_map import GLYPHS, SELECTED_COLOUR, BlockMap
+from localserve.tui.client import Connected, SnapshotReceived
 from localserve.tui.event_log import EventLog
-from localserve.tui.feed import BlockState
+from localserve.tui.feed import BlockState, parse_hello, parse_snapshot
 from localserve.tui.panels import PressureBanner, StatusLine
 from localserve.tui.slots import SlotsTable
 
@@ -286,3 +287,20 @@ def test_server_log_panel_shows_records_logged_from_any_thread():
         asyncio.run(main())
     finally:
         logger.removeHandler(buffer)
+
+
+def test_a_frame_that_arrives_while_the_app_shuts_down_is_dropped():
+    # The feed's worker can hand over a frame after the app began shutting down (its widgets already
+    # pruned, the worker not yet cancelled); drawing it would raise NoMatches out of the worker.
+    hello = parse_hello(hello_frame(64))
+    frame = parse_snapshot(snapshot_frame(STATES, requests=REQUESTS), hello)
+
+    async def main() -> MonitorApp:
+        app = MonitorApp(None)
+        async with app.run_test(size=(120, 40)):
+            app.handle_feed_item(Connected(hello))
+        return app
+
+    app = asyncio.run(main())
+    app.handle_feed_item(SnapshotReceived(frame))  # shut down: nothing to draw on, and nothing raised
+    assert app.snapshot is None

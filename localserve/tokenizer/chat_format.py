@@ -1,0 +1,200 @@
+"""A model's chat format: its tool-call format and reasoning format, detected from its chat template at load,
+and what one request's turn needs of them.
+
+    chat_format = detect_chat_format(tokenizer)          # once, at load; names: chat_format.tool_format.name,
+                                                         # chat_format.reasoning.name (or None)
+    turn = chat_format.turn(tools, ToolChoice("auto"), parallel_tool_calls=True, thinking=True)
+    inputs = turn.chat_inputs(messages)                   # the messages, tools and variables for the template
+    prompt_ids = tokenizer.encode_chat(inputs.messages, tools=inputs.tools, **inputs.variables)
+    turn.grammar, turn.reasoning_end, turn.skip_special_tokens   # what the engine's request carries
+    parser = turn.stream_parser()                        # one per sequence: feed(delta) -> events, finish()
+
+Tool formats are told apart by what their templates write (checked in this order): Qwen3-Coder's
+`<function=`/`<parameter=`, Mistral's `[TOOL_CALLS]` (with `[ARGS]`: the newer form), Hermes/Qwen's
+`<tool_call>`, Llama 3's `<|python_tag|>` or `"parameters": ` beside `<|start_header_id|>`; a template with
+none of them gets the generic JSON form. A template that writes `<think>` or `</think>` reasons; the prompt
+it renders, with its switch on and off, says whether the output starts inside the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from localserve.tokenizer.chat_template import ChatTemplateError
+from localserve.tokenizer.errors import TokenizerError
+from localserve.tokenizer.reasoning import Marker, ReasoningSplitter, ThinkFormat
+from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, StreamEvent, coalesce
+from localserve.tokenizer.tokenizer import Tokenizer
+from localserve.tokenizer.tool_formats.base import (
+    CallEvents,
+    CallGrammar,
+    MarkerTokens,
+    PlainTextParser,
+    ToolCallParser,
+    ToolFormat,
+    ToolUse,
+)
+from localserve.tokenizer.tool_formats.generic_json import GenericJsonFormat
+from localserve.tokenizer.tool_formats.hermes import HermesFormat
+from localserve.tokenizer.tool_formats.llama3_json import Llama3JsonFormat
+from localserve.tokenizer.tool_formats.mistral import MistralArgsFormat, MistralArrayFormat
+from localserve.tokenizer.tool_formats.qwen3_coder import Qwen3CoderFormat
+from localserve.tokenizer.tools import AUTO, ChatFormatError, ToolChoice, ToolSpec
+
+__all__ = ["TOOL_FORMATS", "ChatFormat", "ChatInputs", "ChatStreamParser", "ChatTurn", "detect_chat_format"]
+
+TOOL_FORMATS: dict[str, type[ToolFormat]] = {
+    cls.name: cls for cls in (HermesFormat, Qwen3CoderFormat, Llama3JsonFormat, MistralArrayFormat,
+                              MistralArgsFormat, GenericJsonFormat)}
+THINKING_SWITCH = "enable_thinking"
+PROBE = [{"role": "user", "content": "Hello"}]
+
+
+def detect_tool_format(template: str) -> type[ToolFormat]:
+    """The tool-call format a chat template writes."""
+    if "<function=" in template and "<parameter=" in template:
+        return Qwen3CoderFormat
+    if "[TOOL_CALLS]" in template:
+        return MistralArgsFormat if "[ARGS]" in template else MistralArrayFormat
+    if "<tool_call>" in template:
+        return HermesFormat
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters": ' in template):
+        return Llama3JsonFormat
+    return GenericJsonFormat
+
+
+def detect_chat_format(tokenizer: Tokenizer, chat_template: str | None = None) -> ChatFormat:
+    """The chat format of `tokenizer`'s template (or of `chat_template`, when given); TokenizerError without one."""
+    template = chat_template or tokenizer.chat_template
+    if not template:
+        raise TokenizerError(f"{tokenizer.source}: the tokenizer has no chat template")
+    tool_format = detect_tool_format(template)(MarkerTokens.of(tokenizer.added_tokens))
+    reasoning = None
+    if ThinkFormat.start in template or ThinkFormat.end in template:
+        switch = THINKING_SWITCH if THINKING_SWITCH in template else None
+
+        def opens(thinking: bool) -> bool:
+            variables = {switch: thinking} if switch else {}
+            try:
+                prompt = tokenizer.apply_chat_template(PROBE, chat_template=template, **variables)
+            except ChatTemplateError:
+                return False
+            return prompt.rfind(ThinkFormat.start) > prompt.rfind(ThinkFormat.end)
+
+        end_ids = tuple(tokenizer.encode(ThinkFormat.end, add_special_tokens=False))
+        reasoning = ThinkFormat(end_ids, switch, {True: opens(True), False: opens(False)})
+    return ChatFormat(tool_format, reasoning)
+
+
+@dataclass(frozen=True)
+class ChatInputs:
+    """What a chat template is rendered with: `tokenizer.encode_chat(messages, tools=tools, **variables)`."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    variables: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A model's tool-call format and reasoning format (None: the template does not reason)."""
+
+    tool_format: ToolFormat
+    reasoning: ThinkFormat | None
+
+    def turn(self, tools: Sequence[ToolSpec] = (), tool_choice: ToolChoice = AUTO,
+             parallel_tool_calls: bool = True, thinking: bool = True) -> ChatTurn:
+        """One request's use of the format: the tools offered, `tool_choice`, whether several calls may come,
+        and whether the model thinks (where it reasons; `thinking=False` needs a template that can switch it
+        off). Raises ChatFormatError naming the field a request got wrong."""
+        names = [tool.name for tool in tools]
+        if duplicate := next((name for name in names if names.count(name) > 1), None):
+            raise ChatFormatError("tools", f"two tools are named {duplicate!r}")
+        if not thinking and self.reasoning is not None and not self.reasoning.can_disable:
+            raise ChatFormatError("reasoning_effort", "this model's chat template cannot turn thinking off")
+        callable_tools = tool_choice.chosen_tools(tools)
+        use = None
+        if callable_tools:
+            use = ToolUse(callable_tools, required=tool_choice.mode in ("required", "function"),
+                          parallel=parallel_tool_calls, offered=tuple(tools))
+        return ChatTurn(self.tool_format, self.reasoning, use, thinking)
+
+
+class ChatTurn:
+    """What one request needs of the chat format: the template's inputs, the grammar of its answer, where the
+    reasoning ends, how to decode and how to parse its output."""
+
+    def __init__(self, tool_format: ToolFormat, reasoning: ThinkFormat | None, use: ToolUse | None,
+                 thinking: bool) -> None:
+        self._tool_format = tool_format
+        self._reasoning = reasoning
+        self._use = use
+        self._thinking = thinking
+
+    @property
+    def tools_offered(self) -> bool:
+        """True when the prompt offers tools (not with tool_choice `none`)."""
+        return self._use is not None
+
+    @property
+    def reasons(self) -> bool:
+        """True when the output may begin with reasoning."""
+        return self._reasoning is not None and self._thinking
+
+    def chat_inputs(self, messages: Sequence[Mapping[str, Any]]) -> ChatInputs:
+        """The template's inputs for `messages` (in the APIs' shape: call arguments as JSON text)."""
+        converted, tools = self._tool_format.template_inputs(messages, self._use)
+        variables = self._reasoning.template_variables(self._thinking) if self._reasoning else {}
+        return ChatInputs(converted, tools, variables)
+
+    @property
+    def grammar(self) -> CallGrammar | None:
+        """The grammar of the answer's calls, or None when no tools are offered."""
+        return self._tool_format.grammar(self._use) if self._use is not None else None
+
+    @property
+    def reasoning_end(self) -> Marker | None:
+        """Where any grammar of the answer starts (after the reasoning), or None: from the first token."""
+        return self._reasoning.end_marker if self.reasons else None
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """How to decode the output for the parser: False when a marker it reacts to is a special token."""
+        markers = [*self._tool_format.markers] if self._use is not None else []
+        if self.reasons:
+            markers += [ThinkFormat.start, ThinkFormat.end]
+        return not any(marker in self._tool_format.tokens.special for marker in markers)
+
+    def stream_parser(self) -> ChatStreamParser:
+        """A fresh parser for one sequence of the output."""
+        splitter = self._reasoning.splitter(self._reasoning.opens_in_prompt(True)) if self.reasons else None
+        if self._use is None:
+            return ChatStreamParser(splitter, PlainTextParser(CallEvents(self._tool_format.new_call_id)))
+        return ChatStreamParser(splitter, self._tool_format.parser(self._use))
+
+
+class ChatStreamParser:
+    """One output's text deltas in, its events out: reasoning split off first, then the answer's content and
+    calls as the tool format reads them (see `stream_events`)."""
+
+    def __init__(self, splitter: ReasoningSplitter | None, tool_parser: ToolCallParser) -> None:
+        self._splitter = splitter
+        self._tool_parser = tool_parser
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """The events that `text`, the next delta of decoded text, completes."""
+        pieces = self._splitter.feed(text) if self._splitter else [ContentDelta(text)]
+        return coalesce(self._route(pieces))
+
+    def finish(self) -> list[StreamEvent]:
+        """The last events, once the output has ended (held text released, an open call closed)."""
+        pieces = self._splitter.finish() if self._splitter else []
+        return coalesce(self._route(pieces) + self._tool_parser.finish())
+
+    def _route(self, pieces: list[ReasoningDelta | ContentDelta]) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        for piece in pieces:
+            events += [piece] if isinstance(piece, ReasoningDelta) else self._tool_parser.feed(piece.text)
+        return events

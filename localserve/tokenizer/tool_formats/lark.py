@@ -1,0 +1,63 @@
+"""Pieces of Lark grammars in llguidance's syntax, shared by the tool-call formats.
+
+llguidance reads a Lark dialect: string literals as JSON strings, regular expressions between slashes (with
+`&` and `~` for intersection and negation in terminal definitions), `%json {schema}` for a JSON value that
+follows a schema, `<[id]>` for one token by id, and `rule[lazy]: ...` for a lexeme that ends as soon as it can
+(docs/syntax.md in llguidance's repository).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["ANY_TEXT", "WS", "calls_grammar", "json_value", "literal", "marker", "regex_literal"]
+
+WS = r"WS: /[ \t\r\n]+/"
+ANY_TEXT = r"ANY_TEXT: /(?s:.*)/"
+REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def literal(text: str) -> str:
+    """`text` as a Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def regex_literal(text: str) -> str:
+    """`text` escaped for use inside a /regex/."""
+    return "".join("\\" + char if char in REGEX_SPECIAL else char for char in text)
+
+
+def marker(text: str, token_ids: Mapping[str, int]) -> str:
+    """A marker of a format: its token (`<[id]>`) when it is one added token of the vocabulary, else its text."""
+    token_id = token_ids.get(text)
+    return f"<[{token_id}]>" if token_id is not None else literal(text)
+
+
+def json_value(schema: Mapping[str, Any]) -> str:
+    """A JSON value that follows `schema`."""
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def calls_grammar(opener: str, trigger: str, call_rules: Sequence[str], call: str, *, lazy: bool,
+                  parallel: bool) -> str:
+    """An answer of calls that each begin with `opener` (the marker's grammar text, `trigger` its text) and go on
+    as rule `call`, defined in `call_rules` (which may use the terminals `WS` and `ANY_TEXT`); whitespace between
+    and after the calls, nothing else.
+
+    `lazy` (tool_choice auto): free text first, then, if the trigger comes, the calls; text free of the trigger
+    is a whole answer too. Otherwise the answer is the calls alone. `parallel` false: one call at most.
+    """
+    more = f"(WS? {opener} {call})*" if parallel else ""
+    free_text = f"FREE_TEXT: /(?s:.*)/ & ~/(?s:.*){regex_literal(trigger)}(?s:.*)/"
+    if not lazy:
+        lines = [f"start: WS? {opener} {call} {more} WS?"]
+    elif opener.startswith("<["):  # a token: free text (never the trigger spelled out) ends where it comes
+        lines = [f"start: FREE_TEXT ({opener} {call} {more} WS?)?", free_text]
+    else:
+        lines = [f"start: FREE_TEXT | text_then_trigger {call} {more} WS?", free_text,
+                 f"text_then_trigger[lazy]: ANY_TEXT {literal(trigger)}"]
+    rules = [*lines, *call_rules]
+    any_text = [ANY_TEXT] if any("ANY_TEXT" in rule for rule in rules) else []
+    return "\n".join(["%llguidance {}", *rules, *any_text, WS]) + "\n"

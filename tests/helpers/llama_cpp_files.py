@@ -1,0 +1,90 @@
+"""llama.cpp's chat templates and vocabularies, taken from the llama-cpp-python sdist on PyPI once per machine.
+
+llama.cpp keeps the chat templates of many model families (`models/templates/*.jinja`) and the vocabularies
+of their tokenizers (`models/ggml-vocab-*.gguf`, metadata only) in its repository, and llama-cpp-python's
+sdist vendors that repository. The sdist is downloaded with `pip download --no-deps --no-binary :all:` (never
+installed), only the files named below are extracted, and they are kept under localserve's cache folder
+like the default model. A test that needs them is skipped, with the reason, only when PyPI cannot be reached.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from localserve.loading.default_model import cache_dir
+
+SDIST_VERSION = "0.3.36"
+SDIST_REQUIREMENT = f"llama-cpp-python=={SDIST_VERSION}"
+MODELS_IN_SDIST = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/models"
+TEMPLATES = (
+    "Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3-0.6B.jinja", "Qwen3-Coder.jinja", "Qwen-QwQ-32B.jinja",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+)
+VOCABULARIES = ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf")
+MEMBERS = {f"{MODELS_IN_SDIST}/templates/{name}": f"templates/{name}" for name in TEMPLATES} | {
+    f"{MODELS_IN_SDIST}/{name}": f"vocab/{name}" for name in VOCABULARIES}
+
+
+def files_dir() -> Path:
+    """Where the extracted files are kept: `<cache>/llama-cpp-python-<version>/{templates,vocab}/`."""
+    return cache_dir() / f"llama-cpp-python-{SDIST_VERSION}"
+
+
+@cache
+def _fetch() -> Path | str:
+    """The folder, fetched on first use, or why it could not be (kept, so that a machine without PyPI tries once)."""
+    folder = files_dir()
+    if all((folder / path).is_file() for path in MEMBERS.values()):
+        return folder
+    with tempfile.TemporaryDirectory(prefix="localserve-llama-cpp-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--retries", "1",
+                   "--timeout", "30", "--dest", tmp, SDIST_REQUIREMENT]
+        result = subprocess.run(command, capture_output=True, text=True)
+        sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if result.returncode != 0 or not sdists:
+            last_line = (result.stderr.strip().splitlines() or [""])[-1]
+            return f"cannot download {SDIST_REQUIREMENT} from PyPI (pip exit {result.returncode}): {last_line}"
+        staging = Path(tmp) / "extracted"
+        with tarfile.open(sdists[0]) as sdist:
+            for member, target in MEMBERS.items():
+                source = sdist.extractfile(member)
+                if source is None:
+                    raise FileNotFoundError(f"{sdists[0].name} has no {member}")
+                (staging / target).parent.mkdir(parents=True, exist_ok=True)
+                (staging / target).write_bytes(source.read())
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.move(staging, partial)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.replace(folder)  # all files or none: a crash never leaves half a folder behind
+    return folder
+
+
+def llama_cpp_files() -> Path:
+    """The folder holding the templates and vocabularies; skips the test when PyPI is out of reach."""
+    fetched = _fetch()
+    if isinstance(fetched, str):
+        pytest.skip(fetched)
+    return fetched
+
+
+def template_text(name: str) -> str:
+    """One of `TEMPLATES`, as text."""
+    return (llama_cpp_files() / "templates" / name).read_text(encoding="utf-8")
+
+
+def vocabulary_path(name: str) -> Path:
+    """One of `VOCABULARIES`."""
+    return llama_cpp_files() / "vocab" / name
