@@ -79,8 +79,9 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, int], f
         def __init__(self, output):
             self.params, self.prompt_token_ids, self.output_token_ids = params, PROMPT, output
 
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=4))
+
     def next_probs(output: list[int]) -> torch.Tensor:
-        engine = build_engine(model, None, EngineConfig(num_kv_blocks=4))
         logits = engine.runner.prompt_logits(PROMPT + output, [0, 1, 2, 3])[-1:].clone()
         return filter_rows(apply_penalties(logits, [Row(output)]), [params]).softmax(-1)[0]
 
