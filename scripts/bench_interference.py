@@ -1,12 +1,13 @@
 """Long-prompt interference: do background streams stall while a long prompt is prefilled?
 
 Background chats stream tokens (16 by default on a CPU); an injector sends a long prompt at a fixed
-period. Every token's arrival is timestamped. Three runs on the same model, one after the other:
+period. Every token's arrival is timestamped. Four runs on the same model, one after the other:
 baseline (no injector), injector with chunked prefill off, injector with chunked prefill on under a
 token budget, and injector under the time budget (`--max-step-ms auto`: prefill only while a step stays
 within about twice its decodes' time, the token budget `--time-budget-tokens` as an upper bound).
-For each: median, p99, p99.9 and max inter-token latency (ITL) of the background streams, stalls (gaps > 3x the baseline median), the long prompt's time to first token, and a PNG
-timeline of the gaps with the injections marked.
+For each: median, p99, p99.9 and max inter-token latency (ITL) of the background streams, stalls
+(gaps > 3x the baseline median), the long prompt's time to first token, and a PNG timeline of the
+gaps with the injections marked.
 
     python scripts/bench_interference.py [--streams 16] [--prompt-tokens 1536] [--period 8] \
         [--duration 30] [--budget 32] [--max-step-ms auto] [--png docs/interference.png]
