@@ -152,3 +152,20 @@ def test_greedy_output_is_the_same_with_speculation(target, other_draft, referen
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-9)
             assert [[t for t, _ in top] for top in got.top_logprobs] == \
                 [[t for t, _ in top] for top in want.top_logprobs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_greedy_output_is_the_same_with_speculation_on_cuda_through_triton(tiny_chat_model_dir, drafter):
+    """Verify rows (queries of K + 1 tokens) through the Triton kernels give the tokens decoding one by one does."""
+    model = load_model(tiny_chat_model_dir, dtype=torch.float32, device="cuda").model
+    tokenizer = Tokenizer.from_path(tiny_chat_model_dir)
+    requests = generated_requests()[:40]
+    config = dict(num_kv_blocks=24, num_cpu_blocks=12, max_num_seqs=16, max_num_batched_tokens=64,
+                  preemption_mode="swap", attention_backend="triton")
+    expected, _ = run_all(model, tokenizer, requests, check=False, **config)
+    outputs, engine = run_all(model, tokenizer, requests, check=True, draft_model=model if drafter == "draft" else None,
+                              spec_type=drafter, spec_tokens=5, **config)
+    assert engine.scheduler.speculation.totals.num_drafts > 10
+    for output, want in zip(outputs, expected, strict=True):
+        assert [list(o.token_ids) for o in output.outputs] == [list(o.token_ids) for o in want.outputs]
