@@ -7,8 +7,9 @@ Workloads, each a chat request to the default model (SmolLM2-135M-Instruct, as `
 - plain chat: the serving benchmark's prompts ("Summarize: " + 20-300 words of license text).
 Drafters: prompt lookup (`--spec-type ngram`) and, at batch 1, a draft model made of the default model's
 first `--draft-layers` layers (sharing their weights: no other model of its tokenizer is at hand here).
-Each cell runs speculation off, then on, on fresh engines over one loaded model; the machine's load average
-is printed with every cell (the CPU is shared: compare the columns of a row, not rows of different runs).
+Each batch of requests runs with speculation off, then with each drafter, back to back, on fresh engines over
+one loaded model; the machine's load average is printed with every row (the CPU is shared: compare the
+columns of a row, not rows of different runs).
 
     python scripts/bench_speculative.py [--threads 1] [--max-tokens 256] [--batches 1 8 32] [--prompts-per-cell 3]
     python scripts/bench_speculative.py --device cuda --batches 1 8 32 64   # the GPU section (gpu_check.sh)
@@ -112,8 +113,23 @@ def run_cell(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, sp
               "load": os.getloadavg()[0]}
     if engine.scheduler.speculation is not None:
         totals = engine.scheduler.speculation.totals
-        result |= {"acceptance_rate": totals.acceptance_rate, "mean_accepted_length": totals.mean_accepted_length,
-                   "drafted": totals.num_draft_tokens, "verifications": totals.num_drafts}
+        result |= {"drafted": totals.num_draft_tokens, "accepted": totals.num_accepted_tokens,
+                   "verifications": totals.num_drafts}
+    return result
+
+
+def merged(cells: list[dict]) -> dict:
+    """One mode's cells of a row (its requests, run interleaved with the other modes') as one result."""
+    tokens, seconds = sum(cell["tokens"] for cell in cells), sum(cell["seconds"] for cell in cells)
+    result = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+              "outputs": [output for cell in cells for output in cell["outputs"]],
+              "load": sum(cell["load"] for cell in cells) / len(cells)}
+    if "drafted" in cells[0]:
+        drafted, accepted, verifications = (sum(cell[key] for cell in cells)
+                                            for key in ("drafted", "accepted", "verifications"))
+        result |= {"drafted": drafted, "accepted": accepted, "verifications": verifications,
+                   "acceptance_rate": accepted / drafted if drafted else 0.0,
+                   "mean_accepted_length": 1 + accepted / verifications if verifications else 0.0}
     return result
 
 
@@ -146,9 +162,17 @@ def main() -> None:
                        for i in range(count)]
             max_tokens = args.max_tokens if batch == 1 else args.max_tokens // 2
             drafters = [("ngram", None)] + ([("draft", draft)] if draft is not None and batch == 1 else [])
-            off = run_cell(llm, prompts, max_tokens, batch, None)
-            for spec_type, draft_model in drafters:
-                on = run_cell(llm, prompts, max_tokens, batch, spec_type, draft_model)
+            # Each batch of requests runs in every mode back to back, so that the machine's load (shared)
+            # changes little between the modes compared.
+            modes = [(None, None), *drafters]
+            cells: dict[str | None, list[dict]] = {spec_type: [] for spec_type, _ in modes}
+            for start in range(0, count, batch):
+                for spec_type, draft_model in modes:
+                    cells[spec_type].append(run_cell(llm, prompts[start:start + batch], max_tokens, batch, spec_type,
+                                                     draft_model))
+            off = merged(cells[None])
+            for spec_type, _ in drafters:
+                on = merged(cells[spec_type])
                 same = on["outputs"] == off["outputs"]
                 name = spec_type if spec_type == "ngram" else f"draft ({args.draft_layers} of "
                 name += "" if spec_type == "ngram" else f"{llm.model_config.num_layers} layers)"
