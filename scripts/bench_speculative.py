@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="per request at batch 1 (half at larger batches)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompts-per-cell", type=int, default=3, help="requests of a batch-1 cell, one after another")
+    parser.add_argument("--spec-tokens", type=int, default=4, help="K, drafted tokens a step at most (CLI default 4)")
     parser.add_argument("--draft-layers", type=int, default=6, help="layers of the draft model (0: no draft rows)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--json", default="speculative", help="docs/bench/NAME.json")
@@ -169,7 +170,7 @@ def main() -> None:
             for start in range(0, count, batch):
                 for spec_type, draft_model in modes:
                     cells[spec_type].append(run_cell(llm, prompts[start:start + batch], max_tokens, batch, spec_type,
-                                                     draft_model))
+                                                     draft_model, args.spec_tokens))
             off = merged(cells[None])
             for spec_type, _ in drafters:
                 on = merged(cells[spec_type])
