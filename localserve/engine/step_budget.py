@@ -24,6 +24,10 @@ MIN_OBSERVATIONS = 8
 MIN_PREFILL_STEPS = 3  # steps with prefill chunks, which tell a prompt token's cost from a row's
 OUTLIER_MULTIPLE = 3.0  # a step taking more than this times its estimate counts as this (another process ran)
 DECODE_MULTIPLE = 2.0  # the default budget: this times the step's decodes alone
+# Beside decodes, before the fit is ready, a step prefills at most this many tokens: a 1,536-token prompt
+# arriving among 16 streams, prefilled in 512-token chunks while unlearnt, stalled them 3 s a step on the
+# dev CPU (bench_interference.py); 64 keeps such a step near twice a decode step there, and the fit learns.
+UNLEARNT_PREFILL_TOKENS = 64
 MIN_COST_S = 1e-6  # a coefficient the fit puts at or below 0 (noise) is taken as this
 
 
@@ -120,11 +124,13 @@ class StepTimeBudget:
 
     def prefill_tokens(self, decodes: StepShape, now: StepShape) -> int | None:
         """Prefill tokens a step whose decodes are `decodes`, and which holds `now` so far (the decodes and
-        their drafts), may add; None: only the token budget bounds it (no decodes to keep steady, or the
-        cost is not learnt yet)."""
+        their drafts), may add; None: only the token budget bounds it (no decodes to keep steady). Before
+        the cost is learnt: `UNLEARNT_PREFILL_TOKENS` (or the floor, if higher)."""
         cost = self.cost
-        if decodes.num_rows == 0 or not cost.ready:
+        if decodes.num_rows == 0:
             return None
+        if not cost.ready:
+            return max(self.min_prefill_tokens, UNLEARNT_PREFILL_TOKENS)
         limit = self.max_step_s if self.max_step_s is not None else DECODE_MULTIPLE * cost.estimate(decodes)
         self.last_limit_s = limit
         left = limit - cost.estimate(now) - cost.per_row_s

@@ -9,7 +9,7 @@ import pytest
 
 from localserve.engine.config import SchedulerConfig
 from localserve.engine.scheduler import Scheduler
-from localserve.engine.step_budget import StepCostModel, StepShape, StepTimeBudget
+from localserve.engine.step_budget import UNLEARNT_PREFILL_TOKENS, StepCostModel, StepShape, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
 from tests.helpers.scheduler_states import make_request, query_lens, run
 
@@ -93,11 +93,16 @@ def test_a_fixed_limit_and_the_floor_that_keeps_a_prompt_moving():
     assert tight.prefill_tokens(decodes, decodes) == 16
 
 
-def test_no_limit_without_decodes_to_keep_steady_or_before_the_cost_is_learnt():
+def test_no_limit_without_decodes_to_keep_steady_and_small_chunks_before_the_cost_is_learnt():
     budget = StepTimeBudget(trained(), None, min_prefill_tokens=16)
     assert budget.prefill_tokens(StepShape(0, 0, 0, 0), StepShape(0, 0, 0, 0)) is None
+    assert StepTimeBudget(StepCostModel(), None, 16).prefill_tokens(StepShape(0, 0, 0, 0), StepShape(0, 0, 0, 0)) \
+        is None
+    # Unlearnt, beside decodes: chunks of UNLEARNT_PREFILL_TOKENS (a 1,536-token prompt's first chunks of 512
+    # stalled 16 streams for 3 s each in bench_interference.py before the fit was ready).
     decodes = StepShape(4, 0, 0, 8)
-    assert StepTimeBudget(StepCostModel(), None, 16).prefill_tokens(decodes, decodes) is None
+    assert StepTimeBudget(StepCostModel(), None, 16).prefill_tokens(decodes, decodes) == UNLEARNT_PREFILL_TOKENS
+    assert StepTimeBudget(StepCostModel(), None, 128).prefill_tokens(decodes, decodes) == 128
 
 
 def test_the_scheduler_prefills_what_the_time_budget_leaves_beside_the_decodes():
