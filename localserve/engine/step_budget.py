@@ -28,6 +28,7 @@ DECODE_MULTIPLE = 2.0  # the default budget: this times the step's decodes alone
 # arriving among 16 streams, prefilled in 512-token chunks while unlearnt, stalled them 3 s a step on the
 # dev CPU (bench_interference.py); 64 keeps such a step near twice a decode step there, and the fit learns.
 UNLEARNT_PREFILL_TOKENS = 64
+DECODE_ONLY_DECAY = 0.8  # the measured decode-only steps of a row count: a running average of the last few
 MIN_COST_S = 1e-6  # a coefficient the fit puts at or below 0 (noise) is taken as this
 
 
@@ -59,6 +60,7 @@ class StepCostModel:
         self._p = [[PRIOR_VARIANCE if i == j else 0.0 for j in range(NUM_FEATURES)] for i in range(NUM_FEATURES)]
         self.num_observations = 0
         self.num_prefill_steps = 0
+        self.decode_only_s: dict[int, float] = {}  # rows -> measured duration of steps of only that many decodes
 
     @property
     def ready(self) -> bool:
@@ -68,6 +70,15 @@ class StepCostModel:
     def estimate(self, shape: StepShape) -> float:
         """The step's estimated duration in seconds (at least 0)."""
         return max(0.0, sum(t * x for t, x in zip(self._theta, shape.features())))
+
+    def estimate_decodes(self, shape: StepShape) -> float:
+        """The estimated duration of a step of only decodes: the fit's, or the measured steps of as many
+        decodes where less. When nearly every step carries the same rows and a prefill chunk, the fit
+        cannot tell the fixed cost from the rows' and the chunk row's, and its extrapolation to no prefill
+        was 2-5x the measured decode step on the dev CPU."""
+        estimate = self.estimate(shape)
+        measured = self.decode_only_s.get(shape.num_rows)
+        return estimate if measured is None else min(estimate, measured)
 
     def _coefficient(self, index: int) -> float:
         return self._theta[index] / FEATURE_SCALES[index]
@@ -98,6 +109,10 @@ class StepCostModel:
             return
         if self.ready:
             duration_s = min(duration_s, OUTLIER_MULTIPLE * max(self.estimate(shape), MIN_COST_S))
+        if shape.num_rows and not shape.num_prefill_tokens and not shape.num_draft_tokens:
+            previous = self.decode_only_s.get(shape.num_rows)
+            self.decode_only_s[shape.num_rows] = duration_s if previous is None else (
+                DECODE_ONLY_DECAY * previous + (1 - DECODE_ONLY_DECAY) * duration_s)
         x = shape.features()
         p, size = self._p, NUM_FEATURES
         px = [sum(p[i][j] * x[j] for j in range(size)) for i in range(size)]
@@ -131,7 +146,7 @@ class StepTimeBudget:
             return None
         if not cost.ready:
             return max(self.min_prefill_tokens, UNLEARNT_PREFILL_TOKENS)
-        limit = self.max_step_s if self.max_step_s is not None else DECODE_MULTIPLE * cost.estimate(decodes)
+        limit = self.max_step_s if self.max_step_s is not None else DECODE_MULTIPLE * cost.estimate_decodes(decodes)
         self.last_limit_s = limit
         left = limit - cost.estimate(now) - cost.per_row_s
         return max(self.min_prefill_tokens, int(left / cost.per_prefill_token_s))

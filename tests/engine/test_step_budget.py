@@ -120,3 +120,23 @@ def test_the_scheduler_prefills_what_the_time_budget_leaves_beside_the_decodes()
     assert query_lens(batch)[:4] == [1, 1, 1, 1]
     assert query_lens(batch)[4] == pytest.approx(allowed, abs=1) and allowed < 300
     assert batch.num_context_tokens == context + query_lens(batch)[4]
+
+
+def test_the_default_limit_is_twice_the_measured_decodes_where_the_fit_overestimates_them():
+    """Every step with 16 decodes and a prefill chunk: the fit cannot tell the fixed cost from the rows'
+    (seen on the dev CPU: a 16-row decode step estimated at 2-5x its measured 150 ms, so the limit let
+    steps run 4x a decode step). Measured decode-only steps of that many rows bound the estimate."""
+    cost = StepCostModel()
+    rng = random.Random(2)
+    for _ in range(40):
+        tokens = rng.randint(20, 100)
+        shape = StepShape(17, tokens, 0, 300)
+        cost.observe(shape, 0.25 + 0.005 * tokens)  # 150 ms of decodes, 100 ms the chunk's row, 5 ms a token
+    decodes = StepShape(16, 0, 0, 300)
+    assert cost.ready and cost.estimate(decodes) > 0.2  # extrapolated to no prefill: off
+    cost.observe(decodes, 0.15)
+    assert cost.estimate_decodes(decodes) == pytest.approx(0.15, rel=0.05)
+    budget = StepTimeBudget(cost, None, min_prefill_tokens=16)
+    budget.prefill_tokens(decodes, decodes)
+    assert budget.last_limit_s == pytest.approx(0.3, rel=0.05)
+    assert cost.estimate_decodes(StepShape(8, 0, 0, 100)) == cost.estimate(StepShape(8, 0, 0, 100))  # none measured
