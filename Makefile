@@ -23,7 +23,7 @@ serve: $(VENV)/.installed
 	$(BIN)/localserve serve $(ARGS)
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -19,6 +19,8 @@ from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_si
 from localserve.server.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
+    import torch
+
     from localserve.llm import LLM
 
 log = logging.getLogger("localserve")
@@ -26,10 +28,16 @@ log = logging.getLogger("localserve")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # names of torch dtypes
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model (named as in llama.cpp and vLLM)."""
+def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """Flags shared by every command that loads a model (named as in llama.cpp and vLLM); `several`: `-m`
+    may be given more than once (`serve`)."""
     g = parser.add_argument_group("model")
-    g.add_argument("-m", "--model", help="HF folder, hub repo id or .gguf file (default: SmolLM2-135M-Instruct)")
+    if several:
+        g.add_argument("-m", "--model", action="append", default=[],
+                       help="HF folder, hub repo id or .gguf file; repeat it to serve several (default: "
+                            "SmolLM2-135M-Instruct, unless --models-dir gives models)")
+    else:
+        g.add_argument("-m", "--model", help="HF folder, hub repo id or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
     g.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: bfloat16 on a GPU and on "
                    "a CPU with bf16 instructions, else float32)")
@@ -103,19 +111,25 @@ def max_step_ms(value: str) -> float | str | None:
 
 def build_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
     """Load the model the command line names, with its engine."""
-    import torch
-
     from localserve.llm import LLM
-    from localserve.loading.hf import serving_dtype
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype else serving_dtype(device)
+    device, dtype = model_device_and_dtype(args)
     llm = LLM(args.model, dtype=dtype, device=device, offline=args.offline, engine_config=config,
               keep_quantized_weights=args.keep_quantized_weights,
               draft_model=args.model_draft if config.spec_type == "draft" else None)
     if args.chat_template_file:
         llm.tokenizer.chat_template = args.chat_template_file.read_text()
     return llm
+
+
+def model_device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """The device and the torch dtype the flags ask for (defaults: cuda when there is one; serving_dtype)."""
+    import torch
+
+    from localserve.loading.hf import serving_dtype
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, getattr(torch, args.dtype) if args.dtype else serving_dtype(device)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -161,52 +175,63 @@ def stream_completion(engine, prompt_ids: list[int], params: SamplingParams) -> 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve the model over websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0."""
+    """Serve the models over HTTP and websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0.
+
+    The default model is loaded before the port opens; the others when a request names them
+    (server/models.py)."""
     settings = engine_config(args)  # a bad setting fails at once, before torch is imported
     import asyncio
     import signal
 
-    from localserve.engine.engine_thread import EngineThread
     from localserve.server.app import LocalServer
     from localserve.server.context import check_bind_safety
+    from localserve.server.models import ModelPolicy, ModelRegistry
 
     config = server_config(args)
+    policy = ModelPolicy(max_loaded_models=args.max_loaded_models, sleep_idle_s=args.sleep_idle_seconds)
     api_key = config.api_key
     check_bind_safety(config)  # before minutes of loading, not after
     # Only in a terminal: with any stream redirected (a log file, a pipe, a service) plain logs are wanted.
     show_tui = not args.no_tui and all(stream.isatty() for stream in (sys.stdin, sys.stdout, sys.stderr))
     if not args.verbose:  # one line per connection is noise at INFO
         logging.getLogger("websockets").setLevel(logging.WARNING)
-    llm = build_llm(args, settings)
-    config.sampling_defaults = server_sampling_defaults(args, llm.model_path)
-    log.info("sampling defaults for requests that set none: %s", config.sampling_defaults.describe())
-    engine_thread = EngineThread(llm.engine)
-    engine_thread.start()
-    server = LocalServer(engine_thread, llm.tokenizer, llm.model_config.name, config)
+    from localserve.model_loader import EngineLoader, find_models  # torch: only once the flags are accepted
 
-    async def serve_until_signalled() -> None:
-        shutdowns: list[asyncio.Task] = []
-
-        def on_signal(signum: int) -> None:  # end responses with a final event, then exit 0
-            if not shutdowns:
-                log.info("%s: shutting down", signal.Signals(signum).name)
-                shutdowns.append(asyncio.create_task(server.shutdown()))
-
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, on_signal, signum)
-        await server.start()
-        log_web_page(server)
-        await server.serve_forever()
-        await asyncio.gather(*shutdowns)
-
+    found = find_models(args.model, args.models_dir, default_name=args.default_model, alias=args.alias,
+                        offline=args.offline, sampling_overrides=sampling_overrides(args))
+    for entry in found.catalog.entries:
+        log.info("model %s (%s): answers to %s; sampling defaults for requests that set none: %s", entry.id,
+                 entry.files.path, ", ".join(entry.names), found.sampling_defaults[entry.id].describe())
+    device, dtype = model_device_and_dtype(args)
+    load = EngineLoader(settings, dtype, device, args.keep_quantized_weights,
+                        args.chat_template_file.read_text() if args.chat_template_file else None)
+    default = found.catalog.default
+    models = ModelRegistry(found.catalog, load, found.sampling_defaults, policy, loaded={default.id: load(default)})
     try:
+        server = LocalServer(models, config)
+
+        async def serve_until_signalled() -> None:
+            shutdowns: list[asyncio.Task] = []
+
+            def on_signal(signum: int) -> None:  # end responses with a final event, then exit 0
+                if not shutdowns:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    shutdowns.append(asyncio.create_task(server.shutdown()))
+
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, on_signal, signum)
+            await server.start()
+            log_web_page(server)
+            await server.serve_forever()
+            await asyncio.gather(*shutdowns)
+
         if show_tui:
             serve_with_tui(server, api_key)
         else:
             asyncio.run(serve_until_signalled())
     finally:
-        engine_thread.stop()
+        models.unload_all()
     return 0
 
 
@@ -218,10 +243,16 @@ def server_config(args: argparse.Namespace):
 
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
                         allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
-                        model_alias=args.alias, max_connections=args.max_connections,
+                        max_connections=args.max_connections,
                         max_unfinished_connections=args.max_unfinished_connections,
                         phase_bounds=phase_bounds(args), default_max_output_tokens=args.max_tokens,
                         monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui)
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict[str, float | int]:
+    """The sampling flags given (--temp, --top-k, --top-p, --min-p): over every model's own defaults."""
+    return {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+            if getattr(args, name) is not None}
 
 
 def log_web_page(server) -> None:
@@ -229,22 +260,6 @@ def log_web_page(server) -> None:
     if server.config.web_ui:
         host = "127.0.0.1" if server.config.host in ("0.0.0.0", "::", "") else server.config.host
         log.info("the web page (chat and monitor): http://%s:%d/", host, server.port)
-
-
-def server_sampling_defaults(args: argparse.Namespace, model_path: Path):
-    """The model's sampling defaults (loading/sampling_defaults.py), with the values given as flags."""
-    from dataclasses import replace
-
-    from localserve.loading.sampling_defaults import sampling_defaults
-
-    defaults = sampling_defaults(model_path, is_default_model=args.model is None)
-    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
-             if getattr(args, name) is not None}
-    if given:
-        defaults = replace(defaults, **given, source=f"{defaults.source}; {', '.join(given)} from the command line")
-    SamplingParams(temperature=defaults.temperature, top_k=defaults.top_k, top_p=defaults.top_p,
-                   min_p=defaults.min_p)  # raises ValueError, naming the field, on a value it refuses
-    return defaults
 
 
 def serve_with_tui(server, api_key: str | None) -> None:
@@ -283,7 +298,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-hosts", nargs="*", default=[], metavar="NAME",
                    help="Host header names answered besides loopback names, IP addresses and --host "
                         "('*': any; guards against DNS rebinding)")
-    g.add_argument("--alias", help="the model name clients send and /v1/models lists")
+    g.add_argument("--alias", help="the default model's id: the name /v1/models lists it under (it answers to its "
+                   "own names too)")
+    m = parser.add_argument_group("models", "several models served by name, loaded when a request names one")
+    m.add_argument("--models-dir", type=Path, metavar="DIR",
+                   help="serve every .gguf file and every HF folder (with a config.json) directly in DIR, besides -m")
+    m.add_argument("--default-model", metavar="NAME",
+                   help="the model a request naming none (or 'default') gets, loaded at start (default: the first "
+                        "-m, else the first model of --models-dir by name)")
+    m.add_argument("--max-loaded-models", type=int, default=1, metavar="N",
+                   help="models kept loaded at once; a request for another unloads the least recently used after "
+                        "its requests finish (default: 1, what a 24 GB card holds)")
+    m.add_argument("--sleep-idle-seconds", type=float, metavar="S",
+                   help="unload a model no request has used for S seconds (default: never)")
     g.add_argument("--max-connections", type=int, default=256,
                    help="connections with a request in progress, idle between two, or websockets that have spoken; "
                         "a whole request beyond them gets 429")
@@ -398,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
-    serve = sub.add_parser("serve", help="serve the model over websockets (OpenAI Responses WebSocket mode)")
-    add_model_args(serve)
+    serve = sub.add_parser("serve", help="serve models over HTTP (OpenAI's API) and websockets")
+    add_model_args(serve, several=True)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
     chat = sub.add_parser("chat", help="chat in this terminal with a running server")

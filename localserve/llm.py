@@ -11,6 +11,7 @@ import torch
 
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
+from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model, resolve_model_path
@@ -92,7 +93,15 @@ class LLM:
         token_lists = [self.tokenizer.encode_chat(messages) for messages in conversations]
         return self._run(token_lists, params or SamplingParams())
 
-    def _run(self, token_lists: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    def embed(self, inputs: Prompt | Seq[Prompt], params: EmbeddingParams | None = None) -> list[RequestOutput]:
+        """Embed each input (text, or token ids) with an embedding model's pooling (models/pooling.py); returns
+        one output per input, in order, its vector in `embedding`. Raises ValueError for a generation model."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in inputs]
+        return self._run(token_lists, params or EmbeddingParams())
+
+    def _run(self, token_lists: list[list[int]], params: SamplingParams | EmbeddingParams) -> list[RequestOutput]:
         ids = [self.engine.add_request(tokens, params) for tokens in token_lists]
         final = self.engine.run_to_completion()
         return [final[i] for i in ids]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from localserve.models.pooling import PoolingSpec
+
 # Architectures from config.json -> the features that tell them apart.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {},
@@ -65,6 +67,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    # An embedding model's pooling (loading/pooling_config.py); None for a generation model.
+    pooling: PoolingSpec | None = None
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:

@@ -104,13 +104,17 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus its output head. Build on the meta device, then load weights by HF name."""
+    """The decoder plus its output head. Build on the meta device, then load weights by HF name.
+
+    An embedding model (`config.pooling` set) has no head of its own: its checkpoint holds none, and only
+    its final hidden states are read. Tied to its embeddings it can still compute logits.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings and config.pooling is None:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
 
@@ -125,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
+
+    @property
+    def can_generate(self) -> bool:
+        """Whether it has an output head (its own or its tied embeddings) to compute logits with."""
+        return self.config.tie_word_embeddings or hasattr(self, "lm_head")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 at least."""

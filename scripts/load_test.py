@@ -60,7 +60,7 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace) -> dict:
     row = {"mode": mode, "responses": 0, "lost": 0, "greedy": 0, "mismatches": 0, "rss": [], "seconds": [],
            "outcomes": {}}
     with running_server(llm, max_connections=args.clients) as server:
-        engine_thread = server.server.engine_thread
+        engine_thread = server.server.models.serving_now().engine
         greedy = []
         for round_index in range(1 + args.rounds):  # round 0 warms up: bounded buffers fill, arenas grow
             report = asyncio.run(run_load(server.port, dataclasses.replace(load, seed=round_index)))

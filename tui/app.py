@@ -10,9 +10,17 @@ from __future__ import annotations
 from collections import deque
 
 from localserve.tui.block_map import BlockMap
-from localserve.tui.client import BadFrame, Connected, Disconnected, FeedItem, SnapshotReceived, follow_monitor
+from localserve.tui.client import (
+    BadFrame,
+    Connected,
+    Disconnected,
+    FeedItem,
+    NoModelLoaded,
+    SnapshotReceived,
+    follow_monitor,
+)
 from localserve.tui.event_log import MAX_LINES, EventLog
-from localserve.tui.feed import MonitorEvent, MonitorHello, MonitorSnapshot, RequestInfo
+from localserve.tui.feed import ModelSwitch, MonitorEvent, MonitorHello, MonitorSnapshot, RequestInfo
 from localserve.tui.history import FeedHistory
 from localserve.tui.panels import CapacityPanel, PressureBanner, StatusLine
 from localserve.tui.server_log import LogBuffer, ServerLog
@@ -104,6 +112,7 @@ class MonitorApp(App[None]):
         self.reconnect_delay_s = reconnect_delay_s
         self.history = FeedHistory()
         self.hello: MonitorHello | None = None
+        self.switch: ModelSwitch | None = None  # the model on its way, as the latest frame said
         self.snapshot: MonitorSnapshot | None = None  # the one on screen
         self.connection = "connecting" if url else "no feed"
         self.paused = False
@@ -164,6 +173,13 @@ class MonitorApp(App[None]):
             case Connected(hello):
                 log.add_notice(f"connected to {self.feed_url}")
                 self.show_hello(hello)
+            case NoModelLoaded(no_model):
+                if self.hello is not None:
+                    log.add_notice(f"model {self.hello.model} unloaded")
+                self.hello = None
+                self.switch = no_model.switch
+                self.connection = "live · no model loaded"
+                self._show_status()
             case SnapshotReceived(snapshot):
                 self.show_snapshot(snapshot)
             case BadFrame(error):
@@ -175,8 +191,11 @@ class MonitorApp(App[None]):
                 self._show_status()
 
     def show_hello(self, hello: MonitorHello) -> None:
-        """Start drawing the server that sent `hello`."""
+        """Start drawing the server (the model of the server) that sent `hello`."""
+        if self.hello is not None and self.hello.model != hello.model:
+            self.query_one(EventLog).add_notice(f"now showing model {hello.model}")
         self.hello = hello
+        self.switch = None
         self.history.new_baseline()
         self.connection = "live"
         kv_format = hello.cache_type_k if hello.cache_type_k == hello.cache_type_v else \
@@ -189,6 +208,7 @@ class MonitorApp(App[None]):
     def show_snapshot(self, snapshot: MonitorSnapshot) -> None:
         """Take in one snapshot: the trends always, the screen unless paused."""
         self.history.add(snapshot)
+        self.switch = snapshot.switch
         self.num_missed_events += snapshot.missed_events
         self._latest = snapshot
         if self.paused:
@@ -223,7 +243,7 @@ class MonitorApp(App[None]):
     def _show_status(self) -> None:
         model = self.hello.model if self.hello else None
         self.query_one(StatusLine).show(self.feed_url or "fixed data", model, self.connection, self.paused,
-                                        self.num_missed_events)
+                                        self.num_missed_events, self.switch.describe() if self.switch else None)
 
     def _request(self, label: str | None) -> RequestInfo | None:
         """The request `label` of the snapshot on screen, if it is there."""

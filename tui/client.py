@@ -14,7 +14,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from localserve.tui.feed import FeedError, MonitorHello, MonitorSnapshot, parse_hello, parse_snapshot
+from localserve.tui.feed import (
+    FeedError,
+    MonitorHello,
+    MonitorSnapshot,
+    NoModel,
+    parse_hello,
+    parse_no_model,
+    parse_snapshot,
+)
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidHandshake, WebSocketException
 
@@ -45,9 +53,16 @@ def monitor_url(url: str = DEFAULT_URL, interval_s: float | None = None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Connected:
-    """A connection is open and has sent its hello frame."""
+    """A connection is open and has sent a hello frame (again when the model it shows changes)."""
 
     hello: MonitorHello
+
+
+@dataclass(frozen=True, slots=True)
+class NoModelLoaded:
+    """The server has no model loaded now (`no_model.switch`: the one on its way)."""
+
+    no_model: NoModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +87,7 @@ class Disconnected:
     retry_in_s: float
 
 
-FeedItem = Connected | SnapshotReceived | BadFrame | Disconnected
+FeedItem = Connected | NoModelLoaded | SnapshotReceived | BadFrame | Disconnected
 
 
 async def follow_monitor(url: str, *, api_key: str | None = None, reconnect_delay_s: float = 0.5,
@@ -84,12 +99,18 @@ async def follow_monitor(url: str, *, api_key: str | None = None, reconnect_dela
         try:
             async with connect(url, additional_headers=headers, max_size=MAX_FRAME_BYTES, proxy=None,
                                open_timeout=5) as connection:
-                hello = parse_hello(json.loads(await connection.recv()))
+                hello = None
+                first = json.loads(await connection.recv())
+                if isinstance(first, dict) and first.get("type") == "monitor.no_model":
+                    yield NoModelLoaded(parse_no_model(first))
+                else:
+                    hello = parse_hello(first)
+                    yield Connected(hello)
                 delay_s = reconnect_delay_s
-                yield Connected(hello)
                 async for message in connection:
                     try:
-                        yield SnapshotReceived(parse_snapshot(json.loads(message), hello))
+                        item, hello = _parse_frame(json.loads(message), hello)
+                        yield item
                     except (FeedError, json.JSONDecodeError) as error:
                         yield BadFrame(error if isinstance(error, FeedError) else FeedError(f"not JSON: {error}"))
                 reason = _closed_reason(connection.close_code, connection.close_reason)
@@ -102,6 +123,19 @@ async def follow_monitor(url: str, *, api_key: str | None = None, reconnect_dela
         yield Disconnected(reason, delay_s)
         await asyncio.sleep(delay_s)
         delay_s = min(delay_s * 2, max_reconnect_delay_s)
+
+
+def _parse_frame(frame: object, hello: MonitorHello | None) -> tuple[FeedItem, MonitorHello | None]:
+    """The item of one frame after the first, and the hello that snapshots are read against from now on."""
+    kind = frame.get("type") if isinstance(frame, dict) else None
+    if kind == "monitor.hello":
+        hello = parse_hello(frame)
+        return Connected(hello), hello
+    if kind == "monitor.no_model":
+        return NoModelLoaded(parse_no_model(frame)), None
+    if hello is None:
+        raise FeedError(f"a {kind!r} frame came before any monitor.hello")
+    return SnapshotReceived(parse_snapshot(frame, hello)), hello
 
 
 def _closed_reason(code: int | None, reason: str) -> str:

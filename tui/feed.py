@@ -1,7 +1,10 @@
 """The `/v1/monitor` feed as typed data (docs/PROTOCOL.md, "/v1/monitor").
 
-A connection gets one `monitor.hello` frame (what stays fixed while the server runs), then a
-`monitor.snapshot` frame every interval. `parse_hello` and `parse_snapshot` turn the decoded JSON
+A connection gets a `monitor.hello` frame (what stays fixed while a model is loaded), then a
+`monitor.snapshot` frame every interval; a server of several models (`--models-dir`) sends a new hello
+when the model it shows changes, and `monitor.no_model` frames while none is loaded. Snapshots and
+no-model frames say which model is on its way (`ModelSwitch`). `parse_hello`, `parse_snapshot` and
+`parse_no_model` turn the decoded JSON
 into frozen dataclasses and raise `FeedError`, naming the field, on anything that does not follow
 the protocol, so a server that drifts from the documented schema fails loudly instead of drawing a
 wrong map. Block states arrive run-length encoded; `decode_block_states` expands them into a numpy
@@ -219,6 +222,37 @@ class MonitorEvent:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+SWITCH_PHASES = ("waiting", "unloading", "loading")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSwitch:
+    """A model on its way: waiting for the requests of the model making room, that model being unloaded,
+    or this one being loaded; `elapsed_s` in that phase."""
+
+    model: str
+    phase: str
+    unloading: str | None
+    elapsed_s: float
+
+    def describe(self) -> str:
+        """One phrase for a status line."""
+        if self.phase == "loading":
+            return f"loading {self.model} ({self.elapsed_s:.0f} s)"
+        if self.phase == "unloading":
+            return f"unloading {self.unloading} for {self.model}"
+        making_room = f"{self.unloading}'s requests to finish" if self.unloading else "room"
+        return f"{self.model} waits for {making_room}"
+
+
+@dataclass(frozen=True, slots=True)
+class NoModel:
+    """A `monitor.no_model` frame: no model is loaded now."""
+
+    time: float
+    switch: ModelSwitch | None
+
+
 @dataclass(frozen=True, slots=True)
 class MonitorSnapshot:
     """One `monitor.snapshot` frame, block states decoded."""
@@ -232,6 +266,7 @@ class MonitorSnapshot:
     counters: Counters
     events: tuple[MonitorEvent, ...]
     missed_events: int
+    switch: ModelSwitch | None = None  # another model on its way
 
 
 def _type_of(frame: Any, expected: str) -> None:
@@ -286,6 +321,28 @@ def _parse_event(data: Any, where: str) -> MonitorEvent:
                         event=_take(data, "event", str, where), request=request, details=details)
 
 
+def _parse_switch(frame: dict[str, Any], where: str) -> ModelSwitch | None:
+    data = frame.get("loading")
+    if data is None:
+        return None
+    where = f"{where}.loading"
+    if not isinstance(data, dict):
+        raise FeedError(f"{where} must be an object or null, got {type(data).__name__}")
+    phase = _take(data, "phase", str, where)
+    if phase not in SWITCH_PHASES:
+        raise FeedError(f"{where}.phase must be one of {', '.join(SWITCH_PHASES)}, got {phase!r}")
+    unloading = data.get("unloading")
+    if unloading is not None and not isinstance(unloading, str):
+        raise FeedError(f"{where}.unloading must be a string or null, got {type(unloading).__name__}")
+    return ModelSwitch(_take(data, "model", str, where), phase, unloading, _number(data, "elapsed_s", where))
+
+
+def parse_no_model(frame: Any) -> NoModel:
+    """The typed `monitor.no_model` frame."""
+    _type_of(frame, "monitor.no_model")
+    return NoModel(_number(frame, "time", "monitor.no_model"), _parse_switch(frame, "monitor.no_model"))
+
+
 def parse_snapshot(frame: Any, hello: MonitorHello) -> MonitorSnapshot:
     """The typed `monitor.snapshot` frame of a connection that began with `hello`."""
     _type_of(frame, "monitor.snapshot")
@@ -304,4 +361,4 @@ def parse_snapshot(frame: Any, hello: MonitorHello) -> MonitorSnapshot:
                            blocks=blocks, cpu_blocks=cpu_blocks, requests=requests,
                            gauges=_fill(Gauges, _take(frame, "gauges", dict, where), f"{where}.gauges"),
                            counters=_fill(Counters, _take(frame, "counters", dict, where), f"{where}.counters"),
-                           events=events, missed_events=missed_events)
+                           events=events, missed_events=missed_events, switch=_parse_switch(frame, where))

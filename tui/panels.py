@@ -11,16 +11,21 @@ from textual.widgets import Static
 
 
 class StatusLine(Static):
-    """One line: the server, its model, and whether the feed is live, reconnecting or paused."""
+    """One line: the server, its model, whether the feed is live, reconnecting or paused, and the model
+    on its way when the server switches models."""
 
     DEFAULT_CSS = "StatusLine { height: 1; background: $panel; }"
 
-    def show(self, url: str, model: str | None, connection: str, paused: bool, num_missed: int) -> None:
-        """Redraw from the current connection state (`connection` is a short phrase such as 'live')."""
+    def show(self, url: str, model: str | None, connection: str, paused: bool, num_missed: int,
+             switch: str | None = None) -> None:
+        """Redraw from the current connection state (`connection` is a short phrase such as 'live';
+        `switch`: what the server's model switch is doing, if one is under way)."""
         live = connection.startswith("live")
         parts: list[str | tuple[str, str]] = [("localserve", "bold"), " │ ", model or "no model yet", " │ ", url,
                                               " │ ", ("● " if live else "○ ", "#5faf5f" if live else "#ff5f5f"),
                                               connection]
+        if switch:
+            parts += [" │ ", (f"⇄ {switch}", "bold #ffd700")]
         if num_missed:
             parts += [" │ ", (f"missed {num_missed} events", "#ffd700")]
         if paused:

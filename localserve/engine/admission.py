@@ -100,7 +100,8 @@ class Admission:
         seqs = request.live_seqs
         leader, others = seqs[0], seqs[1:]
         num_shared_blocks = self._num_shared_blocks(seqs)
-        num_blocks = bm.num_blocks_to_allocate(leader.token_ids)
+        use_prefix_cache = request.uses_prefix_cache
+        num_blocks = bm.num_blocks_to_allocate(leader.token_ids, use_prefix_cache=use_prefix_cache)
         for seq in others:
             num_blocks += _num_blocks_for(seq.num_tokens, bm.block_size) - num_shared_blocks
         if not self.fits(request, num_blocks, slots_in_use):
@@ -108,7 +109,8 @@ class Admission:
         for seq in seqs:
             seq.decode_row = None  # a readmitted sequence's block table is another list now
         # share_token_ids: the block manager keeps each sequence's token list itself (one list, not two).
-        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, share_token_ids=True)
+        leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, share_token_ids=True,
+                                                 use_prefix_cache=use_prefix_cache)
         for seq in others:
             if num_shared_blocks:
                 seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,

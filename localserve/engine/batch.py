@@ -40,6 +40,7 @@ class Batch:
     num_tokens: int = 0  # the rows' query tokens
     num_prefill_tokens: int = 0  # of those, the ones in prefill chunks of more than one token
     num_draft_tokens: int = 0  # of those, the drafted tokens of verify rows (not prefill tokens)
+    num_pooled_tokens: int = 0  # of those, the ones of embedding prompts (their hidden states are pooled)
     num_context_tokens: int = 0  # the rows' context lengths, summed: the KV the step reads
 
     @property
@@ -53,6 +54,8 @@ class Batch:
         self.num_context_tokens += row.chunk.context_len
         if row.query_len > 1:
             self.num_prefill_tokens += row.query_len
+        if row.chunk.needs_hidden:
+            self.num_pooled_tokens += row.query_len
 
     def limit_prefill(self, num_tokens: int | None) -> None:
         """Let the prefill chunks and admissions to come take at most `num_tokens` more (None: no new limit)."""
@@ -95,6 +98,7 @@ class BatchFiller:
         slots_in_use = 0
         for request in running:
             num_live = 0
+            pooled = request.pooling is not None  # an embedding prompt: prefill chunks to its last token
             for seq in request.seqs:
                 if seq.finish_reason is not None:
                     continue
@@ -107,7 +111,7 @@ class BatchFiller:
                     seq.pending_append = False
                 position = len(token_ids) - 1
                 num_computed = seq.num_computed_tokens
-                if num_computed == position:
+                if num_computed == position and not pooled:
                     if budget > 0:
                         row = seq.decode_row
                         if row is None:
@@ -118,7 +122,7 @@ class BatchFiller:
                         add_row(row)
                         budget -= 1
                         context_tokens += position + 1
-                elif num_computed < position and seq not in request.followers:
+                elif (num_computed < position or pooled) and seq not in request.followers:
                     prefills.append((request, seq))
             slots_in_use += num_live if request.forked else request.params.n
         batch.num_tokens += budget_before - budget  # one token per decode row, none a prefill token
@@ -137,9 +141,10 @@ class BatchFiller:
             num_tokens = 0
         if num_tokens <= 0:
             return
+        pooled = request.pooling is not None  # an embedding prompt: hidden states, never logits
         chunk = SeqChunk(seq.token_ids[start:start + num_tokens], start,
-                         self.block_manager.live_block_table(seq.seq_id), needs_logits=num_tokens == remaining,
-                         seq_id=seq.seq_id)
+                         self.block_manager.live_block_table(seq.seq_id),
+                         needs_logits=num_tokens == remaining and not pooled, seq_id=seq.seq_id, needs_hidden=pooled)
         batch.add(ScheduledRow(request, seq, num_tokens, chunk))
         self.events.append(EventKind.PREFILL_CHUNK, request.label, num_tokens=num_tokens, num_computed_tokens=start)
 

@@ -21,10 +21,12 @@ from localserve.engine.batch import Batch
 from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
 from localserve.engine.constraints import GrammarCompiler
+from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.grammar_masks import GrammarMasks
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.outputs import RequestOutput, make_output
+from localserve.engine.pooling import PromptPooling
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Scheduler
@@ -35,6 +37,10 @@ from localserve.engine.stop_rules import append_sampled_token
 from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
+
+# An embedding request's sampling: nothing is sampled; one token of room is what its blocks are sized by
+# (admission's peak_blocks), so it takes exactly its prompt's blocks.
+PROMPT_ONLY = SamplingParams(max_tokens=1)
 
 
 @dataclass
@@ -89,8 +95,13 @@ class LLMEngine:
         self.num_requests_failed = 0
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError (before any block is taken) if it can never run."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError (before any block is taken) if it can never run.
+
+        With `EmbeddingParams` it is an embedding request: its prompt is prefilled (in chunks, batched with
+        the rest), pooled, and its final output carries the vector (`RequestOutput.embedding`); nothing is
+        sampled, and its blocks go back as soon as the prompt is done."""
         arrival = next(self._arrivals)
         request_id = request_id if request_id is not None else f"req-{arrival}"
         try:
@@ -100,6 +111,8 @@ class LLMEngine:
         except ValueError as exc:
             self.events.append(EventKind.REJECTED, f"r{arrival}", reason=str(exc))
             raise
+        if isinstance(params, EmbeddingParams):
+            return self._add_embedding_request(prompt_token_ids, params, request_id, arrival)
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
                                  with_decoder=not params.beam_search)
         seq.grammar = self.grammars.matcher(params)
@@ -111,13 +124,29 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _add_embedding_request(self, prompt_token_ids: list[int], params: EmbeddingParams, request_id: str,
+                               arrival: int) -> str:
+        seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), None, with_decoder=False)
+        pooling = PromptPooling(self.model_config.pooling, params.dimensions)
+        request = Request(request_id, arrival, list(prompt_token_ids), PROMPT_ONLY, [seq],
+                          max_num_tokens=len(prompt_token_ids), pooling=pooling,
+                          uses_prefix_cache=not pooling.spec.method.reads_every_token)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams) -> None:
         """The checks add_request makes, usable on their own by a server before it commits to a request."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        if isinstance(params, EmbeddingParams):
+            return self._validate_embedding(prompt_token_ids, params)
+        if not self.runner.model.can_generate:
+            raise ValueError("this model has no output head (an embedding model): it computes embeddings, "
+                             "it cannot generate text")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                              f"exceeds the context length of {self.max_model_len} tokens")
@@ -134,6 +163,25 @@ class LLMEngine:
             samples = f" for n={params.n}" if params.n > 1 else ""
             raise ValueError(f"the prompt plus max_tokens{samples} needs {blocks} blocks, the pool has "
                              f"{self.block_manager.num_blocks} (of {self.config.block_size} tokens): it can never run")
+
+    def _validate_embedding(self, prompt_token_ids: list[int], params: EmbeddingParams) -> None:
+        pooling, hidden_size = self.model_config.pooling, self.model_config.hidden_size
+        if pooling is None:
+            raise ValueError("this model is not an embedding model (its folder has no sentence-transformers "
+                             "pooling config, its GGUF no pooling_type): it generates text")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the input ({len(prompt_token_ids)} tokens) exceeds the context length of "
+                             f"{self.max_model_len} tokens")
+        if params.dimensions is not None:
+            if not pooling.truncatable:
+                raise ValueError("dimensions: this model's embeddings cannot be shortened (it is not trained for "
+                                 "Matryoshka truncation)")
+            if params.dimensions > hidden_size:
+                raise ValueError(f"dimensions: at most the model's {hidden_size}, got {params.dimensions}")
+        blocks = peak_blocks(len(prompt_token_ids), PROMPT_ONLY.max_tokens, 1, self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"the input needs {blocks} blocks, the pool has {self.block_manager.num_blocks} "
+                             f"(of {self.config.block_size} tokens): it can never run")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request at once; its blocks go back to the pool. Unknown or finished ids are ignored."""
@@ -182,10 +230,13 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         masks = self.grammar_masks.start(batch.rows)  # filled while the model runs
-        logits = self.runner.execute(batch.step_input)
+        if batch.num_pooled_tokens:
+            logits, hidden = self.runner.execute_pooled(batch.step_input)
+        else:
+            logits, hidden = self.runner.execute(batch.step_input), None
         if masks is not None:
             masks.apply(logits)
-        outputs = self._postprocess(batch, logits)
+        outputs = self._postprocess(batch, logits, hidden)
         self.num_steps += 1
         duration = time.perf_counter() - start
         self.scheduler.observe_step(batch, duration)
@@ -195,9 +246,11 @@ class LLMEngine:
             self.block_manager.check_integrity()
         return outputs
 
-    def _postprocess(self, batch: Batch, logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[RequestOutput]:
         self.scheduler.mark_computed(batch)
         moved: dict[str, Request] = {request.request_id: request for request in batch.failed}
+        if hidden is not None:
+            self._pool(batch, hidden, moved)
         sampled: list[SampledRow] = []
         beam_rows: dict[str, list[SampledRow]] = {}  # each beam-search request's live beams
         verified: list[VerifyRow] = []  # speculative decoding's verify rows (engine/speculation.py)
@@ -237,6 +290,24 @@ class LLMEngine:
         for beams in beam_rows.values():
             self._beam_step(beams, logits)
         return self._report(moved.values())
+
+    def _pool(self, batch: Batch, hidden: torch.Tensor, moved: dict[str, Request]) -> None:
+        """Pool each embedding chunk's hidden states (rows of `hidden` in chunk order); a prompt whose last
+        chunk this was has its vector, ends, and gives its blocks back (its full blocks stay cached)."""
+        offset = 0
+        for row in batch.rows:
+            chunk = row.chunk
+            if not chunk.needs_hidden:
+                continue
+            request, seq = row.request, row.seq
+            with self._serving(request):
+                request.pooling.add(hidden[offset:offset + row.query_len], chunk.start_pos)
+                if chunk.context_len == seq.num_tokens:
+                    request.embedding = request.pooling.vector()
+                    self._finish_seq(seq, "stop")
+            if request.embedding is not None or request.error is not None:  # done, or failed alone
+                moved[request.request_id] = request
+            offset += row.query_len
 
     def _fork_samples(self, first: SampledRow) -> list[SampledRow]:
         """The request's samples 2..n, forked from its first at its first sampled step (sharing its blocks);

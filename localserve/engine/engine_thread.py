@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts, read_facts
@@ -56,9 +57,10 @@ class EngineThread:
         self._inbox.put(("wake",))
         self._thread.join(timeout)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_output: OutputCallback,
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams, on_output: OutputCallback,
                request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError at once if it can never run. Returns its id."""
+        """Queue a request (with EmbeddingParams an embedding request, whose one output is its final one,
+        holding the vector); raises ValueError at once if it can never run. Returns its id."""
         self.engine.validate(prompt_token_ids, params)  # reads only immutable settings: thread-safe
         if request_id is None:
             with self._id_lock:

@@ -31,6 +31,17 @@ class KvCapacity:
 
 
 @dataclass(frozen=True)
+class EmbeddingFacts:
+    """What an embedding model's vectors are: its pooling ("last", "mean", "cls"), whether they are
+    L2-normalised, their size, and whether a client may ask for fewer `dimensions` (Matryoshka)."""
+
+    pooling: str
+    normalized: bool
+    dimensions: int
+    truncatable: bool
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """An engine's fixed settings and sizes."""
 
@@ -45,6 +56,7 @@ class EngineFacts:
     cache_type_v: str
     kv_bytes_per_token: int  # K and V of every layer, in the pool's formats
     capacity: tuple[KvCapacity, ...]  # per format of CAPACITY_FORMATS that fits the model's head size
+    embedding: EmbeddingFacts | None = None  # an embedding model's (None: a generation model)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -65,9 +77,12 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
         except ValueError:  # the format does not fit this model's head size
             continue
         capacity.append(KvCapacity(str(spec), per_token, pool_bytes // per_token))
+    pooling = model_config.pooling
+    embedding = None if pooling is None else EmbeddingFacts(pooling.method.value, pooling.normalize,
+                                                            model_config.hidden_size, pooling.truncatable)
     return EngineFacts(
         max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size, block_size=config.block_size,
         num_gpu_blocks=config.num_kv_blocks, num_cpu_blocks=engine.block_manager.num_cpu_blocks,
         max_num_seqs=scheduler_config.max_num_seqs, max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         cache_type_k=str(kv_cache.key_format), cache_type_v=str(kv_cache.value_format),
-        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity))
+        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding)

@@ -56,6 +56,25 @@ class ModelRunner:
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
         return self._forward(input_ids, inputs, logit_rows)
 
+    @torch.inference_mode()
+    def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a step holding embedding chunks (`needs_hidden`): `execute`'s logits, and the final hidden
+        states [tokens of those chunks, hidden_size] of their tokens, chunk after chunk. Always eager."""
+        if not any(chunk.needs_hidden for chunk in step.chunks):
+            raise ValueError("execute_pooled: the step holds no embedding chunk")
+        self.kv_cache.swap_out(step.swap_out)
+        self.kv_cache.swap_in(step.swap_in)
+        self.kv_cache.copy_blocks(step.block_copies)
+        inputs, input_ids, logit_rows = self.prepare_inputs(step)
+        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs))
+        hidden = self.model(input_ids, inputs.positions, ctx)
+        ends = list(accumulate(len(chunk.token_ids) for chunk in step.chunks))
+        pooled_rows = np.concatenate([np.arange(end - len(chunk.token_ids), end)
+                                      for end, chunk in zip(ends, step.chunks) if chunk.needs_hidden])
+        pooled = hidden[torch.from_numpy(pooled_rows).to(self.device)]
+        logits = self.model.compute_logits(hidden[logit_rows]) if len(logit_rows) else torch.empty(0)
+        return logits, pooled
+
     def prepare_inputs(self, step: StepInput) -> tuple[AttentionInputs, torch.Tensor, torch.Tensor | None]:
         """The step's attention inputs, its token ids [T] and the rows [num logits] whose logits are wanted
         (None: every token's, as in a step of decodes only).

@@ -41,6 +41,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+    # An embedding request's pooled vector, on its final output (its `outputs` stay empty: nothing is generated).
+    embedding: list[float] | None = None
 
     @property
     def text(self) -> str:
@@ -59,6 +61,9 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
     Nothing here is O(output length) but the final call: a delta is sliced from the tail of the text and
     of the token ids, and the token ids of an unfinished output are a view, not a copy.
     """
+    if request.pooling is not None:
+        return RequestOutput(request.request_id, request.prompt_token_ids, [], finished, request.num_cached_tokens,
+                             request.error, request.embedding)
     seqs = request.seqs
     beam_search = request.beam_search
     if len(seqs) == 1 and not beam_search and not request.stop_strings:  # the common case, in short

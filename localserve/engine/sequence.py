@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from localserve.engine.constraints import SequenceGrammar
+    from localserve.engine.pooling import PromptPooling
     from localserve.engine.sampler import SamplingRow
 
 
@@ -144,6 +145,11 @@ class Request:
     followers: list[Sequence] = field(default_factory=list)
     finished_beams: list[Sequence] = field(default_factory=list)
     beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # next-token logits of ready beams
+    # An embedding request: its prompt only is prefilled and pooled here; `embedding` is the vector once done.
+    pooling: PromptPooling | None = None
+    embedding: list[float] | None = None
+    # False: its prompt takes no prefix-cache hits (its pooling reads every token's hidden state).
+    uses_prefix_cache: bool = True
     # What every step asks of params, kept here so that a step reads the request alone. The engine passes
     # the first two (the model's end-of-sequence ids unless ignore_eos, its context length); else they come
     # from params. The caller's own stop_token_ids are read from params at each token (a list, mostly empty).

@@ -27,6 +27,8 @@ class SeqChunk:
     # A verify row of speculative decoding: its last `num_draft_tokens` tokens are a draft, and the logits of
     # each of them and of the token before are wanted (num_draft_tokens + 1 rows, in order).
     num_draft_tokens: int = 0
+    # An embedding prompt's chunk: the runner returns its tokens' final hidden states (ModelRunner.execute_pooled).
+    needs_hidden: bool = False
 
     @property
     def context_len(self) -> int:

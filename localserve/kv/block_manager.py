@@ -175,18 +175,19 @@ class BlockManager:
         return pool_snapshot(self.books())
 
     # ---- admission ----
-    def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> int:
+    def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
+                               use_prefix_cache: bool = True) -> int:
         """Blocks that admitting this prompt now would take out of the free queue: every block of the
         prompt except prefix hits on blocks in use (a hit on a cached block counts, as it leaves the free
         queue too). So `can_allocate` is exactly this <= num_available_blocks."""
-        return self._plan_allocation(token_ids, extra_key)[1]
+        return self._plan_allocation(token_ids, extra_key, use_prefix_cache)[1]
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
         """True when `allocate` of this prompt would succeed now."""
         return self.num_blocks_to_allocate(token_ids, extra_key) <= len(self._free_queue)
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes = b"",
-                 share_token_ids: bool = False) -> int:
+                 share_token_ids: bool = False, use_prefix_cache: bool = True) -> int:
         """Give a new sequence blocks for its whole prompt; returns its number of cached tokens.
 
         Leading full blocks found in the prefix cache are shared (ref count + 1, taken out of the free
@@ -195,12 +196,14 @@ class BlockManager:
         prefill starts. `extra_key` is mixed into every block's key. With `share_token_ids` the manager
         keeps the list `token_ids` itself, not a copy: the caller appends each token to it, then names it
         to `append_token` (one token list per sequence, not two), and never changes the tokens before.
+        `use_prefix_cache` False: no hits are looked up (every token is computed; an embedding prompt whose
+        pooling reads them all); its full blocks still enter the prefix cache once computed.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        hits, num_blocks_to_take = self._plan_allocation(token_ids, extra_key)
+        hits, num_blocks_to_take = self._plan_allocation(token_ids, extra_key, use_prefix_cache)
         if num_blocks_to_take > len(self._free_queue):
             raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {num_blocks_to_take} blocks, "
                                    f"{len(self._free_queue)} available")
@@ -218,7 +221,7 @@ class BlockManager:
             token_ids=token_ids if share_token_ids else list(token_ids), block_table=block_table,
             num_computed_tokens=num_cached_tokens, block_hashes=[block_hash for block_hash, _ in hits],
             extra_key=extra_key, num_tokens=len(token_ids), shares_token_ids=share_token_ids)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
         return num_cached_tokens
@@ -474,12 +477,14 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return seq
 
-    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes) -> tuple[list[PrefixHit], int]:
+    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes,
+                         use_prefix_cache: bool) -> tuple[list[PrefixHit], int]:
         """The prefix hits as (key, block id), capped, and the blocks the prompt takes from the free queue."""
         hits: list[PrefixHit] = []
         block_hash = ROOT_HASH
         block_size = self.block_size
-        for index in range((len(token_ids) - 1) // block_size if self.enable_prefix_caching else 0):
+        lookup = self.enable_prefix_caching and use_prefix_cache
+        for index in range((len(token_ids) - 1) // block_size if lookup else 0):
             # Chained: the previous block's key is this one's parent.
             block_tokens = token_ids[index * block_size:(index + 1) * block_size]
             block_hash = hash_block(block_hash, block_tokens, extra_key)

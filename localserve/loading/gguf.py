@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from localserve.kernels.gguf_blocks import QUANT_FORMATS
+from localserve.loading.pooling_config import PoolingConfigError, gguf_pooling
 from localserve.models.config import ModelConfig, ModelConfigError, RopeConfig
 from localserve.models.quantized import QuantizedTensor
 
@@ -92,6 +93,10 @@ def gguf_model_config(path: Path, reader=None) -> ModelConfig:
                       freq_factors=freq_factors)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     head_dim = meta("attention.key_length") or hidden_size // num_heads
+    try:
+        pooling = gguf_pooling(meta("pooling_type"), GGUF_ARCHITECTURES[arch], str(path))
+    except PoolingConfigError as exc:
+        raise ModelConfigError(str(exc)) from None
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -111,6 +116,7 @@ def gguf_model_config(path: Path, reader=None) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         name=Path(path).stem,
+        pooling=pooling,
     )
 
 

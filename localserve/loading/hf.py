@@ -9,6 +9,7 @@ instead stay in their blocks (`keep_quantized_weights`): their layers become `Qu
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -22,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from localserve.loading.default_model import HUB_PATTERNS, resolve_default_model
+from localserve.loading.pooling_config import PoolingConfigError, folder_pooling
 from localserve.models.config import ModelConfig
 from localserve.models.llama import LlamaForCausalLM
 from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
@@ -123,6 +125,10 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
         gguf_reader = None
         config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
                                             source=str(path / "config.json"))
+        try:
+            config = dataclasses.replace(config, pooling=folder_pooling(path, config.architecture))
+        except PoolingConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
         weights = iter_safetensors_weights(path)
     else:
         raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
@@ -199,7 +205,9 @@ def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.
     with tqdm(total=len(expected), desc=f"loading {source.name}", unit="tensor", leave=False) as progress:
         for name, tensor in weights:
             if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and name not in expected):
-                continue  # recomputed buffers; an lm_head copy in a tied checkpoint
+                continue  # recomputed buffers; an lm_head copy in a tied checkpoint, or an embedding model's
+            if name not in expected and f"model.{name}" in expected:
+                name = f"model.{name}"  # saved from the bare decoder (`Qwen3Model`), as embedding models are
             if name not in expected:
                 raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {model.config.architecture}")
             if tuple(tensor.shape) != tuple(expected[name].shape):

@@ -1,9 +1,10 @@
 """The server: OpenAI's HTTP API and the websocket endpoints on one port.
 
-One asyncio loop serves every connection; the engine runs on its own thread behind `EngineThread`, and
-the server reads it only through `EngineAccess` (its facts, submit and abort, statistics, snapshots
-and events). `LocalServer` builds the parts and hands each what it uses: the configuration, the
-engine access, the served model, the conversation store, the metrics, the response service. Each
+One asyncio loop serves every connection; each loaded model's engine runs on its own thread behind
+`EngineThread`, and the server reads it only through `EngineAccess` (its facts, submit and abort,
+statistics, snapshots and events), lent per request by the `ModelRegistry` (server/models.py), which
+loads and unloads the models requests ask for. `LocalServer` builds the parts and hands each what it
+uses: the configuration, the models, the conversation store, the metrics, the response service. Each
 connection starts as HTTP/1.1
 (uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
@@ -32,20 +33,14 @@ from websockets.http11 import Request, Response
 
 from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
-from localserve.server.context import (
-    CLOSE_TIMEOUT_S,
-    EngineAccess,
-    ServedModel,
-    ServerConfig,
-    check_bind_safety,
-    close_within,
-    engine_result,
-)
+from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, check_bind_safety, close_within
 from localserve.server.conversations import ConversationStore
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_api import HttpApi
 from localserve.server.metrics import ServerMetrics
-from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, monitor_hello, serve_monitor
-from localserve.server.responses import ChatTokenizer, ResponseService
+from localserve.server.models import ModelRegistry
+from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, serve_monitor
+from localserve.server.responses import ResponseService
 from localserve.server.session import ResponsesSession
 from localserve.server.transport import SharedPort
 
@@ -56,21 +51,17 @@ MONITOR_PATH = "/v1/monitor"
 
 
 class LocalServer:
-    """The server for one model; `await start()` binds, `await shutdown()` or `await close()` stops."""
+    """The server for the models of `models`; `await start()` binds, `await shutdown()` or `await close()`
+    stops (the caller unloads the models afterwards: `models.unload_all()`)."""
 
-    def __init__(self, engine_thread: EngineAccess, tokenizer: ChatTokenizer, model_name: str,
-                 config: ServerConfig | None = None) -> None:
+    def __init__(self, models: ModelRegistry, config: ServerConfig | None = None) -> None:
         self.config = config = config or ServerConfig()
         check_bind_safety(config)
-        self.engine_thread = engine_thread
-        self.model = ServedModel(config.model_alias or model_name, model_name, engine_thread.facts.max_model_len,
-                                 config.sampling_defaults)
-        self.metrics = ServerMetrics(self.model.served_name)
+        self.models = models
+        self.metrics = ServerMetrics(models.catalog.default.id)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
-        self.responses = ResponseService(engine_thread, tokenizer, self.model, config, self.conversations,
-                                         self.metrics)
-        self.monitor_hub = MonitorHub(self._read_monitor, start_seq=engine_thread.last_event_seq)
-        self.monitor_hello = monitor_hello(engine_thread.facts, self.model.served_name)
+        self.responses = ResponseService(models, config, self.conversations, self.metrics)
+        self.embeddings = EmbeddingRoutes(models, config)
         self.monitor_tickets = MonitorTickets()  # issued by the HTTP API, redeemed by the monitor's handshake
         self.connections = ConnectionBook(config.max_connections,
                                           config.max_unfinished_connections or config.max_connections)
@@ -100,12 +91,13 @@ class LocalServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
                                                 config.allowed_origins, config.api_key)
-        self.http_api = HttpApi(config=config, access_policy=self.access_policy, engine=self.engine_thread,
-                                model=self.model, responses=self.responses, metrics=self.metrics,
-                                monitor_hub=self.monitor_hub, monitor_hello=self.monitor_hello,
-                                monitor_tickets=self.monitor_tickets)
-        log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", self.model.served_name,
-                 config.host, self.port, config.host, self.port)
+        self.http_api = HttpApi(config=config, access_policy=self.access_policy, models=self.models,
+                                responses=self.responses, metrics=self.metrics, monitor_tickets=self.monitor_tickets,
+                                embeddings=self.embeddings)
+        self.models.start()
+        served = ", ".join(entry.id for entry in self.models.catalog.entries)
+        log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", served, config.host, self.port,
+                 config.host, self.port)
 
     async def serve_forever(self) -> None:
         """Start (if needed) and serve until `shutdown()` or `close()`."""
@@ -154,9 +146,6 @@ class LocalServer:
         await self._server.wait_closed()
         while self._port.http_connections or self._port.uvicorn_state.tasks:
             await asyncio.sleep(0.02)
-
-    async def _read_monitor(self, after_seq: int):
-        return await engine_result(self.engine_thread.snapshot_and_events(after_seq))
 
     async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The ASGI entry: the HTTP API, built once the port is bound (no request arrives before)."""
@@ -218,7 +207,7 @@ class LocalServer:
             return
         self._monitors.add(connection)
         try:
-            await serve_monitor(connection, self.monitor_hub, self.monitor_hello, interval_s, self.connections.counts)
+            await serve_monitor(connection, self.models, interval_s, self.connections.counts)
         finally:
             self._monitors.discard(connection)
 

@@ -1,29 +1,31 @@
-"""What the server's parts share: its settings, the engine thread as the server sees it, the served model.
+"""What the server's parts share: its settings, the engine thread as the server sees it, a served model.
 
 Each part of the server (the HTTP API, a websocket session, the response service, the monitor) is
 handed the pieces of these it uses; none of them sees the server object or the engine itself.
-`EngineAccess` is all the server reads of the engine: its fixed facts, submitting and aborting, and
-statistics, snapshots and events read on the engine thread between steps.
+`EngineAccess` is all the server reads of an engine: its fixed facts, submitting and aborting, and
+statistics, snapshots and events read on the engine thread between steps. Each loaded model has its
+own engine thread (server/models.py lends them out, one request at a time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.snapshot import EngineSnapshot, EngineStats
-from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
+from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.connection_phases import PhaseBounds
 from localserve.server.request_model import RequestLimits
-from localserve.server.validation import ProtocolError, shown
+from localserve.server.validation import ProtocolError
 
 T = TypeVar("T")
 ENGINE_CALL_TIMEOUT_S = 30.0  # a snapshot or statistics call on the engine thread never takes longer
@@ -48,7 +50,6 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed besides the server's own
     allowed_hosts: tuple[str, ...] = ()  # Host header names allowed besides loopback names and --host
-    model_alias: str | None = None  # the name clients use and /v1/models lists (default: the model's)
     max_message_bytes: int = 1 << 20  # a bigger client message closes the connection with 1009
     # Connections with a request (HTTP, answered or idle between two; websockets that have spoken; monitors);
     # a whole request beyond them is a 429. Connections still sending theirs are capped apart (see
@@ -68,8 +69,6 @@ class ServerConfig:
     max_stored_responses: int = 1024  # conversations kept for previous_response_id (LRU)
     max_stored_chars: int = 64 << 20  # and at most this much text in all of them
     default_max_output_tokens: int = 1024  # when response.create gives no max_output_tokens
-    # Sampling for what a response.create leaves out (per field); `localserve serve` takes the model's.
-    sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
     web_ui: bool = True  # the web page at / (server/web_ui.py); False: / is a 404 (--no-webui)
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -105,9 +104,10 @@ class EngineAccess(Protocol):
     def last_event_seq(self) -> int:
         """The number of the engine's latest event."""
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError at once if it can never run."""
+        """Queue a request (an embedding request with EmbeddingParams); raises ValueError at once if it can
+        never run."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step."""
@@ -124,22 +124,32 @@ async def engine_result(future: Future[T]) -> T:
     return await asyncio.wait_for(asyncio.wrap_future(future), ENGINE_CALL_TIMEOUT_S)
 
 
+class ChatTokenizer(Protocol):
+    """What the server uses of a model's tokenizer (localserve.tokenizer.tokenizer.Tokenizer)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
 @dataclass(frozen=True)
 class ServedModel:
-    """The model as clients see it: the names it answers to, its context, the sampling it defaults to."""
+    """A loaded model as its requests see it: the name it is served under, its context, its sampling defaults."""
 
-    served_name: str  # --alias, else the model's own name
-    model_name: str
+    served_name: str  # its id in /v1/models (--alias for the default model)
     max_model_len: int
-    sampling_defaults: SamplingDefaults
+    sampling_defaults: SamplingDefaults  # what a request leaves out (the model's generation_config.json, ...)
+    is_embedding: bool = False  # an embedding model (EngineFacts.embedding): /v1/embeddings, no text generation
 
-    def check(self, model: str | None) -> None:
-        """Accept no model, "default", the served name or the model's own; else `model_not_found`."""
-        if model not in (None, "default", self.served_name, self.model_name):
-            raise ProtocolError("model_not_found", f"model {shown(model, 80)} is not served here; this server "
-                                f"serves {self.served_name!r} (or send 'default')", "model", status=404)
+    def check_generates(self) -> None:
+        """Refuse text generation from an embedding model (400 naming `model`)."""
+        if self.is_embedding:
+            raise ProtocolError("model_not_generative", f"model {self.served_name!r} is an embedding model: it "
+                                "computes embeddings (POST /v1/embeddings, /api/embed), not text", "model")
 
-    def describe(self) -> dict[str, Any]:
-        """The model object of `/v1/models`."""
-        return {"id": self.served_name, "object": "model", "created": 0, "owned_by": "localserve",
-                "max_model_len": self.max_model_len, "sampling_defaults": self.sampling_defaults.to_json()}
+    @property
+    def capabilities(self) -> list[str]:
+        """What the model does, in Ollama's words (`/api/show`): "completion" or "embedding"."""
+        return ["embedding"] if self.is_embedding else ["completion"]

@@ -1,11 +1,12 @@
 """The HTTP side of the port: an ASGI app for OpenAI's HTTP API and the plain GETs.
 
 `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
-events or whole), `GET /health`, `/metrics`, `/v1/models`, `/v1/models/{id}`, `/slots`, `POST
-/v1/monitor/ticket` (a single-use ticket for the monitor websocket), and the web page at `/` and under
-`/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False). Every request passes the same access
-checks as a websocket handshake (server/access.py; the page's files without the key, since the page
-must load to ask for it), then its body is read within
+events or whole, by the model each names), `POST /v1/embeddings` and `/api/embed`
+(server/embeddings_api.py), `GET /health`, `/metrics`, `/v1/models` (every model served, with its status),
+`/v1/models/{id}`, `/slots`, `POST /v1/monitor/ticket` (a single-use ticket for the monitor websocket),
+and the web page at `/` and under `/webui/` (server/web_ui.py; off with `ServerConfig.web_ui` False).
+Every request passes the same access checks as a websocket handshake (server/access.py; the page's files
+without the key, since the page must load to ask for it), then its body is read within
 bounds (server/http_exchange.py) and checked into the shared request model through its endpoint's
 field map (server/request_fields.py); the `ResponseService` runs it as it runs a websocket's
 response. A client that disconnects, or stops reading for `send_timeout_s`, has its response aborted
@@ -24,10 +25,12 @@ from localserve.server.access import AccessPolicy, MonitorTickets, check_access
 from localserve.server.completion_events import CompletionView
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
 from localserve.server.connection_phases import connection_limit_message
-from localserve.server.context import EngineAccess, ServedModel, ServerConfig, engine_result
+from localserve.server.context import ServerConfig, engine_result
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_exchange import EVENT_STREAM, ClientGone, HttpExchange, error_body, sse
 from localserve.server.metrics import ServerMetrics
-from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, MonitorHub, slots_json
+from localserve.server.models import ModelRegistry
+from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, slots_json
 from localserve.server.request_fields import WireFormat, parse_request
 from localserve.server.request_model import GenerationRequest
 from localserve.server.response_events import ResponseStream, new_id
@@ -45,19 +48,19 @@ SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 class HttpApi:
     """The ASGI application of one LocalServer: the parts it is handed, nothing of the server itself."""
 
-    def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, engine: EngineAccess,
-                 model: ServedModel, responses: ResponseService, metrics: ServerMetrics, monitor_hub: MonitorHub,
-                 monitor_hello: dict[str, Any], monitor_tickets: MonitorTickets) -> None:
-        self.config, self.access_policy, self.engine, self.model = config, access_policy, engine, model
-        self.responses, self.metrics = responses, metrics
-        self.monitor_hub, self.monitor_hello, self.monitor_tickets = monitor_hub, monitor_hello, monitor_tickets
+    def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, models: ModelRegistry,
+                 responses: ResponseService, metrics: ServerMetrics, monitor_tickets: MonitorTickets,
+                 embeddings: EmbeddingRoutes) -> None:
+        self.config, self.access_policy, self.models = config, access_policy, models
+        self.responses, self.metrics, self.monitor_tickets = responses, metrics, monitor_tickets
         self.web_ui = WebUi.from_package() if config.web_ui else None
         self.in_flight: set[ResponseStream] = set()  # HTTP responses the engine is still running
         self.shutting_down = False
         self.routes: dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]] = {
             ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
             ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket}
+            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket,
+            **embeddings.routes()}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app
@@ -126,21 +129,29 @@ class HttpApi:
 
     # ------------------------------------------------------------------ plain GETs
     async def _metrics(self, exchange: HttpExchange) -> None:
-        data = self.metrics.render(await engine_result(self.engine.stats()))
+        """The server's figures, with the engine's of the model loaded last (none while no model is)."""
+        now = self.models.serving_now()
+        data = self.metrics.render(await engine_result(now.engine.stats()) if now is not None else None)
         await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8",
                              [(b"content-length", str(len(data)).encode())])
         await exchange.write(data, more=False)
 
     async def _models(self, exchange: HttpExchange) -> None:
-        await exchange.respond_json(200, {"object": "list", "data": [self.model.describe()]})
+        await exchange.respond_json(200, {"object": "list", "data": self.models.listing()})
 
     async def _model(self, exchange: HttpExchange) -> None:
-        self.model.check(exchange.path.removeprefix("/v1/models/"))
-        await exchange.respond_json(200, self.model.describe())
+        """Any name of a model gives its object (its id and status among them)."""
+        entry = self.models.find(exchange.path.removeprefix("/v1/models/"))
+        await exchange.respond_json(200, self.models.describe(entry))
 
     async def _slots(self, exchange: HttpExchange) -> None:
-        snapshot = await self.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
-        await exchange.respond_json(200, slots_json(snapshot, self.monitor_hello))
+        """The requests and the pool of the model loaded last."""
+        now = self.models.serving_now()
+        if now is None:
+            raise ProtocolError("no_model_loaded", "no model is loaded now: /slots shows a loaded model's",
+                                error_type="server_error", status=503)
+        snapshot = await now.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
+        await exchange.respond_json(200, slots_json(snapshot, now.monitor_hello))
 
     async def _monitor_ticket(self, exchange: HttpExchange) -> None:
         """A ticket that opens one `/v1/monitor` socket (the key checked here stands for it there)."""

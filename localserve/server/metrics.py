@@ -119,7 +119,7 @@ class ServerMetrics:
         self.num_connections.set_function(lambda: read().num_open)
         self.registry.register(_ConnectionCollector(self.model_name, read))
 
-    def render(self, stats: EngineStats) -> bytes:
-        """The Prometheus text exposition, with the engine figures of `stats`."""
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The Prometheus text exposition, with the engine figures of `stats` (None: no engine loaded)."""
         self._engine_collector.stats = stats
         return generate_latest(self.registry)

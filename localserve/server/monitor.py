@@ -6,6 +6,11 @@ has a cursor into that buffer: it gets every event after its cursor exactly once
 `missed_events` count when it fell further behind than the buffer holds. A client that reads slower
 than its interval gets fewer snapshots (always the latest), never a growing queue. Each snapshot frame
 also carries the server's own figures on its connections (`connections`), which the engine never sees.
+
+Each loaded model has its engine, so its hub and its hello; a monitor follows the model its
+`MonitorSource` serves now (server/models.py: the one loaded last): when that changes it sends the
+new model's hello, then that engine's snapshots and events; while no model is loaded it sends
+`monitor.no_model` frames. Every frame after the hello says which model is on its way (`loading`).
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -25,7 +30,7 @@ from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
 from localserve.engine.snapshot import EngineSnapshot
 from localserve.server.connection_phases import ConnectionCounts
-from localserve.server.context import close_within
+from localserve.server.context import EngineAccess, ServedModel, close_within
 
 MIN_MONITOR_INTERVAL_S = 0.05
 SEND_TIMEOUT_S = 30.0  # a monitor client that takes no frame for this long is disconnected
@@ -90,31 +95,63 @@ class MonitorHub:
         return events, max(0, self._last_seq - after_seq) - len(events)
 
 
-async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: dict[str, Any],
-                        interval_s: float, connection_counts: Callable[[], ConnectionCounts]) -> None:
-    """Send `hello`, then a snapshot with the new events (and the server's `connection_counts` at that
-    moment) every interval, until the client leaves."""
-    cursor = hub.last_seq  # events from the moment the client connected on
-    await connection.send(json.dumps({"type": "monitor.hello", **hello}))
+@dataclass(frozen=True)
+class ServingNow:
+    """A loaded model as the monitor, `/slots` and `/metrics` read it."""
+
+    model: ServedModel
+    engine: EngineAccess
+    monitor_hub: MonitorHub
+    monitor_hello: dict[str, Any]
+
+
+class MonitorSource(Protocol):
+    """What a monitor follows (server/models.py's `ModelRegistry`)."""
+
+    def serving_now(self) -> ServingNow | None:
+        """The model to show now, or None when no model is loaded."""
+
+    def loading_state(self) -> dict[str, Any] | None:
+        """The model on its way (`model`, `phase`, `elapsed_s`), or None."""
+
+
+async def serve_monitor(connection: ServerConnection, source: MonitorSource, interval_s: float,
+                        connection_counts: Callable[[], ConnectionCounts]) -> None:
+    """Send the hello of the model `source` serves now, then a snapshot with the new events (and the
+    server's `connection_counts` at that moment) every interval, until the client leaves; a new model
+    starts with its hello, no model is a `monitor.no_model` frame."""
+    following = source.serving_now()
+    cursor = following.monitor_hub.last_seq if following is not None else 0  # events from the connection on
+    if following is not None:
+        await connection.send(json.dumps({"type": "monitor.hello", **following.monitor_hello}))
     closed = asyncio.create_task(connection.wait_closed())
     try:
         loop = asyncio.get_running_loop()
         while not closed.done():
             cycle_started = loop.time()
-            snapshot = await hub.latest(interval_s)
-            events, missed = hub.events_after(cursor)
-            if events:
-                cursor = events[-1]["seq"]
-            frame = {"type": "monitor.snapshot", **snapshot.to_json(), "events": events, "missed_events": missed,
-                     "connections": connection_counts().to_json()}
-            send = asyncio.create_task(connection.send(json.dumps(frame)))
-            # A client that does not read blocks only its own send, and only for so long.
-            await asyncio.wait([send, closed], timeout=SEND_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-            if not send.done():
-                send.cancel()
-                await close_within(connection, 1008, "the monitor client stopped reading")
+            now = source.serving_now()
+            if now is not None and now is not following:
+                cursor = now.monitor_hub.last_seq  # the new engine's events from this moment on
+                if not await _send(connection, {"type": "monitor.hello", **now.monitor_hello}, closed):
+                    break
+            following = now
+            if now is None:
+                frame = {"type": "monitor.no_model", "time": time.time(), "loading": source.loading_state()}
+            else:
+                try:
+                    snapshot = await now.monitor_hub.latest(interval_s)
+                except Exception:
+                    if source.serving_now() is now:
+                        raise
+                    continue  # the model was unloaded while its snapshot was read: follow the next one
+                events, missed = now.monitor_hub.events_after(cursor)
+                if events:
+                    cursor = events[-1]["seq"]
+                frame = {"type": "monitor.snapshot", **snapshot.to_json(), "events": events,
+                         "missed_events": missed, "connections": connection_counts().to_json(),
+                         "loading": source.loading_state()}
+            if not await _send(connection, frame, closed):
                 break
-            send.result()
             # The interval is from one frame to the next: reading the snapshot waits for the engine's
             # step to end, and sleeping a whole interval on top would send fewer frames than asked for.
             await asyncio.wait([closed], timeout=max(0.0, interval_s - (loop.time() - cycle_started)))
@@ -122,3 +159,16 @@ async def serve_monitor(connection: ServerConnection, hub: MonitorHub, hello: di
         pass
     finally:
         closed.cancel()
+
+
+async def _send(connection: ServerConnection, frame: dict[str, Any], closed: asyncio.Task) -> bool:
+    """Send one frame; False when the client left or took nothing for SEND_TIMEOUT_S (then it is closed)."""
+    send = asyncio.create_task(connection.send(json.dumps(frame)))
+    # A client that does not read blocks only its own send, and only for so long.
+    await asyncio.wait([send, closed], timeout=SEND_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+    if not send.done():
+        send.cancel()
+        await close_within(connection, 1008, "the monitor client stopped reading")
+        return False
+    send.result()
+    return True

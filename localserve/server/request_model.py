@@ -28,6 +28,7 @@ class RequestLimits:
     max_input_chars: int = 1 << 20  # input text plus instructions of one request, before tokenization
     max_conversation_chars: int = 4 << 20  # a stored conversation plus the new input
     max_input_items: int = 4096
+    max_embedding_inputs: int = 2048  # inputs of one embeddings request (OpenAI's bound)
     max_stop_strings: int = 8
     max_stop_chars: int = 128  # each stop string is searched for after every token
     max_parallel_samples: int = 16

@@ -1,27 +1,29 @@
 """Running one response, whatever the API and transport: from a checked `GenerationRequest` to a
 `ResponseStream`.
 
-`ResponseService.start` resolves `previous_response_id` (scoped to the asking connection for
-`store: false` responses), renders and tokenizes the conversation off the event loop, checks the
-bounds that need the prompt's length (the context, the size of the log-probabilities), turns the
-request into SamplingParams (the server's defaults applied there, once), submits to the engine
-thread, and absorbs the engine's outputs into the stream on the event loop, calling the transport's
-`on_update` after each. When the response ends, its conversation is stored for the next turn. The
-websocket session is one transport, the HTTP API another.
+`ResponseService.start` finds the model the request names, resolves `previous_response_id` (scoped to
+the asking connection for `store: false` responses), takes a lease on the model (waiting while it is
+loaded: server/models.py), renders and tokenizes the conversation off the event loop with that model's
+tokenizer, checks the bounds that need the prompt's length (the context, the size of the
+log-probabilities), turns the request into SamplingParams (the model's defaults applied there, once),
+submits to the model's engine thread, and absorbs the engine's outputs into the stream on the event
+loop, calling the transport's `on_update` after each. When the response ends, its lease goes back and
+its conversation is stored for the next turn. The websocket session is one transport, the HTTP API
+another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from localserve.engine.outputs import RequestOutput
-from localserve.server.context import EngineAccess, ServedModel, ServerConfig
+from localserve.server.context import ChatTokenizer, ServedModel, ServerConfig
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
+from localserve.server.models import ModelLease, ModelRegistry
 from localserve.server.request_model import GenerationRequest
 from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError
@@ -29,21 +31,12 @@ from localserve.server.validation import ProtocolError
 OnUpdate = Callable[[ResponseStream], None]
 
 
-class ChatTokenizer(Protocol):
-    """What the service uses of a tokenizer (localserve.tokenizer.tokenizer.Tokenizer)."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-
-
 @dataclass
 class _Run:
     """A response between submission and its end: what storing and metrics need."""
 
     stream: ResponseStream
+    lease: ModelLease  # the model serving it, until it ends
     conversation: list[dict[str, str]]  # the messages to store with the reply
     owner: str  # the connection that asked
     on_update: OnUpdate
@@ -54,20 +47,22 @@ class _Run:
 class ResponseService:
     """Starts, cancels and ends responses for every transport of one server."""
 
-    def __init__(self, engine: EngineAccess, tokenizer: ChatTokenizer, model: ServedModel, config: ServerConfig,
-                 conversations: ConversationStore, metrics: ServerMetrics) -> None:
-        self.engine, self.tokenizer, self.model, self.config = engine, tokenizer, model, config
+    def __init__(self, models: ModelRegistry, config: ServerConfig, conversations: ConversationStore,
+                 metrics: ServerMetrics) -> None:
+        self.models, self.config = models, config
         self.conversations, self.metrics = conversations, metrics
         self._runs: dict[str, _Run] = {}  # by response id, until the response ends
+        self._num_waiting = 0  # requests waiting for their model
 
     @property
     def num_running(self) -> int:
-        return len(self._runs)
+        """Responses started and not ended, those waiting for their model included."""
+        return len(self._runs) + self._num_waiting
 
     async def start(self, request: GenerationRequest, owner: str, on_update: OnUpdate) -> ResponseStream:
         """Submit `request` for connection `owner`; raises ProtocolError if it cannot run."""
         config = self.config
-        self.model.check(request.model)
+        entry = self.models.find(request.model)
         if self.num_running >= config.max_running_responses:
             raise ProtocolError("server_busy", f"the server is running its limit of "
                                 f"{config.max_running_responses} responses; retry later",
@@ -87,25 +82,43 @@ class ResponseService:
         if num_chars > limit:
             raise ProtocolError("string_above_max_length", f"the conversation holds {num_chars} characters; at "
                                 f"most {limit} are accepted: start a new one", request.wire_name("input"))
+        self._num_waiting += 1
+        try:
+            lease = await self.models.acquire(entry)
+        finally:
+            self._num_waiting -= 1
+        try:
+            lease.model.check_generates()
+            run = await self._submit(request, lease, conversation, owner, on_update)
+        except BaseException:
+            lease.release()
+            raise
+        self._runs[run.stream.response_id] = run
+        return run.stream
+
+    async def _submit(self, request: GenerationRequest, lease: ModelLease, conversation: list[dict[str, str]],
+                      owner: str, on_update: OnUpdate) -> _Run:
+        tokenizer = lease.tokenizer
         if request.prompt is not None:
-            prompt_ids = await self._encode_text(request.prompt, request.wire_name("input"))
+            prompt_ids = await self._encode_text(tokenizer, request.prompt, request.wire_name("input"))
         else:
             system = [{"role": "system", "content": request.instructions}] if request.instructions else []
             # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-            prompt_ids = await self._encode_chat(system + conversation, request.generate, request.wire_name("input"))
-        params = request.sampling_params(self.model.sampling_defaults, self._max_tokens(request, len(prompt_ids)))
-        stream = ResponseStream(request, params, new_id("resp"), self.model.served_name, len(prompt_ids),
-                                self._token_text)
-        run = _Run(stream, conversation, owner, on_update, time.monotonic())
+            prompt_ids = await self._encode_chat(tokenizer, system + conversation, request.generate,
+                                                 request.wire_name("input"))
+        model = lease.model
+        params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)))
+        stream = ResponseStream(request, params, new_id("resp"), model.served_name, len(prompt_ids),
+                                lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        run = _Run(stream, lease, conversation, owner, on_update, time.monotonic())
         loop = asyncio.get_running_loop()
         try:
-            self.engine.submit(prompt_ids, params,
-                               lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
-                               request_id=stream.response_id)
+            lease.engine.submit(prompt_ids, params,
+                                lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
+                                request_id=stream.response_id)
         except ValueError as exc:
             raise ProtocolError("invalid_request", str(exc)) from None
-        self._runs[stream.response_id] = run
-        return stream
+        return run
 
     def cancel(self, stream: ResponseStream) -> None:
         """The client cancelled: its blocks go back at once; the response ends with its text so far."""
@@ -127,16 +140,18 @@ class ResponseService:
         run = self._runs.pop(stream.response_id, None)
         if run is None:
             return
-        self.engine.abort(stream.response_id)
+        run.lease.engine.abort(stream.response_id)
+        run.lease.release()
         end(stream)
         if store:
             self._store(run)
         run.on_update(stream)
 
-    async def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+    @staticmethod
+    async def _encode_chat(tokenizer: ChatTokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,
                            field: str) -> list[int]:
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_generation_prompt)
+            prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt)
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}", field) from None
@@ -144,18 +159,16 @@ class ResponseService:
             raise ProtocolError("invalid_prompt", "the input renders to an empty prompt", field)
         return prompt_ids
 
-    async def _encode_text(self, text: str, field: str) -> list[int]:
-        prompt_ids = await asyncio.to_thread(self.tokenizer.encode, text)
+    @staticmethod
+    async def _encode_text(tokenizer: ChatTokenizer, text: str, field: str) -> list[int]:
+        prompt_ids = await asyncio.to_thread(tokenizer.encode, text)
         if not prompt_ids:
             raise ProtocolError("invalid_prompt", "the prompt is empty", field)
         return prompt_ids
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _max_tokens(self, request: GenerationRequest, num_prompt_tokens: int) -> int:
-        """max_output_tokens, cut to what the context has room for after the prompt; bounds checked."""
-        max_model_len, field = self.model.max_model_len, request.wire_name("max_tokens")
+    def _max_tokens(self, request: GenerationRequest, model: ServedModel, num_prompt_tokens: int) -> int:
+        """max_output_tokens, cut to what the model's context has room for after the prompt; bounds checked."""
+        max_model_len, field = model.max_model_len, request.wire_name("max_tokens")
         if num_prompt_tokens >= max_model_len:
             raise ProtocolError("context_length_exceeded", f"the prompt is {num_prompt_tokens} tokens; the "
                                 f"context holds {max_model_len}, and generating needs room for one more",
@@ -195,6 +208,7 @@ class ResponseService:
         if stream.is_done:
             metrics.e2e_request_latency.observe(now - run.arrival_time)
             self._runs.pop(stream.response_id, None)
+            run.lease.release()
             if stream.status != "failed":
                 self._store(run)
         run.on_update(stream)

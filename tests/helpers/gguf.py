@@ -1,7 +1,9 @@
-"""Write small GGUF files the way llama.cpp's converter lays them out (Q/K rotary halves interleaved)."""
+"""Write small GGUF files the way llama.cpp's converter lays them out (Q/K rotary halves interleaved), and
+model files with names and no weights worth loading (for naming a folder of models)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -146,3 +148,27 @@ def write_random_gguf(path: Path, arch: str, weight_types: dict[str, str], tied:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gguf_header(path: Path, name: str | None = None, basename: str | None = None, **extra) -> Path:
+    """A GGUF file with metadata and no tensors (naming reads nothing else)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if name is not None:
+        writer.add_name(name)
+    if basename is not None:
+        writer.add_basename(basename)
+    writer.add_context_length(2048)
+    writer.add_token_list(["<s>", "a", "b"])  # an array of strings before the keys asked for below
+    for key, value in extra.items():
+        writer.add_string(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def write_hf_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (path / "model.safetensors").write_bytes(b"\0" * 100)
+    return path

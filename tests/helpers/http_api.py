@@ -8,11 +8,12 @@ import json
 from typing import Any
 
 from localserve.server.access import AccessPolicy, MonitorTickets
-from localserve.server.context import ServedModel, ServerConfig, engine_result
+from localserve.server.context import ServerConfig
 from localserve.server.conversations import ConversationStore
+from localserve.server.embeddings_api import EmbeddingRoutes
 from localserve.server.http_api import HttpApi
 from localserve.server.metrics import ServerMetrics
-from localserve.server.monitor import MonitorHub, monitor_hello
+from localserve.server.models import serving_loaded
 from localserve.server.responses import ResponseService
 from tests.helpers.asgi import AsgiPeer, body_messages
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
@@ -29,16 +30,14 @@ class Api:
     def __init__(self, api_key: str | None = None, **config: Any) -> None:
         self.engine = RecordedEngineThread(max_model_len=200)
         self.config = ServerConfig(api_key=api_key, allowed_origins=(ORIGIN,), **config)
-        model = ServedModel("served", "model", 200, self.config.sampling_defaults)
+        models = serving_loaded(self.engine, CountingTokenizer(), "model", alias="served")
         metrics = ServerMetrics("served")
         conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
-        self.responses = ResponseService(self.engine, CountingTokenizer(), model, self.config, conversations, metrics)
+        self.responses = ResponseService(models, self.config, conversations, metrics)
         policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
-        hub = MonitorHub(lambda after_seq: engine_result(self.engine.snapshot_and_events(after_seq)))
-        self.app = HttpApi(config=self.config, access_policy=policy, engine=self.engine, model=model,
-                           responses=self.responses, metrics=metrics, monitor_hub=hub,
-                           monitor_hello=monitor_hello(self.engine.facts, "served"),
-                           monitor_tickets=MonitorTickets())
+        self.app = HttpApi(config=self.config, access_policy=policy, models=models, responses=self.responses,
+                           metrics=metrics, monitor_tickets=MonitorTickets(),
+                           embeddings=EmbeddingRoutes(models, self.config))
 
     async def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
                    peer: AsgiPeer | None = None) -> AsgiPeer:

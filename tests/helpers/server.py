@@ -23,9 +23,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 VOCAB_SIZE = 256  # the tiny models' vocabulary
 
 
-def write_tiny_chat_model(folder: Path) -> Path:
-    """A random tiny Llama plus a word-level tokenizer covering all 256 ids, with a ChatML template."""
-    write_tiny_model(folder, "llama")
+def write_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A random tiny Llama (its weights drawn from `seed`) plus a word-level tokenizer covering all 256 ids,
+    with a ChatML template."""
+    write_tiny_model(folder, "llama", seed=seed)
     words = WORDS + [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(WORDS))]
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + words)}
     backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -48,9 +49,10 @@ def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_l
 
 
 @contextmanager
-def running_server(llm, engine_thread_type=None, **config):
+def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defaults=None, **config):
     """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer.
-    `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say).
+    `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say);
+    `model_alias`: the name it is served under (besides its own); `sampling_defaults`: for requests that set none.
 
     torch runs on one thread meanwhile: on a shared 2-core machine, intra-op threads of a tiny model
     spin against the clients and the other processes (a step is ~10x slower with two).
@@ -58,16 +60,19 @@ def running_server(llm, engine_thread_type=None, **config):
     import torch
 
     from localserve.engine.engine_thread import EngineThread
+    from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
     from localserve.server.app import BackgroundServer, LocalServer
     from localserve.server.context import ServerConfig
+    from localserve.server.models import serving_loaded
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine_thread = (engine_thread_type or EngineThread)(llm.engine)
     engine_thread.start()
     try:
-        server = BackgroundServer(LocalServer(engine_thread, llm.tokenizer, llm.model_config.name,
-                                              ServerConfig(port=0, **config))).start()
+        models = serving_loaded(engine_thread, llm.tokenizer, llm.model_config.name, alias=model_alias,
+                                sampling_defaults=sampling_defaults or LLAMA_CPP_DEFAULTS)
+        server = BackgroundServer(LocalServer(models, ServerConfig(port=0, **config))).start()
         try:
             yield server
         finally:
@@ -138,3 +143,36 @@ def engine_facts(max_model_len: int = 512):
     return EngineFacts(max_model_len=max_model_len, vocab_size=256, block_size=16, num_gpu_blocks=64,
                        num_cpu_blocks=0, max_num_seqs=16, max_num_batched_tokens=256, cache_type_k="fp16",
                        cache_type_v="fp16", kv_bytes_per_token=512, capacity=(KvCapacity("fp16", 512, 1024),))
+
+
+@contextmanager
+def running_models_server(models_dir: Path, load=None, policy=None, load_default: bool = True, **config):
+    """A LocalServer for every model of `models_dir` (tiny models: CPU, float32, small pools), one loaded at
+    a time unless `policy` says more, on a free port in a background thread; yields the BackgroundServer.
+    `load`: the loader (default: the server's own, EngineLoader); `load_default`: load the default model
+    before serving, as `localserve serve` does. Every model is unloaded when it ends."""
+    import torch
+
+    from localserve.engine.config import EngineConfig
+    from localserve.model_loader import EngineLoader, find_models
+    from localserve.server.app import BackgroundServer, LocalServer
+    from localserve.server.context import ServerConfig
+    from localserve.server.models import ModelPolicy, ModelRegistry
+
+    found = find_models([], models_dir)
+    load = load or EngineLoader(EngineConfig(num_kv_blocks=256, max_model_len=512, max_num_seqs=16,
+                                             max_num_batched_tokens=256), torch.float32, "cpu")
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    default = found.catalog.default
+    loaded = {default.id: load(default)} if load_default else {}
+    registry = ModelRegistry(found.catalog, load, found.sampling_defaults, policy or ModelPolicy(), loaded=loaded)
+    try:
+        server = BackgroundServer(LocalServer(registry, ServerConfig(port=0, **config))).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        registry.unload_all()
+        torch.set_num_threads(num_threads)

@@ -7,13 +7,14 @@ import json
 
 import pytest
 
-from localserve.cli import build_parser, server_sampling_defaults
+from localserve.cli import build_parser, sampling_overrides
 from localserve.loading.sampling_defaults import (
     DEFAULT_MODEL_DEFAULTS,
     LLAMA_CPP_DEFAULTS,
     SamplingDefaults,
     sampling_defaults,
 )
+from localserve.model_loader import find_models
 
 
 def model_folder(tmp_path, generation_config=None):
@@ -59,12 +60,18 @@ def test_an_unreadable_generation_config_is_ignored(tmp_path, caplog):
 def test_command_line_flags_override_the_models_defaults(tmp_path):
     folder = model_folder(tmp_path, {"temperature": 0.6, "top_p": 0.9})
     args = build_parser().parse_args(["serve", "-m", str(folder), "--temp", "0.3", "--min-p", "0.1"])
-    defaults = server_sampling_defaults(args, folder)
+    defaults = served_defaults(args)
     assert (defaults.temperature, defaults.top_p, defaults.min_p) == (0.3, 0.9, 0.1)
     assert "temperature, min_p from the command line" in defaults.source
     bad = build_parser().parse_args(["serve", "-m", str(folder), "--top-p", "0"])
     with pytest.raises(ValueError, match="top_p"):
-        server_sampling_defaults(bad, folder)
+        served_defaults(bad)
+
+
+def served_defaults(args) -> SamplingDefaults:
+    """The sampling defaults `localserve serve` gives the one model its -m names."""
+    found = find_models(args.model, None, sampling_overrides=sampling_overrides(args))
+    return found.sampling_defaults[found.catalog.default.id]
 
 
 def test_greedy_defaults_describe_only_the_temperature():

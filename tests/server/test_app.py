@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed
 
 from localserve.server.app import LocalServer
 from localserve.server.context import ServerConfig
+from localserve.server.models import serving_loaded
 from tests.helpers.engine_access import IDLE_STATS, CountingTokenizer, RecordedEngineThread
 from tests.helpers.server import collect_response
 
@@ -30,8 +31,8 @@ CREATE = json.dumps({"type": "response.create", "input": "abc", "max_output_toke
 async def serving(engine: RecordedEngineThread | None = None
                   ) -> AsyncIterator[tuple[LocalServer, RecordedEngineThread]]:
     engine = engine or RecordedEngineThread()
-    config = ServerConfig(port=0, model_alias="app-test", shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
-    server = LocalServer(engine, CountingTokenizer(), "played", config)
+    config = ServerConfig(port=0, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
+    server = LocalServer(serving_loaded(engine, CountingTokenizer(), "played", alias="app-test"), config)
     await server.start()
     try:
         yield server, engine
@@ -108,7 +109,7 @@ def test_v1_monitor_says_hello_then_sends_snapshots_at_the_interval_asked():
                 per_frame_s = (loop.time() - started) / 4
                 counted = (server.num_connections, len(server.sessions), connections_gauge(server))
             await until(lambda: server.num_connections == 0)
-            return server.monitor_hello, hello, first, per_frame_s, counted
+            return server.models.serving_now().monitor_hello, hello, first, per_frame_s, counted
 
     expected_hello, hello, first, per_frame_s, counted = run(main())
     assert hello == {"type": "monitor.hello", **expected_hello} and hello["model"] == "app-test"

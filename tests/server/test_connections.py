@@ -115,7 +115,7 @@ def test_a_client_that_stops_reading_mid_stream_is_cut(impatient_server):
     # cut with 1008 (policy violation); when the close frame sits behind unread data, a reset
     assert close_code in (1008, None)
     assert not any(event["type"] in CLOSING_EVENTS for event in events)  # it never got to the end
-    wait_until_idle(server.server.engine_thread)  # every block free or cached
+    wait_until_idle(server.server.models.serving_now().engine)  # every block free or cached
 
 
 def test_a_client_that_never_reads_anything_is_cut_by_the_keepalive(impatient_server):
@@ -328,7 +328,7 @@ def test_max_lanes_lanes_run_and_one_more_lane_is_refused(bounded_server):
     assert errors == [("too_many_streams", "one-more")]
     closed = sorted(event["stream_id"] for event in events if event["type"] in CLOSING_EVENTS)
     assert closed == [f"lane-{lane}" for lane in range(LANE_BOUND)]
-    wait_until_idle(bounded_server.server.engine_thread)
+    wait_until_idle(bounded_server.server.models.serving_now().engine)
 
 
 def test_max_queued_requests_wait_and_one_more_is_refused(bounded_server):
@@ -349,7 +349,7 @@ def test_max_queued_requests_wait_and_one_more_is_refused(bounded_server):
     finals = [event for event in events if event["type"] in CLOSING_EVENTS]
     assert len(finals) == 1 + QUEUE_BOUND  # the running one, cancelled, then every queued one
     assert [final["response"]["usage"]["output_tokens"] for final in finals[1:]] == [1] * QUEUE_BOUND
-    wait_until_idle(bounded_server.server.engine_thread)
+    wait_until_idle(bounded_server.server.models.serving_now().engine)
 
 
 def head_of_size(port: int, path: str, size: int, upgrade: bool) -> bytes:

@@ -1,11 +1,10 @@
 """What the server's parts share (server/context.py), on its own: which hosts count as this machine alone
-(near misses included) and the refusal to listen beyond it without a key; the names the served model
-answers to, and the 404 naming it; closing a websocket within a bound; reading an engine-thread future."""
+(near misses included) and the refusal to listen beyond it without a key; closing a websocket within a
+bound; reading an engine-thread future. (The names a model answers to: tests/server/test_model_registry.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from concurrent.futures import Future
 
@@ -54,37 +53,6 @@ def test_an_empty_key_is_no_key():
         check_bind_safety(ServerConfig(host="0.0.0.0", api_key=""))
 
 
-def test_the_served_model_answers_to_its_names():
-    defaults = SamplingDefaults(0.5, top_k=3, source="test")
-    model = ServedModel("alias", "own-name", 512, defaults)
-    for name in (None, "default", "alias", "own-name"):
-        model.check(name)
-    with pytest.raises(ProtocolError) as raised:
-        model.check("gpt-4o")
-    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
-    assert "alias" in raised.value.message
-    assert model.describe() == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
-                                "max_model_len": 512, "sampling_defaults": defaults.to_json()}
-
-
-@pytest.mark.parametrize("name", ["Alias", "alias ", " alias", "alia", "aliases", "own-name-2", "own", "Default",
-                                  "", "alias/own-name"])
-def test_a_near_miss_of_a_served_name_is_a_404_naming_both(name):
-    model = ServedModel("alias", "own-name", 512, SamplingDefaults(0.5, source="test"))
-    with pytest.raises(ProtocolError) as raised:
-        model.check(name)
-    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_found", "model", 404)
-    assert f"model {json.dumps(name)} is not served" in raised.value.message  # what was asked, as JSON shows it
-    assert "serves 'alias'" in raised.value.message
-
-
-def test_the_404_shows_a_long_name_cut():
-    model = ServedModel("alias", "own-name", 512, SamplingDefaults(0.5, source="test"))
-    with pytest.raises(ProtocolError) as raised:
-        model.check("m" * 5000)
-    assert '"' + "m" * 79 + "..." in raised.value.message and len(raised.value.message) < 300
-
-
 class Closing:
     """A websocket connection whose closing handshake the client answers after `answer_s` (None: never)."""
 
@@ -127,3 +95,15 @@ def test_engine_result_gives_what_the_engine_thread_set():
     assert asyncio.run(read(value=("snapshot", 3))) == ("snapshot", 3)
     with pytest.raises(KeyError, match="gone"):
         asyncio.run(read(error=KeyError("gone")))
+
+
+def test_an_embedding_model_says_so_and_refuses_text():
+    defaults = SamplingDefaults(0.5, source="test")
+    model = ServedModel("embed", 512, defaults, is_embedding=True)
+    assert model.capabilities == ["embedding"]
+    with pytest.raises(ProtocolError) as raised:
+        model.check_generates()
+    assert (raised.value.code, raised.value.param, raised.value.status) == ("model_not_generative", "model", 400)
+    generation = ServedModel("alias", 512, defaults)
+    generation.check_generates()
+    assert generation.capabilities == ["completion"]

@@ -138,7 +138,7 @@ def test_garbage_from_one_client_does_not_disturb_another(server):
 
 
 def test_fifty_clients_vanishing_mid_stream_leave_no_block_in_use(server):
-    engine_thread = server.server.engine_thread
+    engine_thread = server.server.models.serving_now().engine
 
     async def vanish(index: int) -> None:
         connection = await connect(url(server))

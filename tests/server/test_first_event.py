@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from localserve.server.app import LocalServer
 from localserve.server.connection_phases import EVICTED_REASON, CloseReason, Phase, PhaseBounds
 from localserve.server.context import ServerConfig
+from localserve.server.models import serving_loaded
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 
 BOUNDS = PhaseBounds(first_event_s=0.5, evicted_linger_s=0.2)
@@ -25,7 +26,8 @@ CREATE = json.dumps({"type": "response.create", "input": "abc", "max_output_toke
 
 async def start(**config) -> tuple[LocalServer, RecordedEngineThread]:
     engine = RecordedEngineThread()
-    server = LocalServer(engine, CountingTokenizer(), "played", ServerConfig(port=0, phase_bounds=BOUNDS, **config))
+    server = LocalServer(serving_loaded(engine, CountingTokenizer(), "played"),
+                         ServerConfig(port=0, phase_bounds=BOUNDS, **config))
     await server.start()
     return server, engine
 
@@ -161,7 +163,8 @@ def test_the_monitor_frame_counts_the_servers_connections_and_the_tui_reads_it()
 
 def test_the_unfinished_cap_follows_max_connections_unless_given():
     def cap(**config) -> int:
-        server = LocalServer(RecordedEngineThread(), CountingTokenizer(), "played", ServerConfig(**config))
+        models = serving_loaded(RecordedEngineThread(), CountingTokenizer(), "played")
+        server = LocalServer(models, ServerConfig(**config))
         return server.connections.max_unfinished_connections
 
     assert (cap(max_connections=7), cap(max_connections=7, max_unfinished_connections=3)) == (7, 3)

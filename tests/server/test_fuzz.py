@@ -222,5 +222,5 @@ def test_the_server_survives_random_and_adversarial_clients(fuzzer):
     assert len(fuzz.canary_texts) >= 10 and len(set(fuzz.canary_texts)) == 1  # greedy: the same every time
     fuzz.canary_task.cancel()
     fuzz.loop.run_until_complete(asyncio.gather(fuzz.canary_task, return_exceptions=True))
-    wait_until_idle(server.server.engine_thread)
-    assert server.server.engine_thread._thread.is_alive()
+    wait_until_idle(server.server.models.serving_now().engine)
+    assert server.server.models.serving_now().engine._thread.is_alive()

@@ -221,7 +221,7 @@ def test_listening_beyond_loopback_without_a_key_refuses_to_start(capsys, tmp_pa
     from localserve.server.context import ServerConfig, check_bind_safety
 
     with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0.*--api-key"):
-        LocalServer(None, None, "m", ServerConfig(host="0.0.0.0"))  # refused before it looks at the engine
+        LocalServer(None, ServerConfig(host="0.0.0.0"))  # refused before it looks at the models
     check_bind_safety(ServerConfig(host="0.0.0.0", api_key="k"))  # with a key it may
     # The CLI refuses before loading the model: the missing model folder is never looked at.
     assert main(["serve", "--host", "0.0.0.0", "-m", str(tmp_path / "missing")]) == 2

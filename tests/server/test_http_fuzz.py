@@ -163,6 +163,6 @@ def test_http_bodies_never_break_the_server(server):
     fuzzer.reconnect()
     assert min(fuzzer.outcomes["stream"], fuzzer.outcomes["whole"], fuzzer.outcomes["400"]) >= 10, fuzzer.outcomes
     assert health_ok(server.port)
-    wait_until_idle(server.server.engine_thread)
-    assert server.server.engine_thread._thread.is_alive()
+    wait_until_idle(server.server.models.serving_now().engine)
+    assert server.server.models.serving_now().engine._thread.is_alive()
     assert not server.server.http_api.in_flight

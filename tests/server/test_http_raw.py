@@ -67,7 +67,7 @@ def assert_error(status: int, body: dict, expected_status: int, code: str | None
 
 
 def engine_busy(server) -> bool:
-    engine_thread = server.server.engine_thread
+    engine_thread = server.server.models.serving_now().engine
     return engine_thread.call(lambda engine: engine.has_unfinished_requests()).result(30)
 
 
@@ -91,11 +91,11 @@ def test_chunks_arrive_while_the_engine_is_still_generating(server):
     connection.close()
     assert first_content is not None and busy_then is True
     assert lines[-1] == b"data: [DONE]\n"
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)
 
 
 def test_a_client_closing_mid_stream_frees_every_block_at_once(server):
-    engine_thread = server.server.engine_thread
+    engine_thread = server.server.models.serving_now().engine
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     body = json.dumps({**CHAT, "max_tokens": 400, "stream": True}).encode()  # 12 s of steps if left to run
     head = "".join(f"{name}: {value}\r\n" for name, value in headers(server).items())
@@ -237,7 +237,7 @@ def test_paths_methods_models_and_a_saturated_server(server):
                  "server_busy")
     for connection in held:
         connection.close()
-    wait_until_idle(server.server.engine_thread, timeout=5)
+    wait_until_idle(server.server.models.serving_now().engine, timeout=5)
     status, body = post(connect(server), server, "/v1/completions", {"model": "default", "prompt": "hi",
                                                                      "max_tokens": 1})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
@@ -262,4 +262,4 @@ def test_shutdown_ends_http_streams_with_their_reason(server):  # last: it stops
     final = json.loads([line for line in responses_rest.split("\n") if line.startswith("data: ")][-1][6:])
     assert final["type"] == "response.incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "server_shutdown"}
-    wait_until_idle(server.server.engine_thread, timeout=5)
+    wait_until_idle(server.server.models.serving_now().engine, timeout=5)

@@ -40,7 +40,7 @@ def test_a_seed_out_of_torchs_range_fails_only_its_own_request(tiny_chat_llm):
 
     with running_server(tiny_chat_llm) as server:
         culprit, bystander, edge = run(main(server.port))
-        wait_until_idle(server.server.engine_thread)
+        wait_until_idle(server.server.models.serving_now().engine)
     assert culprit[-1]["type"] in ("error", "response.failed")
     assert bystander[-1]["type"] in ("response.completed", "response.incomplete"), bystander[-1]
     assert edge[-1]["type"] in ("response.completed", "response.incomplete"), edge[-1]

@@ -110,7 +110,7 @@ def test_at_most_sixteen_lanes_are_active(server):
     errors = [event for event in events if event["type"] == "error"]
     assert [(e["error"]["code"], e["stream_id"]) for e in errors] == [("too_many_streams", "lane-16")]
     assert sum(event["type"] in CLOSING_EVENTS for event in events) == 16
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)
 
 
 def test_cancel_names_its_lane(server):

@@ -62,7 +62,7 @@ def test_256_clients_lose_nothing_and_leave_nothing_behind(tiny_chat_model_dir, 
         num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=32, max_num_batched_tokens=256, preemption_mode=mode,
         max_model_len=512))
     with running_server(llm, max_connections=LOAD.num_clients) as server:
-        engine_thread = server.server.engine_thread
+        engine_thread = server.server.models.serving_now().engine
         rss, greedy = [], []
         for round_index in range(rounds):
             report = asyncio.run(run_load(server.port, LoadConfig(**{**LOAD.__dict__, "seed": round_index})))

@@ -16,6 +16,7 @@ from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
 from localserve.server.connection_phases import ConnectionBook
 from localserve.server.monitor import MonitorHub, serve_monitor
+from tests.helpers.monitor_source import OneModelSource
 from tests.helpers.server import CLOSING_EVENTS, SlowConnection, collect_response, running_server
 
 NO_CONNECTIONS = ConnectionBook(max_connections=1, max_unfinished_connections=1)  # the counts of a server with none
@@ -116,8 +117,8 @@ def test_slow_reader_is_told_how_many_events_it_missed():
     async def main():
         hub = MonitorHub(read, buffer_size=25)
         connection = GatedConnection()
-        slow = asyncio.create_task(serve_monitor(connection, hub, {"model": "fake"}, interval_s=0.01,
-                                                  connection_counts=NO_CONNECTIONS.counts))
+        slow = asyncio.create_task(serve_monitor(connection, OneModelSource(hub, {"model": "fake"}),
+                                                 interval_s=0.01, connection_counts=NO_CONNECTIONS.counts))
         for _ in range(3):  # hello, then two snapshot frames
             connection.gate.set()
             while connection.gate.is_set():
@@ -155,8 +156,8 @@ def test_many_monitor_clients_share_one_snapshot_per_interval():
         clients = [SlowConnection([], send_delay_s=0) for _ in range(8)]
         for client in clients:
             client.wait_closed = client.closed.wait
-        tasks = [asyncio.create_task(serve_monitor(client, hub, {"model": "fake"}, interval_s=0.05,
-                                                       connection_counts=NO_CONNECTIONS.counts))
+        tasks = [asyncio.create_task(serve_monitor(client, OneModelSource(hub, {"model": "fake"}),
+                                                   interval_s=0.05, connection_counts=NO_CONNECTIONS.counts))
                  for client in clients]
         await asyncio.sleep(1.0)
         for client in clients:

@@ -72,7 +72,7 @@ def test_chat_completion_whole_and_streamed_agree(server, client):
     assert finishes == [choice.finish_reason]
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert all(chunk.usage is None for chunk in chunks[:-1])
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)
 
 
 def test_max_tokens_reaches_length_and_max_completion_tokens_wins(client):

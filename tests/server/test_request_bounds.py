@@ -112,7 +112,7 @@ CASES = [pytest.param(fmt, case, expected, id=f"{what}-{side}-{fmt}")
 def wire(tiny_chat_llm):
     with running_server(tiny_chat_llm, engine_thread_type=RecordingEngineThread, model_alias=SERVED_NAME,
                         limits=LIMITS) as server:
-        client = WireClient(server.port, server.server.engine_thread)
+        client = WireClient(server.port, server.server.models.serving_now().engine)
         yield client
         client.close()
 

@@ -44,7 +44,7 @@ MAX_UNCUT_TOKENS = 400
 def wire(tiny_chat_llm):
     with running_server(tiny_chat_llm, engine_thread_type=RecordingEngineThread, sampling_defaults=DEFAULTS,
                         default_max_output_tokens=DEFAULT_MAX_TOKENS) as server:
-        client = WireClient(server.port, server.server.engine_thread)
+        client = WireClient(server.port, server.server.models.serving_now().engine)
         yield client
         client.close()
 

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
-from localserve.server.context import ServedModel, ServerConfig
+from localserve.server.context import ServerConfig
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
+from localserve.server.models import serving_loaded
 from localserve.server.request_fields import WireFormat, parse_request
 from localserve.server.request_model import RequestLimits
 from localserve.server.response_events import ResponseStream
@@ -30,15 +31,15 @@ LIMITS = RequestLimits(max_conversation_chars=20, max_logprob_entries=12)
 class Served:
     """A ResponseService over a recorded engine thread, and what it was handed."""
 
-    def __init__(self, max_model_len: int = 100, limits: RequestLimits = LIMITS, **config: Any) -> None:
+    def __init__(self, max_model_len: int = 100, limits: RequestLimits = LIMITS,
+                 tokenizer: CountingTokenizer | None = None, **config: Any) -> None:
         self.engine = RecordedEngineThread(max_model_len)
-        self.tokenizer = CountingTokenizer()
+        self.tokenizer = tokenizer or CountingTokenizer()
         self.config = ServerConfig(limits=limits, **config)
         self.conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
         self.metrics = ServerMetrics("served")
-        model = ServedModel("served", "model", max_model_len, self.config.sampling_defaults)
-        self.service = ResponseService(self.engine, self.tokenizer, model, self.config, self.conversations,
-                                       self.metrics)
+        models = serving_loaded(self.engine, self.tokenizer, "model", alias="served")
+        self.service = ResponseService(models, self.config, self.conversations, self.metrics)
         self.updates: list[str] = []  # the status of each stream the service told about, in order
 
     async def start(self, body: dict[str, Any], owner: str = "conn_1", wire: WireFormat = RESPONSES_WEBSOCKET
@@ -231,7 +232,7 @@ def test_a_prompt_that_cannot_be_rendered_or_is_empty_is_an_invalid_prompt():
     served = Served()
     assert run(served.refused({"input": [{"role": "user", "content": ""}]})) == ("invalid_prompt", "input", 400)
     assert run(served.refused({"prompt": "", "max_tokens": 1}, wire=COMPLETIONS)) == ("invalid_prompt", "prompt", 400)
-    served.service.tokenizer = FailingTokenizer()
+    served = Served(tokenizer=FailingTokenizer())
     with pytest.raises(ProtocolError) as raised:
         run(served.start({"input": "a"}))
     assert raised.value.code == "invalid_prompt" and "KeyError" in raised.value.message

@@ -128,7 +128,7 @@ def test_cancel_stops_the_response_and_frees_its_blocks(server):
     assert events[-1].type == "response.incomplete" and final.status == "cancelled"
     assert final.usage.output_tokens < 400
     assert after[-1].type in ("response.completed", "response.incomplete")
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)
 
 
 def test_parallel_samples_and_logprobs_from_the_extension_field(server):
@@ -194,4 +194,4 @@ def test_smollm2_two_turn_conversation(smollm2_server):
     assert "Rome" in second.output[0].content[0].text
     # the system prompt SmolLM2's template adds plus turn one's prompt come back from the prefix cache
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16
-    wait_until_idle(smollm2_server.server.engine_thread)
+    wait_until_idle(smollm2_server.server.models.serving_now().engine)

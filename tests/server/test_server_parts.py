@@ -9,8 +9,10 @@ import asyncio
 from concurrent.futures import Future
 from pathlib import Path
 
+from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
 from localserve.server.app import LocalServer
 from localserve.server.context import ServedModel, ServerConfig, engine_result
+from localserve.server.models import serving_loaded
 from tests.helpers.server import engine_facts
 
 SERVER = Path(__file__).resolve().parents[2] / "localserve" / "server"
@@ -75,14 +77,17 @@ class PlayedEngineThread:
 
 def test_a_server_is_built_from_an_engine_access_and_its_facts():
     engine_thread = PlayedEngineThread()
-    server = LocalServer(engine_thread, tokenizer=None, model_name="played", config=ServerConfig(model_alias="alias"))
-    assert server.model == ServedModel("alias", "played", 300, server.config.sampling_defaults)
-    assert server.monitor_hub.last_seq == 41  # events from before the server are not replayed
-    hello = server.monitor_hello
+    server = LocalServer(serving_loaded(engine_thread, None, "played", alias="alias"), ServerConfig())
+    serving = server.models.serving_now()
+    assert serving.model == ServedModel("alias", 300, LLAMA_CPP_DEFAULTS)
+    assert server.models.find("played") is server.models.find("alias")  # its own name, as ever
+    assert serving.monitor_hub.last_seq == 41  # events from before the server are not replayed
+    hello = serving.monitor_hello
     facts = engine_thread.facts
     assert hello == {"model": "alias", "block_size": facts.block_size, "num_blocks": facts.num_gpu_blocks,
                      "num_cpu_blocks": 0, "max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": 300,
                      "cache_type_k": "fp16", "cache_type_v": "fp16", "kv_cache_bytes": 64 * 16 * 512,
                      "capacity": [{"format": "fp16", "bytes_per_token": 512, "num_tokens": 1024}]}
-    assert asyncio.run(server._read_monitor(7)) == ("snapshot", [], 7)
+    assert asyncio.run(serving.monitor_hub.latest(0.0)) == "snapshot"
+    assert serving.monitor_hub.last_seq == 41  # the read asked for the events after 41 and there were none
     assert asyncio.run(engine_result(engine_thread.stats())) == "stats" and engine_thread.stats_reads == 1

@@ -11,6 +11,7 @@ from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.server.app import LocalServer
 from localserve.server.connection_phases import FirstEventWait
 from localserve.server.context import ServerConfig
+from localserve.server.models import serving_loaded
 from localserve.server.session import ResponsesSession
 from tests.helpers.server import SlowConnection, engine_facts
 
@@ -45,7 +46,7 @@ class FakeTokenizer:
 
 def make_session(connection) -> tuple[ResponsesSession, FakeEngineThread]:
     engine_thread = FakeEngineThread()
-    server = LocalServer(engine_thread, FakeTokenizer(), "fake", ServerConfig(send_queue_size=8))
+    server = LocalServer(serving_loaded(engine_thread, FakeTokenizer(), "fake"), ServerConfig(send_queue_size=8))
     first_event = FirstEventWait(server.connections, server.connections.connection_opened(lambda: None))
     return ResponsesSession(server.config, server.responses, connection, first_event), engine_thread
 

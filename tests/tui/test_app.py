@@ -304,3 +304,25 @@ def test_a_frame_that_arrives_while_the_app_shuts_down_is_dropped():
     app = asyncio.run(main())
     app.handle_feed_item(SnapshotReceived(frame))  # shut down: nothing to draw on, and nothing raised
     assert app.snapshot is None
+
+
+def test_a_model_switch_shows_its_phases_then_the_new_models_pool():
+    # A server of several models: its snapshots say which model is on its way, no-model frames come while
+    # none is loaded, and the new model's hello starts its pool on the same connection.
+    async def scenario(pilot, app, monitor):
+        status = app.query_one(StatusLine)
+        switch = {"model": "Other-Model", "phase": "waiting", "unloading": "SmolLM2", "elapsed_s": 0.5}
+        monitor.send(snapshot_frame(STATES, requests=REQUESTS) | {"loading": switch})
+        await wait_until(pilot, lambda: "⇄ Other-Model waits for SmolLM2's requests" in str(status.render()),
+                         "the waiting phase")
+        monitor.send({"type": "monitor.no_model", "time": 1.0,
+                      "loading": switch | {"phase": "loading", "unloading": None, "elapsed_s": 2.0}})
+        await wait_until(pilot, lambda: "⇄ loading Other-Model (2 s)" in str(status.render()), "the loading phase")
+        assert app.hello is None and "no model loaded" in str(status.render())
+        monitor.send(hello_frame(128, model="Other-Model"))
+        monitor.send(snapshot_frame("u" * 5 + "." * 123, requests=REQUESTS[1:2]))
+        await wait_until(pilot, lambda: len(app.query_one(SlotsTable).rows) == 1, "the new model's rows")
+        assert app.hello.num_blocks == 128 and "Other-Model" in str(status.render())
+        assert "⇄" not in str(status.render())
+        assert any("unloaded" in line for line in log_text(app.query_one(EventLog)))
+    run_with_monitor(scenario, hello_frame(64, model="SmolLM2"))

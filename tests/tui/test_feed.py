@@ -16,8 +16,11 @@ from localserve.tui.feed import (
     GPU_STATE_CHARS,
     BlockState,
     FeedError,
+    ModelSwitch,
+    NoModel,
     decode_block_states,
     parse_hello,
+    parse_no_model,
     parse_snapshot,
 )
 from localserve.tui.history import FeedHistory
@@ -196,3 +199,15 @@ def test_map_rows_draw_each_cell_with_its_glyph_and_colour(states, width, max_ro
     assert drawn == expected
     tail = "".join(strip.text for strip in strips)[grid.states.size:]
     assert tail == " " * len(tail)  # the last row is padded, not drawn on
+
+
+def test_a_snapshot_and_a_no_model_frame_say_which_model_is_on_its_way():
+    hello = parse_hello(hello_frame(64))
+    switch = {"model": "b", "phase": "unloading", "unloading": "a", "elapsed_s": 1.5}
+    snapshot = parse_snapshot(snapshot_frame("." * 64) | {"loading": switch}, hello)
+    assert snapshot.switch == ModelSwitch("b", "unloading", "a", 1.5)
+    assert snapshot.switch.describe() == "unloading a for b"
+    assert parse_snapshot(snapshot_frame("." * 64) | {"loading": None}, hello).switch is None
+    assert parse_no_model({"type": "monitor.no_model", "time": 3.0, "loading": None}) == NoModel(3.0, None)
+    with pytest.raises(FeedError, match="loading.phase must be one of"):
+        parse_snapshot(snapshot_frame("." * 64) | {"loading": switch | {"phase": "sleeping"}}, hello)

@@ -2,7 +2,10 @@
 takes a while): the page loads with no console error, a message streams its reply into the page (the
 same text the API gives for the same request), the settings show the server's defaults, conversations
 are kept across a reload and can be renamed and deleted, a reply can be regenerated and a message edited
-and sent again, and Stop ends the request with every block back in the pool (/slots)."""
+and sent again, and Stop ends the request with every block back in the pool (/slots). Against a server of
+a folder of two tiny models: the settings' model picker lists /v1/models with each model's status, a
+message goes to the model picked (its reply is that model's, as the API gives it), the statuses follow
+the switch, and the choice is kept across a reload."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import time
 import pytest
 
 from tests.helpers.browser import slowed
-from tests.helpers.server import make_llm, running_server
+from tests.helpers.server import make_llm, running_models_server, running_server, write_tiny_chat_model
 from tests.helpers.webui_page import get_json, last_reply, open_page, send, set_settings, wait_reply_done
 
 STEP_DELAY_S = 0.02
@@ -123,3 +126,45 @@ def test_stop_during_a_reply_frees_every_block(page, server):
     time.sleep(0.3)
     assert last_reply(page).locator(".content").inner_text() == stopped_text  # nothing more arrived
     assert page.is_hidden("#stop") and page.is_enabled("#send")
+
+
+QUESTION = "hello world what is the capital of france"
+
+
+@pytest.fixture(scope="module")
+def models_server(tmp_path_factory, tiny_chat_model_dir):
+    """A server of a folder of two tiny models: tiny-a (loaded at start) and tiny-b."""
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "tiny-a").symlink_to(tiny_chat_model_dir, target_is_directory=True)
+    write_tiny_chat_model(folder / "tiny-b", seed=2)
+    with running_models_server(folder, monitor_interval_s=0.1) as background:
+        yield background
+
+
+def options(page) -> list[str]:
+    return page.locator("#settings-fields [name=model] option").all_inner_texts()
+
+
+def test_the_picker_lists_the_models_and_a_message_goes_to_the_one_picked(page, models_server):
+    open_page(page, models_server.port)
+    set_settings(page, {"temperature": "0", "max_tokens": "12"})
+    assert options(page) == ["tiny-a · loaded", "tiny-b · unloaded"]
+    assert page.input_value("#settings-fields [name=model]") == "tiny-a"  # the server's default
+    page.select_option("#settings-fields [name=model]", "tiny-b")
+    assert page.inner_text("#model-name") == "tiny-b · unloaded"
+    send(page, QUESTION)
+    wait_reply_done(page)
+    body = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 12}
+    expected = {name: get_json(models_server.port, "/v1/chat/completions", body | {"model": name})
+                for name in ("tiny-b", "tiny-a")}  # tiny-b first: it is loaded now
+    assert expected["tiny-a"]["choices"][0]["message"]["content"] != expected["tiny-b"]["choices"][0]["message"][
+        "content"]
+    shown = last_reply(page).locator(".content").inner_text()
+    assert shown.strip() == expected["tiny-b"]["choices"][0]["message"]["content"].strip()
+    page.focus("#settings-fields [name=model]")  # opening the picker lists the statuses afresh
+    page.wait_for_function("() => document.querySelector('#settings-fields [name=model]').textContent"
+                           ".includes('tiny-a · loaded')")
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.input_value("#settings-fields [name=model]") == "tiny-b"  # the choice is kept
+    assert page.log.console_errors == []

@@ -16,6 +16,7 @@ from websockets.exceptions import InvalidStatus
 from localserve.server.access import TICKET_LIFETIME_S, MonitorTickets
 from localserve.server.app import LocalServer
 from localserve.server.context import ServerConfig
+from localserve.server.models import serving_loaded
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 from tests.helpers.http_api import API_KEY, KEY, Api, response
 
@@ -70,7 +71,7 @@ async def _status(url: str, headers: dict[str, str] | None = None) -> int | dict
 
 def test_with_a_key_the_monitor_socket_needs_a_ticket_or_the_key():
     async def main():
-        server = LocalServer(RecordedEngineThread(), CountingTokenizer(), "played",
+        server = LocalServer(serving_loaded(RecordedEngineThread(), CountingTokenizer(), "played"),
                              ServerConfig(port=0, api_key=API_KEY))
         await server.start()
         try:

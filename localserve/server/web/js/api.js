@@ -57,10 +57,9 @@ export class ApiClient {
     return response.json();
   }
 
-  /** The served model's entry of /v1/models (id, max_model_len, sampling_defaults). */
-  async model() {
-    const list = await this.json("/v1/models");
-    return list.data[0];
+  /** Every model /v1/models lists (id, status, names, max_model_len: null until loaded, sampling_defaults). */
+  async models() {
+    return (await this.json("/v1/models")).data;
   }
 
   /** A single-use ticket that opens one /v1/monitor websocket (the key cannot travel on a websocket). */

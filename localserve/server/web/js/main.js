@@ -37,18 +37,25 @@ async function main() {
   const chat = new ChatView({ root: document.body, api, store: new ConversationStore(), settings });
   const monitor = new MonitorView(document.querySelector("#monitor"), document.querySelector("#feed-status"));
 
-  const model = await api.model();
+  const showModel = (model) => {
+    const context = model.max_model_len ? `context ${model.max_model_len}` : model.status;
+    document.querySelector("#model-name").textContent = `${model.id} · ${context}`;
+    document.title = `localserve · ${model.id}`;
+    settings.showDefaults(model);
+    chat.modelId = model.id;
+  };
+  showModel(settings.showModels(await api.models()));
   keyButton.hidden = keyStore.get() === null;
-  document.querySelector("#model-name").textContent = `${model.id} · context ${model.max_model_len}`;
-  document.title = `localserve · ${model.id}`;
-  settings.showDefaults(model);
-  chat.modelId = model.id;
+  settings.onModelChange = showModel;
+  // The statuses change as requests load models: the picker lists them afresh whenever it is opened.
+  settings.modelPicker.addEventListener("focus", async () => showModel(settings.showModels(await api.models())));
 
   const status = document.querySelector("#feed-status");
   const interval = query.get("interval"); // else the server's --monitor-interval
   const feed = new MonitorFeed(api, interval, {
     onHello: (hello) => monitor.showHello(hello),
     onSnapshot: (frame, receivedAt) => monitor.showSnapshot(frame, receivedAt),
+    onNoModel: (frame) => monitor.showNoModel(frame),
     onStatus: (text, live) => {
       status.classList.toggle("live", live);
       status.classList.toggle("down", !live);

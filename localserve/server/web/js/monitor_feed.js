@@ -8,7 +8,8 @@ const FIRST_DELAY_MS = 500;
 const MAX_DELAY_MS = 8000;
 
 export class MonitorFeed {
-  /** `handlers`: onHello(frame), onSnapshot(frame, receivedAt), onStatus(text, live). */
+  /** `handlers`: onHello(frame) (again when the server's model changes), onSnapshot(frame, receivedAt),
+   * onNoModel(frame) (no model loaded), onStatus(text, live). */
   constructor(api, intervalS, handlers) {
     this.api = api;
     this.intervalS = intervalS;
@@ -38,6 +39,9 @@ export class MonitorFeed {
         this.handlers.onHello(frame);
       } else if (frame.type === "monitor.snapshot") {
         this.handlers.onSnapshot(frame, receivedAt);
+      } else if (frame.type === "monitor.no_model") {
+        this.delayMs = FIRST_DELAY_MS;
+        this.handlers.onNoModel(frame);
       }
     });
     socket.addEventListener("close", (event) => this.retry(event.reason || `closed (${event.code})`));
@@ -49,4 +53,11 @@ export class MonitorFeed {
     setTimeout(() => this.connect(), this.delayMs);
     this.delayMs = Math.min(MAX_DELAY_MS, this.delayMs * 2);
   }
+}
+
+/** What a model switch (a frame's `loading`) is doing, in a few words (tui/feed.py's ModelSwitch.describe). */
+export function describeSwitch(loading) {
+  if (loading.phase === "loading") return `loading ${loading.model} (${Math.round(loading.elapsed_s)} s)`;
+  if (loading.phase === "unloading") return `unloading ${loading.unloading} for ${loading.model}`;
+  return `${loading.model} waits for ${loading.unloading ? `${loading.unloading}'s requests to finish` : "room"}`;
 }

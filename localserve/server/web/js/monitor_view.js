@@ -7,6 +7,7 @@ import {
 } from "./block_states.js";
 import { clockTime, el, formatCount, replaceChildren } from "./dom.js";
 import { FeedHistory, WINDOW_S } from "./history.js";
+import { describeSwitch } from "./monitor_feed.js";
 import { Trends } from "./trends.js";
 
 const MAX_EVENTS = 500; // lines kept in the event log; the oldest go first
@@ -130,7 +131,15 @@ export class MonitorView {
     const frameMs = performance.now() - receivedAt;
     Object.assign(this.map.canvas.dataset, { time: frame.time, numSteps: frame.num_steps });
     Object.assign(this.root.dataset, { frameMs: frameMs.toFixed(3), mapMs: mapMs.toFixed(3) });
-    this.showStatus(`step ${formatCount(frame.num_steps)} · frame ${frameMs.toFixed(1)} ms`);
+    const switching = frame.loading ? ` · ⇄ ${describeSwitch(frame.loading)}` : "";
+    this.showStatus(`step ${formatCount(frame.num_steps)} · frame ${frameMs.toFixed(1)} ms${switching}`);
+  }
+
+  /** No model is loaded (a `monitor.no_model` frame): say so, and which model is on its way. */
+  showNoModel(frame) {
+    if (this.hello) this.addNotice(`model ${this.hello.model} unloaded`);
+    this.hello = null;
+    this.showStatus(`no model loaded${frame.loading ? ` · ⇄ ${describeSwitch(frame.loading)}` : ""}`);
   }
 
   redraw() {

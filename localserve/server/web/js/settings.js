@@ -1,7 +1,8 @@
-// The request settings (system prompt and sampling), kept in localStorage. An empty field sends nothing,
-// so the server's default applies; the defaults /v1/models lists are shown as each field's placeholder.
+// The request settings (the model, the system prompt and sampling), kept in localStorage. The model picker
+// lists /v1/models (each model's status beside it); an empty field sends nothing, so the server's default
+// applies; the chosen model's defaults are shown as each field's placeholder.
 
-import { el } from "./dom.js";
+import { el, replaceChildren } from "./dom.js";
 
 const STORAGE_KEY = "localserve.settings";
 const FIELDS = [
@@ -22,6 +23,15 @@ export class Settings {
     } catch {
       stored = {};
     }
+    this.storedModel = stored.model ?? null;
+    this.models = [];
+    this.onModelChange = () => {};
+    this.modelPicker = el("select", { name: "model" });
+    this.modelPicker.addEventListener("change", () => {
+      this.persist();
+      this.onModelChange(this.model);
+    });
+    container.append(el("label", {}, "model", this.modelPicker));
     this.inputs = {};
     for (const field of FIELDS) {
       const input = field.kind === "text"
@@ -34,6 +44,23 @@ export class Settings {
     }
   }
 
+  /** Fill the model picker from /v1/models' list (kept choice if still served, else the server's default);
+   * returns the model chosen. */
+  showModels(models) {
+    const chosen = this.modelPicker.value || this.storedModel;
+    this.models = models;
+    replaceChildren(this.modelPicker, ...models.map((model) => el("option", { value: model.id },
+      `${model.id} · ${model.status ?? "loaded"}`)));
+    const fallback = models.find((model) => (model.names ?? []).includes("default")) ?? models[0];
+    this.modelPicker.value = models.some((model) => model.id === chosen) ? chosen : fallback.id;
+    return this.model;
+  }
+
+  /** The entry of the model chosen. */
+  get model() {
+    return this.models.find((model) => model.id === this.modelPicker.value);
+  }
+
   /** Show the server's defaults (`sampling_defaults` of /v1/models, and the context) as placeholders. */
   showDefaults(model) {
     const defaults = model.sampling_defaults ?? {};
@@ -42,7 +69,8 @@ export class Settings {
       this.inputs[name].placeholder = value === null || value === undefined ? "off" : `default ${value}`;
     }
     this.inputs.max_tokens.placeholder = "server default";
-    this.inputs.max_tokens.max = model.max_model_len;
+    if (model.max_model_len) this.inputs.max_tokens.max = model.max_model_len;
+    else this.inputs.max_tokens.removeAttribute("max"); // not loaded yet: its context is not known
   }
 
   /** The fields a chat completion request gets (only those set), and the system prompt. */
@@ -57,6 +85,7 @@ export class Settings {
 
   persist() {
     const values = Object.fromEntries(FIELDS.map((field) => [field.name, this.inputs[field.name].value]));
+    values.model = this.modelPicker.value || this.storedModel;
     this.storage.setItem(STORAGE_KEY, JSON.stringify(values));
   }
 }
