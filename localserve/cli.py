@@ -66,11 +66,26 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     e.add_argument("--attention-backend", default="auto",
                    help="attention implementation: auto (the fastest that supports the device and KV formats), "
                         "torch, triton")
+    e.add_argument("--max-step-ms", default="auto",
+                   help="time budget of one step: prompts are prefilled beside the decodes only as far as keeps a "
+                        "step within it; auto (about twice the decodes alone), a number of ms, or off "
+                        "(--max-num-batched-tokens stays an upper bound)")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--spec-type", choices=("ngram", "draft"),
+                   help="draft tokens to verify in one step: ngram (prompt lookup), draft (a draft model, -md); "
+                        "default: off, or draft when -md is given")
+    s.add_argument("--spec-tokens", "--draft-max", type=int, default=4,
+                   help="at most this many drafted tokens a step per sequence (fewer as drafts fail)")
+    s.add_argument("-md", "--model-draft", help="the draft model (HF folder, hub repo id or .gguf), of the model's "
+                   "tokenizer")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings the command line gives, checked (ValueError: a KV format or an attention backend
-    it does not know) before torch is imported or a model file opened."""
+    it does not know, a step budget or speculation setting it refuses) before torch is imported or a model
+    file opened."""
+    if args.spec_type == "draft" and not args.model_draft:
+        raise ValueError("--spec-type draft needs a draft model (-md/--model-draft PATH)")
     return EngineConfig(
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=args.ctx_size,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -80,7 +95,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, max_step_ms=max_step_ms(args.max_step_ms),
+        spec_type=args.spec_type or ("draft" if args.model_draft else None), spec_tokens=args.spec_tokens)
+
+
+def max_step_ms(value: str) -> float | str | None:
+    """--max-step-ms: "auto", "off" (None), or milliseconds (ValueError otherwise: EngineConfig checks > 0)."""
+    if value in ("auto", "off"):
+        return None if value == "off" else value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"--max-step-ms must be auto, off or a number of milliseconds, got {value!r}") from None
 
 
 def build_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
@@ -88,8 +114,9 @@ def build_llm(args: argparse.Namespace, config: EngineConfig) -> LLM:
     from localserve.llm import LLM
 
     device, dtype = model_device_and_dtype(args)
-    llm = LLM(args.model, dtype=dtype, device=device,
-              offline=args.offline, engine_config=config, keep_quantized_weights=args.keep_quantized_weights)
+    llm = LLM(args.model, dtype=dtype, device=device, offline=args.offline, engine_config=config,
+              keep_quantized_weights=args.keep_quantized_weights,
+              draft_model=args.model_draft if config.spec_type == "draft" else None)
     if args.chat_template_file:
         llm.tokenizer.chat_template = args.chat_template_file.read_text()
     return llm

@@ -37,24 +37,45 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
 
+def check_same_tokenizer(model: Tokenizer, draft: Tokenizer) -> None:
+    """Raise ValueError, naming both, unless the draft model's tokenizer maps every token to the same id
+    as the model's (a draft proposes token ids that the model verifies)."""
+    model_vocab, draft_vocab = model.backend.get_vocab(with_added_tokens=True), draft.backend.get_vocab(
+        with_added_tokens=True)
+    if model_vocab != draft_vocab:
+        differing = sorted(set(model_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: item[1])[:3]
+        raise ValueError(f"the draft model {draft.source} does not share the tokenizer of {model.source}: "
+                         f"{len(draft_vocab)} tokens against {len(model_vocab)}, differing in "
+                         f"{', '.join(f'{token!r}={index}' for token, index in differing)}")
+
+
 class LLM:
     """A model and its engine in this process.
 
     `model` is a Hugging Face folder, a hub repo id, a .gguf file, or None for the default model
     (SmolLM2-135M-Instruct). `keep_quantized_weights`: keep a .gguf's quantized weights in their blocks
-    (None: on CUDA yes, on a CPU no; see loading/hf.py).
+    (None: on CUDA yes, on a CPU no; see loading/hf.py). `draft_model` (the same kinds of source): the
+    draft model of speculative decoding (`EngineConfig.spec_type` "draft"), which must share the model's
+    tokenizer.
     """
 
     def __init__(self, model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
                  offline: bool = False, engine_config: EngineConfig | None = None,
-                 keep_quantized_weights: bool | None = None) -> None:
+                 keep_quantized_weights: bool | None = None, draft_model: str | None = None) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(model, offline=offline)
         loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
         self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)
-        self.engine = build_engine(loaded.model, self.tokenizer, engine_config)
+        self.tokenizer = _tokenizer_of(loaded, path)
+        draft = None
+        if draft_model is not None:
+            draft_path = resolve_model_path(draft_model, offline=offline)
+            draft_loaded = load_model(draft_path, dtype=dtype, device=device,
+                                      keep_quantized_weights=keep_quantized_weights)
+            check_same_tokenizer(self.tokenizer, _tokenizer_of(draft_loaded, draft_path))
+            draft = draft_loaded.model
+        self.engine = build_engine(loaded.model, self.tokenizer, engine_config, draft_model=draft)
         settle_garbage_collector()
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -84,3 +105,7 @@ class LLM:
         ids = [self.engine.add_request(tokens, params) for tokens in token_lists]
         final = self.engine.run_to_completion()
         return [final[i] for i in ids]
+
+
+def _tokenizer_of(loaded, path) -> Tokenizer:
+    return Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)

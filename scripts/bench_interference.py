@@ -1,14 +1,16 @@
 """Long-prompt interference: do background streams stall while a long prompt is prefilled?
 
 Background chats stream tokens (16 by default on a CPU); an injector sends a long prompt at a fixed
-period. Every token's arrival is timestamped. Three runs on the same model, one after the other:
+period. Every token's arrival is timestamped. Four runs on the same model, one after the other:
 baseline (no injector), injector with chunked prefill off, injector with chunked prefill on under a
-token budget. For each: median, p99, p99.9 and max inter-token latency (ITL) of the background
-streams, stalls (gaps > 3x the baseline median), the long prompt's time to first token, and a PNG
-timeline of the gaps with the injections marked.
+token budget, and injector under the time budget (`--max-step-ms auto`: prefill only while a step stays
+within about twice its decodes' time, the token budget `--time-budget-tokens` as an upper bound).
+For each: median, p99, p99.9 and max inter-token latency (ITL) of the background streams, stalls
+(gaps > 3x the baseline median), the long prompt's time to first token, and a PNG timeline of the
+gaps with the injections marked.
 
     python scripts/bench_interference.py [--streams 16] [--prompt-tokens 1536] [--period 8] \
-        [--duration 30] [--budget 32] [--png docs/interference.png]
+        [--duration 30] [--budget 32] [--max-step-ms auto] [--png docs/interference.png]
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ class RunResult:
 
 
 def run(model, name: str, streams: int, duration: float, budget: int, chunked: bool,
-        inject: bool, prompt_tokens: int, period: float) -> RunResult:
-    config = EngineConfig(num_kv_blocks=4096, enable_prefix_caching=False,
-                          max_num_seqs=streams + 4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+        inject: bool, prompt_tokens: int, period: float, max_step_ms: float | str | None = None) -> RunResult:
+    config = EngineConfig(num_kv_blocks=4096, enable_prefix_caching=False, max_num_seqs=streams + 4,
+                          max_num_batched_tokens=budget, enable_chunked_prefill=chunked, max_step_ms=max_step_ms)
     engine = build_engine(model, None, config)
     background = {engine.add_request([1 + (i * 13 + j) % 4000 for j in range(32)],
                                      SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
@@ -109,6 +111,10 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=8.0, help="seconds between long prompts")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per run")
     parser.add_argument("--budget", type=int, default=32, help="token budget per step with chunking")
+    parser.add_argument("--max-step-ms", default="auto", help="the time budget's run: auto or milliseconds")
+    parser.add_argument("--time-budget-tokens", type=int, default=512,
+                        help="the token budget bounding the time budget's run (the server's default)")
+    parser.add_argument("--skip-unchunked", action="store_true", help="leave out the run without chunked prefill")
     parser.add_argument("--png", default="docs/interference.png")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
@@ -119,17 +125,24 @@ def main() -> None:
     common = dict(streams=args.streams, duration=args.duration, prompt_tokens=args.prompt_tokens,
                   period=args.period)
     baseline = run(model, "baseline (no injector)", budget=args.budget, chunked=True, inject=False, **common)
-    unchunked = run(model, "injector, chunked prefill off", budget=args.budget, chunked=False, inject=True, **common)
-    chunked = run(model, f"injector, chunked prefill on (budget {args.budget})", budget=args.budget, chunked=True,
-                  inject=True, **common)
+    runs = [baseline]
+    if not args.skip_unchunked:
+        runs.append(run(model, "injector, chunked prefill off", budget=args.budget, chunked=False, inject=True,
+                        **common))
+    runs.append(run(model, f"injector, chunked prefill on (budget {args.budget})", budget=args.budget, chunked=True,
+                    inject=True, **common))
+    max_step_ms = args.max_step_ms if args.max_step_ms == "auto" else float(args.max_step_ms)
+    runs.append(run(model, f"injector, time budget (--max-step-ms {args.max_step_ms}, at most "
+                           f"{args.time_budget_tokens} tokens)", budget=args.time_budget_tokens, chunked=True,
+                    inject=True, max_step_ms=max_step_ms, **common))
     baseline_median = float(np.median([g for _, g in baseline.gaps]))
     print(f"{args.streams} streams, long prompt {args.prompt_tokens} tokens every {args.period:.0f} s, "
           f"{args.duration:.0f} s per run, {device}, {torch.get_num_threads()} torch threads\n")
     print("| run | median ITL ms | p99 | p99.9 | max | max / baseline median | stalls (>3x) | long prompt TTFT |")
     print("|---|---|---|---|---|---|---|---|")
-    for result in (baseline, unchunked, chunked):
+    for result in runs:
         print(summarize(result, baseline_median))
-    plot([baseline, unchunked, chunked], args.png)
+    plot(runs, args.png)
     print(f"\ntimeline: {args.png}")
 
 

@@ -7,6 +7,9 @@
 # when a stage fails or runs out of time. One part of it runs in about half that:
 #   scripts/gpu_check.sh [all | attention | gguf]    attention: the paged KV kernels (#12);
 #                                                   gguf: the quantized-weight kernels (#18); default all
+#   scripts/gpu_check.sh speculation                 speculative decoding (#26): its gpu-marked tests (verify
+#                                                   rows through Triton) and scripts/bench_speculative.py on
+#                                                   CUDA at batch 1, 8 and 32 (needs the --stash call first)
 #
 # The device tool carries at most 64 MiB per call and the default model's GGUF is 94 MiB, so the check
 # takes two calls back to back (the second while the machine is still warm, i.e. within 30 s):
@@ -29,7 +32,8 @@ case "$PART" in
     all) kernel_tests=(tests/kernels); sections=attention,gguf,model ;;
     attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS"); sections=attention,model ;;
     gguf) kernel_tests=("$GGUF_KERNEL_TESTS"); sections=gguf,model ;;
-    *) echo "usage: $0 [--stash | all | attention | gguf]" >&2; exit 2 ;;
+    speculation) kernel_tests=(); sections="" ;;
+    *) echo "usage: $0 [--stash | all | attention | gguf | speculation]" >&2; exit 2 ;;
 esac
 
 REPORT=${OUT:-scripts/out}/gpu_report.md
@@ -61,6 +65,18 @@ if [ -f "$STASH/$MODEL.part1" ] && [ -f ".gpu_carry/gguf_part2/$MODEL.part2" ]; 
     (cd "$LOCALSERVE_CACHE" && sha256sum -c "$OLDPWD/.gpu_carry/SHA256SUMS") 2>&1 | fenced 2
 else
     echo "The default model's GGUF is not here (run the --stash call first): its tests are skipped." >> "$REPORT"
+fi
+
+SPEC_GPU_TESTS=tests/engine/test_speculative_greedy.py
+if [ "$PART" = speculation ]; then
+    section "Speculative decoding: gpu-marked tests ($SPEC_GPU_TESTS)"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 "$SPEC_GPU_TESTS" 2>&1 | fenced 40
+    section "Speculative decoding: scripts/bench_speculative.py --device cuda --batches 1 8 32"
+    timeout 300 python3 scripts/bench_speculative.py --device cuda --batches 1 8 32 --prompts-per-cell 2 \
+        --max-tokens 256 --json "$(realpath -m "$(dirname "$REPORT")")/speculative_cuda" 2>&1 | grep -v '^loading' | fenced 40
+    printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
+    echo "report: $REPORT" >&2
+    exit
 fi
 
 section "Kernel tests, natively on CUDA (${kernel_tests[*]})"

@@ -13,7 +13,7 @@ array of `BlockState` codes, which is what the block map draws from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
 from typing import Any
 
@@ -102,12 +102,13 @@ def _number(data: dict[str, Any], key: str, where: str) -> float:
 
 def _fill(cls: type, data: Any, where: str, **given: Any) -> Any:
     """An instance of the dataclass `cls`: fields in `given` as they are, the others (int, str or float)
-    checked and taken from `data` (extra keys ignored)."""
+    checked and taken from `data` (extra keys ignored); a field with a default may be left out (a field
+    docs/PROTOCOL.md names as optional: a server without speculative decoding or a time budget)."""
     if not isinstance(data, dict):
         raise FeedError(f"{where} must be an object, got {type(data).__name__}")
     values = dict(given)
     for item in fields(cls):
-        if item.name in given:
+        if item.name in given or (item.name not in data and item.default is not MISSING):
             continue
         if item.type == "int":
             values[item.name] = _take(data, item.name, int, where)
@@ -158,9 +159,11 @@ class RequestInfo:
     num_cached_tokens: int
     tokens_per_s: float
     block_tables: tuple[tuple[int, ...], ...] = ()
-    # Newer fields (docs/PROTOCOL.md); a server that predates them sends neither: free, not reasoning.
+    # Newer fields (docs/PROTOCOL.md); a server that predates them sends none: free, not reasoning, no draft.
     constrained: bool = False
     num_reasoning_seqs: int = 0
+    spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over drafted tokens (0: no draft)
+    spec_mean_accepted_length: float = 0.0  # tokens per verification (0: none)
 
     @property
     def block_ids(self) -> frozenset[int]:
@@ -182,6 +185,9 @@ class Gauges:
     num_free_cpu_blocks: int
     last_step_s: float
     last_step_tokens: int
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    step_limit_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +206,9 @@ class Counters:
     cached_block_evictions: int
     num_requests_finished: int
     num_requests_failed: int
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

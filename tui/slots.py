@@ -18,7 +18,9 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 HEADERS = ("request", "state", "prompt", "gen", "tok/s", "preempt", "prefix hit")
-RIGHT_ALIGNED = (False, False, True, True, True, True, True)
+# Shown while some request has verified a speculative draft: acceptance and tokens per verification.
+SPEC_HEADER = "spec"
+RIGHT_ALIGNED = (False, False, True, True, True, True, True, True)
 STATE_COLOURS = {"waiting": "#808080", "prefill": "#5fafff", "decode": "#5faf5f", "preempted": "#ff5f5f",
                  "swapped": "#d7875f"}
 SELECTED_COLOUR = "#ffff00"  # the same yellow as the request's blocks in the map
@@ -38,12 +40,20 @@ def state_label(request: RequestInfo) -> str:
     return f"{label} [{', '.join(marks)}]" if marks else label
 
 
-def row_cells(request: RequestInfo) -> tuple[str, ...]:
-    """The table's cells for one request, in `HEADERS` order."""
+def spec_label(request: RequestInfo) -> str:
+    """Speculative decoding's acceptance and tokens per verification (`72% ×3.1`), or `-` before any draft."""
+    if not request.spec_mean_accepted_length:
+        return "-"
+    return f"{100 * request.spec_acceptance_rate:.0f}% ×{request.spec_mean_accepted_length:.1f}"
+
+
+def row_cells(request: RequestInfo, with_spec: bool = False) -> tuple[str, ...]:
+    """The table's cells for one request, in `HEADERS` order (and `SPEC_HEADER`'s last, `with_spec`)."""
     label = request.label if request.num_seqs <= 1 else f"{request.label} ×{request.num_seqs}"
-    return (label, state_label(request), str(request.num_prompt_tokens), str(request.num_output_tokens),
-            f"{request.tokens_per_s:.1f}" if request.tokens_per_s else "-", str(request.num_preemptions),
-            str(request.num_cached_tokens))
+    cells = (label, state_label(request), str(request.num_prompt_tokens), str(request.num_output_tokens),
+             f"{request.tokens_per_s:.1f}" if request.tokens_per_s else "-", str(request.num_preemptions),
+             str(request.num_cached_tokens))
+    return cells + (spec_label(request),) if with_spec else cells
 
 
 class SlotsTable(ScrollView, can_focus=True):
@@ -70,6 +80,7 @@ class SlotsTable(ScrollView, can_focus=True):
         self.rows: list[tuple[str, ...]] = []  # formatted cells, one tuple per request
         self.cursor_row = 0
         self.selected_label: str | None = None  # drawn in yellow, like its blocks
+        self.headers = HEADERS
         self._widths = [len(header) for header in HEADERS]
         self._base_style = Style()
 
@@ -84,13 +95,15 @@ class SlotsTable(ScrollView, can_focus=True):
         """Make the rows those of `requests`; the cursor stays on its request while that is there."""
         cursor_label = self.requests[self.cursor_row].label if self.cursor_row < len(self.requests) else None
         self.requests = requests
-        self.rows = [row_cells(request) for request in requests]
+        with_spec = any(request.spec_mean_accepted_length for request in requests)
+        self.headers = HEADERS + (SPEC_HEADER,) if with_spec else HEADERS
+        self.rows = [row_cells(request, with_spec) for request in requests]
         self._widths = [max([len(header)] + [len(row[column]) for row in self.rows])
-                        for column, header in enumerate(HEADERS)]
+                        for column, header in enumerate(self.headers)]
         labels = [request.label for request in requests]
         self.cursor_row = labels.index(cursor_label) if cursor_label in labels else \
             min(self.cursor_row, max(0, len(requests) - 1))
-        self.virtual_size = Size(sum(self._widths) + COLUMN_GAP * (len(HEADERS) - 1) + 1, len(self.rows) + 1)
+        self.virtual_size = Size(sum(self._widths) + COLUMN_GAP * (len(self.headers) - 1) + 1, len(self.rows) + 1)
         self.refresh()
 
     def mark(self, label: str | None) -> None:
@@ -135,7 +148,7 @@ class SlotsTable(ScrollView, can_focus=True):
         base = self._base_style  # rich_style costs a style cascade per call, and this runs per line
         scroll_x, width = int(self.scroll_x), self.scrollable_content_region.width
         if y == 0:
-            segments = self._line(HEADERS, [base + Style(bold=True)] * len(HEADERS))
+            segments = self._line(self.headers, [base + Style(bold=True)] * len(self.headers))
         else:
             row = y - 1 + int(self.scroll_y)
             if row >= len(self.rows):
@@ -144,7 +157,7 @@ class SlotsTable(ScrollView, can_focus=True):
             row_style = base
             if row == self.cursor_row:
                 row_style = base + Style(bgcolor=CURSOR_COLOURS[self.has_focus])
-            styles = [row_style] * len(HEADERS)
+            styles = [row_style] * len(self.headers)
             if request.label == self.selected_label:
                 styles[0] = row_style + Style(color=SELECTED_COLOUR, bold=True)
             styles[1] = row_style + Style(color=STATE_COLOURS[request.state])

@@ -8,6 +8,10 @@ at all: alone among the step's prefills it may exceed the budget, beside another
 
 A decoding sequence keeps its row from step to step (`Sequence.decode_row`): the filler rewrites its
 token and position instead of making a row and a chunk per sequence per step.
+
+Two more limits may come between the decodes and the prefill chunks (engine/scheduler.py): speculative
+drafts lengthen decode rows into verify rows (engine/speculation.py), and a time budget may lower the
+token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.sequence import Request, ScheduledRow, Sequence
 from localserve.engine.step import SeqChunk, StepInput
+from localserve.engine.step_budget import StepShape
 from localserve.kv.block_manager import BlockManager
 
 
@@ -33,8 +38,10 @@ class Batch:
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # could never fit; finished with an error
     num_tokens: int = 0  # the rows' query tokens
-    num_prefill_tokens: int = 0  # of those, the ones in chunks of more than one token
+    num_prefill_tokens: int = 0  # of those, the ones in prefill chunks of more than one token
+    num_draft_tokens: int = 0  # of those, the drafted tokens of verify rows (not prefill tokens)
     num_pooled_tokens: int = 0  # of those, the ones of embedding prompts (their hidden states are pooled)
+    num_context_tokens: int = 0  # the rows' context lengths, summed: the KV the step reads
 
     @property
     def budget_left(self) -> int:
@@ -44,10 +51,22 @@ class Batch:
     def add(self, row: ScheduledRow) -> None:
         self.rows.append(row)
         self.num_tokens += row.query_len
+        self.num_context_tokens += row.chunk.context_len
         if row.query_len > 1:
             self.num_prefill_tokens += row.query_len
         if row.chunk.needs_hidden:
             self.num_pooled_tokens += row.query_len
+
+    def limit_prefill(self, num_tokens: int | None) -> None:
+        """Let the prefill chunks and admissions to come take at most `num_tokens` more (None: no new limit)."""
+        if num_tokens is not None:
+            self.token_budget = min(self.token_budget, self.num_tokens + num_tokens)
+
+    def shape(self, block_size: int) -> StepShape:
+        """What the step's time is estimated from (engine/step_budget.py)."""
+        num_rows = len(self.rows)
+        num_prefill_tokens = self.num_tokens - num_rows - self.num_draft_tokens  # past each row's first token
+        return StepShape(num_rows, num_prefill_tokens, self.num_draft_tokens, self.num_context_tokens / block_size)
 
     def close(self) -> None:
         """Every row is in: their chunks become the step input's, in row order (the runner's logits rows
@@ -74,6 +93,7 @@ class BatchFiller:
         add_row = batch.rows.append
         block_copies = batch.step_input.block_copies
         budget = budget_before = batch.budget_left
+        context_tokens = 0
         prefills: list[tuple[Request, Sequence]] = []
         slots_in_use = 0
         for request in running:
@@ -101,10 +121,12 @@ class BatchFiller:
                         chunk.start_pos = position
                         add_row(row)
                         budget -= 1
+                        context_tokens += position + 1
                 elif (num_computed < position or pooled) and seq not in request.followers:
                     prefills.append((request, seq))
             slots_in_use += num_live if request.forked else request.params.n
         batch.num_tokens += budget_before - budget  # one token per decode row, none a prefill token
+        batch.num_context_tokens += context_tokens
         return slots_in_use, prefills
 
     def add_prefill(self, batch: Batch, request: Request, seq: Sequence) -> None:

@@ -4,7 +4,8 @@ Each step's chunks carry the block manager's own table lists (engine/step.py). C
 an array every step would read each block id of every running sequence every step, O(context) per
 sequence; instead each sequence keeps a row here, and a step writes only what changed since the
 sequence's last step. Between two steps of a sequence its table changes only at its end (a new last
-block, or a copy-on-write of its last block) or is replaced by another list (swap-in, readmission):
+block, or a copy-on-write of its last block) or is replaced by another list (swap-in, readmission, a
+truncation that dropped blocks: kv/block_manager.py, `truncate`):
 so a row is rewritten from its last mirrored entry when that entry differs, whole when the list is
 another, and otherwise only its new entries are appended. A sequence missing from a step loses its
 row (it is rewritten whole if it comes back), so rows never outlive their sequences; a row is zeroed

@@ -11,11 +11,15 @@ import torch
 
 from localserve.attention import select_backend
 from localserve.engine.config import EngineConfig
+from localserve.engine.draft_model import DraftModelDrafter
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventLog
 from localserve.engine.kv_calibration import load_or_calibrate
 from localserve.engine.model_runner import ModelRunner
+from localserve.engine.ngram_drafter import NgramDrafter
 from localserve.engine.scheduler import Scheduler
+from localserve.engine.speculation import Drafter, Speculation
+from localserve.engine.step_budget import StepCostModel, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.codecs import dtype_format
@@ -26,13 +30,22 @@ from localserve.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None) -> LLMEngine:
-    """An engine for `model` with `config`'s pool, scheduling and attention settings.
+def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None,
+                 draft_model: LlamaForCausalLM | None = None) -> LLMEngine:
+    """An engine for `model` with `config`'s pool, scheduling, attention and speculation settings;
+    `draft_model` drafts when `config.spec_type` is "draft" (its tokenizer the target's: checked by the
+    caller that loads both, `localserve.llm.check_same_tokenizer`).
 
-    Raises ValueError when the backend asked for cannot run here with these formats, or the pool's memory
-    budget holds no block; both before the pool is allocated.
+    Raises ValueError when the backend asked for cannot run here with these formats, the pool's memory
+    budget holds no block, or the draft model is missing or has another vocabulary; all before the pool is
+    allocated.
     """
     config = config or EngineConfig()
+    if config.spec_type == "draft" and draft_model is None:
+        raise ValueError("--spec-type draft needs a draft model (-md/--model-draft)")
+    if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary has {draft_model.config.vocab_size} tokens, the "
+                         f"model's {model.config.vocab_size}: a draft model must share the model's tokenizer")
     param = next(model.parameters())
     model_config = model.config
     key_format = config.cache_type_k or dtype_format(param.dtype)
@@ -51,8 +64,34 @@ def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig |
     block_manager = BlockManager(config.num_kv_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
     events = EventLog()
-    return LLMEngine(config, ModelRunner(model, kv_cache, backend, max_model_len), block_manager,
-                     Scheduler(scheduler_config, block_manager, events), events, tokenizer, max_model_len=max_model_len)
+    step_cost = StepCostModel() if config.spec_type or config.max_step_ms is not None else None
+    step_budget = None
+    if config.max_step_ms is not None:
+        step_budget = StepTimeBudget(step_cost, None if config.max_step_ms == "auto" else config.max_step_ms / 1000,
+                                     min_prefill_tokens=config.block_size)
+    speculation = None
+    if config.spec_type:
+        drafter: Drafter = NgramDrafter() if config.spec_type == "ngram" else build_draft_drafter(draft_model, config)
+        speculation = Speculation(drafter, config.spec_tokens, block_manager, config.max_num_seqs, step_cost, events)
+    scheduler = Scheduler(scheduler_config, block_manager, events, speculation=speculation, step_budget=step_budget,
+                          step_cost=step_cost)
+    return LLMEngine(config, ModelRunner(model, kv_cache, backend, max_model_len), block_manager, scheduler, events,
+                     tokenizer, max_model_len=max_model_len)
+
+
+def build_draft_drafter(draft_model: LlamaForCausalLM, config: EngineConfig) -> DraftModelDrafter:
+    """The draft model's drafter over a pool of its own (engine/draft_model.py says why): as many blocks as
+    the target's pool, in the draft model's dtype, with the same backend choice."""
+    param = next(draft_model.parameters())
+    kv_format = dtype_format(param.dtype)
+    backend, why = select_backend(config.attention_backend, param.device, kv_format, kv_format,
+                                  draft_model.config.head_dim)
+    log.info("draft model's attention backend: %s", why)
+    kv_cache = build_kv_cache(draft_model, None, kv_format, kv_format, config.num_kv_blocks, config.block_size)
+    log.info("draft model's KV pool: %d blocks, %s", config.num_kv_blocks,
+             human_size(config.num_kv_blocks * config.block_size * kv_cache.bytes_per_token()))
+    return DraftModelDrafter(ModelRunner(draft_model, kv_cache, backend),
+                             BlockManager(config.num_kv_blocks, config.block_size, 0, enable_prefix_caching=True))
 
 
 def build_kv_cache(model: LlamaForCausalLM, tokenizer, key_format: KVFormatSpec, value_format: KVFormatSpec,

@@ -9,6 +9,7 @@ from localserve.attention import check_backend_name
 from localserve.kv.formats import KVFormatSpec
 
 PREEMPTION_MODES = ("recompute", "swap")
+SPEC_TYPES = ("ngram", "draft")  # speculative decoding's drafters (engine/speculation.py)
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,24 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     attention_backend: str = "auto"  # a name of localserve.attention's registry, or "auto"
+    # Speculative decoding (--spec-type, --spec-tokens): None off; "ngram" (prompt lookup) or "draft" (a
+    # draft model, given to build_engine); up to spec_tokens drafted tokens a step, fewer as acceptance falls.
+    spec_type: str | None = None
+    spec_tokens: int = 4
+    # The step budget in time (--max-step-ms): None off (the library's default: offline generation has no
+    # stream to keep steady); "auto": about twice the step's decodes alone; a number of milliseconds.
+    max_step_ms: float | str | None = None
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # validates the scheduler's fields now, not at the first step
+        if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
+            raise ValueError(f"spec_type must be one of {', '.join(SPEC_TYPES)} (or None), got {self.spec_type!r}")
+        if self.spec_tokens < 1:
+            raise ValueError(f"spec_tokens must be >= 1, got {self.spec_tokens}")
+        if self.max_step_ms is not None and self.max_step_ms != "auto" and (
+                isinstance(self.max_step_ms, (str, bool)) or not self.max_step_ms > 0):
+            raise ValueError(f"max_step_ms must be 'auto', a number of milliseconds > 0, or None, "
+                             f"got {self.max_step_ms!r}")
         if isinstance(self.cache_type_k, str):
             self.cache_type_k = KVFormatSpec.parse(self.cache_type_k)
         if isinstance(self.cache_type_v, str):

@@ -60,6 +60,10 @@ class SequenceGrammar:
             raise GrammarRejected(f"the grammar rejected token {token_id}: {matcher.get_error()}")
         return matcher.is_stopped()
 
+    def num_allowed(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order from the matcher's state, the grammar allows (nothing consumed)."""
+        return self.matcher.validate_tokens(token_ids)
+
     def fork(self) -> SequenceGrammar:
         """An independent copy in the same state (a parallel sample forked from this sequence)."""
         return SequenceGrammar(self.matcher.deep_copy())

@@ -32,6 +32,7 @@ from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Scheduler
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
+from localserve.engine.spec_acceptance import Verification, VerifyRow, verify
 from localserve.engine.stop_rules import append_sampled_token
 from localserve.kv.block_manager import BlockManager
 
@@ -237,8 +238,10 @@ class LLMEngine:
             masks.apply(logits)
         outputs = self._postprocess(batch, logits, hidden)
         self.num_steps += 1
+        duration = time.perf_counter() - start
+        self.scheduler.observe_step(batch, duration)
         self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.rows),
-                                            len(batch.preempted), time.perf_counter() - start))
+                                            len(batch.preempted), duration))
         if self.config.check_integrity:
             self.block_manager.check_integrity()
         return outputs
@@ -250,10 +253,17 @@ class LLMEngine:
             self._pool(batch, hidden, moved)
         sampled: list[SampledRow] = []
         beam_rows: dict[str, list[SampledRow]] = {}  # each beam-search request's live beams
+        verified: list[VerifyRow] = []  # speculative decoding's verify rows (engine/speculation.py)
         num_logits_rows = 0
         num_prompt_tokens = 0
         for scheduled in batch.rows:
             request, seq, num_tokens = scheduled.request, scheduled.seq, scheduled.query_len
+            if scheduled.num_draft_tokens:
+                moved[request.request_id] = request
+                draft = self.scheduler.speculation.restore_row(scheduled)  # a decode row again
+                verified.append(VerifyRow(request, seq, num_logits_rows, draft.token_ids, draft.probs))
+                num_logits_rows += len(draft.token_ids) + 1
+                continue
             if num_tokens > 1 or len(seq.token_ids) == seq.prompt_len:
                 num_prompt_tokens += num_tokens
             if not scheduled.chunk.needs_logits:
@@ -269,12 +279,14 @@ class LLMEngine:
                 sampled += self._fork_samples(row)
         self.num_prompt_tokens += num_prompt_tokens
         if sampled:
-            # Without forks or beams every logits row is one sampled row, in order: the sampler reads them in
-            # place; else the row index is built once, on the device.
-            identity = len(sampled) == num_logits_rows and not beam_rows
+            # Without forks, beams or verify rows every logits row is one sampled row, in order: the sampler
+            # reads them in place; else the row index is built once, on the device.
+            identity = len(sampled) == num_logits_rows and not beam_rows and not verified
             index = None if identity else torch.tensor([row.logits_row for row in sampled], device=logits.device)
             rows = [row.seq.sampling_row or self._sampling_row(row.request, row.seq) for row in sampled]
             self._append_sampled(sampled, self.sampler(logits, rows, index))
+        if verified:
+            self._append_verified(verified, verify(logits, verified))
         for beams in beam_rows.values():
             self._beam_step(beams, logits)
         return self._report(moved.values())
@@ -386,6 +398,36 @@ class LLMEngine:
                         self.events.append(EventKind.FIRST_TOKEN, request.label)
                     if reason is not None:
                         self._finish_seq(row.seq, reason)
+                return
+            except Exception as exc:
+                self._fail_alone(row.request, exc)
+
+    def _append_verified(self, rows: list[VerifyRow], verifications: list[Verification]) -> None:
+        """Add each verification's tokens to its sequence one by one (stop rules apply to each: a stop
+        inside the accepted draft ends the sequence there), then let the block manager keep what was
+        accepted (engine/speculation.py). Failures as in `_append_sampled`."""
+        speculation = self.scheduler.speculation
+        entries = zip(rows, verifications)
+        row = None
+        while True:
+            try:
+                for row, verification in entries:
+                    request, seq = row.request, row.seq
+                    if request.error is not None:
+                        continue
+                    reason = None
+                    for token_id, logprob, top in zip(verification.token_ids, verification.logprobs,
+                                                      verification.top_logprobs):
+                        reason = append_sampled_token(request, seq, token_id, logprob, top)
+                        self.num_generation_tokens += 1
+                        if reason is not None:
+                            break
+                    request.just_readmitted = False
+                    if reason is not None:
+                        speculation.record(seq, len(row.draft), verification.num_accepted)
+                        self._finish_seq(seq, reason)
+                    else:
+                        speculation.commit(request, seq, len(row.draft), verification.num_accepted)
                 return
             except Exception as exc:
                 self._fail_alone(row.request, exc)

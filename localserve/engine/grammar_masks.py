@@ -7,6 +7,8 @@ bits into an additive bias (0 where allowed, -inf elsewhere) in a pinned host bu
 thread runs the model; `PendingMasks.apply(logits)` waits for it, copies
 the bias to the logits' device and adds it to those rows in place, before the sampler reads them.
 Unconstrained rows are not touched, and a step without a constrained row does nothing at all.
+A verify row of speculative decoding gets a mask at each place of its draft: the matcher is walked
+through the draft on the worker and rolled back (`_fill`).
 
 The worker fills the rows one after the other, not with llguidance's parallel executor: a mask costs
 microseconds (more only where a grammar branches a lot), and the executor's thread pool, spinning
@@ -27,12 +29,15 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from localserve.engine.constraints import SequenceGrammar
 from localserve.engine.sequence import ScheduledRow
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf; 0 bits are 0.0
 
@@ -86,24 +91,27 @@ class GrammarMasks:
         self.timings: deque[MaskTiming] = deque(maxlen=100_000)
 
     def start(self, rows: Iterable[ScheduledRow]) -> PendingMasks | None:
-        """Begin filling the masks of the constrained rows among a step's `rows` (None if there are none)."""
-        matchers: list[SequenceGrammar] = []
+        """Begin filling the masks of the constrained rows among a step's `rows` (None if there are none).
+        A verify row (speculative decoding) has a logits row per place of its draft, and a mask each."""
+        matchers: list[tuple[LLMatcher, list[int]]] = []  # each constrained row's matcher and draft
         logits_rows: list[int] = []
         logits_row = 0
         for row in rows:
-            if not row.chunk.needs_logits:
+            chunk = row.chunk
+            if not chunk.needs_logits:
                 continue
+            num_places = 1 + chunk.num_draft_tokens
             grammar = row.seq.grammar
             if grammar is not None:
-                matchers.append(grammar)
-                logits_rows.append(logits_row)
-            logits_row += 1
+                matchers.append((grammar.matcher, chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:]))
+                logits_rows.extend(range(logits_row, logits_row + num_places))
+            logits_row += num_places
         if not matchers:
             return None
-        self._reserve(len(matchers))
+        self._reserve(len(logits_rows))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="localserve-masks")
-        filled = self._worker.submit(self._fill, [grammar.matcher for grammar in matchers])
+        filled = self._worker.submit(self._fill, matchers, len(logits_rows))
         return PendingMasks(self, logits_rows, len(logits_rows) == logits_row, filled)
 
     def _reserve(self, num_rows: int) -> None:
@@ -113,13 +121,25 @@ class GrammarMasks:
         self._bits = np.empty((capacity, self.num_words), dtype=np.int32)
         self.host_bias = torch.empty((capacity, self.vocab_size), dtype=torch.float32, pin_memory=self.pin)
 
-    def _fill(self, matchers: list) -> float:
-        """On the worker: each matcher's mask into its row of bits, then the bits into the bias rows."""
+    def _fill(self, matchers: list[tuple[LLMatcher, list[int]]], num_rows: int) -> float:
+        """On the worker: each place's mask into its row of bits, then the bits into the bias rows. A draft's
+        places are masked by the matcher walked through the draft's allowed tokens, then rolled back: the
+        sequence's matcher is advanced only by the tokens its verification keeps (engine/stop_rules.py).
+        A place past a forbidden drafted token repeats the last mask: it is never read (the token is
+        rejected where it was drafted)."""
         start = time.perf_counter()
-        num_rows = len(matchers)
         bits = self._bits[:num_rows]
-        for matcher, row in zip(matchers, bits):
-            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        index = 0
+        for matcher, draft in matchers:
+            num_allowed = matcher.validate_tokens(draft) if draft else 0
+            for place in range(len(draft) + 1):
+                if 0 < place <= num_allowed:
+                    matcher.consume_token(draft[place - 1])
+                row = bits[index]
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                index += 1
+            if num_allowed:
+                matcher.rollback(num_allowed)
         disallowed = np.unpackbits((~bits).view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
         np.multiply(disallowed, NEG_INF_BITS, out=self.host_bias[:num_rows].numpy().view(np.uint32),
                     casting="unsafe")

@@ -40,7 +40,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; returns logits [num chunks with needs_logits, vocab] in their order.
+        """Run one step; returns logits [num logits rows, vocab]: a row per chunk with needs_logits, in their
+        order, and for a verify row one per drafted token besides (StepInput).
 
         Block moves come first, in this order: swap-out, swap-in, copy-on-write; the forward pass then
         writes into blocks those moves may just have freed or filled.
@@ -99,7 +100,8 @@ class ModelRunner:
             seq_of_token = np.repeat(np.arange(num_seqs), lens)
             positions = starts[seq_of_token] + np.arange(num_tokens) - (np.cumsum(lens) - lens)[seq_of_token]
             context_lens = starts + lens
-            logit_rows = [end - 1 for end, chunk in zip(accumulate(query_lens), chunks) if chunk.needs_logits]
+            logit_rows = [row for end, chunk in zip(accumulate(query_lens), chunks) if chunk.needs_logits
+                          for row in range(end - 1 - chunk.num_draft_tokens, end)]
         slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         device = self.device
         inputs = AttentionInputs(

@@ -5,8 +5,11 @@ pool is short (engine/preemption.py); (2) append each decoding sequence's last s
 schedule the decodes, oldest request first; (3) prefill chunks of running requests (long or readmitted
 prompts), both within the token budget (engine/batch.py); then, unless this step preempted, (4)
 swapped-out requests come back and waiting requests are admitted, in arrival order across both queues,
-while slots, the token budget and blocks allow (engine/admission.py). Each of those modules states its
-rules and why they hold; docs/ARCHITECTURE.md, "Scheduling rules", sums them up.
+while slots, the token budget and blocks allow (engine/admission.py). With speculative decoding, drafts
+lengthen the decode rows between (2) and (3) (engine/speculation.py); with a time budget, the prefill
+chunks and admissions of (3) and (4) get only the tokens that keep the step within it
+(engine/step_budget.py), which learns each step's cost from the durations the engine measures. Each of
+those modules states its rules and why they hold; docs/ARCHITECTURE.md, "Scheduling rules", sums them up.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from localserve.engine.events import EventKind, EventLog
 from localserve.engine.preemption import Preemption
 from localserve.engine.request_queues import RequestQueues
 from localserve.engine.sequence import Request, RequestState
+from localserve.engine.speculation import Speculation
+from localserve.engine.step_budget import StepCostModel, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
@@ -28,7 +33,11 @@ log = logging.getLogger(__name__)
 class Scheduler:
     """Holds the waiting, running and swapped requests and builds one Batch per step."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, events: EventLog | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, events: EventLog | None = None, *,
+                 speculation: Speculation | None = None, step_budget: StepTimeBudget | None = None,
+                 step_cost: StepCostModel | None = None) -> None:
+        """`speculation` drafts for the decodes, `step_budget` bounds the prefill in time; both read
+        `step_cost` (the step budget's own when not given), which `observe_step` feeds."""
         self.config = config
         self.block_manager = block_manager
         self.events = events if events is not None else EventLog()
@@ -38,6 +47,9 @@ class Scheduler:
                                      self.queues)
         self.admission = Admission(config.max_num_seqs, block_manager, self.events, self.queues, self.filler)
         self._with_followers: list[Request] = []  # requests whose samples wait for their leader's prefill
+        self.speculation = speculation
+        self.step_budget = step_budget
+        self.step_cost = step_cost if step_cost is not None or step_budget is None else step_budget.cost
 
     def add(self, request: Request) -> None:
         self.queues.add(request)
@@ -53,6 +65,13 @@ class Scheduler:
             self._fail(unfit, batch, f"the KV pool ({self.block_manager.num_blocks} blocks) is too small for "
                                      f"this request's {len(unfit.live_seqs)} sequences")
         slots_in_use, prefills = self.filler.add_decodes(batch, self.queues.running)
+        if self.speculation is not None or self.step_budget is not None:
+            block_size = self.block_manager.block_size
+            decodes = batch.shape(block_size)
+            if self.speculation is not None:
+                self.speculation.add_drafts(batch, decodes)
+            if self.step_budget is not None:
+                batch.limit_prefill(self.step_budget.prefill_tokens(decodes, batch.shape(block_size)))
         for request, seq in prefills:  # prefill chunks of running requests, arrival order
             self.filler.add_prefill(batch, request, seq)
         if not batch.preempted:
@@ -67,11 +86,18 @@ class Scheduler:
         mark_computed = self.block_manager.mark_computed
         for row in batch.rows:
             seq = row.seq
-            num_computed = seq.num_computed_tokens + row.query_len
+            # A verify row's drafted tokens count once accepted (engine/speculation.py, `commit`).
+            num_computed = seq.num_computed_tokens + row.query_len - row.num_draft_tokens
             seq.num_computed_tokens = num_computed
             mark_computed(seq.seq_id, num_computed)
         if self._with_followers:
             self._catch_up_followers()
+
+    def observe_step(self, batch: Batch, duration_s: float) -> None:
+        """The step of `batch` took `duration_s` (drafting included): the cost model learns from it."""
+        if self.step_cost is not None:
+            drafting_s = self.speculation.last_drafting_s if self.speculation is not None else 0.0
+            self.step_cost.observe(batch.shape(self.block_manager.block_size), max(0.0, duration_s - drafting_s))
 
     def finish(self, request: Request) -> None:
         """Take a request out of its queue, free the blocks of its live sequences, and drop their rows."""
@@ -83,6 +109,8 @@ class Scheduler:
         request.followers = []
         for seq in request.seqs:
             seq.decode_row = None  # it refers back to the sequence (Sequence.decode_row)
+            if self.speculation is not None:
+                self.speculation.release(seq)
 
     def _catch_up_followers(self) -> None:
         """Followers take the blocks their leader has computed; a request whose followers all caught up

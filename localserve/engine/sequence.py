@@ -11,6 +11,7 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from localserve.engine.sampling_params import SamplingParams
+from localserve.engine.spec_state import SpecState
 from localserve.engine.step import SeqChunk
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class Sequence:
     # beam), so that nothing of a finished request waits for the cyclic garbage collector.
     decode_row: ScheduledRow | None = None
     decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
+    speculation: SpecState | None = None  # its speculative decoding, from its first draft on
     text: str = ""  # detokenized output so far (stop strings cut off)
     num_emitted_chars: int = 0  # text already reported to a streaming client
     num_emitted_tokens: int = 0
@@ -195,9 +197,11 @@ class Request:
 @dataclass(eq=False, slots=True)
 class ScheduledRow:
     """One sequence's row of a step: its request, the sequence, its query tokens and its chunk for the
-    model runner. `query_len` is len(chunk.token_ids), kept as a field: every row of a step reads it."""
+    model runner. `query_len` is len(chunk.token_ids), kept as a field: every row of a step reads it.
+    A verify row (speculative decoding) is a decode row whose last `num_draft_tokens` tokens are a draft."""
 
     request: Request
     seq: Sequence
     query_len: int
     chunk: SeqChunk
+    num_draft_tokens: int = 0

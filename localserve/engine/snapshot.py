@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from localserve.engine.speculation import SpecTotals, spec_totals
+
 if TYPE_CHECKING:
     from localserve.engine.events import EventLog
     from localserve.engine.scheduler import Scheduler
@@ -59,6 +61,11 @@ class Gauges:
     num_free_cpu_blocks: int
     last_step_s: float
     last_step_tokens: int
+    # Speculative decoding since the engine started (0 without it): accepted over drafted tokens, and the
+    # tokens a verification yields on average (the accepted ones and the target's own).
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    step_limit_s: float = 0.0  # the time budget (--max-step-ms) of the last step that had one; 0: none yet
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,9 @@ class Counters:
     cached_block_evictions: int
     num_requests_finished: int
     num_requests_failed: int
+    spec_num_drafts: int = 0  # verify rows
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,8 @@ class RequestSnapshot:
     cpu_block_tables: list[list[int]]  # each live sequence's swap-pool blocks while it is swapped out, else none
     constrained: bool  # the request has a grammar (SamplingParams.grammar)
     num_reasoning_seqs: int  # live sequences inside their reasoning block (SamplingParams.reasoning_end)
+    spec_acceptance_rate: float = 0.0  # its sequences' accepted over drafted tokens (0: no draft yet)
+    spec_mean_accepted_length: float = 0.0  # tokens per verification (0: none yet)
 
 
 @dataclass(frozen=True)
@@ -119,16 +131,21 @@ class EngineSnapshot:
 
 
 def read_stats(engine: EngineState) -> EngineStats:
-    queues, preemption, bm = engine.scheduler.queues, engine.scheduler.preemption, engine.block_manager
+    scheduler = engine.scheduler
+    queues, preemption, bm = scheduler.queues, scheduler.preemption, engine.block_manager
     last = engine.step_history[-1] if engine.step_history else None
+    spec = scheduler.speculation.totals if scheduler.speculation is not None else SpecTotals()
     gauges = Gauges(len(queues.running), len(queues.waiting), len(queues.swapped), bm.usage_ratio,
                     bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks, bm.num_free_cpu_blocks,
-                    last.duration_s if last else 0.0, last.num_tokens if last else 0)
+                    last.duration_s if last else 0.0, last.num_tokens if last else 0, spec.acceptance_rate,
+                    spec.mean_accepted_length,
+                    scheduler.step_budget.last_limit_s if scheduler.step_budget is not None else 0.0)
     by_mode = preemption.num_preemptions_by_mode
     counters = Counters(engine.num_steps, preemption.num_preemptions, by_mode["recompute"], by_mode["swap"],
                         preemption.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
                         engine.num_prompt_tokens, engine.num_generation_tokens, bm.cow_copies,
-                        bm.cached_block_evictions, engine.num_requests_finished, engine.num_requests_failed)
+                        bm.cached_block_evictions, engine.num_requests_finished, engine.num_requests_failed,
+                        spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
     return EngineStats(gauges, counters)
 
 
@@ -146,11 +163,13 @@ def _request_snapshot(engine: EngineState, request: Request, queue: str, now: fl
     elapsed = now - request.first_token_time if request.first_token_time is not None else 0.0
     # A request preempted by recompute holds no blocks (and has nothing computed); one swapped out holds CPU blocks.
     tables = [engine.block_manager.block_table(seq.seq_id) for seq in live] if queue != "waiting" else []
+    spec = spec_totals(seq.speculation for seq in request.seqs)
     return RequestSnapshot(request.label, state, prompt_len, computed, num_output, len(live),
                            request.num_preemptions, request.num_cached_tokens,
                            num_output / elapsed if elapsed > 0 else 0.0,
                            tables if queue == "running" else [], tables if queue == "swapped" else [],
-                           request.params.grammar is not None, sum(seq.in_reasoning for seq in live))
+                           request.params.grammar is not None, sum(seq.in_reasoning for seq in live),
+                           spec.acceptance_rate, spec.mean_accepted_length)
 
 
 def read_snapshot(engine: EngineState) -> EngineSnapshot:

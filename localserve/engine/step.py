@@ -24,6 +24,9 @@ class SeqChunk:
     # Names the sequence across steps, so the runner can keep its table and copy only what changed
     # (engine/block_tables.py); None: a one-off chunk whose table is copied whole.
     seq_id: int | None = None
+    # A verify row of speculative decoding: its last `num_draft_tokens` tokens are a draft, and the logits of
+    # each of them and of the token before are wanted (num_draft_tokens + 1 rows, in order).
+    num_draft_tokens: int = 0
     # An embedding prompt's chunk: the runner returns its tokens' final hidden states (ModelRunner.execute_pooled).
     needs_hidden: bool = False
 
@@ -35,6 +38,9 @@ class SeqChunk:
 @dataclass(slots=True)
 class StepInput:
     """Everything the model runner needs for one forward pass, block moves included.
+
+    The logits come back one row per chunk with `needs_logits`, in chunk order: its last token's, or, for a
+    verify row, its last `num_draft_tokens + 1` tokens'.
 
     The runner makes the block moves first, in this order: swap-out, swap-in, copy-on-write; then the
     forward pass writes into blocks those moves may just have freed or filled. The scheduler keeps the

@@ -19,6 +19,8 @@ In an engine step the calls come in this order:
    first, then swap-in, then copy-on-write, and only then runs the forward pass.
 2. After the forward pass: `mark_computed(seq_id, n)`, n = tokens whose KV is now written. Only then
    do full blocks enter the prefix cache. Forks (parallel samples, beams) come after this.
+3. After sampling a speculative verify row (its drafted tokens appended in step 1, only its last real
+   token marked computed in step 2): `truncate` to the accepted tokens, then `mark_computed` them.
 """
 
 from __future__ import annotations
@@ -346,6 +348,31 @@ class BlockManager:
             if self._followers.leads(seq_id):
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
+
+        The blocks past the kept tokens lose one count each (last first) and join the free queue's tail.
+        When blocks go, the sequence's table becomes a new list (see `live_block_table`).
+        Only uncomputed tokens can go (`num_computed_tokens <= num_tokens`): a block enters the prefix cache
+        only once full of computed tokens, so none that held a dropped token is registered under any key,
+        and the kept last block is written again only past the kept tokens. A shared token list
+        (`share_token_ids`) is its owner's to shorten; a copy is shortened here.
+        """
+        seq = self._gpu_seq(seq_id)
+        if not max(1, seq.num_computed_tokens) <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
+                             f"{seq.num_tokens}] tokens, got {num_tokens}")
+        num_blocks = self._num_blocks_for(num_tokens)
+        dropped = seq.block_table[num_blocks:]
+        if dropped:
+            # A new list: a table that shrank is never the same list grown back (whoever mirrors tables by
+            # list, as the model runner does, sees another list and reads it whole).
+            seq.block_table = seq.block_table[:num_blocks]
+            self._release_blocks(dropped)
+        if not seq.shares_token_ids:
+            del seq.token_ids[num_tokens:]
+        seq.num_tokens = num_tokens
 
     def fork(self, parent_seq_id: int, child_seq_id: int, child_token_ids: list[int] | None = None) -> None:
         """Make `child_seq_id` a copy of the parent sharing all its blocks (each ref count + 1). The

@@ -39,7 +39,12 @@ class _EngineStatsCollector(Collector):
                  gauges.kv_cache_usage_ratio),
                 ("num_requests_running", "Requests in the running batch.", gauges.num_requests_running),
                 ("num_requests_waiting", "Requests waiting for admission (preempted ones included).",
-                 gauges.num_requests_waiting + gauges.num_requests_swapped)):
+                 gauges.num_requests_waiting + gauges.num_requests_swapped),
+                ("spec_decode_acceptance_rate", "Speculative decoding: drafted tokens accepted over drafted tokens, "
+                 "since the server started (0 without speculation).", gauges.spec_acceptance_rate),
+                ("spec_decode_mean_accepted_length", "Speculative decoding: tokens one verification yields on "
+                 "average, the accepted drafted ones and the model's own (0 without speculation).",
+                 gauges.spec_mean_accepted_length)):
             family = GaugeMetricFamily(f"{PREFIX}_{name}", documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family

@@ -86,9 +86,17 @@ class StepChecker:
             assert any(seq is row.seq for seq in row.request.seqs), f"seq {row.seq.seq_id} is not its row's request's"
             assert row.chunk.seq_id == row.seq.seq_id and row.query_len == len(row.chunk.token_ids) > 0, \
                 f"seq {row.seq.seq_id}: its row's chunk is another's, or of another length"
-        lens = [row.query_len for row in batch.rows]
-        assert batch.num_tokens == sum(lens) and batch.num_prefill_tokens == sum(q for q in lens if q > 1), \
-            f"the batch counts {batch.num_tokens} tokens, {batch.num_prefill_tokens} in prefills; its rows: {lens}"
+            if row.num_draft_tokens:  # a verify row: a decode row whose last num_draft_tokens tokens are a draft
+                assert row.chunk.num_draft_tokens == row.num_draft_tokens and row.chunk.needs_logits and \
+                    row.seq.num_computed_tokens == row.chunk.start_pos == len(row.seq.token_ids) - row.query_len, \
+                    f"seq {row.seq.seq_id}: a verify row that is no decode row and its draft"
+        lens = [row.query_len for row in batch.rows if not row.num_draft_tokens]
+        drafted = sum(row.num_draft_tokens for row in batch.rows)
+        num_verified = sum(row.query_len for row in batch.rows if row.num_draft_tokens)
+        assert batch.num_tokens == sum(lens) + num_verified and batch.num_draft_tokens == drafted and \
+            batch.num_prefill_tokens == sum(q for q in lens if q > 1), \
+            f"the batch counts {batch.num_tokens} tokens, {batch.num_prefill_tokens} in prefills, " \
+            f"{batch.num_draft_tokens} drafted; its rows: {[row.query_len for row in batch.rows]}, {drafted} drafted"
 
     def check_moves(self, batch: Batch) -> None:
         step, bm = batch.step_input, self.engine.block_manager

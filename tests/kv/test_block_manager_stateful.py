@@ -4,9 +4,13 @@ Besides `check_integrity()`, the machine keeps a model of the KV pool itself: ev
 and CPU block holds the prefix of tokens whose KV it stands for. Writing a step's KV, making the block
 copies the manager returns (copy-on-write, swap out, swap in) and reading a prefix hit then prove
 end to end that no sequence ever reads KV other than its own, and that no shared block is written.
+Speculative drafts are appended, their KV written, and truncated back to the accepted tokens; a block
+in the prefix cache must then hold the KV of exactly the tokens its key names.
 """
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -53,6 +57,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.gpu_kv[block_id][position % self.block_size] = tuple(tokens[:position + 1])
         self.manager.mark_computed(seq_id, num_computed)
         self.num_computed[seq_id] = num_computed
+
+    def write_kv(self, seq_id: int, start: int, end: int) -> None:
+        """The forward pass writes the KV of positions [start, end), marking nothing computed."""
+        table = self.manager.block_table(seq_id)
+        tokens = self.token_ids[seq_id]
+        for position in range(start, end):
+            block_id = table[position // self.block_size]
+            assert self.manager.ref_count(block_id) == 1, f"KV written into shared block {block_id}"
+            self.gpu_kv[block_id][position % self.block_size] = tuple(tokens[:position + 1])
 
     def admit(self, token_ids: list[int]) -> None:
         manager = self.manager
@@ -139,6 +152,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.compute(seq_id, len(self.token_ids[seq_id]))
             if not self.append_one_token_each(seq_ids, data):
                 return
+
+    @precondition(lambda self: self.gpu_requests())
+    @rule(data=st.data(), num_drafted=st.integers(1, 6))
+    def verify_a_draft(self, data, num_drafted):
+        """A verify step: the sequence decodes its last token and a draft, the forward pass writes all their
+        KV, only the last real token is marked computed, then the accepted drafted tokens stay."""
+        request_id = data.draw(st.sampled_from(self.gpu_requests()))
+        seq_id = data.draw(st.sampled_from(self.requests[request_id]))
+        manager, tokens = self.manager, self.token_ids[seq_id]
+        self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1))
+        num_real = len(tokens)
+        drafted = 0
+        while drafted < num_drafted and self.append_one_token_each([seq_id], data):
+            drafted += 1
+        self.write_kv(seq_id, self.num_computed[seq_id], len(tokens))
+        manager.mark_computed(seq_id, num_real)
+        self.num_computed[seq_id] = num_real
+        num_kept = num_real + data.draw(st.integers(0, drafted))
+        available, table = manager.num_available_blocks, manager.block_table(seq_id)
+        manager.truncate(seq_id, num_kept)
+        num_blocks_kept = -(-num_kept // self.block_size)
+        assert manager.block_table(seq_id) == table[:num_blocks_kept]
+        dropped = table[num_blocks_kept:]
+        assert manager.num_available_blocks - available == len(dropped)
+        assert manager.free_queue_block_ids()[len(manager.free_queue_block_ids()) - len(dropped):] == dropped[::-1]
+        del tokens[num_kept:]
+        self.compute(seq_id, data.draw(st.integers(num_real, num_kept)))  # the accepted tokens' KV is theirs
 
     @precondition(lambda self: self.gpu_requests())
     @rule(data=st.data())
@@ -232,6 +272,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def pools_are_consistent(self):
         self.manager.check_integrity()
+
+    @invariant()
+    def a_cached_block_holds_the_kv_of_the_tokens_its_key_names(self):
+        books = self.manager.books()
+        for block_id, content in enumerate(books.block_contents):
+            if content is not None:
+                tokens = struct.unpack(f"<{self.block_size}q", content[-8 * self.block_size:])
+                held = [slot[-1] if slot else None for slot in self.gpu_kv[block_id]]
+                assert held == list(tokens), f"block {block_id} holds the KV of {held}, its key names {tokens}"
 
     @invariant()
     def each_sequence_holds_exactly_its_tokens_and_reads_its_own_kv(self):
