@@ -21,22 +21,15 @@ from pydantic import TypeAdapter
 from websockets.asyncio.client import connect
 
 from tests.helpers.server import collect_response, make_llm, running_server, wait_until_idle
-from tests.helpers.tool_models import THINKING_TEMPLATE, hermes_call, write_tool_model
+from tests.helpers.tool_models import ANSWER, CALLS, QUESTION, THINKING_TEMPLATE, TIME, WEATHER, write_tool_model
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
-WEATHER = hermes_call("get_weather", {"city": "Paris"})
-TIME = hermes_call("get_time", {"zone": "CET"})
-CUT = WEATHER.index("Par") + 3  # inside the city's string: a piece may start where the grammar leaves a choice
-CALLS = ["<think>\nI should look.\n</think>\n\n", WEATHER[:CUT], WEATHER[CUT:], "\n", TIME]
-ANSWER = ["<think>\nBoth came.\n</think>\n\n", "It is sunny ", "at noon."]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
-# long enough for full 16-token blocks: the follow-up's prompt begins with them
-QUESTION = "what is the weather in paris and what time is it there " * 4
 EXPECTED_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
 
 
