@@ -94,6 +94,11 @@ def test_tool_choice_none_offers_no_tools(client):
     assert answer.message.tool_calls is None and answer.finish_reason == "stop"
     assert answer.message.content == WEATHER + "\n" + TIME  # no tools offered: the text is the answer
     assert answer.message.reasoning_content == "I should look."
+    with client.chat.completions.stream(model="tools", messages=[{"role": "user", "content": QUESTION}],
+                                        temperature=0, tools=TOOLS, tool_choice="none") as stream:
+        final = stream.get_final_completion().choices[0]
+    assert (final.message.content, final.message.tool_calls, final.finish_reason) == (WEATHER + "\n" + TIME, None,
+                                                                                      "stop")
 
 
 def test_parallel_calls_stream_with_distinct_indexes_id_and_name_first(client):
