@@ -13,14 +13,8 @@ from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.grammar import GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
+from tests.helpers.schemas import PERSON
 from tests.helpers.tokenizers import smollm2_tokenizer
-
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],
-          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 30},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "city": {"type": "string", "minLength": 1, "maxLength": 30},
-                         "hobbies": {"type": "array", "maxItems": 3,
-                                     "items": {"type": "string", "minLength": 1, "maxLength": 20}}}}
 
 
 @pytest.mark.slow

@@ -158,15 +158,18 @@ class Outcome:
 
 
 class RecordingEngineThread(EngineThread):
-    """Keeps each submission's SamplingParams and answers it at once: every sample stops with no text."""
+    """Keeps each submission's SamplingParams (and prompt) and answers it at once: every sample stops with no
+    text."""
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self.submitted: list[SamplingParams] = []
+        self.prompts: list[list[int]] = []
 
     def submit(self, prompt_token_ids, params, on_output, request_id=None):
         request_id = request_id or f"recorded-{len(self.submitted)}"
         self.submitted.append(params)
+        self.prompts.append(list(prompt_token_ids))
         samples = [CompletionOutput(index, "", [], None, "stop") for index in range(params.n)]
         on_output(RequestOutput(request_id, list(prompt_token_ids), samples, True))
         return request_id

@@ -69,3 +69,14 @@ def write_tool_model(folder: Path, calls: list[str], answer: list[str], template
         successor[script[-1]] = EOS
     _write_weights(folder, successor, context_length=1024)
     return Script(folder, ids, [EOS])
+
+
+# The scripted thinking model of the tool tests: it thinks, then calls get_weather and get_time; after the
+# results it thinks again and answers.
+WEATHER = hermes_call("get_weather", {"city": "Paris"})
+TIME = hermes_call("get_time", {"zone": "CET"})
+CUT = WEATHER.index("Par") + 3  # inside the city's string: a piece may start where the grammar leaves a choice
+CALLS = ["<think>\nI should look.\n</think>\n\n", WEATHER[:CUT], WEATHER[CUT:], "\n", TIME]
+ANSWER = ["<think>\nBoth came.\n</think>\n\n", "It is sunny ", "at noon."]
+# long enough for full 16-token blocks: the follow-up's prompt begins with them
+QUESTION = "what is the weather in paris and what time is it there " * 4

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.engine.test_constrained_default_model import PERSON
+from tests.helpers.schemas import PERSON
 from tests.helpers.server import make_llm, running_server, wait_until_idle
 
 NUM_RUNS = 20

@@ -21,22 +21,15 @@ from pydantic import TypeAdapter
 from websockets.asyncio.client import connect
 
 from tests.helpers.server import collect_response, make_llm, running_server, wait_until_idle
-from tests.helpers.tool_models import THINKING_TEMPLATE, hermes_call, write_tool_model
+from tests.helpers.tool_models import ANSWER, CALLS, QUESTION, THINKING_TEMPLATE, TIME, WEATHER, write_tool_model
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
-WEATHER = hermes_call("get_weather", {"city": "Paris"})
-TIME = hermes_call("get_time", {"zone": "CET"})
-CUT = WEATHER.index("Par") + 3  # inside the city's string: a piece may start where the grammar leaves a choice
-CALLS = ["<think>\nI should look.\n</think>\n\n", WEATHER[:CUT], WEATHER[CUT:], "\n", TIME]
-ANSWER = ["<think>\nBoth came.\n</think>\n\n", "It is sunny ", "at noon."]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
-# long enough for full 16-token blocks: the follow-up's prompt begins with them
-QUESTION = "what is the weather in paris and what time is it there " * 4
 EXPECTED_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
 
 
@@ -101,6 +94,11 @@ def test_tool_choice_none_offers_no_tools(client):
     assert answer.message.tool_calls is None and answer.finish_reason == "stop"
     assert answer.message.content == WEATHER + "\n" + TIME  # no tools offered: the text is the answer
     assert answer.message.reasoning_content == "I should look."
+    with client.chat.completions.stream(model="tools", messages=[{"role": "user", "content": QUESTION}],
+                                        temperature=0, tools=TOOLS, tool_choice="none") as stream:
+        final = stream.get_final_completion().choices[0]
+    assert (final.message.content, final.message.tool_calls, final.finish_reason) == (WEATHER + "\n" + TIME, None,
+                                                                                      "stop")
 
 
 def test_parallel_calls_stream_with_distinct_indexes_id_and_name_first(client):

@@ -18,8 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from tests.helpers.server import make_llm, running_server, wait_until_idle
-from tests.helpers.tool_models import THINKING_TEMPLATE, write_tool_model
-from tests.server.test_openai_tools import ANSWER, CALLS, QUESTION
+from tests.helpers.tool_models import ANSWER, CALLS, QUESTION, THINKING_TEMPLATE, write_tool_model
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
