@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any
 
+from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from localserve.server.access import AccessPolicy, MonitorTickets
 from localserve.server.context import ServerConfig
 from localserve.server.conversations import ConversationStore
@@ -27,13 +28,15 @@ KEY = {"Authorization": f"Bearer {API_KEY}"}
 class Api:
     """An HttpApi and the parts it is handed."""
 
-    def __init__(self, api_key: str | None = None, **config: Any) -> None:
+    def __init__(self, api_key: str | None = None, sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
+                 **config: Any) -> None:
         self.engine = RecordedEngineThread(max_model_len=200)
         self.config = ServerConfig(api_key=api_key, allowed_origins=(ORIGIN,), **config)
         metrics = ServerMetrics("served")
         conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
         self.tokenizer = CountingTokenizer()
-        models = serving_loaded(self.engine, self.tokenizer, "model", alias="served")
+        models = serving_loaded(self.engine, self.tokenizer, "model", alias="served",
+                                sampling_defaults=sampling_defaults)
         self.responses = ResponseService(models, self.config, conversations, metrics)
         policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
         self.app = HttpApi(config=self.config, access_policy=policy, models=models, responses=self.responses,

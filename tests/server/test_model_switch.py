@@ -75,7 +75,7 @@ class CheckedLoader:
 class CheckedEngine:
     def __init__(self, loaded: LoadedEngine, loader: CheckedLoader) -> None:
         self.loaded, self.loader = loaded, loader
-        self.engine, self.tokenizer = loaded.engine, loaded.tokenizer
+        self.engine, self.tokenizer, self.card = loaded.engine, loaded.tokenizer, loaded.card
 
     def unload(self) -> None:
         clean = self.loaded.pool_is_clean()

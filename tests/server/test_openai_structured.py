@@ -40,7 +40,7 @@ def test_json_schema_answers_validate_in_20_concurrent_seeded_runs_at_temperatur
 
     with running_server(llm) as server:
         answers = asyncio.run(run_all(server.port))
-        wait_until_idle(server.server.engine_thread)
+        wait_until_idle(server.server.models.serving_now().engine)
     answers, responses = answers[:NUM_RUNS], answers[NUM_RUNS:]
     for response in responses:
         assert response.status == "completed", response

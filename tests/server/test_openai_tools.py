@@ -138,7 +138,7 @@ def test_a_tool_result_turn_is_rendered_and_answered_from_the_cache(server, clie
     with pytest.raises(openai.BadRequestError) as raised:  # a result for a call nobody made
         ask(client, history + [{**results[0], "tool_call_id": "call_nobody"}], tools=TOOLS)
     assert raised.value.body["param"] == "messages" and "call_nobody" in raised.value.body["message"]
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)
 
 
 def test_reasoning_effort_none_turns_thinking_off_in_the_template(client):
@@ -204,4 +204,4 @@ def test_responses_function_calling_over_the_websocket_through_a_tool_turn(serve
     assert first[-1]["type"] == "response.completed"
     final = Response.model_validate(second[-1]["response"])
     assert final.output_text == "It is sunny at noon." and final.usage.input_tokens_details.cached_tokens > 0
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)

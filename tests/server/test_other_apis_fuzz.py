@@ -226,8 +226,8 @@ def test_other_api_bodies_never_break_the_server(server):
     one_case()
     fuzzer.reconnect()
     assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400")) >= 5, fuzzer.outcomes
-    wait_until_idle(server.server.engine_thread)
-    assert server.server.engine_thread._thread.is_alive()
+    wait_until_idle(server.server.models.serving_now().engine)
+    assert server.server.models.serving_now().engine._thread.is_alive()
     assert not server.server.http_api.in_flight
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from localserve.server.app import BackgroundServer, LocalServer
 from localserve.server.context import ServerConfig
+from localserve.server.models import serving_loaded
 from tests.helpers.chat_families import family_tokenizer, reference_tokenizer
 from tests.helpers.request_wire import CHAT, RESPONSES_HTTP, RecordingEngineThread, WireClient
 
@@ -44,7 +45,8 @@ def family(request, tiny_chat_llm):
     engine_thread = RecordingEngineThread(tiny_chat_llm.engine)
     engine_thread.start()
     tokenizer = family_tokenizer(request.param)
-    server = BackgroundServer(LocalServer(engine_thread, tokenizer, request.param, ServerConfig(port=0))).start()
+    models = serving_loaded(engine_thread, tokenizer, request.param)
+    server = BackgroundServer(LocalServer(models, ServerConfig(port=0))).start()
     client = WireClient(server.port, engine_thread)
     yield request.param, tokenizer, client, engine_thread
     client.close()

@@ -159,7 +159,7 @@ def test_new_fields_get_a_400_naming_one_of_them_or_a_well_formed_answer(server,
         assert answer["message"]
     else:
         check_answer(case, answer)
-    wait_until_idle(server.server.engine_thread)
+    wait_until_idle(server.server.models.serving_now().engine)
 
 
 PINNED = [  # (case, the param of its 400)
