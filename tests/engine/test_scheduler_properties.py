@@ -195,7 +195,7 @@ def test_scheduler_under_random_pressure(tiny):
     run_seed = int(replay) if replay else random.SystemRandom().randrange(2**32)
 
     @seed(run_seed)
-    @settings(max_examples=300, deadline=None, print_blob=True, **({"database": None} if replay else {}),
+    @settings(max_examples=150, deadline=None, print_blob=True, **({"database": None} if replay else {}),
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(workload=workloads())
     def check(workload: Workload) -> None:

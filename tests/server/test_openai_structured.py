@@ -1,7 +1,7 @@
 """Structured output over the wire on the default model, with the official `openai` SDK: `response_format`
 json_schema (strict) in 20 seeded requests at temperature 1.0, sent at once, every answer complete and valid
-against its schema (jsonschema); with them, the Responses API's `text.format` in 4 more. The engine's own
-version is tests/engine/test_constrained_default_model.py."""
+against its schema (jsonschema); with them, the Responses API's `text.format` in 4 more. (It replaces the engine-level
+version of the same 20 runs: the engine's grammar rules are tested on small models in tests/engine.)"""
 
 from __future__ import annotations
 
