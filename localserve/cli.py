@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localserve.engine.config import EngineConfig
+from localserve.engine.config import SPEC_TOKENS, EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
 from localserve.server.connection_phases import PhaseBounds
@@ -74,8 +74,9 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     s.add_argument("--spec-type", choices=("ngram", "draft"),
                    help="draft tokens to verify in one step: ngram (prompt lookup), draft (a draft model, -md); "
                         "default: off, or draft when -md is given")
-    s.add_argument("--spec-tokens", "--draft-max", type=int, default=4,
-                   help="at most this many drafted tokens a step per sequence (fewer as drafts fail)")
+    s.add_argument("--spec-tokens", "--draft-max", type=int, default=SPEC_TOKENS,
+                   help=f"at most this many drafted tokens a step per sequence (fewer as drafts fail; "
+                        f"default {SPEC_TOKENS})")
     s.add_argument("-md", "--model-draft", help="the draft model (HF folder, hub repo id or .gguf), of the model's "
                    "tokenizer")
 

@@ -30,7 +30,7 @@ from localserve.models.llama import LlamaForCausalLM
 from torch import nn
 
 from localserve.engine.builder import build_engine
-from localserve.engine.config import EngineConfig
+from localserve.engine.config import SPEC_TOKENS, EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.llm import LLM
 
@@ -90,7 +90,7 @@ def first_layers(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
 
 
 def run_cell(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, spec_type: str | None,
-             draft_model=None, spec_tokens: int = 4) -> dict:
+             draft_model=None, spec_tokens: int = SPEC_TOKENS) -> dict:
     """Run the prompts `batch` at a time on a fresh engine; output tokens per second over the whole cell."""
     config = EngineConfig(num_kv_blocks=4096, max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch),
                           spec_type=spec_type, spec_tokens=spec_tokens)
@@ -141,7 +141,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="per request at batch 1 (half at larger batches)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompts-per-cell", type=int, default=3, help="requests of a batch-1 cell, one after another")
-    parser.add_argument("--spec-tokens", type=int, default=4, help="K, drafted tokens a step at most (CLI default 4)")
+    parser.add_argument("--spec-tokens", type=int, default=SPEC_TOKENS,
+                        help=f"K, drafted tokens a step at most (the CLI's default, {SPEC_TOKENS})")
     parser.add_argument("--draft-layers", type=int, default=6, help="layers of the draft model (0: no draft rows)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--json", default="speculative", help="docs/bench/NAME.json")

@@ -10,6 +10,9 @@ from localserve.kv.formats import KVFormatSpec
 
 PREEMPTION_MODES = ("recompute", "swap")
 SPEC_TYPES = ("ngram", "draft")  # speculative decoding's drafters (engine/speculation.py)
+# Drafted tokens a step at most, by default: K = 8 gave document Q&A 2.04-2.13x on the dev CPU where K = 4
+# gave 1.80-1.99x (docs/BENCHMARKS.md); K adapts per sequence below it, so free text drafts less.
+SPEC_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class EngineConfig:
     # Speculative decoding (--spec-type, --spec-tokens): None off; "ngram" (prompt lookup) or "draft" (a
     # draft model, given to build_engine); up to spec_tokens drafted tokens a step, fewer as acceptance falls.
     spec_type: str | None = None
-    spec_tokens: int = 4
+    spec_tokens: int = SPEC_TOKENS
     # The step budget in time (--max-step-ms): None off (the library's default: offline generation has no
     # stream to keep steady); "auto": about twice the step's decodes alone; a number of milliseconds.
     max_step_ms: float | str | None = None

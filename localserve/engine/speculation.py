@@ -15,10 +15,12 @@ The rules, and why:
   rejected token is never registered in the prefix cache (kv/block_manager.py, `truncate`).
 - K adapts per sequence: each drafted token is worth its chance of being accepted (the sequence's recent
   acceptance to the power of its place in the draft) and costs one more query token of the step (the
-  step cost model's per-drafted-token estimate, and the drafter's own time per token); a token is drafted while
-  its worth over its cost beats the step's tokens over its time (so it raises the step's tokens per
+  step cost model's per-drafted-token estimate, and the drafter's own time per token); a token is drafted
+  while its worth over its cost beats the step's tokens over its time (so it raises the step's tokens per
   second), best tokens first, down to no draft at all: drafts that keep failing stop, and a batch whose
-  step already costs a token's worth per token (many streams on a CPU) drafts little.
+  step already costs a token's worth per token (many streams on a CPU) drafts little. The step's time is
+  its decodes' as measured where the fit's extrapolation is higher (`StepCostModel.estimate_decodes`):
+  priced against an overestimated step, drafted tokens look cheap.
 - A draft never preempts anyone: it takes new blocks only while more than `max_num_seqs` blocks stay
   available (what the next step's appends can need at most), and tokens only from the step's budget.
 - A draft never runs past `max_tokens` or the context: a verification yields at most K + 1 tokens, and a
@@ -196,7 +198,7 @@ class Speculation:
             return []
         cost = self.cost
         if cost.ready:
-            step_s, token_s = cost.estimate(decodes), cost.per_draft_token_s + self.drafter_s_per_token
+            step_s, token_s = cost.estimate_decodes(decodes), cost.per_draft_token_s + self.drafter_s_per_token
         else:  # in units of the step's time
             step_s, token_s = 1.0, UNLEARNT_TOKEN_SHARE
         tokens = float(decodes.num_rows)

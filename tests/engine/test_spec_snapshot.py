@@ -11,6 +11,7 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.speculation import Draft
 from localserve.server.metrics import ServerMetrics
+from tests.helpers.spec_costs import FixedStepCost
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -32,14 +33,6 @@ class HalfRight:
         pass
 
 
-class Cost:
-    ready, per_draft_token_s = True, 1e-9
-
-    @staticmethod
-    def estimate(shape) -> float:
-        return 1.0
-
-
 def test_the_snapshot_and_the_metrics_show_the_acceptance(tiny64):
     plain = build_engine(tiny64, None, EngineConfig(num_kv_blocks=32))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -48,7 +41,7 @@ def test_the_snapshot_and_the_metrics_show_the_acceptance(tiny64):
     engine = build_engine(tiny64, None, EngineConfig(num_kv_blocks=32, spec_type="ngram", spec_tokens=4,
                                                     max_step_ms="auto"))
     speculation = engine.scheduler.speculation
-    speculation.drafter, speculation.cost = HalfRight(truth), Cost()
+    speculation.drafter, speculation.cost = HalfRight(truth), FixedStepCost(step_s=1.0)
     engine.add_request(PROMPT, params)
     for _ in range(5):  # the prompt, then four verifications of 4 drafted tokens, 2 kept
         engine.step()

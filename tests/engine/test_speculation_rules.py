@@ -15,6 +15,7 @@ from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.sequence import Sequence
 from localserve.engine.speculation import Draft, DraftQuery, constrain_draft
 from tests.helpers.engine_checks import StepChecker
+from tests.helpers.spec_costs import FixedStepCost
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -34,22 +35,11 @@ class ScriptedDrafter:
         pass
 
 
-class Cost:
-    """A step cost: `per_token_share` of a decode step per drafted token."""
-
-    def __init__(self, per_token_share: float) -> None:
-        self.ready, self.per_draft_token_s = True, per_token_share
-
-    @staticmethod
-    def estimate(shape) -> float:
-        return 1.0
-
-
 def engine_with(model, drafter, per_token_share: float = 1e-6, **config):
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, check_integrity=True, spec_type="ngram",
                                                     spec_tokens=6, **config))
     engine.scheduler.speculation.drafter = drafter
-    engine.scheduler.speculation.cost = Cost(per_token_share)
+    engine.scheduler.speculation.cost = FixedStepCost(per_token_share, step_s=1.0)
     return engine
 
 
@@ -149,6 +139,29 @@ def test_a_batch_whose_step_costs_a_token_per_token_drafts_nothing(tiny64, conti
         engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     engine.run_to_completion()
     assert engine.scheduler.speculation.totals.num_drafts == 0  # its worth (<= 1) never pays 4 x 0.5
+
+
+class FitAboveMeasured(FixedStepCost):
+    """The fit puts a decode step at 1 s, measured decode-only steps at `measured_s` (seen at batch 8 on the
+    dev CPU: the fit of steps that nearly all carried a prefill chunk overestimated the decodes)."""
+
+    def __init__(self, per_draft_token_s: float, measured_s: float) -> None:
+        super().__init__(per_draft_token_s, step_s=1.0)
+        self.measured_s = measured_s
+
+    def estimate_decodes(self, shape) -> float:
+        return min(self.step_s, self.measured_s)
+
+
+@pytest.mark.parametrize("measured_s, drafts", [(1.0, True), (0.2, False)])
+def test_a_drafted_token_is_priced_against_the_measured_decode_step(tiny64, continuation, measured_s, drafts):
+    # First draft: acceptance 1/2 assumed, a token costs 0.15 s: worth it beside a 1 s step, not a 0.2 s one.
+    engine = engine_with(tiny64, ScriptedDrafter(continuation))
+    engine.scheduler.speculation.cost = FitAboveMeasured(0.15, measured_s)
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prompt
+    engine.step()  # the first decode: drafted for, or not
+    assert (engine.scheduler.speculation.totals.num_drafts > 0) is drafts
 
 
 def test_the_ngram_drafter_drafts_what_followed_the_latest_longest_match():

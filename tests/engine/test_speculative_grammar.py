@@ -24,6 +24,7 @@ from localserve.engine.sequence import Request, ScheduledRow, Sequence
 from localserve.engine.speculation import Draft, constrain_draft
 from localserve.engine.step import SeqChunk
 from tests.helpers.grammar_model import check_json, check_regex
+from tests.helpers.spec_costs import FixedStepCost
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}}, "required": ["n", "ok"],
@@ -32,16 +33,6 @@ WORDS = "[a-z]{1,6}( [a-z]{1,6}){0,3}[.!]"
 GRAMMARS = {"json": (GrammarSpec.json_schema(SCHEMA), lambda text: check_json(text, SCHEMA)),
             "regex": (GrammarSpec.regex(WORDS), lambda text: check_regex(text, WORDS)),
             "free": (None, None)}
-
-
-class FreeTokens:
-    """A step cost under which every drafted token is worth its place: every decode row drafts K tokens."""
-
-    ready, per_draft_token_s = True, 1e-9
-
-    @staticmethod
-    def estimate(shape) -> float:
-        return 1e3
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +116,7 @@ def run_all(model, tokenizer, mixed, **config) -> tuple[list, object]:
     engine = build_engine(model, tokenizer, EngineConfig(num_kv_blocks=256, max_num_seqs=32, **config),
                           draft_model=model if config.get("spec_type") == "draft" else None)
     if engine.scheduler.speculation is not None:
-        engine.scheduler.speculation.cost = FreeTokens()
+        engine.scheduler.speculation.cost = FixedStepCost()
     ids = [engine.add_request(prompt, params) for prompt, params in mixed]
     final = engine.run_to_completion()
     assert engine.is_idle_and_clean()

@@ -8,7 +8,7 @@ replayed on a model of the pool, integrity). Each output must equal the same req
 speculation in a roomy pool. The drafters: prompt lookup (n-gram); the target model itself as draft
 model (every draft accepted: stops and limits inside a draft); another random model of the same
 vocabulary (most drafts rejected). So that every length of draft occurs, whatever the machine's speed,
-the runs draft as if drafted tokens cost nothing (`FreeTokens`), each draft cut to a random length.
+the runs draft as if drafted tokens cost nothing (`FixedStepCost`), each draft cut to a random length.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from localserve.loading.hf import load_model
 from localserve.tokenizer.tokenizer import Tokenizer
 from tests.helpers.engine_checks import StepChecker
 from tests.helpers.models import write_tiny_model
+from tests.helpers.spec_costs import FixedStepCost
 
 NUM_REQUESTS = 100
 
@@ -40,18 +41,6 @@ def other_draft(tmp_path_factory):
     folder = tmp_path_factory.mktemp("draft")
     write_tiny_model(folder, "llama", seed=1, num_layers=1)
     return load_model(folder, dtype=torch.float64).model
-
-
-class FreeTokens:
-    """A step cost under which every drafted token is worth its place: the plan drafts K tokens whenever
-    the budget and the blocks allow, the same on any machine."""
-
-    ready = True
-    per_draft_token_s = 1e-9
-
-    @staticmethod
-    def estimate(shape) -> float:
-        return 1e3
 
 
 class RandomlyCut:
@@ -109,7 +98,7 @@ def run_all(model, tokenizer, requests, *, check: bool, draft_model=None, **conf
     engine = build_engine(model, tokenizer, EngineConfig(check_integrity=check, **config), draft_model=draft_model)
     speculation = engine.scheduler.speculation
     if speculation is not None:
-        speculation.cost = FreeTokens()
+        speculation.cost = FixedStepCost()
         speculation.drafter = RandomlyCut(speculation.drafter, seed=len(requests))
     checker = StepChecker(engine) if check else None
     ids = [engine.add_request(prompt, params) for prompt, params in requests]

@@ -25,6 +25,7 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampler import apply_penalties, filter_rows
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.speculation import Draft
+from tests.helpers.spec_costs import FixedStepCost
 
 VOCAB = 8
 NUM_SAMPLES = 2000
@@ -54,16 +55,6 @@ class PointMass:
 
     def release(self, seq_id):
         pass
-
-
-class AlwaysWorth:
-    """A step cost under which every drafted token is worth it: every request drafts."""
-
-    ready, per_draft_token_s = True, 1e-9
-
-    @staticmethod
-    def estimate(shape) -> float:
-        return 1e3
 
 
 PARAMS = {"temperature 1": SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
@@ -101,7 +92,7 @@ def sampled_counts(model, drafter, params: SamplingParams) -> tuple[dict[tuple[i
                           spec_tokens=2)
     engine = build_engine(model, None, config, draft_model=drafter_model(drafter))
     speculation = engine.scheduler.speculation
-    speculation.cost = AlwaysWorth()
+    speculation.cost = FixedStepCost()
     if isinstance(drafter, PointMass):
         speculation.drafter = drafter
     counts: dict[tuple[int, int], int] = {}
