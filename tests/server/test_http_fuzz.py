@@ -15,14 +15,14 @@ import json
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
+from tests.helpers.fuzzing import assert_server_whole, send_generated_requests
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
-from tests.helpers.server import CLOSING_EVENTS, running_server, wait_until_idle
+from tests.helpers.server import CLOSING_EVENTS, running_server
 
 NUM_CASES = 300
 MAX_BODY_BYTES = 16 * 1024
@@ -152,17 +152,7 @@ def server(tiny_chat_llm):
 
 def test_http_bodies_never_break_the_server(server):
     fuzzer = HttpFuzzer(server.port)
-
-    @settings(max_examples=NUM_CASES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-    @given(request=requests, drop_after=st.none() | st.integers(1, 3))
-    def one_case(request, drop_after):
-        fuzzer.send(*request, drop_after)
-
-    one_case()
-    fuzzer.reconnect()
+    send_generated_requests(fuzzer, requests, NUM_CASES)
     assert min(fuzzer.outcomes["stream"], fuzzer.outcomes["whole"], fuzzer.outcomes["400"]) >= 10, fuzzer.outcomes
     assert health_ok(server.port)
-    wait_until_idle(server.server.models.serving_now().engine)
-    assert server.server.models.serving_now().engine._thread.is_alive()
-    assert not server.server.http_api.in_flight
+    assert_server_whole(server)

@@ -19,12 +19,12 @@ from collections import Counter
 import ollama
 import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
+from tests.helpers.fuzzing import assert_server_whole, send_generated_requests
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
-from tests.helpers.server import running_server, wait_until_idle
+from tests.helpers.server import running_server
 
 NUM_CASES = 150
 MAX_BODY_BYTES = 16 * 1024
@@ -216,19 +216,9 @@ def server(tiny_chat_llm):
 
 def test_other_api_bodies_never_break_the_server(server):
     fuzzer = Fuzzer(server.port)
-
-    @settings(max_examples=NUM_CASES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-    @given(request=requests, drop_after=st.none() | st.integers(1, 3))
-    def one_case(request, drop_after):
-        fuzzer.send(*request, drop_after)
-
-    one_case()
-    fuzzer.reconnect()
+    send_generated_requests(fuzzer, requests, NUM_CASES)
     assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400")) >= 5, fuzzer.outcomes
-    wait_until_idle(server.server.models.serving_now().engine)
-    assert server.server.models.serving_now().engine._thread.is_alive()
-    assert not server.server.http_api.in_flight
+    assert_server_whole(server)
 
 
 @pytest.mark.parametrize("path, body, status, param", [
