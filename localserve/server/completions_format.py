@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from localserve.server import request_fields as fields
+from localserve.server import request_tool_fields as tool_fields
 from localserve.server.request_messages import MessageFormat
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -51,13 +52,13 @@ CHAT_COMPLETIONS = fields.WireFormat({
     "max_completion_tokens": fields.Sampling("max_tokens", preferred=True),
     "logprobs": fields.LogprobsSwitch(),
     "top_logprobs": fields.Sampling("logprobs", needs_switch=True),
-    "tools": fields.Tools(),
-    "tool_choice": fields.ToolChoiceField(),
+    "tools": tool_fields.Tools(),
+    "tool_choice": tool_fields.ToolChoiceField(),
     "parallel_tool_calls": fields.Flag("parallel_tool_calls"),
     "function_call": fields.Refused(LEGACY_FUNCTIONS, fields.one_of("auto", "none"), (str, dict)),
     "functions": fields.Refused(LEGACY_FUNCTIONS, fields.is_empty, list),
-    "response_format": fields.OutputFormatField(),
-    "reasoning_effort": fields.ReasoningEffort(),
+    "response_format": tool_fields.OutputFormatField(),
+    "reasoning_effort": tool_fields.ReasoningEffort(),
     "modalities": fields.Refused(TEXT_ONLY, _text_only, list),
     "audio": fields.Refused(TEXT_ONLY),
     "prediction": fields.Refused("predicted outputs are not used"),

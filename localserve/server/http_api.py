@@ -119,6 +119,8 @@ class HttpApi:
         page = self.web_ui is not None and method == "GET" and self.web_ui.serves(path)
         refusal = check_access(exchange.headers, self.access_policy, needs_key=method != "OPTIONS" and not page)
         if refusal is not None:
+            if refusal.code == "invalid_api_key":  # checked after the origin: a page it allows may read why
+                exchange.cors_origin = exchange.headers.get("Origin")
             raise ProtocolError(refusal.code, refusal.message, status=refusal.status)
         exchange.cors_origin = exchange.headers.get("Origin")
         if exchange.connection is not None and exchange.connection.over_limit:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,12 @@ JSON = b"application/json"
 EVENT_STREAM = b"text/event-stream; charset=utf-8"
 NDJSON = b"application/x-ndjson"
 CORS_METHODS = b"GET, POST, OPTIONS"
-CORS_HEADERS = b"Authorization, Content-Type"
+CORS_HEADERS = ("Authorization", "Content-Type")  # always allowed to an allowed origin
+# A preflight also allows the headers it asks for (Access-Control-Request-Headers), at most this many: the
+# browser SDKs send their own (OpenAI's and Anthropic's x-stainless-*, Anthropic's x-api-key and
+# anthropic-version), and the origin check, not a header list, is what keeps other pages out.
+MAX_CORS_HEADERS = 64
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
 CLOSING_ERRORS = ("request_too_large", "request_timeout", "too_many_connections")
 
 
@@ -134,7 +140,19 @@ class HttpExchange:
             self.connection.reset()
 
     def cors_preflight_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"access-control-allow-methods", CORS_METHODS), (b"access-control-allow-headers", CORS_HEADERS),
+        """A preflight's answer: the methods, the headers always allowed and those it asked for (valid
+        names, at most MAX_CORS_HEADERS of them), and how long the browser may keep it."""
+        asked = [name.strip() for name in self.headers.get("Access-Control-Request-Headers", "").split(",")]
+        allowed = list(CORS_HEADERS)
+        seen = {name.lower() for name in allowed}
+        for name in asked:
+            if len(allowed) == len(CORS_HEADERS) + MAX_CORS_HEADERS:
+                break
+            if HEADER_NAME.fullmatch(name) and name.lower() not in seen:
+                seen.add(name.lower())
+                allowed.append(name)
+        return [(b"access-control-allow-methods", CORS_METHODS),
+                (b"access-control-allow-headers", ", ".join(allowed).encode("latin-1")),
                 (b"access-control-max-age", b"600")]
 
 

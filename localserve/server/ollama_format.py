@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from localserve.server import request_fields as fields
+from localserve.server import request_tool_fields as tool_fields
 from localserve.server.request_messages import MessageFormat, parse_messages
 from localserve.server.request_model import OutputFormat, ReasoningChoice
 from localserve.server.sampling_rules import INT64_MAX
@@ -214,7 +215,7 @@ COMMON: dict[str, fields.Field] = {
 OLLAMA_CHAT = fields.WireFormat({
     "messages": OllamaMessages(),
     **COMMON,
-    "tools": fields.Tools(),
+    "tools": tool_fields.Tools(),
 }, stores=False, streams=True)
 
 OLLAMA_GENERATE = fields.WireFormat({

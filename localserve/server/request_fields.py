@@ -4,7 +4,8 @@ format's field map into a `GenerationRequest` (no I/O here).
 A `WireFormat` says, for each field of one API, what it means: a shared sampling field (`Sampling`;
 its type and bounds are in server/sampling_rules.py alone), the input (`Messages` in a
 `MessageFormat` of server/request_messages.py, or a `Prompt`), an identifier (`Text`), an output
-option (`Flag`, `Include`, `Metadata`), an object of more fields (`Nested`), a field accepted and
+option (`Flag`, `Include`, `Metadata`), tools, a tool choice, an answer's format or a reasoning effort
+(server/request_tool_fields.py), an object of more fields (`Nested`), a field accepted and
 ignored for a stated reason (`Ignored`), or a field the API carries and this server does not honour
 (`Refused`: `unsupported_parameter` as soon as its value would change the output). A field the map
 lacks is an `unknown_parameter`. A new API is a new map.
@@ -24,16 +25,14 @@ from typing import Any, ClassVar
 
 from localserve.server.request_messages import MessageFormat, parse_messages
 from localserve.server.request_model import (
-    REASONING_EFFORTS,
     GenerationRequest,
-    OutputFormat,
     ReasoningChoice,
     RequestLimits,
     SamplingChoice,
 )
 from localserve.server.sampling_rules import SAMPLING_ORDER, SAMPLING_RULES
-from localserve.server.validation import ProtocolError, check_length, check_range, check_type, check_value, shown
-from localserve.tokenizer.tools import AUTO, ChatFormatError, ToolChoice, ToolSpec
+from localserve.server.validation import ProtocolError, check_length, check_range, check_value, shown
+from localserve.tokenizer.tools import AUTO, ChatFormatError
 
 JsonType = type | tuple[type, ...]
 
@@ -299,116 +298,6 @@ class Refused(Field):
         if not self.allows(value):
             why = self.why(value) if callable(self.why) else self.why
             raise ProtocolError("unsupported_parameter", f"'{param}' is not supported: {why}", param)
-
-
-# ---------------------------------------------------------------------------------- tools, formats, reasoning
-@dataclass(frozen=True)
-class Tools(Field):
-    """An array of function tools, as chat completions nest them (`{"type": "function", "function": {"name",
-    "description", "parameters"}}`) or, `flat`, as the Responses API writes them (`{"type": "function",
-    "name", ...}`); each checked into a ToolSpec, an error naming the tool's field."""
-
-    flat: bool = False
-    shared = "tools"
-
-    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
-        value = check_value(value, list, param)
-        check_length(value, param, draft.limits.max_tools)
-        specs = []
-        for index, tool in enumerate(value):
-            where = f"{param}[{index}]"
-            if not isinstance(tool, dict):
-                raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
-            nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}
-            try:
-                specs.append(ToolSpec.from_openai(nested if self.flat else tool))
-            except ChatFormatError as error:
-                named = error.field.removeprefix("function.") if self.flat else error.field
-                at = f"{where}.{named}"
-                raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
-        draft.set("tools", tuple(specs), param)
-
-
-FUNCTION_KEYS = ("name", "description", "parameters", "strict")
-TOOL_CHOICE_MODES = ("auto", "none", "required")
-
-
-@dataclass(frozen=True)
-class ToolChoiceField(Field):
-    """`auto`, `none`, `required`, or one function: `{"type": "function", "function": {"name": ...}}` (chat
-    completions) or, `flat`, `{"type": "function", "name": ...}` (Responses)."""
-
-    flat: bool = False
-    shared = "tool_choice"
-
-    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
-        value = check_value(value, (str, dict), param)
-        if isinstance(value, str):
-            if value not in TOOL_CHOICE_MODES:
-                raise ProtocolError("invalid_value", f"'{param}' must be one of {', '.join(TOOL_CHOICE_MODES)} or a "
-                                    f"function, got {shown(value)}", param)
-            draft.set("tool_choice", ToolChoice(value), param)
-            return
-        if value.get("type") != "function":
-            raise ProtocolError("invalid_value", f"'{param}.type' must be 'function' (only function tools exist "
-                                f"here), got {shown(value.get('type'))}", f"{param}.type")
-        holder, where = (value, param) if self.flat else (value.get("function"), f"{param}.function")
-        if not isinstance(holder, dict) or not isinstance(holder.get("name"), str):
-            raise ProtocolError("invalid_type", f"'{where}.name' must be the name of one of the tools", f"{where}.name")
-        draft.set("tool_choice", ToolChoice.function(holder["name"]), param)
-        draft.set("tool_choice_name_param", f"{where}.name", param)
-
-
-@dataclass(frozen=True)
-class OutputFormatField(Field):
-    """The answer's format: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", ...}` with
-    the schema's `name`, `schema`, `strict` and `description` inside `json_schema` (chat completions'
-    `response_format`) or, `flat`, beside `type` (Responses' `text.format`). The schema must compile."""
-
-    flat: bool = False
-    shared = "output_format"
-
-    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
-        value = check_value(value, dict, param)
-        kind = value.get("type")
-        if kind == "text":
-            return
-        if kind == "json_object":
-            draft.set("output_format", OutputFormat("json_object"), param)
-            return
-        if kind != "json_schema":
-            raise ProtocolError("invalid_value", f"'{param}.type' must be 'text', 'json_object' or 'json_schema', "
-                                f"got {shown(kind)}", f"{param}.type")
-        holder, where = (value, param) if self.flat else (value.get("json_schema"), f"{param}.json_schema")
-        if not isinstance(holder, dict):
-            raise ProtocolError("invalid_type", f"'{where}' must be an object with the schema", where)
-        name = check_type(holder, "name", str, f"{where}.name")
-        strict = check_type(holder, "strict", bool, f"{where}.strict")
-        check_type(holder, "description", str, f"{where}.description")
-        schema = holder.get("schema", {})
-        if not isinstance(schema, dict):
-            raise ProtocolError("invalid_type", f"'{where}.schema' must be a JSON schema object", f"{where}.schema")
-        output_format = OutputFormat("json_schema", schema, bool(strict), name)
-        try:
-            output_format.grammar()
-        except ValueError as error:
-            raise ProtocolError("invalid_value", f"'{where}.schema' is not a usable JSON schema: {error}",
-                                f"{where}.schema") from None
-        draft.set("output_format", output_format, param)
-
-
-@dataclass(frozen=True)
-class ReasoningEffort(Field):
-    """How hard a reasoning model thinks: one of REASONING_EFFORTS; "none" turns thinking off."""
-
-    shared = "reasoning"
-
-    def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
-        value = check_value(value, str, param)
-        if value not in REASONING_EFFORTS:
-            raise ProtocolError("invalid_value", f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}, got "
-                                f"{shown(value)}", param)
-        draft.set("reasoning", ReasoningChoice(value), param)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from localserve.server import request_fields as fields
+from localserve.server import request_tool_fields as tool_fields
 from localserve.server.request_messages import MessageFormat
 from localserve.server.validation import ProtocolError, parse_json_object, shown
 
@@ -57,13 +58,13 @@ FIELDS: dict[str, fields.Field] = {
     "store": fields.Flag("store"),
     "generate": fields.Flag("generate"),
     "prompt_cache_options": fields.Nested({"prewarm": fields.Prewarm()}, open=True),
-    "tools": fields.Tools(flat=True),
-    "tool_choice": fields.ToolChoiceField(flat=True),
+    "tools": tool_fields.Tools(flat=True),
+    "tool_choice": tool_fields.ToolChoiceField(flat=True),
     "parallel_tool_calls": fields.Flag("parallel_tool_calls"),
-    "text": fields.Nested({"format": fields.OutputFormatField(flat=True), "verbosity": fields.Refused(
+    "text": fields.Nested({"format": tool_fields.OutputFormatField(flat=True), "verbosity": fields.Refused(
         "the model's length is set with max_output_tokens", fields.one_of("medium"))}, open=True),
     "reasoning": fields.Nested({
-        "effort": fields.ReasoningEffort(),
+        "effort": tool_fields.ReasoningEffort(),
         "summary": fields.Ignored("the reasoning is given whole, as the reasoning item's reasoning_text", str),
         "generate_summary": fields.Ignored("the reasoning is given whole, as the reasoning item's reasoning_text",
                                            str)}),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from openai.types.shared import ErrorObject
 
-from localserve.server.http_exchange import CLOSING_ERRORS, ClientGone, HttpExchange, error_body, sse
+from localserve.server.http_exchange import CLOSING_ERRORS, MAX_CORS_HEADERS, ClientGone, HttpExchange, error_body, sse
 from localserve.server.validation import ProtocolError
 from tests.helpers.asgi import AsgiPeer, body_messages
 
@@ -157,8 +157,42 @@ def test_a_preflight_names_the_methods_and_headers_a_browser_may_use():
     run(exchange.respond_empty(204, exchange.cors_preflight_headers()))
     assert peer.status == 204 and peer.body == b"" and peer.headers[b"content-length"] == b"0"
     assert peer.headers[b"access-control-allow-methods"] == b"GET, POST, OPTIONS"
-    assert set(peer.headers[b"access-control-allow-headers"].split(b", ")) == {b"Authorization", b"Content-Type"}
+    assert set(peer.headers[b"access-control-allow-headers"].lower().split(b", ")) == {b"authorization",
+                                                                                       b"content-type"}
     assert peer.headers[b"access-control-allow-origin"] == b"http://localhost:3000"
+
+
+# What the official SDKs send from a browser (the OpenAI and Anthropic JavaScript SDKs' own headers, the key
+# as Anthropic sends it): a preflight that leaves one out fails the request before it is sent.
+SDK_HEADERS = ("x-api-key, anthropic-version, anthropic-dangerous-direct-browser-access, x-stainless-arch, "
+               "x-stainless-lang, x-stainless-os, x-stainless-package-version, x-stainless-retry-count, "
+               "x-stainless-runtime, x-stainless-runtime-version, x-stainless-timeout, openai-beta")
+
+
+@pytest.mark.parametrize("requested, allowed", [
+    (None, {"authorization", "content-type"}),
+    ("Authorization, Content-Type", {"authorization", "content-type"}),
+    (SDK_HEADERS, {"authorization", "content-type", *SDK_HEADERS.split(", ")}),
+    ("x-api-key,anthropic-version", {"authorization", "content-type", "x-api-key", "anthropic-version"}),
+    # not header names: left out, the browser then refuses the request itself
+    ("x-ok, bad header, \u00e9t\u00e9, a:b", {"authorization", "content-type", "x-ok"}),
+    (", ,x-ok,,", {"authorization", "content-type", "x-ok"}),
+])
+def test_a_preflight_allows_the_headers_it_is_asked_for(requested, allowed):
+    peer = AsgiPeer()
+    exchange = exchange_for(peer, {"Access-Control-Request-Headers": requested} if requested is not None else None)
+    exchange.cors_origin = "http://localhost:3000"
+    run(exchange.respond_empty(204, exchange.cors_preflight_headers()))
+    assert set(peer.headers[b"access-control-allow-headers"].decode().lower().split(", ")) == allowed
+
+
+def test_a_preflight_allows_at_most_a_bounded_list_of_headers():
+    names = ", ".join(f"x-h{i}" for i in range(500))
+    peer = AsgiPeer()
+    exchange = exchange_for(peer, {"Access-Control-Request-Headers": names})
+    exchange.cors_origin = "http://localhost:3000"
+    run(exchange.respond_empty(204, exchange.cors_preflight_headers()))
+    assert len(peer.headers[b"access-control-allow-headers"].split(b", ")) == 2 + MAX_CORS_HEADERS
 
 
 def test_a_client_that_takes_a_write_in_time_gets_it_and_one_that_stops_reading_is_reset():

@@ -165,3 +165,53 @@ def finished_requests(port: int) -> int:
         families = text_string_to_metric_families(response.read().decode())
         return sum(sample.value for family in families if family.name == "localserve_e2e_request_latency_seconds"
                    for sample in family.samples if sample.name.endswith("_count"))
+
+
+class AllowedSite(BaseHTTPRequestHandler):
+    """A page of an origin the server allows (`--allowed-origins`), calling its API the way the official
+    JavaScript SDKs do from a browser: their own headers on every request, the key as Anthropic's SDK
+    sends it (`x-api-key`) and as OpenAI's does (`Authorization`). Each call goes through a real preflight."""
+
+    target_port = 0
+
+    def do_GET(self):
+        base = f"http://127.0.0.1:{self.target_port}"
+        script = f"""
+window.results = {{}};
+const call = (name, path, headers, body) => fetch('{base}' + path, {{method: 'POST',
+  headers: {{'content-type': 'application/json', 'x-stainless-lang': 'js', 'x-stainless-os': 'Linux',
+             'x-stainless-package-version': '5.0.0', 'x-stainless-retry-count': '0', ...headers}},
+  body: JSON.stringify(body)}})
+  .then((r) => r.json().then((b) => {{ results[name] = [r.status, b.type || b.object]; }}))
+  .catch((error) => {{ results[name] = 'failed: ' + error.message; }});
+call('messages', '/v1/messages', {{'x-api-key': '{API_KEY}', 'anthropic-version': '2023-06-01',
+  'anthropic-dangerous-direct-browser-access': 'true'}},
+  {{model: 'scripted', max_tokens: 4, messages: [{{role: 'user', content: 'hi'}}]}});
+call('chat', '/v1/chat/completions', {{authorization: 'Bearer {API_KEY}', 'openai-beta': 'assistants=v2'}},
+  {{model: 'scripted', max_tokens: 4, messages: [{{role: 'user', content: 'hi'}}]}});
+call('wrong key', '/v1/chat/completions', {{authorization: 'Bearer nope'}}, {{messages: []}});
+"""
+        body = f"<!doctype html><title>allowed</title><script>{script}</script>".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_allowed_origin_calls_the_api_with_the_sdks_headers(page, scripted_llm):
+    site = ThreadingHTTPServer(("127.0.0.1", 0), AllowedSite)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{site.server_address[1]}"
+    try:
+        with running_server(scripted_llm, api_key=API_KEY, allowed_origins=[origin], model_alias="scripted") as server:
+            AllowedSite.target_port = server.port
+            page.goto(f"{origin}/")
+            page.wait_for_function("() => ['messages', 'chat', 'wrong key'].every((key) => key in results)")
+            results = page.evaluate("results")
+    finally:
+        site.shutdown()
+    assert results == {"messages": [200, "message"], "chat": [200, "chat.completion"], "wrong key": [401, None]}
