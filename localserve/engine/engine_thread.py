@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (its model was unloaded, or the server is closing): a read or a request
+    asked of it now is refused at once instead of waiting for a thread that will never answer."""
+
+
 class EngineThread:
     """Owns an LLMEngine and steps it on a dedicated thread while there is work."""
 
@@ -45,6 +50,8 @@ class EngineThread:
         self._ids = iter(range(1 << 62))
         self._id_lock = threading.Lock()
         self._running = False
+        self._stopped = False  # stop() was called: nothing more is queued (under _inbox_lock)
+        self._inbox_lock = threading.Lock()
         self._consecutive_failures = 0  # steps in a row that raised outside any one request
         self._thread = threading.Thread(target=self._loop, name="localserve-engine", daemon=True)
 
@@ -53,24 +60,55 @@ class EngineThread:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._running = False
-        self._inbox.put(("wake",))
+        """End the thread after the step under way. What was queued and not handled by then (a read put while
+        the last step ran) fails with EngineStopped, as does anything asked afterwards."""
+        with self._inbox_lock:
+            self._stopped = True
+            self._running = False
+            self._inbox.put(("wake",))
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "call":
+                command[2].set_exception(EngineStopped("the engine thread has stopped"))
+            elif command[0] == "add":
+                _, request_id, prompt, _, on_output = command
+                self._deliver(on_output, RequestOutput(request_id, prompt, [], True,
+                                                       error="the engine thread has stopped"))
+
+    def _put(self, command: tuple[Any, ...]) -> None:
+        with self._inbox_lock:
+            if self._stopped:
+                raise EngineStopped("the engine thread has stopped")
+            self._inbox.put(command)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams, on_output: OutputCallback,
                request_id: str | None = None) -> str:
         """Queue a request (with EmbeddingParams an embedding request, whose one output is its final one,
-        holding the vector); raises ValueError at once if it can never run. Returns its id."""
+        holding the vector); raises ValueError at once if it can never run, EngineStopped once the thread
+        has stopped. Returns its id."""
+        if self._stopped:
+            raise EngineStopped("the engine thread has stopped")
         self.engine.validate(prompt_token_ids, params)  # reads only immutable settings: thread-safe
         if request_id is None:
             with self._id_lock:
                 request_id = f"req-{next(self._ids)}"
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, on_output))
+        self._put(("add", request_id, list(prompt_token_ids), params, on_output))
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step. Unknown ids are ignored."""
-        self._inbox.put(("abort", request_id))
+        """Stop a request; its blocks are freed before the next step. Unknown ids are ignored (and, once the
+        thread has stopped, every id: nothing holds a block any more)."""
+        with self._inbox_lock:
+            if not self._stopped:
+                self._inbox.put(("abort", request_id))
 
     def stats(self) -> Future[EngineStats]:
         """The engine's gauges and counters, read between two steps."""
@@ -90,7 +128,10 @@ class EngineThread:
         """Run fn(engine) on the engine thread between steps and give its result (for tests and tools;
         the server reads through the methods above)."""
         future: Future = Future()
-        self._inbox.put(("call", fn, future))
+        try:
+            self._put(("call", fn, future))
+        except EngineStopped as stopped:
+            future.set_exception(stopped)
         return future
 
     def _loop(self) -> None:

@@ -149,7 +149,15 @@ class HttpApi:
     async def _metrics(self, exchange: HttpExchange) -> None:
         """The server's figures, with the engine's of the model loaded last (none while no model is)."""
         now = self.models.serving_now()
-        data = self.metrics.render(await engine_result(now.engine.stats()) if now is not None else None)
+        stats = None
+        if now is not None:
+            try:
+                stats = await engine_result(now.engine.stats())
+            except Exception:
+                if self.models.serving_now() is now:
+                    raise
+                # unloaded while read (its thread refuses reads at once): the server's own figures
+        data = self.metrics.render(stats)
         await exchange.start(200, b"text/plain; version=0.0.4; charset=utf-8",
                              [(b"content-length", str(len(data)).encode())])
         await exchange.write(data, more=False)
@@ -165,10 +173,16 @@ class HttpApi:
     async def _slots(self, exchange: HttpExchange) -> None:
         """The requests and the pool of the model loaded last."""
         now = self.models.serving_now()
+        no_model = ProtocolError("no_model_loaded", "no model is loaded now: /slots shows a loaded model's",
+                                 error_type="server_error", status=503)
         if now is None:
-            raise ProtocolError("no_model_loaded", "no model is loaded now: /slots shows a loaded model's",
-                                error_type="server_error", status=503)
-        snapshot = await now.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
+            raise no_model
+        try:
+            snapshot = await now.monitor_hub.latest(MIN_MONITOR_INTERVAL_S)
+        except Exception:
+            if self.models.serving_now() is now:
+                raise
+            raise no_model from None  # unloaded while read
         await exchange.respond_json(200, slots_json(snapshot, now.monitor_hello))
 
     async def _monitor_ticket(self, exchange: HttpExchange) -> None:

@@ -103,6 +103,35 @@ def test_slots_show_the_pool_from_the_engines_snapshot():
     assert slots["blocks"]["num_blocks"] == 64 and slots["blocks"]["num_free_blocks"] == 64
 
 
+def unloaded_mid_read(api: Api) -> None:
+    """The model is unloaded while its engine is being read: its thread answers EngineStopped."""
+    from concurrent.futures import Future
+
+    def stopped_read(*args) -> Future:
+        api.app.models.unload_all()
+        future: Future = Future()
+        future.set_exception(RuntimeError("the engine thread has stopped"))
+        return future
+
+    api.engine.stats = api.engine.snapshot_and_events = stopped_read
+
+
+def test_metrics_read_while_the_model_unloads_are_the_servers_own_at_once():
+    api = Api()
+    unloaded_mid_read(api)
+    metrics = api.get("/metrics")
+    assert metrics.status == 200
+    names = {family.name for family in text_string_to_metric_families(metrics.body.decode())}
+    assert "localserve_num_connections" in names and "localserve_kv_cache_usage_ratio" not in names
+
+
+def test_slots_read_while_the_model_unloads_say_no_model_is_loaded():
+    api = Api()
+    unloaded_mid_read(api)
+    slots = api.get("/slots")
+    assert slots.status == 503 and slots.json()["error"]["code"] == "no_model_loaded"
+
+
 # ------------------------------------------------------------------ generation
 def test_a_whole_chat_completion_and_a_whole_response():
     async def main():
