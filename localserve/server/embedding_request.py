@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from localserve.server.ollama_format import parse_keep_alive
 from localserve.server.request_model import RequestLimits
 from localserve.server.validation import ProtocolError, check_length, check_range, check_type, check_value, shown
 
@@ -21,7 +22,6 @@ ENCODING_FORMATS = ("float", "base64")
 MAX_DIMENSIONS = 1 << 20  # before the model's own bound: keeps the number an int a message can show
 # Fields each API carries that change nothing here, and why.
 OPENAI_IGNORED = {"user": "an end-user id for the provider's abuse monitoring"}
-OLLAMA_IGNORED = {"keep_alive": "the served model stays loaded"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class EmbeddingRequest:
     dimensions: int | None = None  # None: the model's full size
     encoding_format: str = "float"  # "float" | "base64" (little-endian float32, as OpenAI's SDK decodes it)
     truncate: bool = False  # an input longer than the context is cut to it (Ollama's default) instead of refused
+    keep_alive_s: float | None = None  # Ollama's keep_alive (server/ollama_format.py, parse_keep_alive)
 
     @property
     def num_chars(self) -> int:
@@ -55,7 +56,7 @@ def parse_openai_embeddings(body: dict[str, Any], limits: RequestLimits) -> Embe
 
 def parse_ollama_embed(body: dict[str, Any], limits: RequestLimits) -> EmbeddingRequest:
     """Ollama's embed body (https://github.com/ollama/ollama/blob/main/docs/api.md#generate-embeddings)."""
-    _check_known(body, ("input", "model", "dimensions", "truncate", "options", *OLLAMA_IGNORED))
+    _check_known(body, ("input", "model", "dimensions", "truncate", "options", "keep_alive"))
     inputs = _inputs(body, limits, token_ids=False)
     options = check_type(body, "options", dict)
     if options:
@@ -63,8 +64,10 @@ def parse_ollama_embed(body: dict[str, Any], limits: RequestLimits) -> Embedding
         raise ProtocolError("unsupported_parameter", f"'options.{shown(name, 40)[1:-1]}' is not supported on "
                             "/api/embed (an embedding is the same whatever the sampling)", f"options.{name}")
     truncate = check_type(body, "truncate", bool)
+    keep_alive = body.get("keep_alive")
     return EmbeddingRequest(inputs, _model(body, limits), _dimensions(body), "float",
-                            truncate=True if truncate is None else truncate)
+                            truncate=True if truncate is None else truncate,
+                            keep_alive_s=None if keep_alive is None else parse_keep_alive(keep_alive, "keep_alive"))
 
 
 def _check_known(body: dict[str, Any], known: tuple[str, ...]) -> None:

@@ -85,6 +85,8 @@ class EmbeddingRoutes:
     async def embed(self, request: EmbeddingRequest, exchange: HttpExchange) -> Embeddings | None:
         """The request's vectors; None when the client went away first (its inputs are aborted)."""
         entry = self.models.find(request.model)
+        if request.keep_alive_s is not None:
+            self.models.keep_alive(entry, request.keep_alive_s)
         if self.num_running >= self.config.max_running_responses:
             raise ProtocolError("server_busy", f"the server is running its limit of "
                                 f"{self.config.max_running_responses} requests; retry later",

@@ -17,7 +17,8 @@ Loading and unloading follow one queue, in arrival order:
 - A wait is bounded (`wait_timeout_s`): past it the request fails with a reason; a failed load fails
   every request waiting for that model, with the loader's reason, and the server goes on. No waiting
   request is ever dropped without an answer.
-- A model with no request for `sleep_idle_s` is unloaded (None: never).
+- A model with no request for `sleep_idle_s` is unloaded (None: never), or for the time its last
+  `keep_alive` asked (Ollama's; `keep_alive`: 0 unloads it once its requests are over, math.inf never).
 
 The monitor follows the model loaded last (`serving_now`); `loading_state` says what is on its way.
 """
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -127,6 +129,7 @@ class _Model:
     load_started: float = 0.0
     unload_started: float = 0.0
     idle_timer: asyncio.TimerHandle | None = None
+    keep_alive_s: float | None = None  # the idle time its last request asked for (Ollama's keep_alive)
 
 
 @dataclass(eq=False)
@@ -409,12 +412,37 @@ class ModelRegistry:
         self._advance()
 
     # ------------------------------------------------------------------ idle models
+    def keep_alive(self, entry: ModelEntry, seconds: float) -> None:
+        """How long `entry`'s model stays loaded once idle, from now on (a request's `keep_alive`, which
+        Ollama lets each request set; math.inf: for good, 0: unloaded as soon as its requests are over).
+        A model handed to the registry is never unloaded."""
+        model = self._models[entry.id]
+        model.keep_alive_s = seconds
+        if model.phase is _Phase.LOADED and not model.num_leases:
+            self._arm_idle_timer(model)
+
+    def _idle_s(self, model: _Model) -> float | None:
+        """How long the model may stay idle before it is unloaded (None: for good)."""
+        idle_s = model.keep_alive_s if model.keep_alive_s is not None else self.policy.sleep_idle_s
+        return None if idle_s is None or idle_s == math.inf or self._load is None else idle_s
+
+    def expires_in(self, name: str) -> float | None:
+        """Seconds until the model `name` names is unloaded if no request comes (counted from its last
+        request's end, or from now while one runs); None: it stays loaded."""
+        model = self._models[self.find(name).id]
+        idle_s = self._idle_s(model)
+        if idle_s is None:
+            return None
+        return idle_s if model.num_leases else max(0.0, model.last_used + idle_s - time.monotonic())
+
     def _arm_idle_timer(self, model: _Model) -> None:
-        if self.policy.sleep_idle_s is None or self._load is None or model.num_leases:
-            return
         if model.idle_timer is not None:
             model.idle_timer.cancel()
-        model.idle_timer = asyncio.get_running_loop().call_later(self.policy.sleep_idle_s, self._sleep_if_idle, model)
+            model.idle_timer = None
+        idle_s = self._idle_s(model)
+        if idle_s is None or model.num_leases:
+            return
+        model.idle_timer = asyncio.get_running_loop().call_later(idle_s, self._sleep_if_idle, model)
 
     def _sleep_if_idle(self, model: _Model) -> None:
         model.idle_timer = None
@@ -423,7 +451,7 @@ class ModelRegistry:
         if self._transition is not None:  # a load or unload is under way: look again in a moment
             model.idle_timer = asyncio.get_running_loop().call_later(0.1, self._sleep_if_idle, model)
             return
-        self._start(self._unload_model(model, f"idle for {self.policy.sleep_idle_s:g} s"))
+        self._start(self._unload_model(model, f"idle for {self._idle_s(model) or 0:g} s"))
 
     # ------------------------------------------------------------------ the end
     def unload_all(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -20,8 +21,8 @@ from localserve.loading.model_folder import ModelEntry
 from localserve.server import request_fields as fields
 from localserve.server.http_exchange import HttpExchange
 from localserve.server.http_generation import HttpGeneration
-from localserve.server.models import ModelInfo, ModelLease, ModelRegistry
-from localserve.server.ollama_events import OllamaView, load_answer
+from localserve.server.models import ModelInfo, ModelLease, ModelRegistry, ModelStatus
+from localserve.server.ollama_events import OllamaView, load_answer, wire_time
 from localserve.server.ollama_format import OLLAMA_CHAT, OLLAMA_GENERATE
 from localserve.server.request_fields import WireFormat
 from localserve.server.validation import ProtocolError
@@ -59,7 +60,9 @@ class OllamaApi:
         running = []
         for info, served, engine in self.models.loaded():
             size = served.card.size_bytes + engine.facts.kv_cache_bytes
-            running.append({**model_entry(info, served.card), "size": size, "expires_at": NEVER_EXPIRES,
+            expires_in = self.models.expires_in(info.name)
+            expires_at = NEVER_EXPIRES if expires_in is None else wire_time(time.time() + expires_in)
+            running.append({**model_entry(info, served.card), "size": size, "expires_at": expires_at,
                             "size_vram": size, "context_length": served.max_model_len})
         await exchange.respond_json(200, {"models": running})
 
@@ -85,10 +88,16 @@ class OllamaApi:
 
     async def _run(self, exchange: HttpExchange, wire: WireFormat, chat: bool) -> None:
         request = await self.generation.read(exchange, wire)
-        if not request.has_input:  # Ollama's way of loading a model: loaded once this answers
-            async with self._leased(request.model) as lease:
-                return await exchange.respond_json(200, load_answer(lease.model.served_name, chat))
-        self._find(request.model)
+        entry = self._find(request.model)
+        if request.keep_alive_s is not None:  # from now on, for this model (as in Ollama)
+            self.models.keep_alive(entry, request.keep_alive_s)
+        if not request.has_input:  # Ollama's way of loading a model, and with keep_alive 0 of unloading it
+            unload = request.keep_alive_s == 0
+            if unload and self.models.status(entry) is not ModelStatus.LOADED:  # nothing to load for it
+                return await exchange.respond_json(200, load_answer(request.model or entry.id, chat, "unload"))
+            async with self._leased(request.model) as lease:  # unloaded once this lease is over
+                return await exchange.respond_json(200, load_answer(lease.model.served_name, chat,
+                                                                    "unload" if unload else "load"))
         await self.generation.run(exchange, request, lambda stream: OllamaView(stream, chat))
 
     def _find(self, name: str | None) -> ModelEntry:

@@ -11,6 +11,7 @@ that fails or is cut by a shutdown ends its stream with `{"error": ...}`, as Oll
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,15 +24,21 @@ from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, Too
 NANOSECONDS = 1_000_000_000
 
 
+def wire_time(seconds: float) -> str:
+    """A time (seconds since the epoch) as Ollama writes its timestamps (RFC 3339, UTC)."""
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
 def created_at() -> str:
-    """Now, as Ollama writes its timestamps (RFC 3339, UTC)."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    """Now, as Ollama writes its timestamps."""
+    return wire_time(time.time())
 
 
-def load_answer(model: str, chat: bool) -> dict[str, Any]:
-    """The answer to a request with nothing to say: Ollama's way of loading a model (it is loaded)."""
+def load_answer(model: str, chat: bool, done_reason: str = "load") -> dict[str, Any]:
+    """The answer to a request with nothing to say: Ollama's way of loading a model (it is loaded), or with
+    `keep_alive` 0 of unloading it (`done_reason` "unload")."""
     text = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-    return {"model": model, "created_at": created_at(), **text, "done": True, "done_reason": "load"}
+    return {"model": model, "created_at": created_at(), **text, "done": True, "done_reason": done_reason}
 
 
 def ollama_call(call: ToolCall) -> dict[str, Any]:

@@ -394,6 +394,7 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
         include_usage=values.get("include_usage", False), tools=values.get("tools", ()),
         tool_choice=values.get("tool_choice", AUTO), parallel_tool_calls=values.get("parallel_tool_calls", True),
         output_format=values.get("output_format"), reasoning=values.get("reasoning", ReasoningChoice()),
+        keep_alive_s=values.get("keep_alive_s"),
         echoed={name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
         wire_names={name: draft.names.get(name, spelled) for name, spelled in wire.wire_names.items()})
     _check_tool_choice(request, draft)

@@ -138,6 +138,7 @@ class GenerationRequest:
     parallel_tool_calls: bool = True  # False: at most one call per answer
     output_format: OutputFormat | None = None  # None: free text
     reasoning: ReasoningChoice = ReasoningChoice()
+    keep_alive_s: float | None = None  # Ollama's keep_alive: the model's idle time before unloading (inf: never)
     echoed: dict[str, Any] = field(default_factory=dict)  # what a Responses object echoes as requested
     settings: dict[str, Any] = field(default_factory=dict)  # an endpoint's own fields (request_fields.Setting)
     wire_names: Mapping[str, str] = field(default_factory=dict)  # shared field -> the format's name for it

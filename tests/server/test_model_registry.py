@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -271,6 +272,36 @@ def test_an_idle_model_is_unloaded_after_the_sleep_time_and_several_fit_when_all
     settle(registry)
     assert sorted(loads.events[2:]) == [("unload", "beta"), ("unload", "gamma")]
     assert registry.serving_now() is None
+
+
+def test_a_requests_keep_alive_sets_how_long_its_model_stays_idle(tmp_path, loop):
+    """Ollama's keep_alive: 0 unloads as soon as the model's requests are over; a time replaces the
+    server's --sleep-idle-seconds for that model from then on; math.inf keeps it loaded for good."""
+    registry, loads = folder_registry(write_models_folder(tmp_path / "models"), ModelPolicy(max_loaded_models=3,
+                                                                                           sleep_idle_s=0.2))
+    beta, gamma, alpha = (registry.find(name) for name in ("beta", "gamma", "Alpha One"))
+    registry.keep_alive(beta, 0.0)
+    registry.keep_alive(gamma, math.inf)
+    held = loop.run_until_complete(registry.acquire(beta))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert registry.status(beta) is ModelStatus.LOADED  # a request holds it
+    release(held)
+    for entry in (gamma, alpha):
+        release(loop.run_until_complete(registry.acquire(entry)))
+    settle(registry)
+    assert ("unload", "beta") in loads.events  # at once, not after the 0.2 s
+    assert registry.expires_in("gamma") is None and 0 < registry.expires_in("Alpha One") <= 0.2
+    loop.run_until_complete(asyncio.sleep(0.4))
+    settle(registry)
+    assert [name for kind, name in loads.events if kind == "unload"] == ["beta", alpha.id]
+    assert registry.status(gamma) is ModelStatus.LOADED  # for good, past the server's 0.2 s
+    async def later_request_asks() -> None:  # on the event loop, as the server calls it
+        registry.keep_alive(gamma, 0.05)  # a later request's keep_alive applies to an idle model at once
+
+    loop.run_until_complete(later_request_asks())
+    loop.run_until_complete(asyncio.sleep(0.2))
+    settle(registry)
+    assert registry.status(gamma) is ModelStatus.UNLOADED
 
 
 class RequestsNamingModels(RuleBasedStateMachine):
