@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from localserve.server import request_fields as fields
+from localserve.server import request_tool_fields as tool_fields
 from localserve.server.request_messages import MessageFormat, parse_messages
 from localserve.server.request_model import OutputFormat, ReasoningChoice
 from localserve.server.validation import ProtocolError, check_length, check_type, check_value, shown
@@ -115,13 +116,8 @@ class AnthropicTools(fields.Field):
     shared = "tools"
 
     def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
-        value = check_value(value, list, param)
-        check_length(value, param, draft.limits.max_tools)
         specs = []
-        for index, tool in enumerate(value):
-            where = f"{param}[{index}]"
-            if not isinstance(tool, dict):
-                raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
+        for where, tool in tool_fields.each_tool(value, param, draft):
             if tool.get("type", "custom") != "custom":
                 raise ProtocolError("unsupported_value", f"'{where}.type' {shown(tool.get('type'))} is not "
                                     "supported: only custom tools (the client runs them) exist here", f"{where}.type")

@@ -5,6 +5,7 @@ one of the tools; a format beside callable tools) are the parser's (`_check_tool
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +25,8 @@ class Tools(Field):
     shared = "tools"
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
-        value = check_value(value, list, param)
-        check_length(value, param, draft.limits.max_tools)
         specs = []
-        for index, tool in enumerate(value):
-            where = f"{param}[{index}]"
-            if not isinstance(tool, dict):
-                raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
+        for where, tool in each_tool(value, param, draft):
             nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}
             try:
                 specs.append(ToolSpec.from_openai(nested if self.flat else tool))
@@ -39,6 +35,17 @@ class Tools(Field):
                 at = f"{where}.{named}"
                 raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
         draft.set("tools", tuple(specs), param)
+
+
+def each_tool(value: Any, param: str, draft: RequestDraft) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The tool objects of a `tools` array (at most `max_tools`), each with the name of its place."""
+    value = check_value(value, list, param)
+    check_length(value, param, draft.limits.max_tools)
+    for index, tool in enumerate(value):
+        where = f"{param}[{index}]"
+        if not isinstance(tool, dict):
+            raise ProtocolError("invalid_type", f"'{where}' must be a tool object", where)
+        yield where, tool
 
 
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")

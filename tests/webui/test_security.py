@@ -112,13 +112,31 @@ def test_with_a_key_the_page_asks_for_it_and_the_monitor_needs_a_ticket(page, ke
     assert page.is_hidden("#key-dialog")
 
 
-class ForeignSite(BaseHTTPRequestHandler):
-    """Another origin on this machine, whose page tries the server's API and monitor."""
+class PageSite(BaseHTTPRequestHandler):
+    """Another origin on this machine, whose one page runs `script()` against the server on `target_port`."""
 
     target_port = 0
 
+    def script(self) -> str:
+        raise NotImplementedError
+
     def do_GET(self):
-        script = f"""
+        body = f"<!doctype html><title>elsewhere</title><script>{self.script()}</script>".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class ForeignSite(PageSite):
+    """A page of an origin the server does not allow, trying its API and monitor."""
+
+    def script(self) -> str:
+        return f"""
 window.results = {{}};
 fetch('http://127.0.0.1:{self.target_port}/v1/models').then((r) => {{ results.fetch = r.status; }})
   .catch((error) => {{ results.fetch = 'failed: ' + error.message; }});
@@ -130,15 +148,6 @@ const socket = new WebSocket('ws://127.0.0.1:{self.target_port}/v1/monitor');
 socket.onmessage = () => {{ results.message = true; }};
 socket.onclose = (event) => {{ results.closed = event.code; }};
 """
-        body = f"<!doctype html><title>elsewhere</title><script>{script}</script>".encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_page_of_another_origin_reads_nothing(page, server):
@@ -167,16 +176,14 @@ def finished_requests(port: int) -> int:
                    for sample in family.samples if sample.name.endswith("_count"))
 
 
-class AllowedSite(BaseHTTPRequestHandler):
+class AllowedSite(PageSite):
     """A page of an origin the server allows (`--allowed-origins`), calling its API the way the official
     JavaScript SDKs do from a browser: their own headers on every request, the key as Anthropic's SDK
     sends it (`x-api-key`) and as OpenAI's does (`Authorization`). Each call goes through a real preflight."""
 
-    target_port = 0
-
-    def do_GET(self):
+    def script(self) -> str:
         base = f"http://127.0.0.1:{self.target_port}"
-        script = f"""
+        return f"""
 window.results = {{}};
 const call = (name, path, headers, body) => fetch('{base}' + path, {{method: 'POST',
   headers: {{'content-type': 'application/json', 'x-stainless-lang': 'js', 'x-stainless-os': 'Linux',
@@ -191,15 +198,6 @@ call('chat', '/v1/chat/completions', {{authorization: 'Bearer {API_KEY}', 'opena
   {{model: 'scripted', max_tokens: 4, messages: [{{role: 'user', content: 'hi'}}]}});
 call('wrong key', '/v1/chat/completions', {{authorization: 'Bearer nope'}}, {{messages: []}});
 """
-        body = f"<!doctype html><title>allowed</title><script>{script}</script>".encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_an_allowed_origin_calls_the_api_with_the_sdks_headers(page, scripted_llm):
