@@ -278,7 +278,7 @@ def test_a_requests_keep_alive_sets_how_long_its_model_stays_idle(tmp_path, loop
     """Ollama's keep_alive: 0 unloads as soon as the model's requests are over; a time replaces the
     server's --sleep-idle-seconds for that model from then on; math.inf keeps it loaded for good."""
     registry, loads = folder_registry(write_models_folder(tmp_path / "models"), ModelPolicy(max_loaded_models=3,
-                                                                                           sleep_idle_s=0.2))
+                                                                                           sleep_idle_s=0.5))
     beta, gamma, alpha = (registry.find(name) for name in ("beta", "gamma", "Alpha One"))
     registry.keep_alive(beta, 0.0)
     registry.keep_alive(gamma, math.inf)
@@ -289,12 +289,12 @@ def test_a_requests_keep_alive_sets_how_long_its_model_stays_idle(tmp_path, loop
     for entry in (gamma, alpha):
         release(loop.run_until_complete(registry.acquire(entry)))
     settle(registry)
-    assert ("unload", "beta") in loads.events  # at once, not after the 0.2 s
-    assert registry.expires_in("gamma") is None and 0 < registry.expires_in("Alpha One") <= 0.2
-    loop.run_until_complete(asyncio.sleep(0.4))
+    assert ("unload", "beta") in loads.events  # at once, not after the 0.5 s
+    assert registry.expires_in("gamma") is None and 0 < registry.expires_in("Alpha One") <= 0.5
+    loop.run_until_complete(asyncio.sleep(0.8))
     settle(registry)
     assert [name for kind, name in loads.events if kind == "unload"] == ["beta", alpha.id]
-    assert registry.status(gamma) is ModelStatus.LOADED  # for good, past the server's 0.2 s
+    assert registry.status(gamma) is ModelStatus.LOADED  # for good, past the server's 0.5 s
     async def later_request_asks() -> None:  # on the event loop, as the server calls it
         registry.keep_alive(gamma, 0.05)  # a later request's keep_alive applies to an idle model at once
 
