@@ -136,6 +136,7 @@ def test_a_chosen_request_has_its_blocks_drawn_yellow(page, server):
         page.click("#pause")  # hold the screen: the request keeps growing meanwhile
         drawn = page.evaluate(READ_CELLS)
         label = page.get_attribute("#slots tbody tr.selected", "data-label")
+        legend = page.inner_text("#map-legend")  # while paused: once the request ends, a new frame drops it
     finally:
         request.join()
     page.click("#pause")
@@ -148,7 +149,7 @@ def test_a_chosen_request_has_its_blocks_drawn_yellow(page, server):
             assert colour == (SELECTED_COLOUR if states[block] == BlockState.USED else "#d7d700"), block
         else:
             assert colour == COLOURS[BlockState(states[block])], block
-    assert own and page.inner_text("#map-legend").endswith(f"{label}'s blocks")
+    assert own and legend.endswith(f"{label}'s blocks")
 
 
 def test_the_capacity_table_lists_the_pools_own_format_and_idle_steps_show_as_idle(page, server):
