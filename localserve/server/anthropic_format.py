@@ -23,7 +23,7 @@ from typing import Any
 from localserve.server import request_fields as fields
 from localserve.server import request_tool_fields as tool_fields
 from localserve.server.request_messages import MessageFormat, parse_messages
-from localserve.server.request_model import OutputFormat, ReasoningChoice
+from localserve.server.request_model import ReasoningChoice
 from localserve.server.validation import ProtocolError, check_length, check_type, check_value, shown
 from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 
@@ -187,13 +187,7 @@ class JsonOutput(fields.Field):
         schema = value.get("schema")
         if not isinstance(schema, dict):
             raise ProtocolError("invalid_type", f"'{param}.schema' must be a JSON schema object", f"{param}.schema")
-        output_format = OutputFormat("json_schema", schema, strict=True)
-        try:
-            output_format.grammar()
-        except ValueError as error:
-            raise ProtocolError("invalid_value", f"'{param}.schema' is not a usable JSON schema: {error}",
-                                f"{param}.schema") from None
-        draft.set("output_format", output_format, param)
+        draft.set("output_format", tool_fields.schema_format(schema, f"{param}.schema", True), param)
 
 
 class SystemPrompt(fields.Field):

@@ -60,12 +60,7 @@ class AnswerFormat(fields.Field):
                                     param)
             draft.set("output_format", OutputFormat("json_object"), param)
             return
-        output_format = OutputFormat("json_schema", value, strict=False)
-        try:
-            output_format.grammar()
-        except ValueError as error:
-            raise ProtocolError("invalid_value", f"'{param}' is not a usable JSON schema: {error}", param) from None
-        draft.set("output_format", output_format, param)
+        draft.set("output_format", tool_fields.schema_format(value, param, False), param)
 
 
 class TopK(fields.Field):

@@ -48,6 +48,16 @@ def each_tool(value: Any, param: str, draft: RequestDraft) -> Iterator[tuple[str
         yield where, tool
 
 
+def schema_format(schema: dict[str, Any], param: str, strict: bool, name: str | None = None) -> OutputFormat:
+    """An answer format of `schema`, which must compile to a grammar (else a 400 naming `param`)."""
+    output_format = OutputFormat("json_schema", schema, strict, name)
+    try:
+        output_format.grammar()
+    except ValueError as error:
+        raise ProtocolError("invalid_value", f"'{param}' is not a usable JSON schema: {error}", param) from None
+    return output_format
+
+
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 
@@ -107,13 +117,7 @@ class OutputFormatField(Field):
         schema = holder.get("schema", {})
         if not isinstance(schema, dict):
             raise ProtocolError("invalid_type", f"'{where}.schema' must be a JSON schema object", f"{where}.schema")
-        output_format = OutputFormat("json_schema", schema, bool(strict), name)
-        try:
-            output_format.grammar()
-        except ValueError as error:
-            raise ProtocolError("invalid_value", f"'{where}.schema' is not a usable JSON schema: {error}",
-                                f"{where}.schema") from None
-        draft.set("output_format", output_format, param)
+        draft.set("output_format", schema_format(schema, f"{where}.schema", bool(strict), name), param)
 
 
 @dataclass(frozen=True)
