@@ -13,7 +13,8 @@ table's "grammar masks" row is what the step spent on them: waiting after the fo
 (filled on a worker thread while the model runs) and adding them to the logits; the worker's own fill
 per step is printed under the table.
 
-    python scripts/profile_step.py [--batches 1 32 128] [--steps 16] [--constrained]
+    python scripts/profile_step.py [--batches 1 32 128] [--steps 16] [--constrained] \
+        [--dtype bfloat16] [--prompt-tokens 500]   # the serving benchmark's dtype and context lengths
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from bench_constrained import GRAMMAR
@@ -39,6 +41,7 @@ from localserve.server.response_events import ResponseStream
 from localserve.server.responses_format import RESPONSES_WEBSOCKET
 from localserve.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
+LICENSE_TEXT = Path("/usr/share/common-licenses/GPL-3").read_text()
 STAGES = ("schedule", "prepare inputs", "embedding", "norms", "q/k/v projections", "RoPE tables", "attention",
           "output projection", "MLP", "lm_head", "grammar masks", "sampling", "detokenization", "other output path",
           "sending (events + JSON)")
@@ -91,9 +94,10 @@ def hook_modules(model, clock: Clock) -> list:
     return handles
 
 
-def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock,
+def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock, prompt_tokens: int,
             constrained: bool) -> tuple[dict[str, float], float, float]:
-    engine = build_engine(model, tokenizer, EngineConfig(num_kv_blocks=max(256, batch * 8), max_num_seqs=batch,
+    num_kv_blocks = max(256, batch * (8 + prompt_tokens // 16))
+    engine = build_engine(model, tokenizer, EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=batch,
                                                       max_num_batched_tokens=max(512, batch)))
     scheduler_schedule = engine.scheduler.schedule
     engine.scheduler.schedule = clock.wrap("schedule", scheduler_schedule)
@@ -108,6 +112,8 @@ def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock,
     try:
         for index in range(batch):
             prompt = tokenizer.encode(f"Story {index}: once upon a time")
+            if prompt_tokens:
+                prompt = (prompt + tokenizer.encode(LICENSE_TEXT))[:prompt_tokens]
             params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True,
                                     grammar=GRAMMAR if constrained else None)
             request_id = engine.add_request(prompt, params)
@@ -147,18 +153,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="each prompt this long, license text after the story line (0: the story line alone)")
     parser.add_argument("--constrained", action="store_true", help="every request under a JSON-schema grammar")
     args = parser.parse_args()
     info = machine()
     print_machine(info)
-    loaded = load_model(resolve_default_model(), dtype=torch.float32)
+    loaded = load_model(resolve_default_model(), dtype=getattr(torch, args.dtype))
     tokenizer = Tokenizer.from_gguf(loaded.gguf_reader)
     results = {}
     for batch in args.batches:
         clock = Clock()
         hooks = hook_modules(loaded.model, clock)
         try:
-            per_stage, per_step, fill_s = profile(loaded.model, tokenizer, batch, args.steps, clock, args.constrained)
+            per_stage, per_step, fill_s = profile(loaded.model, tokenizer, batch, args.steps, clock,
+                                                     args.prompt_tokens, args.constrained)
         finally:
             for handle in hooks:
                 handle.remove()
@@ -174,6 +184,8 @@ def main() -> None:
         print("\nmask fill on the worker, while the model runs (median ms/step): " + ", ".join(
             f"{b} seq: {results[b]['mask_fill_s'] * 1000:.2f}" for b in args.batches))
     name = "profile_step_constrained" if args.constrained else "profile_step"
+    if args.dtype != "float32" or args.prompt_tokens:  # the documented run keeps its files
+        name += f"_{args.dtype}_prompt{args.prompt_tokens}"
     png = bar_chart(DOCS / f"{name}.png", "Where a step's time goes (ms per step)", list(STAGES),
                     {f"{b} seq": [results[b]["stages_s"][name] * 1000 for name in STAGES] for b in args.batches},
                     "ms per step", log=True)
