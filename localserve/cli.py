@@ -207,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     load = EngineLoader(settings, dtype, device, args.keep_quantized_weights,
                         args.chat_template_file.read_text() if args.chat_template_file else None)
     default = found.catalog.default
-    models = ModelRegistry(found.catalog, load, found.sampling_defaults, policy, loaded={default.id: load(default)})
+    models = ModelRegistry(found.catalog, load, found.sampling_defaults, policy, loaded={default.id: load(default)},
+                           describe=load.describe)
     try:
         server = LocalServer(models, config)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,13 +68,13 @@ class LLM:
         loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
         self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
-        self.tokenizer = _tokenizer_of(loaded, path)
+        self.tokenizer = read_tokenizer(path, loaded.gguf_reader)
         draft = None
         if draft_model is not None:
             draft_path = resolve_model_path(draft_model, offline=offline)
             draft_loaded = load_model(draft_path, dtype=dtype, device=device,
                                       keep_quantized_weights=keep_quantized_weights)
-            check_same_tokenizer(self.tokenizer, _tokenizer_of(draft_loaded, draft_path))
+            check_same_tokenizer(self.tokenizer, read_tokenizer(draft_path, draft_loaded.gguf_reader))
             draft = draft_loaded.model
         self.engine = build_engine(loaded.model, self.tokenizer, engine_config, draft_model=draft)
         settle_garbage_collector()
@@ -107,5 +108,6 @@ class LLM:
         return [final[i] for i in ids]
 
 
-def _tokenizer_of(loaded, path) -> Tokenizer:
-    return Tokenizer.from_gguf(loaded.gguf_reader) if loaded.gguf_reader else Tokenizer.from_path(path)
+def read_tokenizer(path: Path, gguf_reader=None) -> Tokenizer:
+    """The tokenizer of the model in `path`: from a .gguf's open reader, else from the folder's files."""
+    return Tokenizer.from_gguf(gguf_reader) if gguf_reader is not None else Tokenizer.from_path(path)

@@ -25,11 +25,12 @@ import torch
 from localserve.engine.config import EngineConfig
 from localserve.engine.engine_thread import EngineThread
 from localserve.engine.sampling_params import SamplingParams
-from localserve.llm import LLM
-from localserve.loading.hf import resolve_model_path
+from localserve.llm import LLM, read_tokenizer
+from localserve.loading.hf import read_model_config, resolve_model_path
 from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelCatalog, ModelEntry, find_model_paths, read_model_files
 from localserve.loading.sampling_defaults import SamplingDefaults, sampling_defaults
+from localserve.server.model_description import FileDescription
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +158,14 @@ class EngineLoader:
         if self.chat_template is not None:
             llm.tokenizer.chat_template = self.chat_template
         return LoadedEngine(entry.id, llm)
+
+    def describe(self, entry: ModelEntry) -> FileDescription:
+        """What `entry`'s files say without loading its weights (blocking: its config and tokenizer are
+        read), as this loader would serve it: its context capped alike, --chat-template-file's template."""
+        path = entry.files.path
+        config, gguf_reader = read_model_config(path)
+        tokenizer = read_tokenizer(path, gguf_reader)
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
+        return FileDescription(self.engine_config.model_len(config.context_length), config.pooling is not None,
+                               tokenizer, ModelCard.read(path, config))

@@ -60,7 +60,7 @@ def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig |
         config.num_kv_blocks if scheduler_config.preemption_mode == "swap" else 0)
     kv_cache = build_kv_cache(model, tokenizer, key_format, value_format, config.num_kv_blocks, config.block_size,
                               num_cpu_blocks)
-    max_model_len = min(config.max_model_len or model_config.context_length, model_config.context_length)
+    max_model_len = config.model_len(model_config.context_length)
     block_manager = BlockManager(config.num_kv_blocks, config.block_size, num_cpu_blocks,
                                  config.enable_prefix_caching)
     events = EventLog()

@@ -81,6 +81,10 @@ class EngineConfig:
             self.cache_type_v = KVFormatSpec.parse(self.cache_type_v)
         check_backend_name(self.attention_backend)
 
+    def model_len(self, context_length: int) -> int:
+        """The context a model of `context_length` tokens is served with: `max_model_len`, at most its own."""
+        return min(self.max_model_len or context_length, context_length)
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
                                self.preemption_mode)

@@ -115,23 +115,13 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
         keep_quantized_weights = default_keep_quantized(path, device)
     if keep_quantized_weights:
         _check_kernels_can_run(device)
-    if path.is_file() and path.suffix == ".gguf":
-        from localserve.loading.gguf import gguf_model_config, iter_gguf_weights, open_gguf
+    config, gguf_reader = read_model_config(path)
+    if gguf_reader is not None:
+        from localserve.loading.gguf import iter_gguf_weights
 
-        gguf_reader = open_gguf(path)  # parsing the metadata takes seconds: once for config, weights, tokenizer
-        config = gguf_model_config(path, gguf_reader)
         weights = iter_gguf_weights(path, config, gguf_reader, keep_quantized=keep_quantized_weights)
-    elif path.is_dir():
-        gguf_reader = None
-        config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
-                                            source=str(path / "config.json"))
-        try:
-            config = dataclasses.replace(config, pooling=folder_pooling(path, config.architecture))
-        except PoolingConfigError as exc:
-            raise ModelLoadError(str(exc)) from None
-        weights = iter_safetensors_weights(path)
     else:
-        raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
+        weights = iter_safetensors_weights(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     _stream_weights(model, weights, dtype, device, source=path)
@@ -139,6 +129,25 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
     model.eval()
     log.info("weights: %s", describe_weights(model))
     return LoadedModel(model=model, config=config, path=path, gguf_reader=gguf_reader)
+
+
+def read_model_config(path: Path) -> tuple[ModelConfig, object | None]:
+    """The config of the model in `path` (a Hugging Face folder or a .gguf file) from its metadata alone,
+    and a .gguf's open GGUFReader (None for a folder), so its weights and tokenizer are read from it
+    without parsing the file again. ModelLoadError names the file and the problem."""
+    if path.is_file() and path.suffix == ".gguf":
+        from localserve.loading.gguf import gguf_model_config, open_gguf
+
+        gguf_reader = open_gguf(path)  # parsing the metadata takes seconds: once for config, weights, tokenizer
+        return gguf_model_config(path, gguf_reader), gguf_reader
+    if path.is_dir():
+        config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
+                                            source=str(path / "config.json"))
+        try:
+            return dataclasses.replace(config, pooling=folder_pooling(path, config.architecture)), None
+        except PoolingConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
+    raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
 
 
 def _check_kernels_can_run(device: torch.device | str) -> None:

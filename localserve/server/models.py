@@ -47,6 +47,7 @@ from localserve.loading.model_folder import (
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
 from localserve.server.chat_turns import model_chat_format
 from localserve.server.context import ChatTokenizer, EngineAccess, ServedModel, engine_result
+from localserve.server.model_description import ModelDescribe, ModelDescriptions, ShownModel
 from localserve.server.monitor import MonitorHub, ServingNow, monitor_hello
 from localserve.server.validation import ProtocolError, shown
 
@@ -158,10 +159,12 @@ class ModelRegistry:
 
     def __init__(self, catalog: ModelCatalog, load: ModelLoad | None,
                  sampling_defaults: Mapping[str, SamplingDefaults], policy: ModelPolicy = ModelPolicy(),
-                 loaded: Mapping[str, LoadedModel] | None = None) -> None:
+                 loaded: Mapping[str, LoadedModel] | None = None, describe: ModelDescribe | None = None) -> None:
         """`sampling_defaults` by model id; `loaded`: models loaded already, by id. Without `load` no model is
-        ever loaded or unloaded (a server handed one loaded model)."""
+        ever loaded or unloaded (a server handed one loaded model). `describe` reads a model's description
+        from its files (`shown`); without it a model is loaded to be described."""
         self.catalog, self.policy, self._load = catalog, policy, load
+        self._descriptions = ModelDescriptions(describe) if describe is not None else None
         self._models = {entry.id: _Model(entry, sampling_defaults.get(entry.id, LLAMA_CPP_DEFAULTS))
                         for entry in catalog.entries}
         self._queue: deque[_Waiter] = deque()
@@ -270,6 +273,19 @@ class ModelRegistry:
         lease = await self.acquire(self.find(name))
         try:
             yield lease
+        finally:
+            lease.release()
+
+    async def shown(self, entry: ModelEntry) -> ShownModel:
+        """`entry`'s model as the model endpoints describe it (Ollama's /api/show): the loaded model's own,
+        else what its files say, read without loading it, so nothing is loaded or evicted for it
+        (server/model_description.py); ProtocolError (503) when its files cannot be read."""
+        model = self._models[entry.id]
+        if self._descriptions is not None and (model.phase is not _Phase.LOADED or model.serving is None):
+            return await self._descriptions.shown(entry, model.sampling_defaults)
+        lease = await self.acquire(entry)  # loaded (or, without files to read, loaded for this)
+        try:
+            return ShownModel(lease.model, getattr(lease.tokenizer, "chat_template", None))
         finally:
             lease.release()
 

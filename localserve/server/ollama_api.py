@@ -4,7 +4,7 @@ embeddings work).
 
 Generation goes through the one request model (server/ollama_format.py's field maps) and the shared
 HTTP runner; the model endpoints list every model served (server/models.py) and describe a loaded one
-from its `ModelCard` (`/api/show` loads the model it names).
+from its `ModelCard` (`/api/show` of a model not loaded reads its files: server/model_description.py).
 """
 
 from __future__ import annotations
@@ -67,18 +67,19 @@ class OllamaApi:
         await exchange.respond_json(200, {"models": running})
 
     async def _show(self, exchange: HttpExchange) -> None:
+        """A model's details, template and capabilities; one not loaded is described from its files (nothing
+        is loaded or unloaded for it)."""
         request = await self.generation.read(exchange, SHOW)
-        async with self._leased(request.model) as lease:
-            model, tokenizer = lease.model, lease.tokenizer
-            card, defaults = model.card, model.sampling_defaults
-            top_k = [f"top_k {defaults.top_k}"] if defaults.top_k is not None else []  # None: off, so not set
-            parameters = [f"temperature {defaults.temperature:g}", *top_k, f"top_p {defaults.top_p:g}",
-                          f"min_p {defaults.min_p:g}", f"num_ctx {model.max_model_len}"]
-            await exchange.respond_json(200, {
-                "modelfile": "", "parameters": "\n".join(parameters),
-                "template": getattr(tokenizer, "chat_template", None) or "",
-                "details": card_details(card), "model_info": dict(card.model_info),
-                "capabilities": model.capabilities, "modified_at": card.modified_at})
+        shown = await self.models.shown(self._find(request.model))
+        model = shown.model
+        card, defaults = model.card, model.sampling_defaults
+        top_k = [f"top_k {defaults.top_k}"] if defaults.top_k is not None else []  # None: off, so not set
+        parameters = [f"temperature {defaults.temperature:g}", *top_k, f"top_p {defaults.top_p:g}",
+                      f"min_p {defaults.min_p:g}", f"num_ctx {model.max_model_len}"]
+        await exchange.respond_json(200, {
+            "modelfile": "", "parameters": "\n".join(parameters), "template": shown.chat_template or "",
+            "details": card_details(card), "model_info": dict(card.model_info),
+            "capabilities": model.capabilities, "modified_at": card.modified_at})
 
     async def _chat(self, exchange: HttpExchange) -> None:
         await self._run(exchange, OLLAMA_CHAT, chat=True)

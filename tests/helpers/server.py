@@ -168,7 +168,8 @@ def running_models_server(models_dir: Path, load=None, policy=None, load_default
     torch.set_num_threads(1)
     default = found.catalog.default
     loaded = {default.id: load(default)} if load_default else {}
-    registry = ModelRegistry(found.catalog, load, found.sampling_defaults, policy or ModelPolicy(), loaded=loaded)
+    registry = ModelRegistry(found.catalog, load, found.sampling_defaults, policy or ModelPolicy(), loaded=loaded,
+                             describe=getattr(load, "describe", None))  # a played loader may have none
     try:
         server = BackgroundServer(LocalServer(registry, ServerConfig(port=0, **config))).start()
         try:
