@@ -245,6 +245,9 @@ class BackgroundServer:
         return self.server.port
 
     def stop(self) -> None:
+        """Close the server and its event loop (once; stopping again does nothing)."""
+        if self.loop.is_closed():
+            return
         asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)

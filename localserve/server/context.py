@@ -121,6 +121,20 @@ class EngineAccess(Protocol):
         """A snapshot, the events after `after_seq` and how many of those are gone, read together."""
 
 
+def on_event_loop(loop: asyncio.AbstractEventLoop, handle: Callable[[RequestOutput], None]
+                  ) -> Callable[[RequestOutput], None]:
+    """An engine thread's output callback that runs `handle(output)` on `loop`. Once the loop is closed
+    (the server has stopped; the engine thread stops after it) an output has nobody to go to and is
+    dropped: a step under way when the server closed, a stopped response's final output."""
+    def post(output: RequestOutput) -> None:
+        try:
+            loop.call_soon_threadsafe(handle, output)
+        except RuntimeError:  # closed, checked under the loop's own rules (no race with is_closed())
+            if not loop.is_closed():
+                raise
+    return post
+
+
 async def engine_result(future: Future[T]) -> T:
     """The result of a read the engine thread makes between two steps, waited for a bounded time."""
     return await asyncio.wait_for(asyncio.wrap_future(future), ENGINE_CALL_TIMEOUT_S)

@@ -20,7 +20,7 @@ import numpy as np
 
 from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.outputs import RequestOutput
-from localserve.server.context import ServerConfig
+from localserve.server.context import ServerConfig, on_event_loop
 from localserve.server.embedding_request import (
     EmbeddingRequest,
     check_token_ids,
@@ -181,10 +181,16 @@ class EmbeddingRoutes:
 def _settle_from_engine_thread(loop: asyncio.AbstractEventLoop,
                                future: asyncio.Future[RequestOutput]) -> Callable[[RequestOutput], None]:
     """The engine thread's callback: the final output settles `future` on the event loop."""
-    def settle(output: RequestOutput) -> None:
+    def settle(output: RequestOutput) -> None:  # on the loop
+        if not future.done():
+            future.set_result(output)
+
+    post = on_event_loop(loop, settle)
+
+    def on_output(output: RequestOutput) -> None:  # on the engine thread
         if output.finished:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(output))
-    return settle
+            post(output)
+    return on_output
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -23,7 +23,7 @@ from typing import Any
 from localserve.engine.constraints import GrammarError
 from localserve.engine.outputs import RequestOutput
 from localserve.server.chat_turns import TurnPlan, check_tool_results, plan_turn
-from localserve.server.context import ChatTokenizer, ServedModel, ServerConfig
+from localserve.server.context import ChatTokenizer, ServedModel, ServerConfig, on_event_loop
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelLease, ModelRegistry
@@ -103,7 +103,7 @@ class ResponseService:
         loop = asyncio.get_running_loop()
         try:
             lease.engine.submit(prompt_ids, params,
-                                lambda output: loop.call_soon_threadsafe(self._on_output, run, output),
+                                on_event_loop(loop, lambda output: self._on_output(run, output)),
                                 request_id=stream.response_id)
         except GrammarError as exc:  # only a turn's grammar reaches the engine
             field = plan.grammar_field if plan is not None else request.wire_name("output_format")

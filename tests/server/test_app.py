@@ -207,3 +207,40 @@ def test_shutdown_stops_listening_then_ends_every_response_with_its_final_event_
     assert http_rest.endswith(b"0\r\n\r\n")  # the chunked body ended properly before the connection closed
     assert sorted(engine.aborted) == sorted(submission.request_id for submission in engine.submissions)
     assert server.num_connections == 0 and server.responses.num_running == 0
+
+
+def test_a_response_running_when_the_server_stops_ends_without_an_error_logged(tiny_chat_llm, caplog,
+                                                                               monkeypatch):
+    """The server's event loop closes before the engine thread stops: the outputs of a step still under
+    way when it closes (a real model's step takes tens of milliseconds; here each takes 0.3 s) and the
+    abort's final output are dropped, not logged as an output callback's failure (`Event loop is
+    closed`)."""
+    import logging
+    import time
+
+    from tests.helpers.server import running_server, wait_until_idle
+
+    engine_step = tiny_chat_llm.engine.step
+
+    def slow_step():
+        time.sleep(0.3)
+        return engine_step()
+
+    monkeypatch.setattr(tiny_chat_llm.engine, "step", slow_step)
+
+    async def stream_until_a_delta(port: int) -> None:
+        client = await connect(f"ws://127.0.0.1:{port}/v1/responses")
+        await client.send(json.dumps({"type": "response.create", "input": "tell me more",
+                                      "max_output_tokens": 400, "temperature": 0}))
+        while json.loads(await client.recv())["type"] != "response.output_text.delta":
+            pass
+
+    caplog.set_level(logging.ERROR)
+    with running_server(tiny_chat_llm) as server:
+        asyncio.run(stream_until_a_delta(server.port))
+        engine_thread = server.server.models.serving_now().engine
+        server.stop()  # the loop closes with the response running
+        wait_until_idle(engine_thread)
+        time.sleep(0.5)  # the step under way, and the abort's final output, have been handed over
+        assert tiny_chat_llm.engine.is_idle_and_clean()
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from localserve.engine.outputs import RequestOutput
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.context import (
     ServedModel,
@@ -18,6 +19,7 @@ from localserve.server.context import (
     close_within,
     engine_result,
     is_loopback,
+    on_event_loop,
 )
 from localserve.server.validation import ProtocolError
 
@@ -107,3 +109,16 @@ def test_an_embedding_model_says_so_and_refuses_text():
     generation = ServedModel("alias", 512, defaults)
     generation.check_generates()
     assert generation.capabilities == ["completion"]
+
+
+def test_an_output_posted_to_the_event_loop_runs_there_and_one_after_it_closed_is_dropped():
+    loop = asyncio.new_event_loop()
+    handled = []
+    post = on_event_loop(loop, lambda output: handled.append((output.request_id, threading.get_ident())))
+    output = RequestOutput("r1", [1], [], True)
+    post(output)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert handled == [("r1", threading.get_ident())]
+    loop.close()
+    post(RequestOutput("r2", [1], [], True))  # the server has stopped: nothing raised, nothing run
+    assert [request_id for request_id, _ in handled] == ["r1"]
