@@ -9,7 +9,7 @@ with the blocks to gather and its mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +29,7 @@ class AttentionGroup:
     key_blocks: torch.Tensor  # [S, B] each sequence's first B blocks (B: the group's longest context's)
     mask: torch.Tensor  # [S, 1, Q, B * block_size] bool: causal, and keys past each context masked
     num_query: int  # Q
+    scratch: dict = field(default_factory=dict)  # the gather's buffers, reused by every layer of the step
 
 
 @dataclass
@@ -107,7 +108,8 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         num_heads, head_dim = query.shape[1:]
         for group in metadata.groups:
-            key_ctx, value_ctx = kv_cache.gather_blocks(layer, group.key_blocks)  # [S, B * block_size, Hkv, D]
+            # [S, B * block_size, Hkv, D] each, into the group's buffers (the same for every layer)
+            key_ctx, value_ctx = kv_cache.gather_blocks(layer, group.key_blocks, group.scratch)
             key_ctx, value_ctx = key_ctx.transpose(1, 2).to(query.dtype), value_ctx.transpose(1, 2).to(query.dtype)
             group_query = query[group.token_index]
             if group.num_query == 1:
