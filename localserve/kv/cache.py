@@ -120,10 +120,9 @@ class PagedKVCache:
         if self.needs_positions:
             positions = torch.arange(length, device=block_ids.device).repeat(num_seqs)
         out = []
-        for codec, store in ((self.key_codecs[layer], self.key_stores[layer]),
-                             (self.value_codecs[layer], self.value_stores[layer])):
-            # index_select on a 2-D view (a row per block) is several times faster than advanced indexing.
-            gathered = {name: self._gather(tensor, flat_blocks, scratch, (codec is self.key_codecs[layer], name))
+        for kind, codec, store in (("key", self.key_codecs[layer], self.key_stores[layer]),
+                                   ("value", self.value_codecs[layer], self.value_stores[layer])):
+            gathered = {name: self._gather(tensor, flat_blocks, scratch, (kind, name))
                         for name, tensor in store.items()}
             decoded = codec.decode(gathered, positions)
             out.append(decoded.view(num_seqs, length, *decoded.shape[1:]))
@@ -131,17 +130,18 @@ class PagedKVCache:
 
     @staticmethod
     def _gather(tensor: torch.Tensor, flat_blocks: torch.Tensor, scratch: dict[tuple, torch.Tensor] | None,
-                key: tuple) -> torch.Tensor:
+                key: tuple[str, str]) -> torch.Tensor:
+        """The blocks `flat_blocks` of one stored tensor, [N * block_size, ...]: into scratch[key, row shape]
+        when given (a new buffer when the block count changed), else into a new tensor. index_select on a
+        2-D view (a row per block) is several times faster than advanced indexing."""
         rows = tensor.view(tensor.shape[0], -1)
-        out = None
-        if scratch is not None:
-            key = (*key, rows.shape[1], tensor.dtype)
-            out = scratch.get(key)
-            if out is None or out.shape[0] != flat_blocks.numel():
-                out = scratch[key] = rows.new_empty((flat_blocks.numel(), rows.shape[1]))
-        gathered = torch.index_select(rows, 0, flat_blocks, out=out) if out is not None else (
-            torch.index_select(rows, 0, flat_blocks))
-        return gathered.view(-1, *tensor.shape[2:])
+        if scratch is None:
+            return torch.index_select(rows, 0, flat_blocks).view(-1, *tensor.shape[2:])
+        key = (*key, rows.shape[1], tensor.dtype)
+        out = scratch.get(key)
+        if out is None or out.shape[0] != flat_blocks.numel():
+            out = scratch[key] = rows.new_empty((flat_blocks.numel(), rows.shape[1]))
+        return torch.index_select(rows, 0, flat_blocks, out=out).view(-1, *tensor.shape[2:])
 
     def transform_query(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         """query [T, H, D] into the domain of this layer's gathered keys (identity unless rotated)."""

@@ -56,8 +56,7 @@ class _Described:
 
 def _read(describe: ModelDescribe, entry: ModelEntry) -> _Described:
     files = describe(entry)
-    chat_format = None if files.is_embedding else model_chat_format(files.tokenizer)
-    return _Described(files.max_model_len, files.is_embedding, chat_format,
+    return _Described(files.max_model_len, files.is_embedding, model_chat_format(files.tokenizer),
                       getattr(files.tokenizer, "chat_template", None), files.card)
 
 

@@ -31,3 +31,8 @@ def test_an_unknown_attention_backend_is_refused():
     with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: auto, torch, triton"):
         EngineConfig(attention_backend="flash")
     assert EngineConfig(attention_backend="triton").attention_backend == "triton"  # checked by name only
+
+
+@pytest.mark.parametrize("max_model_len, served", [(None, 2048), (1, 1), (2047, 2047), (2048, 2048), (2049, 2048)])
+def test_the_context_served_is_max_model_len_at_most_the_models_own(max_model_len, served):
+    assert EngineConfig(max_model_len=max_model_len).model_len(2048) == served

@@ -232,8 +232,9 @@ def test_a_response_running_when_the_server_stops_ends_without_an_error_logged(t
         client = await connect(f"ws://127.0.0.1:{port}/v1/responses")
         await client.send(json.dumps({"type": "response.create", "input": "tell me more",
                                       "max_output_tokens": 400, "temperature": 0}))
-        while json.loads(await client.recv())["type"] != "response.output_text.delta":
-            pass
+        event: dict = {}
+        while event.get("type") != "response.output_text.delta":
+            event = json.loads(await client.recv())
 
     caplog.set_level(logging.ERROR)
     with running_server(tiny_chat_llm) as server:
