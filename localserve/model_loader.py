@@ -121,8 +121,9 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def map_big_allocations_apart() -> None:
-    """From now on glibc serves every allocation of MMAP_THRESHOLD or more (a weight, a KV pool's
-    layer) from its own mapping, returned to the system when freed. By default the threshold rises to
+    """While a model loads (EngineLoader sets it before, `keep_step_allocations_in_the_heap` after) glibc
+    serves every allocation of MMAP_THRESHOLD or more (a weight, a KV pool's layer) from its own mapping,
+    returned to the system when freed. By default the threshold rises to
     the size of the largest block freed so far (up to 32 MiB), after which such blocks come from the
     threads' heaps, where freed pages stay resident: a model unloaded would leave its pool behind."""
     libc = _glibc()
@@ -134,9 +135,9 @@ def keep_step_allocations_in_the_heap() -> None:
     """From now on (a model has loaded) allocations under SERVING_MMAP_THRESHOLD come from the heap, and
     freed heap is kept: a step's activations, logits and gathered KV blocks reuse the memory the last
     step freed. With the load's 1 MiB threshold each of them was a fresh mapping whose pages faulted in
-    at every use: a 512-token prefill took 1.07-1.26 s against 0.92-0.98 s (the default model, bf16, one
-    thread). What a model holds for good (weights, KV pool) was mapped apart during its load, and its
-    unload's `release_freed_memory` trims the heap."""
+    at every use: a 512-token prefill took 1.08-1.26 s, and 0.98-1.04 s with this (medians of 3 alternated
+    runs; the default model, bf16, one thread). What a model holds for good (weights, KV pool) was
+    mapped apart during its load, and its unload's `release_freed_memory` trims the heap."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD)
