@@ -97,7 +97,10 @@ class Scheduler:
         """The step of `batch` took `duration_s` (drafting included): the cost model learns from it."""
         if self.step_cost is not None:
             drafting_s = self.speculation.last_drafting_s if self.speculation is not None else 0.0
-            self.step_cost.observe(batch.shape(self.block_manager.block_size), max(0.0, duration_s - drafting_s))
+            shape, model_s = batch.shape(self.block_manager.block_size), max(0.0, duration_s - drafting_s)
+            if self.step_budget is not None:
+                self.step_budget.observe(shape, model_s)  # before the cost model learns from the step
+            self.step_cost.observe(shape, model_s)
 
     def finish(self, request: Request) -> None:
         """Take a request out of its queue, free the blocks of its live sequences, and drop their rows."""
