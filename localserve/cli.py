@@ -68,7 +68,7 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
                         "torch, triton")
     e.add_argument("--max-step-ms", default="auto",
                    help="time budget of one step: prompts are prefilled beside the decodes only as far as keeps a "
-                        "step within it; auto (about twice the decodes alone), a number of ms, or off "
+                        "step within it; auto (twice a stream's usual gap), a number of ms, or off "
                         "(--max-num-batched-tokens stays an upper bound)")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--spec-type", choices=("ngram", "draft"),

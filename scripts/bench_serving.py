@@ -255,8 +255,10 @@ def main() -> None:
         print(markdown_table(["streams", "rate (req/s)", "requests", "TTFT p50 (ms)", "TTFT p99", "ITL p50 (ms)",
                               "ITL p90", "ITL p99", "ITL max", "E2E p50 (s)", "req/s", "output tok/s",
                               "preemptions", "ITL p99/p50"], rows))
+        raw = save_raw(args.png.stem, info, runs)  # first: the plot needs the bench extra (matplotlib)
+        print(f"\nraw numbers: {raw}")
         plot(runs, args.png)
-        print(f"\nplot: {args.png}; raw numbers: {save_raw(args.png.stem, info, runs)}")
+        print(f"plot: {args.png}")
     finally:
         if server is not None:
             server.terminate()

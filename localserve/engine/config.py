@@ -62,7 +62,7 @@ class EngineConfig:
     spec_type: str | None = None
     spec_tokens: int = SPEC_TOKENS
     # The step budget in time (--max-step-ms): None off (the library's default: offline generation has no
-    # stream to keep steady); "auto": about twice the step's decodes alone; a number of milliseconds.
+    # stream to keep steady); "auto": twice a stream's usual gap (engine/step_budget.py); a number of ms.
     max_step_ms: float | str | None = None
 
     def __post_init__(self) -> None:
