@@ -71,7 +71,10 @@ class Scheduler:
             if self.speculation is not None:
                 self.speculation.add_drafts(batch, decodes)
             if self.step_budget is not None:
-                batch.limit_prefill(self.step_budget.prefill_tokens(decodes, batch.shape(block_size)))
+                self.step_budget.start_step(decodes)
+                # Asked only with prompt tokens to place: a usual gap costs a sort of the recent steps.
+                if prefills or self.queues.waiting or self.queues.swapped:
+                    batch.limit_prefill(self.step_budget.prefill_tokens(decodes, batch.shape(block_size)))
         for request, seq in prefills:  # prefill chunks of running requests, arrival order
             self.filler.add_prefill(batch, request, seq)
         if not batch.preempted:

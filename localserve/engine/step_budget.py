@@ -117,6 +117,12 @@ class StepCostModel:
         """The estimated cost of reading one more block of context."""
         return max(0.0, self._coefficient(4))
 
+    def start_step(self, decodes: StepShape) -> None:
+        """A step's decodes are placed (before its drafts and prefill): their estimated time is what its rows
+        wait for, should the step turn out to carry more than decodes (`observe`)."""
+        ready = decodes.num_rows and self.cost.ready
+        self._decodes = (decodes.num_rows, self.cost.estimate_decodes(decodes)) if ready else None
+
     def observe(self, shape: StepShape, duration_s: float) -> None:
         """One step's measured duration."""
         if shape.num_rows == 0:
@@ -174,8 +180,8 @@ class RecentQuantile:
 class StepTimeBudget:
     """How many prefill tokens a step may add (module doc): `max_step_s` a fixed limit, or None for
     `DECODE_MULTIPLE` times a stream's usual gap (or the step's own decodes, before the usual gap is
-    known). Scheduler.observe_step shows it every step's measured time, before the cost model learns
-    from it."""
+    known). The scheduler starts every step with it (`start_step`), asks it when there are prompt tokens to
+    place, and shows it every step's measured time before the cost model learns from it (`observe`)."""
 
     def __init__(self, cost: StepCostModel, max_step_s: float | None, min_prefill_tokens: int) -> None:
         self.cost = cost
@@ -185,7 +191,7 @@ class StepTimeBudget:
         self.last_limit_s = 0.0  # the limit of the last step that had one (the monitor shows it)
         self._gaps = RecentQuantile(USUAL_GAP_STEPS, 0.5)  # each step's decodes' time, weighted by its rows
         self._overruns = RecentQuantile(MARGIN_STEPS, MARGIN_QUANTILE)  # measured / estimated, steps with prefill
-        self._decodes: tuple[int, float] | None = None  # rows and estimated time of the scheduled step's decodes
+        self._decodes: tuple[int, float] | None = None  # rows and estimated time of the started step's decodes
 
     def usual_gap_s(self) -> float | None:
         """A stream's usual gap: the median over the rows of the last `USUAL_GAP_STEPS` steps with decodes of
@@ -203,6 +209,12 @@ class StepTimeBudget:
         if len(self._overruns) < MIN_MARGIN_STEPS:
             return 1.0
         return min(MAX_MARGIN, max(MIN_MARGIN, self._overruns.value()))
+
+    def start_step(self, decodes: StepShape) -> None:
+        """A step's decodes are placed (before its drafts and prefill): their estimated time is what its rows
+        wait for, should the step turn out to carry more than decodes (`observe`)."""
+        ready = decodes.num_rows and self.cost.ready
+        self._decodes = (decodes.num_rows, self.cost.estimate_decodes(decodes)) if ready else None
 
     def observe(self, shape: StepShape, duration_s: float) -> None:
         """The step of `shape` took `duration_s`: its decodes' time joins the usual gaps; a step that
@@ -223,17 +235,14 @@ class StepTimeBudget:
         their drafts), may add; None: only the token budget bounds it (no decodes to keep steady). Before
         the cost is learnt: `UNLEARNT_PREFILL_TOKENS` (or the floor, if higher)."""
         cost = self.cost
-        self._decodes = None
         if decodes.num_rows == 0:
             return None
         if not cost.ready:
             return max(self.min_prefill_tokens, UNLEARNT_PREFILL_TOKENS)
-        decodes_s = cost.estimate_decodes(decodes)
-        self._decodes = (decodes.num_rows, decodes_s)
         limit = self.max_step_s
         if limit is None:
             usual = self.usual_gap_s()
-            limit = DECODE_MULTIPLE * (usual if usual is not None else decodes_s)
+            limit = DECODE_MULTIPLE * (usual if usual is not None else cost.estimate_decodes(decodes))
         self.last_limit_s = limit
         left = limit / self.margin - cost.estimate(now) - cost.per_row_s
         return max(self.min_prefill_tokens, int(left / cost.per_prefill_token_s))

@@ -94,7 +94,7 @@ def decode_steps(budget: StepTimeBudget, rows: int, duration_s: float, count: in
     """`count` steps of `rows` decodes, measured as the scheduler shows them (the budget, then the cost)."""
     shape = StepShape(rows, 0, 0, rows * 10)
     for _ in range(count):
-        budget.prefill_tokens(shape, shape)
+        budget.start_step(shape)
         budget.observe(shape, duration_s)
         budget.cost.observe(shape, duration_s)
     return [(duration_s, rows)] * count
@@ -159,12 +159,18 @@ def test_a_step_with_prefill_counts_its_decodes_estimated_time_not_its_own():
     cost = budget.cost
     decodes = StepShape(20, 0, 0, 200)
     for _ in range(USUAL_GAP_STEPS):
+        budget.start_step(decodes)
         budget.prefill_tokens(decodes, decodes)
         with_chunk = StepShape(21, 100, 0, 206)
         budget.observe(with_chunk, 10.0)  # a slow step: its prefill's time is not a stream's usual gap
     assert budget.usual_gap_s() == pytest.approx(cost.estimate_decodes(decodes))
-    budget.observe(StepShape(3, 0, 2, 30), 5.0)  # drafts, not scheduled by the budget: its decodes are unknown
+    budget.observe(StepShape(3, 0, 2, 30), 5.0)  # drafts, in a step not started: its decodes are unknown
     assert budget.usual_gap_s() == pytest.approx(cost.estimate_decodes(decodes))
+    verify = StepShape(3, 0, 0, 30)
+    for _ in range(USUAL_GAP_STEPS):  # steps of drafts to verify: their rows wait for the decodes' estimate
+        budget.start_step(verify)
+        budget.observe(StepShape(3, 0, 6, 30), 5.0)
+    assert budget.usual_gap_s() == pytest.approx(cost.estimate_decodes(verify))
 
 
 def test_the_usual_gap_needs_eight_steps_and_counts_the_last_128():
@@ -196,7 +202,9 @@ def test_the_usual_gap_is_the_row_weighted_median_of_the_recent_steps_decodes(st
     for rows, prefill_tokens, duration in steps:
         decodes = StepShape(rows, 0, 0, rows * 4)
         estimated = cost.estimate_decodes(decodes) if cost.ready else None
-        budget.prefill_tokens(decodes, decodes)
+        budget.start_step(decodes)
+        if prefill_tokens:
+            budget.prefill_tokens(decodes, decodes)
         shape = StepShape(rows + (prefill_tokens > 0), prefill_tokens, 0, rows * 4 + prefill_tokens / 16)
         budget.observe(shape, duration)
         cost.observe(shape, duration)
@@ -350,3 +358,27 @@ def test_the_margin_is_the_clamped_quantile_of_the_recent_prefill_steps(steps):
     # The smallest of the ratios that at least 95% of them are at or below, clamped.
     quantile = min(r for r in recent if sum(other <= r for other in recent) >= 0.95 * len(recent))
     assert budget.margin == pytest.approx(min(MAX_MARGIN, max(MIN_MARGIN, quantile)))
+
+
+def test_the_scheduler_starts_every_step_with_the_budget_and_asks_it_only_with_prompt_tokens_to_place():
+    budget = trained_budget()
+    asked = []
+    prefill_tokens = budget.prefill_tokens
+    budget.prefill_tokens = lambda decodes, now: asked.append(decodes.num_rows) or prefill_tokens(decodes, now)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), BlockManager(64, 16),
+                          step_budget=budget)
+    for i in range(3):
+        run(scheduler, make_request(i, list(range(10 + i, 30 + i)), [[5, 6, 7]], max_tokens=50))
+    before = budget.usual_gap_s()
+    batch = scheduler.schedule()  # decodes only, nothing waiting: the budget is not asked
+    assert asked == [] and query_lens(batch) == [1, 1, 1]
+    for _ in range(USUAL_GAP_STEPS):  # and each such step counts toward the usual gap
+        scheduler.observe_step(batch, 0.5)
+    assert before != pytest.approx(0.5) and budget.usual_gap_s() == pytest.approx(0.5)
+    scheduler.add(make_request(3, list(range(100, 400)), [[]], max_tokens=20))
+    scheduler.mark_computed(batch)
+    for request in scheduler.queues.running:
+        request.seqs[0].token_ids.append(9)  # what the step sampled
+    batch = scheduler.schedule()
+    assert asked == [3] and query_lens(batch)[:3] == [1, 1, 1] and query_lens(batch)[3] > 0
+    assert budget.last_limit_s == pytest.approx(2 * 0.5)  # twice the usual gap it was shown
