@@ -22,8 +22,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 serve: $(VENV)/.installed
 	$(BIN)/localserve serve $(ARGS)
 
+# pytest's own script, not `python -m pytest`, which would put this folder (kernels/, models/, tui/) first on
+# sys.path while pytest loads its plugins; the first line pytest prints is the versions it runs with.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	@$(BIN)/pytest -q --durations=25 $(ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -26,11 +26,11 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers.monitor_frames builds the frames
+from benchlib import import_test_helpers
+
+import_test_helpers()  # tests.helpers, without the repository root on sys.path
 
 from localserve.tui.app import MonitorApp  # noqa: E402
 from localserve.tui.feed import parse_hello, parse_snapshot  # noqa: E402

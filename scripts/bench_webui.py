@@ -29,10 +29,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchlib import import_test_helpers
+
+import_test_helpers()  # tests.helpers, without the repository root on sys.path
 
 from bench_tui import NUM_REQUESTS, build_frames  # noqa: E402
 

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "bench"
+
+
+def import_test_helpers() -> None:
+    """Makes `tests.helpers` importable without putting the repository root on sys.path, where `kernels/`,
+    `models/` and `tui/` would hide the distributions of those names (transformers imports Hugging Face's
+    `kernels`): the tests package is loaded from its file, as pytest's importlib mode loads it."""
+    if "tests" in sys.modules:
+        return
+    folder = ROOT / "tests"
+    spec = importlib.util.spec_from_file_location("tests", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tests"] = module
+    spec.loader.exec_module(module)
 
 
 def machine() -> dict[str, Any]:

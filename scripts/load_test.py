@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import import_test_helpers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' helpers build the model and clients
+import_test_helpers()  # tests.helpers, without the repository root on sys.path
 
 from localserve.engine.config import EngineConfig  # noqa: E402
 from localserve.llm import LLM  # noqa: E402

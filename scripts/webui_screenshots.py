@@ -21,8 +21,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.helpers: the server on a free port, the browser's flags
+from benchlib import ROOT, import_test_helpers
+
+import_test_helpers()  # tests.helpers, without the repository root on sys.path
 
 from localserve.loading.default_model import resolve_default_model  # noqa: E402
 from localserve.loading.sampling_defaults import sampling_defaults  # noqa: E402

@@ -7,7 +7,7 @@ a recorder, so each kernel is compiled with the arguments and compile-time const
 passes (CUDA's tiling for the GGUF kernels; the model dtype for tl.dot operands, which the wrappers
 choose by device), and the registers and spills of each are printed (`cuobjdump -res-usage`).
 
-Run from the repository root, without TRITON_INTERPRET: python -m tests.kernels.cuda_compile [--arch 90]
+Without TRITON_INTERPRET: python tests/kernels/cuda_compile.py [--arch 90]
 (about a minute on 2 cores). `--frontend-only` stops at Triton's IR, where the errors the interpreter
 lets through are raised (a second for every kernel; tests/kernels/test_cuda_compile.py runs that).
 Exits 1 if a kernel fails to compile.
