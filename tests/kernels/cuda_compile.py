@@ -16,6 +16,7 @@ Exits 1 if a kernel fails to compile.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -33,6 +34,20 @@ from triton.runtime.jit import JITFunction
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
                  torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def import_tests_package() -> None:
+    """Make `tests.helpers` importable when this file runs as a script, without putting the repository root
+    on sys.path (its kernels/, models/ and tui/ would hide the distributions of those names): the tests
+    package is loaded from its file, as pytest's importlib mode and scripts/benchlib.py load it."""
+    if "tests" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location("tests", TESTS / "__init__.py",
+                                                  submodule_search_locations=[str(TESTS)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tests"] = module
+    spec.loader.exec_module(module)
 
 
 def cuda_tools() -> Path | None:
@@ -134,6 +149,8 @@ def drive_gguf(dtype: torch.dtype) -> None:
 def drive_attention(dtype: torch.dtype) -> None:
     """store_kv and paged_attention (split and not) for every KV format the kernels read."""
     from localserve.attention.triton_backend import TritonAttentionBackend
+
+    import_tests_package()
     from tests.helpers.kv_pools import fill_batch
 
     for k_type, v_type, splits in (("bf16", "bf16", 1), ("q8_0", "q4_rot", 4), ("q4_rot", "q8_0", 1)):
