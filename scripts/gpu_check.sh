@@ -7,6 +7,7 @@
 # when a stage fails or runs out of time. One part of it runs in about half that:
 #   scripts/gpu_check.sh [all | attention | gguf]    attention: the paged KV kernels (#12);
 #                                                   gguf: the quantized-weight kernels (#18); default all
+#   scripts/gpu_check.sh tests                       the two test stages of all, without the benchmarks
 #   scripts/gpu_check.sh speculation                 speculative decoding (#26): its gpu-marked tests (verify
 #                                                   rows through Triton) and scripts/bench_speculative.py on
 #                                                   CUDA at batch 1, 8 and 32 (needs the --stash call first)
@@ -32,8 +33,9 @@ case "$PART" in
     all) kernel_tests=(tests/kernels); sections=attention,gguf,model ;;
     attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS"); sections=attention,model ;;
     gguf) kernel_tests=("$GGUF_KERNEL_TESTS"); sections=gguf,model ;;
+    tests) kernel_tests=(tests/kernels); sections="" ;;
     speculation) kernel_tests=(); sections="" ;;
-    *) echo "usage: $0 [--stash | all | attention | gguf | speculation]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--stash | all | attention | gguf | tests | speculation]" >&2; exit 2 ;;
 esac
 
 REPORT=${OUT:-scripts/out}/gpu_report.md
@@ -42,6 +44,10 @@ export PYTHONUNBUFFERED=1
 # Nothing can be fetched there: make the hub and pip fail at once instead of retrying for minutes.
 export HF_HUB_OFFLINE=1 PIP_NO_INDEX=1
 started=$SECONDS
+# A test stage that runs out of time gets SIGINT, so pytest still prints which tests failed and the slowest.
+run_tests() { local limit=$1; shift
+    timeout -s INT -k 20 "$limit" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=10 \
+        --continue-on-collection-errors "$@" 2>&1 | fenced 80; }
 section() { printf '\n## %s\n\n' "$1" >> "$REPORT"; echo "== $1" >&2; }
 fenced() { { echo '```'; tail -n "${1:-60}"; echo '```'; } >> "$REPORT"; }
 
@@ -70,7 +76,7 @@ fi
 SPEC_GPU_TESTS=tests/engine/test_speculative_greedy.py
 if [ "$PART" = speculation ]; then
     section "Speculative decoding: gpu-marked tests ($SPEC_GPU_TESTS)"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 "$SPEC_GPU_TESTS" 2>&1 | fenced 40
+    run_tests 120 -m gpu "$SPEC_GPU_TESTS"
     section "Speculative decoding: scripts/bench_speculative.py --device cuda --batches 1 8 32"
     timeout 300 python3 scripts/bench_speculative.py --device cuda --batches 1 8 32 --prompts-per-cell 2 \
         --max-tokens 256 --json "$(realpath -m "$(dirname "$REPORT")")/speculative_cuda" 2>&1 | grep -v '^loading' | fenced 40
@@ -80,17 +86,22 @@ if [ "$PART" = speculation ]; then
 fi
 
 section "Kernel tests, natively on CUDA (${kernel_tests[*]})"
-timeout 180 python3 -m pytest -q -p no:cacheprovider --durations=5 "${kernel_tests[@]}" 2>&1 | fenced 40
+run_tests 200 "${kernel_tests[@]}"
 
 section "gpu-marked tests"
 mapfile -t gpu_files < <(grep -rl --include='test_*.py' 'mark.gpu' tests | grep -v '^tests/kernels/' \
     | { case "$PART" in gguf) grep -x "$GGUF_GPU_TESTS" ;; attention) grep -vx "$GGUF_GPU_TESTS" ;; *) cat ;; esac; })
 if [ ${#gpu_files[@]} -gt 0 ]; then
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 "${gpu_files[@]}" 2>&1 | fenced 40
+    run_tests 120 -m gpu "${gpu_files[@]}"
 else
     echo "none outside tests/kernels" >> "$REPORT"
 fi
 
+if [ -z "$sections" ]; then
+    printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
+    echo "report: $REPORT" >&2
+    exit
+fi
 section "Benchmarks (scripts/bench_kernels.py --sections $sections)"
 bench_out=$(mktemp)
 timeout 240 python3 scripts/bench_kernels.py --sections "$sections" --out "$bench_out" > /dev/null 2> "$bench_out.log"

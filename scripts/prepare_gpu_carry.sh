@@ -16,18 +16,21 @@ PYTHON=${PYTHON:-.venv/bin/python}
 rm -rf "$CARRY"
 mkdir -p "$CARRY/wheels" "$CARRY/gguf_part1" "$CARRY/gguf_part2"
 
-# gguf reads the model; websockets and textual are imported by the server and the TUI; the rest are
-# textual's requirements that the GPU machine's image lacks.
-PACKAGES=(gguf websockets textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py)
-specs=()
+# gguf reads the model; websockets, uvicorn (with h11 and click) and textual are imported by the server and
+# the TUI; llguidance by constrained decoding; jsonschema (with its requirements) by the constrained-decoding
+# tests; tqdm by loading; the rest are textual's requirements that the GPU machine's image lacks.
+PACKAGES=(gguf websockets uvicorn h11 click tqdm llguidance jsonschema jsonschema-specifications referencing
+          rpds-py attrs textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py)
+download() {
+    "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d "$CARRY/wheels" "$1"
+}
 for package in "${PACKAGES[@]}"; do
-    # The version this checkout's environment tested, where it has one; else the newest.
+    # The version this checkout's environment tested, where it has a wheel for that machine; else the newest.
     version=$("$PYTHON" -m pip show "$package" 2>/dev/null | sed -n "s/^Version: //p" || true)
-    specs+=("$package${version:+==$version}")
+    { [ -n "$version" ] && download "$package==$version" 2>/dev/null; } || download "$package"
 done
-"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 -d "$CARRY/wheels" "${specs[@]}"
 
 gguf=$("$PYTHON" -c 'from localserve.loading.default_model import resolve_default_model as r; print(r())')
 case "$gguf" in
