@@ -208,6 +208,22 @@ def _merge_splits_kernel(
 _COMPUTE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def key_tile_and_stages(block_n: int, model_dtype: torch.dtype, key_code: int, value_code: int) -> tuple[int, int]:
+    """Keys per tile and software-pipelining stages of the key loop on CUDA, so that a block fits in the
+    99 KiB of shared memory of the consumer GPUs (sm_86 / 89 / 120) at D = 128.
+
+    Each stage buffers a K and a V tile. Triton's default 3 stages suit 16-bit stores of a 16-bit model
+    (58 KiB at 64-row tiles); a 4-bit store (its tiles are gathered levels, a key mean adds a [BLOCK_N, D]
+    fp32 trig tile) needs 256 KiB at 3 stages, beyond even an H200's 227 KiB, and 64 KiB at 1; an fp32 model
+    80 KiB at 1 stage, 112 KiB with a 4-bit store, so its 4-bit tiles hold 32 keys.
+    tests/kernels/cuda_compile.py compiles each case and fails on a block over its target's limit.
+    """
+    four_bit = Q4 in (key_code, value_code)
+    if model_dtype == torch.float32:
+        return (min(block_n, 32) if four_bit else block_n), 1
+    return block_n, (1 if four_bit else 3)
+
+
 def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStore, key_format: KernelFormat,
                     value_format: KernelFormat, plan: AttentionPlan, sm_scale: float,
                     key_mean_coeff: torch.Tensor | None = None, trig_table: torch.Tensor | None = None,
@@ -241,6 +257,7 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
     compute = tl.float32 if query.device.type != "cuda" else _COMPUTE_DTYPES[query.dtype]
     grid = (plan.tile_seq.shape[0], num_kv_heads, num_splits)
     group = num_heads // num_kv_heads
+    block_n, stages = key_tile_and_stages(plan.block_n, query.dtype, key_format.code, value_format.code)
     _paged_attention_kernel[grid](
         query, output, partial_out, partial_lse,
         key_store.data, key_store.scales if key_store.scales is not None else unused,
@@ -253,11 +270,12 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         sm_scale * LOG2E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         plan.block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_store.data.shape[1],
-        GROUP=group, QUERIES_PER_TILE=plan.block_m // group, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        GROUP=group, QUERIES_PER_TILE=plan.block_m // group, BLOCK_M=plan.block_m, BLOCK_N=block_n,
         SPLIT_KV=num_splits > 1,
         K_FORMAT=key_format.code, V_FORMAT=value_format.code, KEY_MEAN=key_mean,
         VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
+        num_stages=stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](

@@ -23,6 +23,7 @@ PACKAGES=(gguf websockets uvicorn h11 click tqdm llguidance jsonschema jsonschem
           rpds-py attrs textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py)
 download() {
     "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux1_x86_64 -d "$CARRY/wheels" "$1"
 }

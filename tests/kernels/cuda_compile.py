@@ -34,6 +34,10 @@ from triton.runtime.jit import JITFunction
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
                  torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Shared memory one block may use (the opt-in maximum) by compute capability: the 24 GB cards localserve
+# is for (RTX 3090 sm_86, 4090 sm_89, 5090 sm_120) have 99 KiB; A100 163 KiB; H100 / H200 227 KiB.
+SHARED_LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
 TESTS = Path(__file__).resolve().parents[1]
 
 
@@ -56,14 +60,16 @@ def cuda_tools() -> Path | None:
     return folder if (folder / "ptxas").exists() and (folder / "cuobjdump").exists() else None
 
 
-def record_launches(drive) -> list[tuple[JITFunction, dict]]:
-    """Run `drive()` with every kernel launch recorded instead of run: (kernel, its bound arguments)."""
+def record_launches(drive) -> list[tuple[JITFunction, dict, dict]]:
+    """Run `drive()` with every kernel launch recorded instead of run: (kernel, its bound arguments, the
+    launch options it passed: num_warps, num_stages)."""
     launches = []
 
     def record(kernel, *args, grid, warmup, **kwargs):
+        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
         bound = kernel.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        launches.append((kernel, dict(bound.arguments)))
+        launches.append((kernel, dict(bound.arguments), options))
 
     original = JITFunction.run
     JITFunction.run = record
@@ -75,7 +81,7 @@ def record_launches(drive) -> list[tuple[JITFunction, dict]]:
 
 
 def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype: torch.dtype,
-                   frontend_only: bool = False):
+                   frontend_only: bool = False, options: dict | None = None):
     """triton.compile the kernel for sm_`arch` with these arguments' types and constants, the tl.dot
     operand dtype set to what a CUDA device gets (`model_dtype`); -> (the compiled kernel, or None when
     `frontend_only` stopped at Triton's IR, and the constants)."""
@@ -118,7 +124,7 @@ def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype:
         else:
             make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
             return None, constants
-    return triton.compile(source, target=target), constants
+    return triton.compile(source, target=target, options=options or None), constants
 
 
 def resource_usage(compiled, tools: Path) -> str:
@@ -146,23 +152,32 @@ def drive_gguf(dtype: torch.dtype) -> None:
             dequantize_rows(blocks, fmt, in_features, dtype, rows=torch.arange(3), config=CUDA)
 
 
-def drive_attention(dtype: torch.dtype) -> None:
+def drive_attention(dtype: torch.dtype, largest_only: bool = False) -> None:
     """store_kv and paged_attention (split and not) for every KV format the kernels read."""
     from localserve.attention.triton_backend import TritonAttentionBackend
 
     import_tests_package()
     from tests.helpers.kv_pools import fill_batch
 
-    for k_type, v_type, splits in (("bf16", "bf16", 1), ("q8_0", "q4_rot", 4), ("q4_rot", "q8_0", 1)):
-        batch = fill_batch([(1, 40), (5, 18)], k_type, v_type, 8, 2, 128, dtype)
-        backend = TritonAttentionBackend(num_splits=splits)
-        backend.forward(0, batch.query, batch.key, batch.value, batch.cache, backend.build_metadata(batch.inputs))
+    plain = "bf16" if dtype != torch.float32 else "fp32"
+    formats = [(plain, plain, 1), ("q8_0", "q4_rot", 4), ("q4_rot", "q8_0", 1), ("q4_rot", "q4_rot", 1)]
+    batches = [[(1, 40), (5, 18)], [(1, 40), (1, 18)]]  # prefill tiles (64 rows), decode (16)
+    if largest_only:  # the cases that need the most shared memory
+        formats, batches = [formats[0], formats[-1]], batches[:1]
+    for k_type, v_type, splits in formats:
+        for shapes in batches:
+            batch = fill_batch(shapes, k_type, v_type, 8, 2, 128, dtype)
+            backend = TritonAttentionBackend(num_splits=splits)
+            backend.forward(0, batch.query, batch.key, batch.value, batch.cache,
+                            backend.build_metadata(batch.inputs))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
-    parser.add_argument("--only", choices=("gguf", "attention"), help="one family of kernels")
+    parser.add_argument("--only", choices=("gguf", "attention", "attention-largest"),
+                        help="one family of kernels; attention-largest: the attention kernels that need the most "
+                             "shared memory (prefill tiles, 16-bit and 4-bit stores, bf16 and fp32 models)")
     parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -170,28 +185,37 @@ def main() -> int:
     tools = cuda_tools()
     if tools is None and not args.frontend_only:
         sys.exit("this Triton has no bundled ptxas / cuobjdump (--frontend-only needs neither)")
-    dtype = torch.bfloat16
     launches = []
     if args.only in (None, "gguf"):
-        launches += record_launches(lambda: drive_gguf(dtype))
-    if args.only in (None, "attention"):
-        launches += record_launches(lambda: drive_attention(dtype))
+        launches += [(launch, torch.bfloat16) for launch in record_launches(lambda: drive_gguf(torch.bfloat16))]
+    if args.only in (None, "attention", "attention-largest"):
+        largest = args.only == "attention-largest"
+        for dtype in (torch.bfloat16, torch.float32):
+            launches += [(launch, dtype) for launch in
+                         record_launches(lambda dtype=dtype: drive_attention(dtype, largest))]
+    limit = SHARED_LIMITS.get(args.arch)
     failures, seen = 0, set()
-    for kernel, arguments in launches:
+    for (kernel, arguments, options), dtype in launches:
+        constants = {}
         try:
-            compiled, constants = compile_launch(kernel, arguments, args.arch, dtype, args.frontend_only)
+            compiled, constants = compile_launch(kernel, arguments, args.arch, dtype, args.frontend_only, options)
+            shared = None if compiled is None else compiled.metadata.shared
+            if shared is not None and limit is not None and shared > limit:
+                raise RuntimeError(f"needs {shared:,} B of shared memory, sm_{args.arch} has {limit:,}")
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit code says so
             failures += 1
-            print(f"FAILED {kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
+            shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
+            print(f"FAILED {kernel.__name__} [{dtype}, {shown}]: {type(exc).__name__}: {str(exc)[-2000:]}")
             continue
         shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
+        shown = f"{str(dtype).removeprefix('torch.')}, {shown}{''.join(f', {k}={v}' for k, v in options.items())}"
         if (kernel.__name__, shown) not in seen:
             seen.add((kernel.__name__, shown))
-            usage = "to Triton's IR" if compiled is None else resource_usage(compiled, tools)
+            usage = ("to Triton's IR" if compiled is None
+                     else f"{resource_usage(compiled, tools)}, shared {compiled.metadata.shared:,} B")
             print(f"ok {kernel.__name__} [{shown}]: {usage}", flush=True)
     print(f"{len(seen)} kernels compiled for sm_{args.arch}, {failures} failed")
     return 1 if failures else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,16 +8,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import triton
+
 ROOT = Path(__file__).resolve().parents[2]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def compile_check(*args: str) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "cuda_compile.py"), *args],
+                            env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def test_every_kernel_compiles_for_cuda():
-    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "cuda_compile.py"), "--frontend-only"],
-                            env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = compile_check("--frontend-only")
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
     assert sum("_gemv_kernel" in line for line in compiled) >= 10  # every GGUF format
     for kernel in ("_fused_kernel", "_dequantize_kernel", "_store_kv_kernel", "_paged_attention_kernel",
                    "_merge_splits_kernel"):
         assert any(kernel in line for line in compiled), kernel
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton has no bundled ptxas")
+def test_attention_fits_the_shared_memory_of_a_24_gb_card():
+    """An H200 refused an fp32 model's 4-bit prefill tile (278,784 B of shared memory, 232,448 allowed);
+    consumer cards (sm_86 / 89 / 120) allow 101,376 B. The largest tiles, compiled to a cubin for sm_86."""
+    result = compile_check("--only", "attention-largest", "--arch", "86")
+    compiled = [line for line in result.stdout.splitlines() if line.startswith("ok _paged_attention_kernel")]
+    assert len(compiled) == 4 and all("shared" in line for line in compiled), result.stdout

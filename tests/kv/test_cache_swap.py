@@ -89,14 +89,16 @@ def test_swap_out_reads_the_host_copy_only_after_it_has_completed():
 
 def test_the_cpu_path_stages_through_plain_memory():
     cache = make_cache("cpu")
-    assert not cache.transfers.pinned and not cache.cpu_key_stores[0]["values"].is_pinned()
+    assert not cache.transfers.pinned
+    assert not any(tensor.is_pinned() for tensor in cache.cpu_key_stores[0].values())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_type", [None, "q8_0"])
 def test_swap_on_cuda_moves_exactly_the_stored_bytes_even_behind_a_busy_stream(cache_type):
     cache = make_cache("cuda", cache_type)
-    assert cache.transfers.pinned and cache.cpu_key_stores[0]["values"].is_pinned()
+    assert cache.transfers.pinned
+    assert all(tensor.is_pinned() for tensor in cache.cpu_key_stores[0].values())  # q8_0: codes and scales
     # Keep the compute stream busy so the device-to-host copies land late: a host that reads them
     # before they complete sees the staging buffer's old contents.
     swap_round_trip(cache, before_swap_out=lambda: torch.cuda._sleep(200_000_000))
