@@ -183,4 +183,6 @@ def test_on_a_gpu_unloading_gives_back_every_byte_the_load_took(models_dir):
     loader, results, _ = serve_alternating(models_dir, "cuda")
     check_every_answer_came_from_the_model_it_named(models_dir, results, "cuda")
     assert all(unload.pool_clean for unload in loader.unloads), loader.unloads
-    assert [unload.cuda_allocated_after for unload in loader.unloads] == [before] * len(loader.unloads)
+    # At most what was allocated before: unloading also frees cuBLAS workspaces earlier tests left behind.
+    after = [unload.cuda_allocated_after for unload in loader.unloads]
+    assert all(allocated <= before for allocated in after), (before, after)
