@@ -44,3 +44,8 @@ QUANT_FORMATS = {fmt.name: fmt for fmt in (
     QuantFormat("Q6_K", 9, 256, 210, 2, 16, (208,)),
     QuantFormat("MXFP4", 10, 32, 17, 2, 16, (), exponent_offsets=(0,)),
 )}
+
+# Not a GGUF format: dense rows (bf16, fp16 or fp32 elements) described as one-value blocks, so that the
+# kernels' tile loops read dense weights too (the fused-MoE kernels' dense experts). A "byte" here is one
+# element: the kernels index a typed pointer.
+DENSE_ROWS = QuantFormat("dense", 11, 1, 1, 1, 1, ())

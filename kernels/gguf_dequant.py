@@ -27,6 +27,7 @@ from localserve.kernels import gguf_blocks
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 = (
     tl.constexpr(gguf_blocks.QUANT_FORMATS[name].code)
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"))
+DENSE = tl.constexpr(gguf_blocks.DENSE_ROWS.code)
 
 
 @triton.jit
@@ -79,6 +80,14 @@ def _q8_0(rows, last_block, TILE_BLOCKS: tl.constexpr):
     q = tl.load(rows + at[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
     scale = _halves(rows, tl.minimum(tl.arange(0, TILE_BLOCKS), last_block) * 34)
     return q, scale, tl.zeros(scale.shape, tl.float32), position
+
+
+@triton.jit
+def _dense(rows, last_block, TILE_BLOCKS: tl.constexpr):
+    """Dense rows (gguf_blocks.DENSE_ROWS): TILE_BLOCKS values as stored; scale 1 and offset 0, a group each."""
+    position = tl.arange(0, TILE_BLOCKS)
+    values = tl.load(rows + tl.minimum(position, last_block)[None, :]).to(tl.float32)
+    return values, tl.full(values.shape, 1.0, tl.float32), tl.zeros(values.shape, tl.float32), position
 
 
 @triton.jit
@@ -193,11 +202,11 @@ def plane_codes(rows, last_block, FORMAT: tl.constexpr, PLANE: tl.constexpr, TIL
     """One plane of a tile: (codes float32 [BN, P], scale and offset float32 [BN, P / GROUP], the
     columns [P] of the plane's values within the tile); value = scale[g] * code + offset[g].
 
-    rows [BN, 1]: pointers (uint8) to the tile's first byte in each row of W; last_block: the index
-    within the tile of the row's last block. Positions in blocks past it (a tile overhanging the row)
-    read that last block again, so every load stays inside W without a mask: their columns lie past
-    the row's end, where the caller reads x as zeros and stores nothing. Rows past W's end are
-    likewise the caller's to clamp.
+    rows [BN, 1]: pointers (uint8; DENSE: of the weights' dtype) to the tile's first byte in each row of W;
+    last_block: the index within the tile of the row's last block. Positions in blocks past it (a tile
+    overhanging the row) read that last block again, so every load stays inside W without a mask: their
+    columns lie past the row's end, where the caller reads x as zeros and stores nothing. Rows past W's
+    end are likewise the caller's to clamp.
     """
     if FORMAT == Q8_0:
         return _q8_0(rows, last_block, TILE_BLOCKS)
@@ -219,6 +228,8 @@ def plane_codes(rows, last_block, FORMAT: tl.constexpr, PLANE: tl.constexpr, TIL
         return _q23_k(rows, last_block, 84, 16, False, PLANE, TILE_BLOCKS)
     elif FORMAT == MXFP4:
         return _mxfp4(rows, last_block, PLANE, TILE_BLOCKS)
+    elif FORMAT == DENSE:
+        return _dense(rows, last_block, TILE_BLOCKS)
     else:
         return _q23_k(rows, last_block, 110, 32, True, PLANE, TILE_BLOCKS)
 
