@@ -34,12 +34,17 @@ METHODS = ("per_token", "grouped")
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tiles (per_token: tiles.gemv, grouped: tiles.fused), the largest batch that runs per token, and the
-    largest run of pairs per grouped program."""
+    """Tiles (per_token: tiles.gemv, grouped: tiles.fused), the largest batch that runs per token, the
+    largest run of pairs per grouped program, and the grouped kernels' warps and pipeline stages."""
 
     tiles: MatmulConfig
     per_token_max_batch: int
     max_block_m: int = 64
+    # At runs of 64 pairs with 4 warps, Q6_K spilled on sm_90 and the K-quants' three stages of tl.dot
+    # operands took up to 120 KiB of shared memory (over the 99 KiB of sm_86 / sm_89); 8 warps and two
+    # stages: at most 207 registers, no spills, at most 80 KiB (tests/kernels/cuda_compile.py).
+    grouped_warps: int = 8
+    grouped_stages: int = 2
 
 
 # CUDA: per token while a batch's pairs mostly fall on different experts (Qwen3-30B-A3B: 8 tokens choose
@@ -307,7 +312,7 @@ def fused_moe(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_we
     num_pairs = num_tokens * top_k
     block_m = min(config.max_block_m, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, experts.num_experts))))
     sorted_pairs, run_experts = sort_by_expert(topk_ids, experts.num_experts, block_m)
-    operands = dot_operands(x)
+    operands = dot_operands(x) | dict(num_warps=config.grouped_warps, num_stages=config.grouped_stages)
     _grouped_gate_up_kernel[(run_experts.numel(), triton.cdiv(intermediate_size, block_n))](
         x, gate.data, up.data, biases[0], biases[1], sorted_pairs, run_experts, hidden, num_pairs, top_k,
         hidden_size, intermediate_size, x.stride(0), *_strides(gate), *_strides(up), BLOCK_M=block_m,
