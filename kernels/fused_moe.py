@@ -213,7 +213,9 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     experts = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # num_experts: left out
-    counts = torch.bincount(experts, minlength=num_experts + 1)
+    # Not torch.bincount: on CUDA it reads the largest id back to the host, which a CUDA graph cannot capture.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, experts, torch.ones_like(experts))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts] = 0
     run_ends = torch.cumsum(padded, 0)

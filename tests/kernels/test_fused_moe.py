@@ -211,3 +211,23 @@ def test_expert_ids_outside_the_experts(method):
         dropped = weights.clone()
         dropped[4, 1] = 0.0
         assert_equals_reference(out, x, reference_experts, ids, dropped)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_captures_in_a_cuda_graph(method):
+    """Nothing syncs with the host (the decode step runs as a CUDA graph): a replay with new routes and
+    activations gives what an eager call gives."""
+    experts, _ = random_experts("Q4_K", NUM_EXPERTS, 256, 256, seed=8)
+    ids, weights = uneven_routes(9, NUM_EXPERTS, TOP_K, seed=8)
+    x, ids, weights = activations("Q4_K", 9, seed=8).cuda(), ids.cuda(), weights.cuda()
+    fused_moe(x, experts, ids, weights, method=method)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, experts, ids, weights, method=method)
+    new_ids, new_weights = uneven_routes(9, NUM_EXPERTS, TOP_K, seed=9, popular=1, unused=0)
+    x.copy_(activations("Q4_K", 9, seed=9))
+    ids.copy_(new_ids)
+    weights.copy_(new_weights)
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe(x, experts, ids, weights, method=method), rtol=0, atol=0)
