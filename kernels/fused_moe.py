@@ -42,7 +42,7 @@ class MoeConfig:
     max_block_m: int = 64
     # At runs of 64 pairs with 4 warps, Q6_K spilled on sm_90 and the K-quants' three stages of tl.dot
     # operands took up to 120 KiB of shared memory (over the 99 KiB of sm_86 / sm_89); 8 warps and two
-    # stages: at most 207 registers, no spills, at most 80 KiB (tests/kernels/cuda_compile.py).
+    # stages: at most 207 registers, no spills, at most 84 KiB (tests/kernels/cuda_compile.py).
     grouped_warps: int = 8
     grouped_stages: int = 2
 
