@@ -80,6 +80,36 @@ def _with_bias(acc, bias_ptr, expert, rows, num_rows, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _vector_product(x_row, x_rows_present, w_ptr, bias_ptr, expert, rows, num_rows, columns, expert_stride, row_stride,
+                    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BN]: rows `rows` of expert `expert`'s W [num_rows, columns] (+ bias) times the vector at x_row (zeros
+    when x_rows_present is 0). LAYOUT: (FORMAT, PLANES, BLOCK_VALUES, BLOCK_BYTES, TILE_BLOCKS, GROUP)."""
+    acc = gemv_tiles(tl.zeros((BLOCK_N, 1), tl.float32), x_row, 0, x_rows_present,
+                     _expert_rows(w_ptr, expert, rows, num_rows, expert_stride, row_stride), columns // LAYOUT[2],
+                     columns, LAYOUT[0], LAYOUT[1], LAYOUT[2], LAYOUT[3], LAYOUT[4], LAYOUT[5], 1)
+    return tl.sum(_with_bias(tl.trans(acc), bias_ptr, expert, rows, num_rows, HAS_BIAS), 0)
+
+
+@triton.jit
+def _tile_product(x_rows, x_ok, w_ptr, bias_ptr, expert, rows, num_rows, columns, expert_stride, row_stride,
+                  LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BM, BN]: the rows of x at x_rows [BM, 1] (x_ok: those that exist) times rows `rows` of expert
+    `expert`'s W [num_rows, columns], transposed (+ bias), with tl.dot."""
+    acc = dot_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_rows, x_ok,
+                    _expert_rows(w_ptr, expert, rows, num_rows, expert_stride, row_stride), columns // LAYOUT[2],
+                    columns, LAYOUT[0], LAYOUT[1], LAYOUT[2], LAYOUT[3], LAYOUT[4], LAYOUT[5], COMPUTE, DOT_PRECISION)
+    return _with_bias(acc, bias_ptr, expert, rows, num_rows, HAS_BIAS)
+
+
+@triton.jit
+def _run(sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A grouped program's (pairs [BM] of its run, which of them are real, its rows [BN] of W)."""
+    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs, tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _token_gate_up_kernel(
     x_ptr,  # [T, H] activations, model dtype
     gate_ptr, up_ptr,  # [E, I, H] dense, or uint8 [E, I, row bytes] blocks
@@ -97,14 +127,10 @@ def _token_gate_up_kernel(
         return  # contributes nothing: the down kernel skips the pair
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate = gemv_tiles(tl.zeros((BLOCK_N, 1), tl.float32), x_row, 0, 1,
-                      _expert_rows(gate_ptr, expert, rows, intermediate_size, gate_expert_stride, gate_row_stride),
-                      hidden_size // GATE[2], hidden_size, GATE[0], GATE[1], GATE[2], GATE[3], GATE[4], GATE[5], 1)
-    up = gemv_tiles(tl.zeros((BLOCK_N, 1), tl.float32), x_row, 0, 1,
-                    _expert_rows(up_ptr, expert, rows, intermediate_size, up_expert_stride, up_row_stride),
-                    hidden_size // UP[2], hidden_size, UP[0], UP[1], UP[2], UP[3], UP[4], UP[5], 1)
-    gate = tl.sum(_with_bias(tl.trans(gate), gate_bias_ptr, expert, rows, intermediate_size, GATE_BIAS), 0)
-    up = tl.sum(_with_bias(tl.trans(up), up_bias_ptr, expert, rows, intermediate_size, UP_BIAS), 0)
+    gate = _vector_product(x_row, 1, gate_ptr, gate_bias_ptr, expert, rows, intermediate_size, hidden_size,
+                           gate_expert_stride, gate_row_stride, GATE, GATE_BIAS, BLOCK_N)
+    up = _vector_product(x_row, 1, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
+                         up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_N)
     hidden = gate * tl.sigmoid(gate) * up
     tl.store(hidden_ptr + pair.to(tl.int64) * intermediate_size + rows,
              cast_round_nearest(hidden, hidden_ptr.dtype.element_ty), mask=rows < intermediate_size)
@@ -128,12 +154,10 @@ def _token_down_kernel(
         expert = tl.load(topk_ids_ptr + pair)
         valid = (expert >= 0) & (expert < num_experts)
         expert = tl.where(valid, expert, 0)
-        product = gemv_tiles(tl.zeros((BLOCK_N, 1), tl.float32), hidden_ptr + pair.to(tl.int64) * intermediate_size,
-                             0, tl.where(valid, 1, 0),  # an invalid pair's row is never written: read as zeros
-                             _expert_rows(down_ptr, expert, rows, hidden_size, down_expert_stride, down_row_stride),
-                             intermediate_size // DOWN[2], intermediate_size,
-                             DOWN[0], DOWN[1], DOWN[2], DOWN[3], DOWN[4], DOWN[5], 1)
-        product = tl.sum(_with_bias(tl.trans(product), down_bias_ptr, expert, rows, hidden_size, DOWN_BIAS), 0)
+        product = _vector_product(hidden_ptr + pair.to(tl.int64) * intermediate_size,
+                                  tl.where(valid, 1, 0),  # an invalid pair's row is never written: read as zeros
+                                  down_ptr, down_bias_ptr, expert, rows, hidden_size, intermediate_size,
+                                  down_expert_stride, down_row_stride, DOWN, DOWN_BIAS, BLOCK_N)
         weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
         acc += tl.where(valid, weight * product, 0.0)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + rows, cast_round_nearest(acc, out_ptr.dtype.element_ty),
@@ -156,19 +180,13 @@ def _grouped_gate_up_kernel(
     expert = tl.load(run_experts_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
+    pairs, pair_ok, rows = _run(sorted_pairs_ptr, num_pairs, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_x
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate = dot_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_rows, pair_ok,
-                     _expert_rows(gate_ptr, expert, rows, intermediate_size, gate_expert_stride, gate_row_stride),
-                     hidden_size // GATE[2], hidden_size, GATE[0], GATE[1], GATE[2], GATE[3], GATE[4], GATE[5],
-                     COMPUTE, DOT_PRECISION)
-    up = dot_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_rows, pair_ok,
-                   _expert_rows(up_ptr, expert, rows, intermediate_size, up_expert_stride, up_row_stride),
-                   hidden_size // UP[2], hidden_size, UP[0], UP[1], UP[2], UP[3], UP[4], UP[5], COMPUTE, DOT_PRECISION)
-    gate = _with_bias(gate, gate_bias_ptr, expert, rows, intermediate_size, GATE_BIAS)
-    up = _with_bias(up, up_bias_ptr, expert, rows, intermediate_size, UP_BIAS)
+    gate = _tile_product(x_rows, pair_ok, gate_ptr, gate_bias_ptr, expert, rows, intermediate_size, hidden_size,
+                         gate_expert_stride, gate_row_stride, GATE, GATE_BIAS, BLOCK_M, BLOCK_N, COMPUTE,
+                         DOT_PRECISION)
+    up = _tile_product(x_rows, pair_ok, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
+                       up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_M, BLOCK_N, COMPUTE, DOT_PRECISION)
     hidden = gate * tl.sigmoid(gate) * up
     out = hidden_ptr + pairs.to(tl.int64)[:, None] * intermediate_size + rows[None, :]
     tl.store(out, cast_round_nearest(hidden, hidden_ptr.dtype.element_ty),
@@ -190,15 +208,10 @@ def _grouped_down_kernel(
     expert = tl.load(run_experts_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = dot_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-                    hidden_ptr + pairs.to(tl.int64)[:, None] * intermediate_size, pair_ok,
-                    _expert_rows(down_ptr, expert, rows, hidden_size, down_expert_stride, down_row_stride),
-                    intermediate_size // DOWN[2], intermediate_size,
-                    DOWN[0], DOWN[1], DOWN[2], DOWN[3], DOWN[4], DOWN[5], COMPUTE, DOT_PRECISION)
-    acc = _with_bias(acc, down_bias_ptr, expert, rows, hidden_size, DOWN_BIAS)
+    pairs, pair_ok, rows = _run(sorted_pairs_ptr, num_pairs, BLOCK_M, BLOCK_N)
+    acc = _tile_product(hidden_ptr + pairs.to(tl.int64)[:, None] * intermediate_size, pair_ok, down_ptr,
+                        down_bias_ptr, expert, rows, hidden_size, intermediate_size, down_expert_stride,
+                        down_row_stride, DOWN, DOWN_BIAS, BLOCK_M, BLOCK_N, COMPUTE, DOT_PRECISION)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     out = out_ptr + pairs.to(tl.int64)[:, None] * hidden_size + rows[None, :]
     tl.store(out, acc * weights[:, None], mask=pair_ok[:, None] & (rows < hidden_size)[None, :])

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
+from benchlib import row_emitter
 from localserve.models.config import ModelConfig, RopeConfig
 from localserve.models.rope import RotaryEmbedding
 
@@ -327,13 +328,7 @@ def main() -> None:
         sys.exit(f"unknown sections {', '.join(sorted(sections - set(SECTIONS)))}; known: {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA device")
-    out = args.out.open("w") if args.out else None
-
-    def emit(lines: list[str]) -> None:  # row by row, so a run stopped by a time limit keeps what it measured
-        for line in lines:
-            print(line, flush=True)
-            if out:
-                print(line, file=out, flush=True)
+    emit = row_emitter(args.out)
 
     device = torch.device("cuda")
     torch.manual_seed(0)

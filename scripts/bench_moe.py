@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import machine, markdown_table, print_machine
+from benchlib import machine, markdown_table, print_machine, row_emitter
 
 HIDDEN, NUM_EXPERTS, TOP_K, INTERMEDIATE = 2048, 128, 8, 768
 BATCHES = [1, 16, 64]
@@ -150,13 +150,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="GPU section: layers in the stack")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here, row by row")
     args = parser.parse_args()
-    out = args.out.open("w") if args.out else None
-
-    def emit(lines: list[str]) -> None:  # row by row, so a run stopped by a time limit keeps what it measured
-        for line in lines:
-            print(line, flush=True)
-            if out:
-                print(line, file=out, flush=True)
+    emit = row_emitter(args.out)
 
     info = machine()
     print_machine(info)

@@ -51,6 +51,18 @@ export HF_HUB_OFFLINE=1 PIP_NO_INDEX=1
 started=$SECONDS
 section() { printf '\n## %s\n\n' "$1" >> "$REPORT"; echo "== $1" >&2; }
 fenced() { { echo '```'; tail -n "${1:-60}"; echo '```'; } >> "$REPORT"; }
+# bench SECONDS SCRIPT ARGS...: its tables (written row by row to --out) into the report, and its last
+# errors if it fails or runs out of time.
+bench() {
+    local limit=$1 script=$2 out status
+    shift 2
+    out=$(mktemp)
+    timeout "$limit" python3 "$script" "$@" --out "$out" > /dev/null 2> "$out.log"
+    status=$?
+    if [ -s "$out" ]; then cat "$out" >> "$REPORT"; fi
+    if [ $status -ne 0 ]; then echo "$script exited with $status; its last rows and errors:" >> "$REPORT"
+        fenced 30 < "$out.log"; fi
+}
 
 echo "# GPU check ($PART), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
     > "$REPORT"
@@ -90,12 +102,7 @@ if [ "$PART" = moe ]; then
     section "MoE kernel tests, natively on CUDA (${MOE_KERNEL_TESTS[*]})"
     timeout 150 python3 -m pytest -q -p no:cacheprovider --durations=5 "${MOE_KERNEL_TESTS[@]}" 2>&1 | fenced 40
     section "MoE benchmark (scripts/bench_moe.py --device cuda)"
-    bench_out=$(mktemp)
-    timeout 120 python3 scripts/bench_moe.py --device cuda --out "$bench_out" > /dev/null 2> "$bench_out.log"
-    status=$?
-    if [ -s "$bench_out" ]; then cat "$bench_out" >> "$REPORT"; fi
-    if [ $status -ne 0 ]; then echo "bench_moe.py exited with $status; its last errors:" >> "$REPORT"
-        fenced 30 < "$bench_out.log"; fi
+    bench 120 scripts/bench_moe.py --device cuda
     printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
     echo "report: $REPORT" >&2
     exit
@@ -114,12 +121,7 @@ else
 fi
 
 section "Benchmarks (scripts/bench_kernels.py --sections $sections)"
-bench_out=$(mktemp)
-timeout 240 python3 scripts/bench_kernels.py --sections "$sections" --out "$bench_out" > /dev/null 2> "$bench_out.log"
-status=$?
-if [ -s "$bench_out" ]; then cat "$bench_out" >> "$REPORT"; fi
-if [ $status -ne 0 ]; then echo "bench_kernels.py exited with $status; its last rows and errors:" >> "$REPORT"
-    fenced 30 < "$bench_out.log"; fi
+bench 240 scripts/bench_kernels.py --sections "$sections"
 
 printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
 echo "report: $REPORT" >&2
