@@ -16,8 +16,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from localserve.kernels.fused_moe import CUDA_MOE, METHODS, choose_moe_method, fused_moe, moe_config, sort_by_expert
+from localserve.kernels.fused_moe import (
+    CUDA_MOE,
+    METHODS,
+    choose_moe_method,
+    cuda_moe_config,
+    fused_moe,
+    moe_config,
+    sort_by_expert,
+)
 from localserve.kernels.gguf_blocks import QUANT_FORMATS
+from localserve.kernels.gguf_matmul import INTERPRETER
 from localserve.kernels.moe_experts import ExpertMatrix, Experts, moe_reference
 
 from tests.helpers.kv_pools import DEVICE
@@ -153,7 +162,8 @@ def test_reference_dequantizes_quantized_experts():
 def test_method_by_batch():
     assert [choose_moe_method(batch, CUDA_MOE) for batch in (1, 8, 9, 64)] == [
         "per_token", "per_token", "grouped", "grouped"]
-    assert moe_config(torch.device("cuda")) is CUDA_MOE
+    assert moe_config(torch.device("cpu")).tiles is INTERPRETER
+    assert cuda_moe_config(9) is CUDA_MOE and cuda_moe_config(8).max_block_m == 32
 
 
 def test_empty_batch():
