@@ -147,11 +147,14 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="CPU section")
     parser.add_argument("--repeats", type=int, default=9, help="CPU section: timed runs per cell")
+    parser.add_argument("--threads", type=int, help="CPU section: torch threads (default: torch's)")
     parser.add_argument("--layers", type=int, default=12, help="GPU section: layers in the stack")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here, row by row")
     args = parser.parse_args()
     emit = row_emitter(args.out)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = machine()
     print_machine(info)
     if args.device == "cuda":
