@@ -98,7 +98,7 @@ def random_blocks(qtype: str, shape: torch.Size, generator: torch.Generator) -> 
     return random_gguf_blocks(qtype, shape[:-1].numel(), shape[-1], generator).reshape(*shape[:-1], -1)
 
 
-def gpu_rows(num_layers: int, emit) -> None:
+def gpu_rows(device: torch.device, num_layers: int, emit) -> None:
     import triton
     import triton.testing
     from bench_kernels import copy_bandwidth
@@ -106,7 +106,6 @@ def gpu_rows(num_layers: int, emit) -> None:
     from localserve.kernels.gguf_blocks import QUANT_FORMATS
     from localserve.kernels.moe_experts import ExpertMatrix, Experts
 
-    device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     generator = torch.Generator(device=device).manual_seed(0)
     q4_k, q6_k = QUANT_FORMATS["Q4_K"], QUANT_FORMATS["Q6_K"]
@@ -160,7 +159,7 @@ def main() -> None:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("--device cuda needs a CUDA device")
-        gpu_rows(args.layers, emit)
+        gpu_rows(torch.device("cuda"), args.layers, emit)
     else:
         cpu_rows(getattr(torch, args.dtype), args.repeats, emit)
 
