@@ -13,8 +13,8 @@ Two ways, chosen by the batch (choose_moe_method):
   run. The down products are weighted per pair and summed over each token's k pairs in float32.
 Both decode blocks with gguf_dequant.py's planes (dense experts as gguf_blocks.DENSE_ROWS), with the tiles
 of gguf_matmul's MatmulConfig (per_token: its gemv tiling, grouped: its fused one). Nothing syncs with
-the host, so a step captures in a CUDA graph. An expert id outside 0..E-1 contributes nothing (on CUDA it
-is not checked: that would sync); its pairs read no weights.
+the host, so a step captures in a CUDA graph. An expert id outside 0..E-1 is refused on the CPU; on CUDA,
+where checking it would sync, its pair contributes nothing and reads no weights.
 """
 
 from __future__ import annotations
