@@ -221,12 +221,13 @@ def main() -> int:
             failures += 1
             print(f"FAILED {kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
             continue
+        shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
         shared_limit = SHARED_MEMORY_LIMIT.get(args.arch)
         if compiled is not None and shared_limit is not None and compiled.metadata.shared > shared_limit:
             failures += 1
-            print(f"FAILED {kernel.__name__}: {compiled.metadata.shared} bytes of shared memory, sm_{args.arch} "
-                  f"allows {shared_limit}")
-        shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
+            print(f"FAILED {kernel.__name__} [{shown}]: {compiled.metadata.shared} bytes of shared memory, "
+                  f"sm_{args.arch} allows {shared_limit}")
+            continue
         if (kernel.__name__, shown) not in seen:
             seen.add((kernel.__name__, shown))
             usage = "to Triton's IR" if compiled is None else resource_usage(compiled, tools)
