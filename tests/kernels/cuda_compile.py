@@ -114,7 +114,7 @@ def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype:
             from triton.compiler.compiler import make_backend
 
             backend = make_backend(target)
-            options = backend.parse_options({})
+            options = backend.parse_options(options or {})
             context = ir.context()
             ir.load_dialects(context)
             backend.load_dialects(context)
@@ -152,6 +152,30 @@ def drive_gguf(dtype: torch.dtype) -> None:
             dequantize_rows(blocks, fmt, in_features, dtype, rows=torch.arange(3), config=CUDA)
 
 
+def drive_moe(dtype: torch.dtype, arch: int) -> None:
+    """fused_moe's four kernels for dense experts in `dtype` and for every GGUF format, with the tiling of a
+    CUDA device of sm_`arch`, in Qwen3-30B-A3B's shapes (hidden 2048, expert intermediate 768); the grouped
+    ones at their largest run of pairs."""
+    from localserve.kernels.fused_moe import cuda_moe_config, fused_moe
+    from localserve.kernels.gguf_blocks import QUANT_FORMATS
+    from localserve.kernels.moe_experts import ExpertMatrix, Experts
+
+    num_experts, hidden, intermediate = 4, 2048, 768
+    for fmt in [None, *QUANT_FORMATS.values()]:
+        def matrix(rows: int, columns: int, fmt=fmt) -> ExpertMatrix:
+            if fmt is None:
+                return ExpertMatrix(torch.zeros(num_experts, rows, columns, dtype=dtype), columns)
+            return ExpertMatrix(torch.zeros(num_experts, rows, fmt.row_bytes(columns), dtype=torch.uint8), columns,
+                                fmt)
+
+        experts = Experts(matrix(intermediate, hidden), matrix(intermediate, hidden), matrix(hidden, intermediate))
+        config = cuda_moe_config(arch // 10)
+        for num_tokens, method in ((1, "per_token"), (config.max_block_m * num_experts // 2, "grouped")):
+            ids = torch.arange(2 * num_tokens).reshape(num_tokens, 2) % num_experts
+            fused_moe(torch.zeros(num_tokens, hidden, dtype=dtype), experts, ids, torch.ones(num_tokens, 2),
+                      method=method, config=config)
+
+
 def drive_attention(dtype: torch.dtype, largest_only: bool = False) -> None:
     """store_kv and paged_attention (split and not) for every KV format the kernels read."""
     from localserve.attention.triton_backend import TritonAttentionBackend
@@ -175,7 +199,7 @@ def drive_attention(dtype: torch.dtype, largest_only: bool = False) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
-    parser.add_argument("--only", choices=("gguf", "attention", "attention-largest"),
+    parser.add_argument("--only", choices=("gguf", "moe", "attention", "attention-largest"),
                         help="one family of kernels; attention-largest: the attention kernels that need the most "
                              "shared memory (prefill tiles, 16-bit and 4-bit stores, bf16 and fp32 models)")
     parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
@@ -188,6 +212,9 @@ def main() -> int:
     launches = []
     if args.only in (None, "gguf"):
         launches += [(launch, torch.bfloat16) for launch in record_launches(lambda: drive_gguf(torch.bfloat16))]
+    if args.only in (None, "moe"):
+        launches += [(launch, torch.bfloat16) for launch in
+                     record_launches(lambda: drive_moe(torch.bfloat16, args.arch))]
     if args.only in (None, "attention", "attention-largest"):
         largest = args.only == "attention-largest"
         for dtype in (torch.bfloat16, torch.float32):
