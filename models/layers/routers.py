@@ -18,7 +18,6 @@ order among equal values is left unspecified. Weights are float32.
 from __future__ import annotations
 
 import torch
-
 from localserve.models.config import MoEConfig
 
 

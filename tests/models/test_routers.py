@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from localserve.models.config import MoEConfig, ModelConfigError
+from localserve.models.config import ModelConfigError, MoEConfig
 from localserve.models.layers.routers import route
 
 
