@@ -18,14 +18,15 @@ from localserve.models.config import ModelConfig, ModelConfigError, RopeConfig
 class Target:
     """Where (part of) a checkpoint tensor goes in the model.
 
-    `rows`: the rows [start, stop) of the source that go there (one part of a fused tensor), counted on its
-    second-to-last axis for a stacked expert tensor [E, rows, columns], on its first otherwise;
+    `rows`: the rows [start, stop) of the source along `axis` that go there (one part of a fused tensor;
+    axis 1 of a stacked expert tensor [E, rows, ...]);
     `expert`: the slot of a stacked expert parameter [E, ...] that this (one expert's) tensor fills;
     `unpermute_heads`: llama.cpp interleaved the rotary halves of this Q or K over that many heads.
     """
 
     name: str
     rows: tuple[int, int] | None = None
+    axis: int = 0
     expert: int | None = None
     unpermute_heads: int | None = None
 
@@ -103,16 +104,53 @@ class Family:
             if self.unpermute_rotary and kind in ("attn_q", "attn_k"):
                 heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
             return [Target(f"{prefix}{self.layer_tensors[kind]}.{suffix}", unpermute_heads=heads)]
+        if kind == "attn_qkv":
+            q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            heads = (config.num_heads, config.num_kv_heads, None) if self.unpermute_rotary else (None,) * 3
+            parts = split_rows([f"{prefix}self_attn.{p}_proj.{suffix}" for p in "qkv"], [q_size, kv_size, kv_size])
+            return [Target(t.name, t.rows, unpermute_heads=h) for t, h in zip(parts, heads)]
+        if kind in MOE_LAYER_TENSORS or kind == "ffn_gate_up_exps":
+            return moe_gguf_targets(kind, suffix, prefix, config)
         return self.gguf_layer_targets(kind, suffix, prefix, config)
 
 
-def split_rows(prefix: str, names: Sequence[str], sizes: Sequence[int]) -> list[Target]:
-    """Targets for a tensor that stacks `names` (each `sizes[i]` rows) along its rows, in that order."""
+def split_rows(names: Sequence[str], sizes: Sequence[int], axis: int = 0) -> list[Target]:
+    """Targets for a tensor that stacks `names` (each `sizes[i]` rows along `axis`), in that order."""
     targets, start = [], 0
     for name, size in zip(names, sizes, strict=True):
-        targets.append(Target(prefix + name, (start, start + size)))
+        targets.append(Target(name, (start, start + size), axis))
         start += size
     return targets
+
+
+# A mixture-of-experts layer's GGUF tensors -> our names after `model.layers.N.mlp.` (weights; biases beside).
+MOE_LAYER_TENSORS = {
+    "ffn_gate_inp": "gate",
+    "ffn_gate_exps": "experts.gate",
+    "ffn_up_exps": "experts.up",
+    "ffn_down_exps": "experts.down",
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+    "exp_probs_b": "selection_bias",
+}
+
+
+def moe_gguf_targets(kind: str, suffix: str, prefix: str, config: ModelConfig) -> list[Target] | None:
+    """Where llama.cpp's mixture-of-experts tensors go: the router, the stacked experts (`ffn_*_exps`, or
+    gate and up fused in `ffn_gate_up_exps`), the shared expert and its gate, the selection bias."""
+    mlp = f"{prefix}mlp."
+    if kind == "ffn_gate_up_exps":
+        size = config.moe.intermediate_size
+        names = [f"{mlp}experts.{p}_{'proj' if suffix == 'weight' else 'bias'}" for p in ("gate", "up")]
+        return split_rows(names, [size, size], axis=1)
+    name = MOE_LAYER_TENSORS[kind]
+    if kind == "exp_probs_b":  # llama.cpp names the bias tensor `exp_probs_b.bias`
+        return [Target(mlp + name)]
+    if name.startswith("experts."):  # stacked: `experts.gate_proj`, `experts.gate_bias`
+        return [Target(f"{mlp}{name}_{'proj' if suffix == 'weight' else 'bias'}")]
+    return [Target(f"{mlp}{name}.{suffix}")]
 
 
 def gguf_decoder_fields(meta: GGUFMetadata) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from localserve.kernels.gguf_blocks import QUANT_FORMATS
-from localserve.loading.pieces import take, unpermute_rotary
+from localserve.loading.pieces import same_values, take, unpermute_rotary
 from localserve.loading.pooling_config import PoolingConfigError, gguf_pooling
 from localserve.models.config import ModelConfig, ModelConfigError
 from localserve.models.family import Family, Target
@@ -133,8 +133,8 @@ def check_gguf_tensors(reader, config: ModelConfig, expected: dict[str, tuple[in
                                     f"in a {config.architecture} of this config")
             have = list(shape)
             if target.rows is not None:
-                have[1 if len(have) == 3 else 0] = target.rows[1] - target.rows[0]
-            if tuple(have) != tuple(want):
+                have[target.axis] = target.rows[1] - target.rows[0]
+            if not same_values(tuple(have), tuple(want)):
                 raise GGUFLoadError(f"{path}: tensor {tensor.name!r} has shape {shape}, the metadata implies "
                                     f"{tuple(want)} for {target.name}")
 

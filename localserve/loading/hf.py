@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from localserve.loading.default_model import HUB_PATTERNS, resolve_default_model
-from localserve.loading.pieces import take
+from localserve.loading.pieces import same_values, take
 from localserve.loading.pooling_config import PoolingConfigError, folder_pooling
 from localserve.models.config import ModelConfig, ModelConfigError
 from localserve.models.family import Target
@@ -244,6 +244,8 @@ def _stream_weights(model: CausalLM, weights: Iterator[tuple[Target, torch.Tenso
                 tensor = stack.fill(target.expert, tensor, name, source)
                 if tensor is None:
                     continue
+            if isinstance(tensor, torch.Tensor) and same_values(tuple(tensor.shape), want):
+                tensor = tensor.reshape(want)  # a [H] tensor for a [1, H] parameter (llama.cpp drops axes of 1)
             if tuple(tensor.shape) != want:
                 raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the config implies {want}")

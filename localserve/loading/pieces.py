@@ -15,6 +15,12 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
+def same_values(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether a tensor of shape `have` holds a parameter of shape `want`: the same, or the same but for
+    axes of size 1 (llama.cpp stores the shared expert's gate [1, H] as [H])."""
+    return have == want or [d for d in have if d != 1] == [d for d in want if d != 1]
+
+
 def take(tensor: torch.Tensor | QuantizedTensor, target: Target) -> torch.Tensor | QuantizedTensor:
     """The part of `tensor` that `target` names."""
     if isinstance(tensor, QuantizedTensor):
@@ -26,8 +32,7 @@ def take(tensor: torch.Tensor | QuantizedTensor, target: Target) -> torch.Tensor
 
 def _take_rows(tensor: torch.Tensor, target: Target) -> torch.Tensor:
     if target.rows is not None:
-        axis = 1 if tensor.dim() == 3 else 0
-        tensor = tensor.narrow(axis, target.rows[0], target.rows[1] - target.rows[0])
+        tensor = tensor.narrow(target.axis, target.rows[0], target.rows[1] - target.rows[0])
     if target.unpermute_heads is not None:
         tensor = unpermute_rotary(tensor, target.unpermute_heads)
     return tensor.contiguous()

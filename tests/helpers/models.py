@@ -19,6 +19,9 @@ ARCHITECTURES = {
     "qwen2-yarn": ("Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                     "original_max_position_embeddings": 32}}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # 8 experts, 3 a token, renormalised; layer 1 dense (mlp_only_layers); saved one tensor per expert
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
 }
 
 
@@ -28,18 +31,26 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype 
     import transformers
 
     config_class, extra = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(
+    config = getattr(transformers, config_class)(**(dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-        **({"rms_norm_eps": 1e-6} | extra))
+        rms_norm_eps=1e-6) | extra))
+    return save_random_model(folder, config, seed, dtype)
+
+
+def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32, **save_options):
+    """A transformers model of `config` with wide random weights, saved by save_pretrained (given
+    `save_options`, e.g. max_shard_size) into `folder`."""
+    import transformers
+
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # random init is tiny; widen it so logits are far from flat and ties rare
         for param in model.parameters():
             param.normal_(0, 0.2 if param.dim() > 1 else 1.0)
             if param.dim() == 1:
                 param.abs_().add_(0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, **save_options)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
     return model
 
