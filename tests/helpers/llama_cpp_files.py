@@ -6,7 +6,8 @@ of their tokenizers (`models/ggml-vocab-*.gguf`, metadata only) and its Hugging 
 (`convert_hf_to_gguf.py` with its `conversion/` and `gguf-py/` folders) in its repository, and
 llama-cpp-python's sdist vendors that repository. The sdist is downloaded with `pip download --no-deps
 --no-binary :all:` (never installed), only the files and folders named below are extracted, and they are
-kept under localserve's cache folder like the default model. A test that needs them is skipped, with the reason, only when PyPI cannot be reached.
+kept under localserve's cache folder like the default model. A test that needs them is skipped, with the
+reason, only when PyPI cannot be reached.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def test_gguf_with_quantized_experts_against_the_dequantized_model(sharded, conv
     assert types["blk.0.ffn_down_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
     loaded, runner = make_runner(path)
     for tensor in gguf.GGUFReader(path).tensors:  # each stack where its GGUF name says
-        _, layer, kind, _ = tensor.name.split(".")
+        _, layer, kind, _ = (tensor.name.split(".") + ["", "", ""])[:4]
         if kind.endswith("_exps"):
             ours = getattr(loaded.model.model.layers[int(layer)].mlp.experts, kind[4:-5] + "_proj")
             assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
