@@ -22,6 +22,7 @@ class QuantFormat:
     planes: int  # planes per tile (gguf_dequant.py)
     group: int  # consecutive positions of a plane that share one scale and offset (gguf_dequant.py)
     half_offsets: tuple[int, ...]  # byte offsets of the block's fp16 fields (d, then dmin or m), little-endian
+    exponent_offsets: tuple[int, ...] = ()  # byte offsets of its E8M0 scales (a power of two: 2^(byte - 127))
 
     def row_bytes(self, in_features: int) -> int:
         """Bytes of one row of `in_features` weights (a multiple of block_values)."""
@@ -41,4 +42,10 @@ QUANT_FORMATS = {fmt.name: fmt for fmt in (
     QuantFormat("Q4_K", 7, 256, 144, 2, 32, (0, 2)),
     QuantFormat("Q5_K", 8, 256, 176, 2, 32, (0, 2)),
     QuantFormat("Q6_K", 9, 256, 210, 2, 16, (208,)),
+    QuantFormat("MXFP4", 10, 32, 17, 2, 16, (), exponent_offsets=(0,)),
 )}
+
+# Not a GGUF format: dense rows (bf16, fp16 or fp32 elements) described as one-value blocks, so that the
+# kernels' tile loops read dense weights too (the fused-MoE kernels' dense experts). A "byte" here is one
+# element: the kernels index a typed pointer.
+DENSE_ROWS = QuantFormat("dense", 11, 1, 1, 1, 1, ())

@@ -24,9 +24,10 @@ from localserve.kernels import gguf_blocks
 
 # The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
 # tl.constexpr globals.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = (
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 = (
     tl.constexpr(gguf_blocks.QUANT_FORMATS[name].code)
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"))
+DENSE = tl.constexpr(gguf_blocks.DENSE_ROWS.code)
 
 
 @triton.jit
@@ -79,6 +80,35 @@ def _q8_0(rows, last_block, TILE_BLOCKS: tl.constexpr):
     q = tl.load(rows + at[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
     scale = _halves(rows, tl.minimum(tl.arange(0, TILE_BLOCKS), last_block) * 34)
     return q, scale, tl.zeros(scale.shape, tl.float32), position
+
+
+@triton.jit
+def _dense(rows, last_block, TILE_BLOCKS: tl.constexpr):
+    """Dense rows (gguf_blocks.DENSE_ROWS): TILE_BLOCKS values as stored; scale 1 and offset 0, a group each."""
+    position = tl.arange(0, TILE_BLOCKS)
+    values = tl.load(rows + tl.minimum(position, last_block)[None, :]).to(tl.float32)
+    return values, tl.full(values.shape, 1.0, tl.float32), tl.zeros(values.shape, tl.float32), position
+
+
+@triton.jit
+def _mxfp4(rows, last_block, PLANE: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """MXFP4 (17 bytes: an E8M0 exponent e, then 16 code bytes; 32 values a block): value j is the low
+    nibble of code byte j (j < 16) or the high nibble of byte j - 16, an FP4 E2M1 code: bit 3 the sign,
+    bits 0-2 a magnitude 0, 0.5, 1, 1.5, 2, 3, 4 or 6, kept doubled as gguf keeps them (0, 1, 2, 3, 4, 6,
+    8, 12), so the scale is 2^(e - 127) / 2 = 2^(e - 128), built as float32 bits (a subnormal for e < 2).
+    Planes and groups as the legacy formats: a plane holds 16 values of each block, a group is a block's."""
+    position = tl.arange(0, TILE_BLOCKS * 16)
+    block, index = position // 16, position % 16
+    at = tl.minimum(block, last_block) * 17
+    code = ((tl.load(rows + (at + 1 + index)[None, :]) >> (4 * PLANE)) & 15).to(tl.int32)
+    magnitude = code & 7
+    # 0..3 are their own doubled values; 4..7 are 4, 6, 8, 12: (2 or 3) times 2 or 4.
+    doubled = tl.where(magnitude < 4, magnitude, (2 + (magnitude & 1)) << tl.maximum((magnitude >> 1) - 1, 0))
+    codes = tl.where(code >= 8, -doubled, doubled).to(tl.float32)
+    exponent = tl.load(rows + (tl.minimum(tl.arange(0, TILE_BLOCKS), last_block) * 17)[None, :]).to(tl.int32)
+    bits = tl.where(exponent < 2, 0x00200000 << exponent, (exponent - 1) << 23)
+    scale = bits.to(tl.float32, bitcast=True)
+    return codes, scale, tl.zeros(scale.shape, tl.float32), block * 32 + PLANE * 16 + index
 
 
 @triton.jit
@@ -172,11 +202,11 @@ def plane_codes(rows, last_block, FORMAT: tl.constexpr, PLANE: tl.constexpr, TIL
     """One plane of a tile: (codes float32 [BN, P], scale and offset float32 [BN, P / GROUP], the
     columns [P] of the plane's values within the tile); value = scale[g] * code + offset[g].
 
-    rows [BN, 1]: pointers (uint8) to the tile's first byte in each row of W; last_block: the index
-    within the tile of the row's last block. Positions in blocks past it (a tile overhanging the row)
-    read that last block again, so every load stays inside W without a mask: their columns lie past
-    the row's end, where the caller reads x as zeros and stores nothing. Rows past W's end are
-    likewise the caller's to clamp.
+    rows [BN, 1]: pointers (uint8; DENSE: of the weights' dtype) to the tile's first byte in each row of W;
+    last_block: the index within the tile of the row's last block. Positions in blocks past it (a tile
+    overhanging the row) read that last block again, so every load stays inside W without a mask: their
+    columns lie past the row's end, where the caller reads x as zeros and stores nothing. Rows past W's
+    end are likewise the caller's to clamp.
     """
     if FORMAT == Q8_0:
         return _q8_0(rows, last_block, TILE_BLOCKS)
@@ -196,6 +226,10 @@ def plane_codes(rows, last_block, FORMAT: tl.constexpr, PLANE: tl.constexpr, TIL
         return _q6_k(rows, last_block, PLANE, TILE_BLOCKS)
     elif FORMAT == Q2_K:
         return _q23_k(rows, last_block, 84, 16, False, PLANE, TILE_BLOCKS)
+    elif FORMAT == MXFP4:
+        return _mxfp4(rows, last_block, PLANE, TILE_BLOCKS)
+    elif FORMAT == DENSE:
+        return _dense(rows, last_block, TILE_BLOCKS)
     else:
         return _q23_k(rows, last_block, 110, 32, True, PLANE, TILE_BLOCKS)
 

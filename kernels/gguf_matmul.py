@@ -84,6 +84,44 @@ def matmul_config(device: torch.device) -> MatmulConfig:
 
 
 @triton.jit
+def gemv_tiles(acc, x_ptr, stride_x, num_x_rows, row_starts, blocks_per_row, in_features,
+               FORMAT: tl.constexpr, PLANES: tl.constexpr, BLOCK_VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+               TILE_BLOCKS: tl.constexpr, GROUP: tl.constexpr, BATCH: tl.constexpr):
+    """acc [BN, BATCH] plus BN rows of W times rows 0..BATCH-1 of x, over all of K: each tile decoded once,
+    one scale multiply per group (plane_dot). row_starts [BN, 1]: pointers to the rows' first blocks;
+    x_ptr: x's first row (rows num_x_rows.. read as zeros), stride_x elements apart."""
+    batch = tl.arange(0, BATCH)
+    for first_block in range(0, blocks_per_row, TILE_BLOCKS):
+        tile = row_starts + first_block * BLOCK_BYTES
+        for plane in tl.static_range(PLANES):
+            codes, scale, offset, columns = plane_codes(tile, blocks_per_row - 1 - first_block, FORMAT, plane,
+                                                        TILE_BLOCKS)
+            columns = first_block * BLOCK_VALUES + columns
+            for m in tl.static_range(BATCH):
+                x_end = tl.where(num_x_rows > m, in_features, 0)  # a padding row of x reads as zeros
+                x = tl.load(x_ptr + m * stride_x + columns, mask=columns < x_end, other=0.0).to(tl.float32)
+                acc += tl.where(batch[None, :] == m, plane_dot(codes, scale, offset, x, GROUP)[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def dot_tiles(acc, x_rows, x_ok, row_starts, blocks_per_row, in_features,
+              FORMAT: tl.constexpr, PLANES: tl.constexpr, BLOCK_VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+              TILE_BLOCKS: tl.constexpr, GROUP: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BM, BN] plus x [BM, K] @ W^T for BN rows of W, over all of K: each plane of a tile dequantized,
+    then tl.dot in COMPUTE. x_rows [BM, 1]: pointers to the rows of x (x_ok [BM]: those that exist; the
+    others read as zeros); row_starts [BN, 1]: pointers to W's rows' first blocks."""
+    for first_block in range(0, blocks_per_row, TILE_BLOCKS):
+        tile = row_starts + first_block * BLOCK_BYTES
+        for plane in tl.static_range(PLANES):
+            w, columns = dequantize_plane(tile, blocks_per_row - 1 - first_block, FORMAT, plane, TILE_BLOCKS, GROUP)
+            columns = first_block * BLOCK_VALUES + columns
+            x = tl.load(x_rows + columns[None, :], mask=x_ok[:, None] & (columns < in_features)[None, :], other=0.0)
+            acc = tl.dot(x.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] activations, model dtype
     w_ptr,  # [N, row_bytes] uint8 raw blocks
@@ -97,18 +135,9 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_w_rows
     row_starts = w_ptr + tl.minimum(rows, num_w_rows - 1).to(tl.int64)[:, None] * row_bytes  # rows past W: its last
+    acc = gemv_tiles(tl.zeros((BLOCK_N, BATCH), tl.float32), x_ptr, stride_x, num_x_rows, row_starts, blocks_per_row,
+                     in_features, FORMAT, PLANES, BLOCK_VALUES, BLOCK_BYTES, TILE_BLOCKS, GROUP, BATCH)
     batch = tl.arange(0, BATCH)
-    acc = tl.zeros((BLOCK_N, BATCH), tl.float32)
-    for first_block in range(0, blocks_per_row, TILE_BLOCKS):
-        tile = row_starts + first_block * BLOCK_BYTES
-        for plane in tl.static_range(PLANES):
-            codes, scale, offset, columns = plane_codes(tile, blocks_per_row - 1 - first_block, FORMAT, plane,
-                                                        TILE_BLOCKS)
-            columns = first_block * BLOCK_VALUES + columns
-            for m in tl.static_range(BATCH):
-                x_end = tl.where(num_x_rows > m, in_features, 0)  # a padding row of x reads as zeros
-                x = tl.load(x_ptr + m * stride_x + columns, mask=columns < x_end, other=0.0).to(tl.float32)
-                acc += tl.where(batch[None, :] == m, plane_dot(codes, scale, offset, x, GROUP)[:, None], 0.0)
     out = out_ptr + batch[None, :] * stride_out + rows[:, None]
     tl.store(out, cast_round_nearest(acc, out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (batch < num_x_rows)[None, :])
@@ -130,15 +159,9 @@ def _fused_kernel(
     row_starts = w_ptr + tl.minimum(rows, num_w_rows - 1).to(tl.int64)[:, None] * row_bytes  # rows past W: its last
     x_rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     x_ok = x_rows < num_x_rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for first_block in range(0, blocks_per_row, TILE_BLOCKS):
-        tile = row_starts + first_block * BLOCK_BYTES
-        for plane in tl.static_range(PLANES):
-            w, columns = dequantize_plane(tile, blocks_per_row - 1 - first_block, FORMAT, plane, TILE_BLOCKS, GROUP)
-            columns = first_block * BLOCK_VALUES + columns
-            x = tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_x + columns[None, :],
-                        mask=x_ok[:, None] & (columns < in_features)[None, :], other=0.0)
-            acc = tl.dot(x.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=DOT_PRECISION)
+    acc = dot_tiles(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), x_ptr + x_rows.to(tl.int64)[:, None] * stride_x, x_ok,
+                    row_starts, blocks_per_row, in_features, FORMAT, PLANES, BLOCK_VALUES, BLOCK_BYTES, TILE_BLOCKS,
+                    GROUP, COMPUTE, DOT_PRECISION)
     out = out_ptr + x_rows.to(tl.int64)[:, None] * stride_out + rows[None, :]
     tl.store(out, cast_round_nearest(acc, out_ptr.dtype.element_ty), mask=x_ok[:, None] & row_ok[None, :])
 
@@ -243,15 +266,19 @@ def quantized_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: QuantFormat, in
             **_format_args(fmt, tile_blocks))
     elif method == "fused":
         block_m = min(64, max(16, triton.next_power_of_2(num_x_rows)))
-        # Triton's interpreter runs tl.dot through numpy, which has no bf16: compute in fp32 there.
-        compute = tl.float32 if x.device.type != "cuda" or x.dtype == torch.float32 else _COMPUTE[x.dtype]
         tile_blocks, block_n = config.launch_shape(config.fused, fmt, in_features, num_w_rows)
         grid = (triton.cdiv(num_w_rows, block_n), triton.cdiv(num_x_rows, block_m))
-        _fused_kernel[grid](x, blocks, out, *common, BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE=compute,
-                            DOT_PRECISION="ieee" if compute == tl.float32 else "tf32", **_format_args(fmt, tile_blocks))
+        _fused_kernel[grid](x, blocks, out, *common, BLOCK_M=block_m, BLOCK_N=block_n, **dot_operands(x),
+                            **_format_args(fmt, tile_blocks))
     else:
         raise ValueError(f"unknown method {method!r}: gemv, fused or scratch")
     return out.reshape(*leading, num_w_rows)
 
 
-_COMPUTE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+def dot_operands(x: torch.Tensor) -> dict:
+    """COMPUTE and DOT_PRECISION of a tl.dot kernel whose activations are `x`: the model's dtype on CUDA;
+    float32 without TF32 for float32 x, and in Triton's interpreter, which runs tl.dot through numpy
+    (no bf16 there)."""
+    if x.device.type != "cuda" or x.dtype == torch.float32:
+        return dict(COMPUTE=tl.float32, DOT_PRECISION="ieee")
+    return dict(COMPUTE={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype], DOT_PRECISION="tf32")

@@ -85,20 +85,29 @@ class Experts:
         return any(m.format is not None for m in (self.gate, self.up, self.down))
 
 
+def expert_weight(matrix: ExpertMatrix, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """W_expert [rows, columns]: the dense weights in place, or the expert's blocks dequantized to `dtype`
+    (by the GGUF kernels: on CUDA, or in Triton's interpreter on the CPU)."""
+    if matrix.format is None:
+        return matrix.data[expert]
+    from localserve.kernels.gguf_matmul import dequantize_rows
+
+    return dequantize_rows(matrix.data[expert].contiguous(), matrix.format, matrix.columns, dtype)
+
+
 def _project(x: torch.Tensor, matrix: ExpertMatrix, expert: int) -> torch.Tensor:
-    out = x @ matrix.data[expert].T
+    out = x @ expert_weight(matrix, expert, x.dtype).T
     return out if matrix.bias is None else out + matrix.bias[expert]
 
 
 def moe_reference(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H], topk_ids [T, k] (int), topk_weights [T, k] -> [T, H] in x's dtype, for dense experts.
+    """x [T, H], topk_ids [T, k] (int), topk_weights [T, k] -> [T, H] in x's dtype.
 
-    Each chosen expert runs once on the tokens that chose it (its weights are read in place, never
-    gathered); the weighted outputs are summed into the tokens' rows in float32.
+    Each chosen expert runs once on the tokens that chose it (dense weights are read in place, never
+    gathered; quantized ones dequantized, that expert's only: expert_weight); the weighted outputs are
+    summed into the tokens' rows in float32.
     """
-    if experts.quantized:
-        raise ValueError("moe_reference multiplies dense experts; dequantize quantized ones first")
     num_tokens, top_k = topk_ids.shape
     output = torch.zeros(num_tokens, experts.hidden_size, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)

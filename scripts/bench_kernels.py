@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
+from benchlib import row_emitter
 from localserve.models.config import ModelConfig, RopeConfig
 from localserve.models.layers.rotary import RotaryEmbedding
 
@@ -145,7 +146,8 @@ def llama31_8b_config(num_layers: int) -> ModelConfig:
 
 def random_gguf_blocks(qtype: str, rows: int, columns: int, generator: torch.Generator) -> torch.Tensor:
     """Random valid blocks uint8 [rows, row_bytes] on the generator's device: random codes and sub-scales,
-    small positive fp16 fields (the timing does not depend on the values, as long as they are finite)."""
+    small positive fp16 fields and E8M0 exponents (the timing does not depend on the values, as long as
+    they are finite)."""
     from localserve.kernels.gguf_blocks import QUANT_FORMATS
 
     fmt = QUANT_FORMATS[qtype]
@@ -156,6 +158,9 @@ def random_gguf_blocks(qtype: str, rows: int, columns: int, generator: torch.Gen
         field = torch.empty(rows, num_blocks, dtype=torch.float16, device=generator.device)
         field.uniform_(1e-3, 2e-3, generator=generator)
         data[:, :, offset:offset + 2] = field.view(torch.uint8).view(rows, num_blocks, 2)
+    for offset in fmt.exponent_offsets:  # MXFP4's E8M0 scales: 2^-9 .. 2^-7
+        data[:, :, offset] = torch.randint(119, 122, (rows, num_blocks), dtype=torch.uint8, device=generator.device,
+                                           generator=generator)
     return data.reshape(rows, -1)
 
 
@@ -323,13 +328,7 @@ def main() -> None:
         sys.exit(f"unknown sections {', '.join(sorted(sections - set(SECTIONS)))}; known: {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA device")
-    out = args.out.open("w") if args.out else None
-
-    def emit(lines: list[str]) -> None:  # row by row, so a run stopped by a time limit keeps what it measured
-        for line in lines:
-            print(line, flush=True)
-            if out:
-                print(line, file=out, flush=True)
+    emit = row_emitter(args.out)
 
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,20 @@ def save_raw(name: str, info: dict[str, Any], results: Any) -> Path:
     path = DOCS / f"{name}.json"
     path.write_text(json.dumps({"machine": info, "results": results}, indent=1) + "\n")
     return path
+
+
+def row_emitter(out: Path | None) -> Callable[[list[str]], None]:
+    """emit(lines): print each line, and append it to `out` too, at once, so a run stopped by a time limit
+    keeps what it measured."""
+    handle = out.open("w") if out else None
+
+    def emit(lines: list[str]) -> None:
+        for line in lines:
+            print(line, flush=True)
+            if handle:
+                print(line, file=handle, flush=True)
+
+    return emit
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -10,6 +10,11 @@
 #   scripts/gpu_check.sh speculation                 speculative decoding (#26): its gpu-marked tests (verify
 #                                                   rows through Triton) and scripts/bench_speculative.py on
 #                                                   CUDA at batch 1, 8 and 32 (needs the --stash call first)
+#   scripts/gpu_check.sh moe                         the fused mixture-of-experts kernels (#35): their tests
+#                                                   natively on CUDA and scripts/bench_moe.py --device cuda
+#                                                   (Qwen3-30B-A3B's layer, Q4_K_M-mixed experts); at most
+#                                                   about 5 minutes; one call carrying .gpu_carry/wheels (gguf
+#                                                   for the tests), no --stash call; not part of all
 #
 # The device tool carries at most 64 MiB per call and the default model's GGUF is 94 MiB, so the check
 # takes two calls back to back (the second while the machine is still warm, i.e. within 30 s):
@@ -28,12 +33,14 @@ fi
 PART=${1:-all}
 GGUF_KERNEL_TESTS=tests/kernels/test_gguf_matmul.py
 GGUF_GPU_TESTS=tests/loading/test_gguf_quantized.py
+MOE_KERNEL_TESTS=(tests/kernels/test_fused_moe.py tests/kernels/test_moe_experts.py)
+NOT_MOE=(--ignore="${MOE_KERNEL_TESTS[0]}" --ignore="${MOE_KERNEL_TESTS[1]}")
 case "$PART" in
-    all) kernel_tests=(tests/kernels); sections=attention,gguf,model ;;
-    attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS"); sections=attention,model ;;
+    all) kernel_tests=(tests/kernels "${NOT_MOE[@]}"); sections=attention,gguf,model ;;
+    attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS" "${NOT_MOE[@]}"); sections=attention,model ;;
     gguf) kernel_tests=("$GGUF_KERNEL_TESTS"); sections=gguf,model ;;
-    speculation) kernel_tests=(); sections="" ;;
-    *) echo "usage: $0 [--stash | all | attention | gguf | speculation]" >&2; exit 2 ;;
+    speculation|moe) kernel_tests=(); sections="" ;;
+    *) echo "usage: $0 [--stash | all | attention | gguf | speculation | moe]" >&2; exit 2 ;;
 esac
 
 REPORT=${OUT:-scripts/out}/gpu_report.md
@@ -44,6 +51,18 @@ export HF_HUB_OFFLINE=1 PIP_NO_INDEX=1
 started=$SECONDS
 section() { printf '\n## %s\n\n' "$1" >> "$REPORT"; echo "== $1" >&2; }
 fenced() { { echo '```'; tail -n "${1:-60}"; echo '```'; } >> "$REPORT"; }
+# bench SECONDS SCRIPT ARGS...: its tables (written row by row to --out) into the report, and its last
+# errors if it fails or runs out of time.
+bench() {
+    local limit=$1 script=$2 out status
+    shift 2
+    out=$(mktemp)
+    timeout "$limit" python3 "$script" "$@" --out "$out" > /dev/null 2> "$out.log"
+    status=$?
+    if [ -s "$out" ]; then cat "$out" >> "$REPORT"; fi
+    if [ $status -ne 0 ]; then echo "$script exited with $status; its last rows and errors:" >> "$REPORT"
+        fenced 30 < "$out.log"; fi
+}
 
 echo "# GPU check ($PART), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
     > "$REPORT"
@@ -79,6 +98,16 @@ if [ "$PART" = speculation ]; then
     exit
 fi
 
+if [ "$PART" = moe ]; then
+    section "MoE kernel tests, natively on CUDA (${MOE_KERNEL_TESTS[*]})"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --durations=5 "${MOE_KERNEL_TESTS[@]}" 2>&1 | fenced 40
+    section "MoE benchmark (scripts/bench_moe.py --device cuda)"
+    bench 120 scripts/bench_moe.py --device cuda
+    printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
+    echo "report: $REPORT" >&2
+    exit
+fi
+
 section "Kernel tests, natively on CUDA (${kernel_tests[*]})"
 timeout 180 python3 -m pytest -q -p no:cacheprovider --durations=5 "${kernel_tests[@]}" 2>&1 | fenced 40
 
@@ -92,12 +121,7 @@ else
 fi
 
 section "Benchmarks (scripts/bench_kernels.py --sections $sections)"
-bench_out=$(mktemp)
-timeout 240 python3 scripts/bench_kernels.py --sections "$sections" --out "$bench_out" > /dev/null 2> "$bench_out.log"
-status=$?
-if [ -s "$bench_out" ]; then cat "$bench_out" >> "$REPORT"; fi
-if [ $status -ne 0 ]; then echo "bench_kernels.py exited with $status; its last rows and errors:" >> "$REPORT"
-    fenced 30 < "$bench_out.log"; fi
+bench 240 scripts/bench_kernels.py --sections "$sections"
 
 printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
 echo "report: $REPORT" >&2

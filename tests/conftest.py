@@ -15,6 +15,11 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != REPOSITORY]
 os.environ["PYTHONSAFEPATH"] = "1"
 
+# Triton's interpreter runs tl.dot through numpy: OpenBLAS's own threads, contending with torch's for the
+# machine's two cores, made a 16 x 128 x 256 product take up to 27 ms instead of 50 us. Read when numpy
+# loads (torch loads it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -82,7 +82,7 @@ def write_llama_gguf(path: Path, hf_model,
 
 def random_blocks(qtype_name: str, rows: int, cols: int, seed: int = 0, magnitude: float = 0.1) -> np.ndarray:
     """Random valid blocks uint8 [rows, row_bytes] of GGML type `qtype_name`: random code and scale bytes,
-    every fp16 field (d, dmin, m) finite, of a size that puts the weights near +-`magnitude`."""
+    every fp16 field (d, dmin, m) and E8M0 exponent of a size that puts the weights near +-`magnitude`."""
     from localserve.kernels.gguf_blocks import QUANT_FORMATS
 
     fmt = QUANT_FORMATS[qtype_name]
@@ -98,6 +98,8 @@ def random_blocks(qtype_name: str, rows: int, cols: int, seed: int = 0, magnitud
             field = rng.uniform(0.5, 1.5, data.shape[:2]) * size * (rng.choice([-1, 1], data.shape[:2])
                                                                     if which == 0 and "_K" not in qtype_name else 1)
         data[:, :, offset:offset + 2] = field.astype(np.float16)[..., None].view(np.uint8)
+    for offset in fmt.exponent_offsets:  # MXFP4: 2^(e - 128) times doubled E2M1 codes (mostly 1..12)
+        data[:, :, offset] = rng.integers(121, 125, data.shape[:2])
     return data.reshape(rows, -1)
 
 

@@ -35,6 +35,7 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
                  torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 TESTS = Path(__file__).resolve().parents[1]
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 def import_tests_package() -> None:
@@ -57,13 +58,15 @@ def cuda_tools() -> Path | None:
 
 
 def record_launches(drive) -> list[tuple[JITFunction, dict]]:
-    """Run `drive()` with every kernel launch recorded instead of run: (kernel, its bound arguments)."""
+    """Run `drive()` with every kernel launch recorded instead of run: (kernel, its bound arguments, with the
+    launch options num_warps and num_stages where the wrapper sets them)."""
     launches = []
 
     def record(kernel, *args, grid, warmup, **kwargs):
+        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
         bound = kernel.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        launches.append((kernel, dict(bound.arguments)))
+        launches.append((kernel, dict(bound.arguments) | options))
 
     original = JITFunction.run
     JITFunction.run = record
@@ -80,6 +83,7 @@ def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype:
     operand dtype set to what a CUDA device gets (`model_dtype`); -> (the compiled kernel, or None when
     `frontend_only` stopped at Triton's IR, and the constants)."""
     signature, constants, attributes = {}, {}, {}
+    launch_options = {name: arguments[name] for name in LAUNCH_OPTIONS if name in arguments}
     for index, param in enumerate(kernel.params):
         value = arguments[param.name]
         if param.is_constexpr:
@@ -108,7 +112,7 @@ def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype:
             from triton.compiler.compiler import make_backend
 
             backend = make_backend(target)
-            options = backend.parse_options({})
+            options = backend.parse_options(launch_options)
             context = ir.context()
             ir.load_dialects(context)
             backend.load_dialects(context)
@@ -118,16 +122,23 @@ def compile_launch(kernel: JITFunction, arguments: dict, arch: int, model_dtype:
         else:
             make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
             return None, constants
-    return triton.compile(source, target=target), constants
+    return triton.compile(source, target=target, options=launch_options), constants | launch_options
+
+
+# Shared memory one block may use (bytes) per compute capability; a kernel that asks for more fails to
+# launch on that card (one did on an H200).
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 
 
 def resource_usage(compiled, tools: Path) -> str:
+    """Registers, stack and local memory (spills) from cuobjdump, and the shared memory Triton allocates."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         report = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True).stdout
     match = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", report, re.S)
-    return f"registers {match.group(1)}, stack {match.group(2)}, local {match.group(3)}" if match else "?"
+    usage = f"registers {match.group(1)}, stack {match.group(2)}, local {match.group(3)}" if match else "?"
+    return f"{usage}, shared {compiled.metadata.shared}"
 
 
 def drive_gguf(dtype: torch.dtype) -> None:
@@ -146,6 +157,29 @@ def drive_gguf(dtype: torch.dtype) -> None:
             dequantize_rows(blocks, fmt, in_features, dtype, rows=torch.arange(3), config=CUDA)
 
 
+def drive_moe(dtype: torch.dtype) -> None:
+    """fused_moe's four kernels for dense experts in `dtype` and for every GGUF format, with CUDA's tiling, in
+    Qwen3-30B-A3B's shapes (hidden 2048, expert intermediate 768); the grouped ones at their largest run of
+    pairs (64)."""
+    from localserve.kernels.fused_moe import CUDA_MOE, fused_moe
+    from localserve.kernels.gguf_blocks import QUANT_FORMATS
+    from localserve.kernels.moe_experts import ExpertMatrix, Experts
+
+    num_experts, hidden, intermediate = 4, 2048, 768
+    for fmt in [None, *QUANT_FORMATS.values()]:
+        def matrix(rows: int, columns: int, fmt=fmt) -> ExpertMatrix:
+            if fmt is None:
+                return ExpertMatrix(torch.zeros(num_experts, rows, columns, dtype=dtype), columns)
+            return ExpertMatrix(torch.zeros(num_experts, rows, fmt.row_bytes(columns), dtype=torch.uint8), columns,
+                                fmt)
+
+        experts = Experts(matrix(intermediate, hidden), matrix(intermediate, hidden), matrix(hidden, intermediate))
+        for num_tokens, method in ((1, "per_token"), (128, "grouped")):
+            ids = torch.arange(2 * num_tokens).reshape(num_tokens, 2) % num_experts
+            fused_moe(torch.zeros(num_tokens, hidden, dtype=dtype), experts, ids, torch.ones(num_tokens, 2),
+                      method=method, config=CUDA_MOE)
+
+
 def drive_attention(dtype: torch.dtype) -> None:
     """store_kv and paged_attention (split and not) for every KV format the kernels read."""
     from localserve.attention.triton_backend import TritonAttentionBackend
@@ -162,7 +196,7 @@ def drive_attention(dtype: torch.dtype) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
-    parser.add_argument("--only", choices=("gguf", "attention"), help="one family of kernels")
+    parser.add_argument("--only", choices=("gguf", "moe", "attention"), help="one family of kernels")
     parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -174,6 +208,8 @@ def main() -> int:
     launches = []
     if args.only in (None, "gguf"):
         launches += record_launches(lambda: drive_gguf(dtype))
+    if args.only in (None, "moe"):
+        launches += record_launches(lambda: drive_moe(dtype))
     if args.only in (None, "attention"):
         launches += record_launches(lambda: drive_attention(dtype))
     failures, seen = 0, set()
@@ -184,6 +220,11 @@ def main() -> int:
             failures += 1
             print(f"FAILED {kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
             continue
+        shared_limit = SHARED_MEMORY_LIMIT.get(args.arch)
+        if compiled is not None and shared_limit is not None and compiled.metadata.shared > shared_limit:
+            failures += 1
+            print(f"FAILED {kernel.__name__}: {compiled.metadata.shared} bytes of shared memory, sm_{args.arch} "
+                  f"allows {shared_limit}")
         shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
         if (kernel.__name__, shown) not in seen:
             seen.add((kernel.__name__, shown))

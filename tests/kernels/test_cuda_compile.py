@@ -17,7 +17,8 @@ def test_every_kernel_compiles_for_cuda():
                             env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert sum("_gemv_kernel" in line for line in compiled) >= 10  # every GGUF format
+    assert sum("_gemv_kernel" in line for line in compiled) >= 11  # every GGUF format
+    assert sum("_token_gate_up_kernel" in line for line in compiled) >= 12  # dense and every GGUF format
     for kernel in ("_fused_kernel", "_dequantize_kernel", "_store_kv_kernel", "_paged_attention_kernel",
-                   "_merge_splits_kernel"):
+                   "_merge_splits_kernel", "_token_down_kernel", "_grouped_gate_up_kernel", "_grouped_down_kernel"):
         assert any(kernel in line for line in compiled), kernel

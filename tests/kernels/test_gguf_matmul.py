@@ -147,3 +147,18 @@ def test_method_by_batch_and_size():
     assert [choose_method(batch, 4096 * 4096, CUDA) for batch in (1, 4, 5, 127, 128)] == [
         "gemv", "gemv", "fused", "fused", "scratch"]
     assert choose_method(512, 128256 * 4096, CUDA) == "fused"  # an 8B output layer: 1 GiB of bf16 scratch
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the reference's infinities
+def test_mxfp4_exponents_at_their_limits_equal_gguf_dequantization():
+    """E8M0 scales 2^-128 and 2^-127 (float32 subnormals), 2^-1, and 2^126 and 2^127 (where 12 codes
+    overflow to infinity, as in the reference), with every code of both signs."""
+    exponents = np.array([0, 1, 127, 254, 255], dtype=np.uint8)
+    data = np.zeros((len(exponents), 2, 17), dtype=np.uint8)
+    data[:, :, 0] = exponents[:, None]
+    data[:, :, 1:] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    data = data.reshape(len(exponents), 34)
+    reference = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.MXFP4))
+    assert torch.isinf(reference).any() and (reference[0] != 0).any()
+    rows = dequantize_rows(torch.from_numpy(data).to(DEVICE), QUANT_FORMATS["MXFP4"], 64, torch.float32)
+    assert torch.equal(rows.cpu(), reference)

@@ -15,7 +15,7 @@ from tests.helpers.models import greedy_paged, make_runner
 # output layer in Q8_0), and one dense F16 layer that stays dense.
 EVERY_TYPE = {"blk.0.attn_q": "Q4_0", "blk.0.attn_k": "Q4_1", "blk.0.attn_v": "Q5_0", "blk.0.attn_output": "Q5_1",
               "blk.0.ffn_gate": "Q8_0", "blk.0.ffn_up": "Q2_K", "blk.0.ffn_down": "Q3_K", "blk.1.attn_q": "Q4_K",
-              "blk.1.attn_k": "Q5_K", "blk.1.attn_v": "Q6_K", "blk.1.attn_output": "Q6_K", "blk.1.ffn_gate": "Q5_K",
+              "blk.1.attn_k": "Q5_K", "blk.1.attn_v": "Q6_K", "blk.1.attn_output": "MXFP4", "blk.1.ffn_gate": "Q5_K",
               "blk.1.ffn_up": "Q4_K", "blk.1.ffn_down": "F16"}
 VARIANTS = {"llama-tied": ("llama", True, EVERY_TYPE | {"token_embd": "Q6_K"}),
             "qwen2-untied": ("qwen2", False, EVERY_TYPE | {"token_embd": "Q4_K", "output": "Q8_0"})}
