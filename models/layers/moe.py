@@ -3,9 +3,8 @@ experts are gated MLPs held per projection as stacked tensors [E, rows, columns]
 blocks kept as stored); a shared expert (a gated MLP every token goes through, optionally scaled by
 sigmoid(w . x)) adds its output.
 
-The product over the routed experts is kernels/moe_experts.py's contract: on CUDA (or for quantized
-experts) the fused Triton kernels, `localserve.kernels.fused_moe`, when they are there; on the CPU the
-plain-torch `moe_reference`.
+The product over the routed experts is kernels/moe_experts.py's contract: on CUDA the fused Triton kernels
+(`localserve.kernels.fused_moe`) when they can be imported; on the CPU the plain-torch `moe_reference`.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 @functools.cache
 def fused_moe_kernel():
-    """`localserve.kernels.fused_moe.fused_moe`, or None where it is not there (Triton missing, or a
-    checkout without the kernels)."""
+    """`localserve.kernels.fused_moe.fused_moe`, or None where it cannot be imported (no Triton)."""
     try:
         from localserve.kernels.fused_moe import fused_moe
     except ImportError:
@@ -106,13 +104,9 @@ class MoE(nn.Module):
 
 
 def run_experts(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t): the fused kernels on CUDA or for quantized
-    experts, where they are there; the torch path otherwise."""
-    if x.device.type == "cuda" or experts.quantized:
-        fused_moe = fused_moe_kernel()
-        if fused_moe is not None:
-            return fused_moe(x, experts, topk_ids, topk_weights)
-        if experts.quantized:
-            raise RuntimeError("quantized experts need the fused-MoE kernels (localserve.kernels.fused_moe), "
-                               "which this installation lacks; load the model with --no-keep-quantized-weights")
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t): the fused kernels on CUDA where they are
+    there; the torch path otherwise (which dequantizes quantized experts one chosen expert at a time)."""
+    fused_moe = fused_moe_kernel() if x.device.type == "cuda" else None
+    if fused_moe is not None:
+        return fused_moe(x, experts, topk_ids, topk_weights)
     return moe_reference(x, experts, topk_ids, topk_weights)

@@ -110,7 +110,7 @@ def test_gguf_with_gate_and_up_fused_is_the_same_model(converted, tmp_path):
 
 # Expert projections in quantized blocks: (layer, projection) -> type; rows of 64 values (gate, up) take
 # 32-value blocks, rows of 256 (down) K-quant blocks.
-EXPERT_TYPES = {(0, "gate"): "Q8_0", (0, "up"): "Q8_0", (0, "down"): "Q4_K", (1, "down"): "Q6_K"}
+EXPERT_TYPES = {(0, "gate"): "Q8_0", (0, "up"): "Q8_0", (0, "down"): "Q4_K", (1, "up"): "MXFP4", (1, "down"): "Q6_K"}
 
 
 def quantize_experts(name: str, values: np.ndarray):
@@ -119,8 +119,8 @@ def quantize_experts(name: str, values: np.ndarray):
         if parts[0] == "blk" and parts[2].endswith("_exps") else None
     if qtype is None:
         return None
-    if qtype == "Q8_0":
-        return [(name, gguf.quants.quantize(values, Q.Q8_0), Q.Q8_0)]
+    if qtype in ("Q8_0", "MXFP4"):
+        return [(name, gguf.quants.quantize(values, Q[qtype]), Q[qtype])]
     # gguf-py cannot quantize K-quants: random valid blocks of that type instead
     experts, rows, columns = values.shape
     blocks = random_blocks(qtype, experts * rows, columns, seed=len(name), magnitude=0.2)
@@ -152,6 +152,20 @@ def test_gguf_with_quantized_experts_against_the_dequantized_model(sharded, conv
             ours = getattr(loaded.model.model.layers[int(layer)].mlp.experts, kind[4:-5] + "_proj")
             assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
     assert_matches(runner, reference_with(sharded[1], loaded))
+
+
+def test_experts_kept_in_their_blocks_give_the_dequantized_models_tokens(converted, tmp_path):
+    path = rewrite_gguf(converted, tmp_path / "quantized.gguf", quantize_experts)
+    kept, runner_kept = make_runner(path, keep_quantized_weights=True)  # the kernels in Triton's interpreter
+    _, runner_dense = make_runner(path, keep_quantized_weights=False)
+    formats = {(i, name): qtype for i, layer in enumerate(kept.model.model.layers)
+               for name, qtype in layer.mlp.experts.formats.items()}
+    assert formats == {(layer, f"{kind}_proj"): qtype for (layer, kind), qtype in EXPERT_TYPES.items()}
+    logits, reference = [], []
+    tokens = greedy_paged(runner_kept, PROMPT[:9], 3, TABLE, logits)
+    assert tokens == greedy_paged(runner_dense, PROMPT[:9], 3, TABLE, reference)
+    logits, reference = torch.cat(logits), torch.cat(reference)
+    assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
 def test_a_type_the_kernels_do_not_read_is_refused_before_loading(converted, tmp_path, monkeypatch):
