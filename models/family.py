@@ -68,7 +68,7 @@ DECODER_LAYER_TENSORS = {
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
 # Tensors a GGUF may carry that are read into the config, not loaded as weights.
-CONFIG_TENSORS = ("rope_freqs.weight",)
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 @dataclass(frozen=True)

@@ -89,3 +89,16 @@ def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[i
     if collected_logits is not None:
         collected_logits.extend(steps)
     return tokens
+
+
+def assert_matches_transformers(runner, hf_model, prompt: list[int], block_table: list[int],
+                                tolerance: float = 1e-4, num_tokens: int = 12) -> None:
+    """localserve's logits over `prompt` (paged through `block_table`) within `tolerance` of transformers',
+    and `num_tokens` greedy tokens the same as transformers' generate."""
+    ours = runner.prompt_logits(prompt, block_table)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt])).logits[0].float()
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert (ours - theirs).abs().max().item() < tolerance
+    assert greedy_paged(runner, prompt, num_tokens, block_table) == expected

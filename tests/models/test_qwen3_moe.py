@@ -16,7 +16,7 @@ from localserve.loading.gguf import GGUFLoadError
 from localserve.loading.hf import ModelLoadError, load_model
 from tests.helpers.gguf import random_blocks
 from tests.helpers.gguf_convert import convert, rewrite_gguf, write_bpe_tokenizer
-from tests.helpers.models import greedy_paged, make_runner, save_random_model
+from tests.helpers.models import assert_matches_transformers, greedy_paged, make_runner, save_random_model
 
 Q = gguf.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -35,14 +35,8 @@ def tiny_config(**changes):
         | changes))
 
 
-def assert_matches(runner, hf_model, tolerance: float = 1e-4, num_tokens: int = 12) -> None:
-    ours = runner.prompt_logits(PROMPT, TABLE)
-    with torch.no_grad():
-        theirs = hf_model(torch.tensor([PROMPT])).logits[0].float()
-        expected = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=num_tokens, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    assert (ours - theirs).abs().max().item() < tolerance
-    assert greedy_paged(runner, PROMPT, num_tokens, TABLE) == expected
+def assert_matches(runner, hf_model) -> None:
+    assert_matches_transformers(runner, hf_model, PROMPT, TABLE)
 
 
 @pytest.fixture(scope="module")
