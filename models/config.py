@@ -7,6 +7,7 @@ families spell alike. No torch here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ class RopeConfig:
     # longrope (Phi-3): per-frequency divisors below and from `original_max_position_embeddings` on.
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # Llama 4 / Ministral 3: queries at position p scaled by 1 + beta * ln(1 + floor(p / original context)).
+    query_scale_beta: float | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,11 @@ def rope_from_hf(config: dict[str, Any], source: str) -> RopeConfig:
     factor = params.get("factor")
     if rope_type == "longrope" and factor is None and original:
         factor = config.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if rope_type == "yarn" and attention_factor is None and params.get("mscale") and params.get("mscale_all_dim"):
+        # DeepSeek's and Ministral 3's yarn: the ratio of two mscales (1 when they are equal)
+        attention_factor = _yarn_mscale(float(factor or 1.0), params["mscale"]) / _yarn_mscale(
+            float(factor or 1.0), params["mscale_all_dim"])
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -181,10 +189,15 @@ def rope_from_hf(config: dict[str, Any], source: str) -> RopeConfig:
         original_max_position_embeddings=original,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
+        attention_factor=attention_factor,
         short_factor=_floats(params.get("short_factor")),
         long_factor=_floats(params.get("long_factor")),
+        query_scale_beta=params.get("llama_4_scaling_beta"),
     )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _floats(values: list | None) -> tuple[float, ...] | None:

@@ -169,6 +169,9 @@ def gguf_decoder_fields(meta: GGUFMetadata) -> dict[str, Any]:
     rope = RopeConfig(theta=float(meta.get("rope.freq_base", 10000.0)), rope_type=rope_type,
                       factor=float(meta.get("rope.scaling.factor", 1.0)),
                       original_max_position_embeddings=meta.get("rope.scaling.original_context_length"),
+                      beta_fast=float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+                      beta_slow=float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+                      attention_factor=meta.get("rope.scaling.yarn_attn_factor"),
                       freq_factors=freq_factors)
     eos = meta.general("tokenizer.ggml.eos_token_id")
     head_dim = meta.get("attention.key_length") or hidden_size // num_heads

@@ -4,6 +4,8 @@ optional RMSNorm of each query and key head, rotary embedding (on the whole head
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from localserve.kernels.rotary import apply_rope
 from localserve.models.config import ModelConfig
@@ -12,6 +14,15 @@ from localserve.models.protocol import ForwardContext
 from torch import nn
 
 from localserve.attention.base import AttentionGeometry
+
+
+@dataclass
+class RopeTables:
+    """One step's rotary tables: cos, sin [T, rotary width] and the queries' scale [T, 1, 1] (or None)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    query_scale: torch.Tensor | None = None
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -37,13 +48,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.geometry = AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
         query = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
+        query, key = rotate(query, rope.cos, rope.sin), rotate(key, rope.cos, rope.sin)
+        if rope.query_scale is not None:
+            query = query * rope.query_scale
         out = ctx.backend.forward(self.layer, query, key, value, ctx.kv_cache, ctx.metadata, self.geometry)
         return self.o_proj(out.reshape(num_tokens, -1))

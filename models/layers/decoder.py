@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from localserve.models.config import ModelConfig
-from localserve.models.layers.attention import Attention
+from localserve.models.layers.attention import Attention, RopeTables
 from localserve.models.layers.linear import QuantizedEmbedding, QuantizedLinear
 from localserve.models.layers.mlp import GatedMLP
 from localserve.models.layers.norms import RMSNorm
@@ -36,8 +36,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -71,9 +71,9 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size] after the final norm."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = RopeTables(*self.rotary(positions, x.dtype), self.rotary.query_scale(positions, x.dtype))
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, rope, ctx)
         return self.model.norm(x)
 
     @property

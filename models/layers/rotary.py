@@ -96,6 +96,16 @@ class RotaryEmbedding(torch.nn.Module):
             self.register_buffer("long_inv_freq", long_inv_freq.to(device), persistent=False)
             self.long_from = rope.original_max_position_embeddings
 
+        self.query_scale_beta = rope.query_scale_beta
+        self.query_scale_period = rope.original_max_position_embeddings
+
+    def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """[T, 1, 1] the factor each token's query is scaled by (Llama 4 / Ministral 3), or None without one."""
+        if self.query_scale_beta is None:
+            return None
+        periods = torch.floor(positions.float() / self.query_scale_period)
+        return (1 + self.query_scale_beta * torch.log1p(periods)).to(dtype)[:, None, None]
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, head_dim] in `dtype` (computed in float32 as transformers does)."""
         inv_freq = self.inv_freq[None, :]

@@ -38,13 +38,14 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype 
     return save_random_model(folder, config, seed, dtype)
 
 
-def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32, **save_options):
-    """A transformers model of `config` with wide random weights, saved by save_pretrained (given
-    `save_options`, e.g. max_shard_size) into `folder`."""
+def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32, model_class=None,
+                      **save_options):
+    """A transformers model of `config` (`model_class`, else the causal LM transformers maps it to) with wide
+    random weights, saved by save_pretrained (given `save_options`, e.g. max_shard_size) into `folder`."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = (model_class or transformers.AutoModelForCausalLM)._from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # random init is tiny; widen it so logits are far from flat and ties rare
         for param in model.parameters():
             param.normal_(0, 0.2 if param.dim() > 1 else 1.0)
