@@ -45,7 +45,10 @@ def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = 
     import transformers
 
     torch.manual_seed(seed)
-    model = (model_class or transformers.AutoModelForCausalLM)._from_config(config, dtype=dtype).eval()
+    if model_class is None:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = model_class._from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # random init is tiny; widen it so logits are far from flat and ties rare
         for param in model.parameters():
             param.normal_(0, 0.2 if param.dim() > 1 else 1.0)

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from localserve.loading.gguf import GGUFLoadError
 from localserve.loading.hf import ModelLoadError, load_model
+from localserve.loading.plan_model import load_plan_model
 from tests.helpers.gguf import random_blocks
 from tests.helpers.gguf_convert import convert, rewrite_gguf, write_bpe_tokenizer
 from tests.helpers.models import assert_matches_transformers, greedy_paged, make_runner, save_random_model
@@ -160,6 +161,18 @@ def test_experts_kept_in_their_blocks_give_the_dequantized_models_tokens(convert
     assert tokens == greedy_paged(runner_dense, PROMPT[:9], 3, TABLE, reference)
     logits, reference = torch.cat(logits), torch.cat(reference)
     assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+def test_plan_counts_expert_blocks_at_their_stored_size(converted, tmp_path):
+    path = rewrite_gguf(converted, tmp_path / "quantized.gguf", quantize_experts)
+    config, stored, how = load_plan_model(str(path), bytes_per_param=2.0)
+    tensors = gguf.GGUFReader(path).tensors
+    experts = [t for t in tensors if t.name.endswith("_exps.weight")]
+    quantized = [t for t in experts if t.tensor_type.name != "F32"]
+    assert len(quantized) == len(EXPERT_TYPES)
+    dense = sum(int(t.n_elements) * 2 for t in tensors if t.name.split(".")[0] != "rope_freqs")
+    assert stored == dense - sum(int(t.n_elements) * 2 - int(t.n_bytes) for t in quantized) < dense
+    assert "quantized blocks kept" in how
 
 
 def test_a_type_the_kernels_do_not_read_is_refused_before_loading(converted, tmp_path, monkeypatch):
