@@ -102,6 +102,9 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     model_config = model.config
     calibration = rope = None
     if key_format.needs_calibration or value_format.needs_calibration:
+        if model_config.rotary_dim not in (None, model_config.head_dim):
+            raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) need the rotary embedding "
+                             f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,

@@ -28,6 +28,7 @@ from localserve.loading.pooling_config import PoolingConfigError, folder_pooling
 from localserve.models.config import ModelConfig, ModelConfigError
 from localserve.models.family import Target
 from localserve.models.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from localserve.models.layers.moe import RoutedExperts
 from localserve.models.protocol import CausalLM
 from localserve.models.registry import config_from_hf, family
 
@@ -174,6 +175,8 @@ def describe_weights(model: torch.nn.Module) -> str:
     tensors = [*model.parameters(), *model.buffers()]
     size = sum(t.numel() * t.element_size() for t in tensors)
     kept = collections.Counter(m.format.name for m in model.modules() if isinstance(m, QuantizedLinear))
+    kept.update(f"{qtype} experts" for module in model.modules() if isinstance(module, RoutedExperts)
+                for qtype in module.formats.values())
     text = f"{size / 2**30:.2f} GiB"
     if kept:
         text += " (quantized blocks kept: " + ", ".join(f"{count} {name}" for name, count in sorted(kept.items())) + ")"

@@ -58,3 +58,12 @@ def test_phi3_gguf_from_llama_cpp_converter_matches_transformers(phi, tmp_path):
 ])
 def test_tool_format_detected_from_the_template(template, tool_format):
     assert detect_tool_format(template_text(template)).name == tool_format
+
+
+def test_a_calibrated_kv_format_is_refused_for_a_partly_rotated_head(phi):
+    from localserve.engine.builder import build_engine
+    from localserve.engine.config import EngineConfig
+
+    loaded, _ = make_runner(phi[0])
+    with pytest.raises(ValueError, match="need the rotary embedding over whole heads; this model turns 12 of 16"):
+        build_engine(loaded.model, None, EngineConfig(num_kv_blocks=8, cache_type_k="q4_rot", cache_type_v="q4_rot"))
