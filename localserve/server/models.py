@@ -504,7 +504,7 @@ def serving_loaded(engine: EngineAccess, tokenizer: ChatTokenizer, name: str, *,
 def model_shape(card: ModelCard | None) -> dict[str, Any]:
     """`architecture` (the Hugging Face name it is served as) and `parameters` (`total`, and `active`: read
     for each token, fewer than the total for a mixture of experts) of a loaded model's card; null without one."""
-    if card is None:
+    if card is None or not card.architecture:  # not loaded, or a card that knows nothing (a test's)
         return {"architecture": None, "parameters": None}
     return {"architecture": card.architecture,
             "parameters": {"total": card.parameter_count, "active": card.active_parameter_count}}
