@@ -14,7 +14,7 @@ from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
-from tests.helpers.engine_checks import StepChecker
+from tests.helpers.engine_checks import run_requests
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +44,7 @@ def workload(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
 def run(model, work, check: bool = True, draft_model=None, **config):
     config = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64, "check_integrity": check} | config
     engine = build_engine(model, None, EngineConfig(**config), draft_model=draft_model)
-    checker = StepChecker(engine) if check else None
-    ids = [engine.add_request(prompt, params) for prompt, params in work]
-    final = {}
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            break
-        final.update((output.request_id, output) for output in engine.step() if output.finished)
-        if checker:
-            checker.after_step()
-    assert engine.is_idle_and_clean()
-    return [final[request_id].outputs[0].token_ids for request_id in ids], engine
+    return [output.outputs[0].token_ids for output in run_requests(engine, work, check)], engine
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +72,18 @@ def test_speculative_decoding_is_token_identical(moe64, alone, drafter):
                           draft_model=moe64 if drafter == "draft" else None)
     assert outputs == alone
     assert engine.scheduler.speculation.totals.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_through_triton_and_the_fused_experts(tiny_model_dir):
+    """On CUDA (float32): through the fused-MoE kernels, batched with decode steps captured as CUDA graphs,
+    every greedy request gives what it gives alone."""
+    folder, _ = tiny_model_dir("qwen3-moe")
+    model = load_model(folder, dtype=torch.float32, device="cuda").model
+    assert model.supports_cuda_graphs
+    config = {"attention_backend": "triton", "max_model_len": 256}
+    alone_on_cuda = [run(model, [item], check=False, enable_prefix_caching=False, **config)[0][0]
+                     for item in workload()]
+    outputs, engine = run(model, workload(), enable_prefix_caching=True, **config)
+    assert outputs == alone_on_cuda
+    assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.graphs

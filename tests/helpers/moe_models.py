@@ -15,10 +15,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
-from tests.helpers.scripted import SUCCESSOR_LOGIT, _byte_level
+from tests.helpers.scripted import SUCCESSOR_LOGIT, piece_tokenizer
 from tests.helpers.tool_models import SINGLE_CHARACTERS, hermes_call
 
 VOCAB = 64  # = hidden size: the identity embedding gives each token its own direction
@@ -32,19 +30,14 @@ CALL_PIECES = [WEATHER[:CUT], WEATHER[CUT:]]
 def write_tool_calling_qwen3_moe(folder: Path, chat_template: str) -> Path:
     """The model's folder (config, weights, tokenizer with `chat_template`)."""
     pieces = [piece.encode() for piece in CALL_PIECES] + [char.encode() for char in SINGLE_CHARACTERS + "\n"]
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    vocab.update({_byte_level(piece): i for i, piece in enumerate(pieces, start=len(SPECIALS))})
-    vocab.update({f"<unused{i}>": i for i in range(len(vocab), VOCAB)})
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
+    pieces += [f"<unused{i}>".encode() for i in range(len(SPECIALS) + len(pieces), VOCAB)]
+    backend = piece_tokenizer(SPECIALS, pieces)
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": chat_template}))
     first, second = len(SPECIALS), len(SPECIALS) + 1
-    newline = vocab[_byte_level(b"\n")]
+    newline = len(SPECIALS) + pieces.index(b"\n")
     _write_weights(folder, {newline: first, first: second, second: EOS})
     return folder
 

@@ -122,6 +122,12 @@ def quantize_experts(name: str, values: np.ndarray):
     return [(name, blocks.reshape(experts, rows, -1), Q[qtype])]
 
 
+@pytest.fixture(scope="module")
+def quantized(converted, tmp_path_factory):
+    """The converted GGUF with its experts in the blocks of EXPERT_TYPES."""
+    return rewrite_gguf(converted, tmp_path_factory.mktemp("quantized") / "quantized.gguf", quantize_experts)
+
+
 def reference_with(hf_model, loaded):
     """hf_model given the expert weights localserve loaded (the dequantized blocks), all else unchanged."""
     import copy
@@ -136,8 +142,8 @@ def reference_with(hf_model, loaded):
     return reference
 
 
-def test_gguf_with_quantized_experts_against_the_dequantized_model(sharded, converted, tmp_path):
-    path = rewrite_gguf(converted, tmp_path / "quantized.gguf", quantize_experts)
+def test_gguf_with_quantized_experts_against_the_dequantized_model(sharded, quantized):
+    path = quantized
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ffn_down_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
     loaded, runner = make_runner(path)
@@ -149,8 +155,8 @@ def test_gguf_with_quantized_experts_against_the_dequantized_model(sharded, conv
     assert_matches(runner, reference_with(sharded[1], loaded))
 
 
-def test_experts_kept_in_their_blocks_give_the_dequantized_models_tokens(converted, tmp_path):
-    path = rewrite_gguf(converted, tmp_path / "quantized.gguf", quantize_experts)
+def test_experts_kept_in_their_blocks_give_the_dequantized_models_tokens(quantized):
+    path = quantized
     kept, runner_kept = make_runner(path, keep_quantized_weights=True)  # the kernels in Triton's interpreter
     _, runner_dense = make_runner(path, keep_quantized_weights=False)
     formats = {(i, name): qtype for i, layer in enumerate(kept.model.model.layers)
@@ -163,8 +169,8 @@ def test_experts_kept_in_their_blocks_give_the_dequantized_models_tokens(convert
     assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
-def test_plan_counts_expert_blocks_at_their_stored_size(converted, tmp_path):
-    path = rewrite_gguf(converted, tmp_path / "quantized.gguf", quantize_experts)
+def test_plan_counts_expert_blocks_at_their_stored_size(quantized):
+    path = quantized
     config, stored, how = load_plan_model(str(path), bytes_per_param=2.0)
     tensors = gguf.GGUFReader(path).tensors
     experts = [t for t in tensors if t.name.endswith("_exps.weight")]
