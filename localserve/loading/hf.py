@@ -1,9 +1,10 @@
 """Find a model (HF folder, hub repo id, .gguf file, or the default) and stream its weights in.
 
-The model is built on the meta device; each tensor is read from disk, converted to the run dtype and
-assigned in place, so peak memory stays near one copy of the weights. A GGUF's quantized weights may
-instead stay in their blocks (`keep_quantized_weights`): their layers become `QuantizedLinear` /
-`QuantizedEmbedding`.
+The config names the family (models/registry.py), whose model is built on the meta device; each tensor is
+read from disk, cut to where the family puts it, converted to the run dtype and assigned in place, so peak
+memory stays near one copy of the weights. A GGUF's quantized weights may instead stay in their blocks
+(`keep_quantized_weights`): their layers become `QuantizedLinear` / `QuantizedEmbedding`, and a mixture of
+experts' stacks keep their blocks (`RoutedExperts.keep_quantized`).
 """
 
 from __future__ import annotations
