@@ -13,8 +13,8 @@ Two ways, chosen by the batch (choose_moe_method):
   run. The down products are weighted per pair and summed over each token's k pairs in float32.
 Both decode blocks with gguf_dequant.py's planes (dense experts as gguf_blocks.DENSE_ROWS), with the tiles
 of gguf_matmul's MatmulConfig (per_token: its gemv tiling, grouped: its fused one). Nothing syncs with
-the host, so a step captures in a CUDA graph. An expert id outside 0..E-1 contributes nothing (on CUDA it
-is not checked: that would sync); its pairs read no weights.
+the host, so a step captures in a CUDA graph. An expert id outside 0..E-1 is refused on the CPU; on CUDA,
+where checking it would sync, its pair contributes nothing and reads no weights.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class MoeConfig:
 
     tiles: MatmulConfig
     per_token_max_batch: int
-    max_block_m: int = 64
+    max_block_m: int
     # At runs of 64 pairs with 4 warps, Q6_K spilled on sm_90 and the K-quants' three stages of tl.dot
     # operands took up to 120 KiB of shared memory (over the 99 KiB of sm_86 / sm_89); 8 warps and two
     # stages: at most 207 registers, no spills, at most 84 KiB (tests/kernels/cuda_compile.py).
@@ -48,14 +48,24 @@ class MoeConfig:
 
 
 # CUDA: per token while a batch's pairs mostly fall on different experts (Qwen3-30B-A3B: 8 tokens choose
-# 64 pairs of 128 experts, about 50 distinct), to be placed by scripts/bench_moe.py on a GPU.
-CUDA_MOE = MoeConfig(CUDA, per_token_max_batch=8)
-INTERPRETER_MOE = MoeConfig(INTERPRETER, per_token_max_batch=4)
+# 64 pairs of 128 experts, about 50 distinct), to be placed by scripts/bench_moe.py on a GPU. Runs of 64
+# pairs on sm_90; before it (no wgmma: the tl.dot accumulators live in registers) Q2_K, Q5_K and Q6_K
+# spilled at 64 on sm_89, and nothing does at 32 on sm_86 and sm_89.
+CUDA_MOE = MoeConfig(CUDA, per_token_max_batch=8, max_block_m=64)
+CUDA_MOE_BEFORE_SM90 = MoeConfig(CUDA, per_token_max_batch=8, max_block_m=32)
+INTERPRETER_MOE = MoeConfig(INTERPRETER, per_token_max_batch=4, max_block_m=64)
+
+
+def cuda_moe_config(compute_capability: int) -> MoeConfig:
+    """The configuration of a CUDA device of this major compute capability (9: sm_90)."""
+    return CUDA_MOE if compute_capability >= 9 else CUDA_MOE_BEFORE_SM90
 
 
 def moe_config(device: torch.device) -> MoeConfig:
     """The configuration of `device` (a CPU tensor means Triton's interpreter)."""
-    return CUDA_MOE if device.type == "cuda" else INTERPRETER_MOE
+    if device.type != "cuda":
+        return INTERPRETER_MOE
+    return cuda_moe_config(torch.cuda.get_device_capability(device)[0])
 
 
 def choose_moe_method(num_tokens: int, config: MoeConfig) -> str:

@@ -11,6 +11,8 @@ Three ways to compute x [M, K] @ W^T for W [N, K] held as blocks, chosen by the 
   for W of at most `scratch_max_weights`: an 8B model's FFN, not its output layer) and multiplied with
   torch.mm, whose tuned GEMM wins once the product is compute-bound.
 `dequantize_rows` is the third kernel: rows of W (all, or gathered by index: embeddings) to a dense tensor.
+The loops of gemv and fused over one program's rows of W (`gemv_tiles`, `dot_tiles`) are shared with the
+fused mixture-of-experts kernels (fused_moe.py), which point them at one expert's rows.
 Which of fused and scratch wins at which batch is measured on the GPU (scripts/bench_kernels.py); on the
 CPU, where the kernels run only in Triton's interpreter, the thresholds are those of INTERPRETER below.
 """

@@ -98,7 +98,7 @@ def random_blocks(qtype: str, shape: torch.Size, generator: torch.Generator) -> 
     return random_gguf_blocks(qtype, shape[:-1].numel(), shape[-1], generator).reshape(*shape[:-1], -1)
 
 
-def gpu_rows(num_layers: int, emit) -> None:
+def gpu_rows(device: torch.device, num_layers: int, emit) -> None:
     import triton
     import triton.testing
     from bench_kernels import copy_bandwidth
@@ -106,7 +106,6 @@ def gpu_rows(num_layers: int, emit) -> None:
     from localserve.kernels.gguf_blocks import QUANT_FORMATS
     from localserve.kernels.moe_experts import ExpertMatrix, Experts
 
-    device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     generator = torch.Generator(device=device).manual_seed(0)
     q4_k, q6_k = QUANT_FORMATS["Q4_K"], QUANT_FORMATS["Q6_K"]
@@ -147,17 +146,20 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="CPU section")
     parser.add_argument("--repeats", type=int, default=9, help="CPU section: timed runs per cell")
+    parser.add_argument("--threads", type=int, help="CPU section: torch threads (default: torch's)")
     parser.add_argument("--layers", type=int, default=12, help="GPU section: layers in the stack")
     parser.add_argument("--out", type=Path, help="also write the Markdown tables here, row by row")
     args = parser.parse_args()
     emit = row_emitter(args.out)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = machine()
     print_machine(info)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("--device cuda needs a CUDA device")
-        gpu_rows(args.layers, emit)
+        gpu_rows(torch.device("cuda"), args.layers, emit)
     else:
         cpu_rows(getattr(torch, args.dtype), args.repeats, emit)
 

@@ -157,11 +157,11 @@ def drive_gguf(dtype: torch.dtype) -> None:
             dequantize_rows(blocks, fmt, in_features, dtype, rows=torch.arange(3), config=CUDA)
 
 
-def drive_moe(dtype: torch.dtype) -> None:
-    """fused_moe's four kernels for dense experts in `dtype` and for every GGUF format, with CUDA's tiling, in
-    Qwen3-30B-A3B's shapes (hidden 2048, expert intermediate 768); the grouped ones at their largest run of
-    pairs (64)."""
-    from localserve.kernels.fused_moe import CUDA_MOE, fused_moe
+def drive_moe(dtype: torch.dtype, arch: int) -> None:
+    """fused_moe's four kernels for dense experts in `dtype` and for every GGUF format, with the tiling of a
+    CUDA device of sm_`arch`, in Qwen3-30B-A3B's shapes (hidden 2048, expert intermediate 768); the grouped
+    ones at their largest run of pairs."""
+    from localserve.kernels.fused_moe import cuda_moe_config, fused_moe
     from localserve.kernels.gguf_blocks import QUANT_FORMATS
     from localserve.kernels.moe_experts import ExpertMatrix, Experts
 
@@ -174,10 +174,11 @@ def drive_moe(dtype: torch.dtype) -> None:
                                 fmt)
 
         experts = Experts(matrix(intermediate, hidden), matrix(intermediate, hidden), matrix(hidden, intermediate))
-        for num_tokens, method in ((1, "per_token"), (128, "grouped")):
+        config = cuda_moe_config(arch // 10)
+        for num_tokens, method in ((1, "per_token"), (config.max_block_m * num_experts // 2, "grouped")):
             ids = torch.arange(2 * num_tokens).reshape(num_tokens, 2) % num_experts
             fused_moe(torch.zeros(num_tokens, hidden, dtype=dtype), experts, ids, torch.ones(num_tokens, 2),
-                      method=method, config=CUDA_MOE)
+                      method=method, config=config)
 
 
 def drive_attention(dtype: torch.dtype) -> None:
@@ -209,7 +210,7 @@ def main() -> int:
     if args.only in (None, "gguf"):
         launches += record_launches(lambda: drive_gguf(dtype))
     if args.only in (None, "moe"):
-        launches += record_launches(lambda: drive_moe(dtype))
+        launches += record_launches(lambda: drive_moe(dtype, args.arch))
     if args.only in (None, "attention"):
         launches += record_launches(lambda: drive_attention(dtype))
     failures, seen = 0, set()
@@ -220,12 +221,13 @@ def main() -> int:
             failures += 1
             print(f"FAILED {kernel.__name__}: {type(exc).__name__}: {str(exc)[-2000:]}")
             continue
+        shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
         shared_limit = SHARED_MEMORY_LIMIT.get(args.arch)
         if compiled is not None and shared_limit is not None and compiled.metadata.shared > shared_limit:
             failures += 1
-            print(f"FAILED {kernel.__name__}: {compiled.metadata.shared} bytes of shared memory, sm_{args.arch} "
-                  f"allows {shared_limit}")
-        shown = ", ".join(f"{k}={v}" for k, v in constants.items() if k not in ("COMPUTE", "DOT_PRECISION"))
+            print(f"FAILED {kernel.__name__} [{shown}]: {compiled.metadata.shared} bytes of shared memory, "
+                  f"sm_{args.arch} allows {shared_limit}")
+            continue
         if (kernel.__name__, shown) not in seen:
             seen.add((kernel.__name__, shown))
             usage = "to Triton's IR" if compiled is None else resource_usage(compiled, tools)

@@ -16,8 +16,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from localserve.kernels.fused_moe import CUDA_MOE, METHODS, choose_moe_method, fused_moe, moe_config, sort_by_expert
+from localserve.kernels.fused_moe import (
+    CUDA_MOE,
+    METHODS,
+    choose_moe_method,
+    cuda_moe_config,
+    fused_moe,
+    moe_config,
+    sort_by_expert,
+)
 from localserve.kernels.gguf_blocks import QUANT_FORMATS
+from localserve.kernels.gguf_matmul import INTERPRETER
 from localserve.kernels.moe_experts import ExpertMatrix, Experts, moe_reference
 
 from tests.helpers.kv_pools import DEVICE
@@ -122,20 +131,27 @@ def test_sort_by_expert_runs():
 
 @settings(max_examples=6, deadline=None)
 @given(qtype=st.sampled_from(["fp32", "bf16", "Q4_0", "Q5_1", "Q8_0", "MXFP4", "Q4_K"]),
-       num_experts=st.integers(1, 6), top_k=st.integers(1, 6), num_tokens=st.integers(1, 12),
+       hidden_units=st.integers(1, 4), intermediate_units=st.integers(1, 4),
+       num_experts=st.integers(1, 6), top_k=st.integers(1, 6), num_tokens=st.integers(1, 9),
        skew=st.sampled_from(["none", "popular", "popular-and-unused"]),
        method=st.sampled_from(["auto", *METHODS]), cuda_tiling=st.booleans(), seed=st.integers(0, 2**16))
-def test_generated_batches(qtype, num_experts, top_k, num_tokens, skew, method, cuda_tiling, seed):
-    """Generated expert counts, k up to every expert, batches, loads, methods and tilings."""
+def test_generated_batches(qtype, hidden_units, intermediate_units, num_experts, top_k, num_tokens, skew, method,
+                           cuda_tiling, seed):
+    """Generated sizes (dense: any; 32-value blocks: 1 to 4 blocks a row; K-quants: one), expert counts, k up
+    to every expert, batches, loads, methods and tilings."""
     top_k = min(top_k, num_experts)
     popular = 0 if skew != "none" else None
     unused = -1 if skew == "popular-and-unused" and num_experts > top_k else None
     if popular is not None and unused is not None and num_experts == 1:
         unused = None
-    hidden, intermediate = expert_shape(qtype)
+    block_values = 1 if qtype in DENSE_TYPES else QUANT_FORMATS[qtype].block_values
+    units = {1: 13, 32: 32, 256: 256}[block_values]  # dense: sizes that are no power of two
+    hidden = units * (hidden_units if block_values < 256 else 1)
+    intermediate = units * (intermediate_units if block_values < 256 else 1)
     experts, reference_experts = random_experts(qtype, num_experts, hidden, intermediate, seed)
     ids, weights = uneven_routes(num_tokens, num_experts, top_k, seed, popular, unused)
-    x = activations(qtype, num_tokens, seed)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(
+        DENSE_TYPES.get(qtype, torch.float32))
     out = fused_moe(x.to(DEVICE), experts, ids.to(DEVICE), weights.to(DEVICE),
                     method=None if method == "auto" else method, config=CUDA_MOE if cuda_tiling else None)
     assert_equals_reference(out, x, reference_experts, ids, weights)
@@ -153,7 +169,8 @@ def test_reference_dequantizes_quantized_experts():
 def test_method_by_batch():
     assert [choose_moe_method(batch, CUDA_MOE) for batch in (1, 8, 9, 64)] == [
         "per_token", "per_token", "grouped", "grouped"]
-    assert moe_config(torch.device("cuda")) is CUDA_MOE
+    assert moe_config(torch.device("cpu")).tiles is INTERPRETER
+    assert cuda_moe_config(9) is CUDA_MOE and cuda_moe_config(8).max_block_m == 32
 
 
 def test_empty_batch():
