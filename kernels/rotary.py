@@ -1,6 +1,6 @@
 """The rotate-half rotary embedding's arithmetic (torch only): how the model rotates queries and keys, how
 the 4-bit KV format rotates its key mean to a key's position, and the cos / sin halves the kernels fold
-that mean with (kv_format.fold_key_mean). The frequencies are the model's (models/rope.py)."""
+that mean with (kv_format.fold_key_mean). The frequencies are the model's (models/layers/rotary.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Model definitions (imported as `localserve.models`). Every supported architecture is served by the one
-Llama-family implementation in `llama.py`; `config.py` holds the configuration it is built from.
+"""Model definitions (imported as `localserve.models`): one file per family (llama.py, qwen2.py, ...), each
+declaring a `Family` (family.py) built from the shared layers in layers/; registry.py finds a family by
+its Hugging Face or GGUF architecture name; protocol.py is what the engine sees of a model (`CausalLM`);
+config.py holds the `ModelConfig` every family reads its configs into.
 
-Nothing heavy is imported here: import `localserve.models.llama` for the model itself.
+Nothing heavy is imported here.
 """

@@ -1,23 +1,20 @@
 """The project's own model description, built from a Hugging Face `config.json` or GGUF metadata.
 
-Models never see transformers objects: everything they need is in `ModelConfig`.
+Models never see transformers objects: everything they need is in `ModelConfig`. Each family file
+(models/<family>.py) reads its own configs into it, with the shared readers below for the fields most
+families spell alike. No torch here.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from localserve.models.pooling import PoolingSpec
 
-# Architectures from config.json -> the features that tell them apart.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 
 
 class ModelConfigError(ValueError):
@@ -41,11 +38,50 @@ class RopeConfig:
     attention_factor: float | None = None
     # Per-frequency divisors stored in a GGUF's `rope_freqs.weight` (llama3 scaling there).
     freq_factors: tuple[float, ...] | None = None
+    # longrope (Phi-3): per-frequency divisors below and from `original_max_position_embeddings` on.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    # Llama 4 / Ministral 3: queries at position p scaled by 1 + beta * ln(1 + floor(p / original context)).
+    query_scale_beta: float | None = None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: how tokens are routed and what the experts are.
+
+    `router`: one of ROUTER_KINDS (models/layers/routers.py defines each); `normalize`: renormalise the k
+    chosen weights to sum to 1; `num_groups` / `topk_groups`: grouped selection (sigmoid_grouped);
+    `routed_scaling_factor` multiplies the routed experts' weights.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    router: str = "softmax_topk"
+    normalize: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    selection_bias: bool = False  # a bias on the scores used only to choose (DeepSeek-V3 `e_score_correction_bias`)
+    expert_bias: bool = False  # biases on the experts' projections
+    shared_intermediate_size: int = 0  # one shared expert of this size beside the routed ones; 0: none
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(w . x)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (`intermediate_size` of the model) instead
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTER_KINDS:
+            raise ModelConfigError(f"router kind {self.router!r} is not one of {', '.join(ROUTER_KINDS)}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ModelConfigError(f"{self.num_experts} experts in {self.num_groups} groups, {self.topk_groups} "
+                                   "of them chosen: the groups must divide the experts and be chosen from")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and features of a Llama-family decoder."""
+    """Shapes and features of a decoder-only language model."""
 
     architecture: str
     vocab_size: int
@@ -69,6 +105,12 @@ class ModelConfig:
     name: str = "model"
     # An embedding model's pooling (loading/pooling_config.py); None for a generation model.
     pooling: PoolingSpec | None = None
+    # The registry's family (models/registry.py); "" for a config built by hand (the Llama decoder).
+    family: str = ""
+    moe: MoEConfig | None = None
+    rotary_dim: int | None = None  # rotary embedding on the first `rotary_dim` of each head; None: all of it
+    # Parts of a multimodal checkpoint left unloaded (e.g. "vision tower"): said at start.
+    unloaded_parts: tuple[str, ...] = ()
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:
@@ -82,67 +124,81 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str = "model", source: str = "config.json") -> ModelConfig:
-        """Build from a Hugging Face config dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
-        architectures = config.get("architectures") or []
-        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelConfigError(
-                f"{source}: unsupported architecture {architectures or config.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        features = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            num_heads = int(config["num_attention_heads"])
-            hidden_size = int(config["hidden_size"])
-            head_dim = config.get("head_dim") or hidden_size // num_heads
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            use_window = config.get("use_sliding_window", arch == "MistralForCausalLM")
-            return cls(
-                architecture=arch,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope=_rope_from_hf(config, source),
-                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=features.get("qkv_bias", False) or bool(config.get("attention_bias", False)),
-                o_bias=bool(config.get("attention_bias", False)) and arch != "Qwen3ForCausalLM",
-                mlp_bias=bool(config.get("mlp_bias", False)),
-                qk_norm=features.get("qk_norm", False),
-                sliding_window=config.get("sliding_window") if use_window else None,
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                name=name,
-            )
-        except KeyError as exc:
-            raise ModelConfigError(f"{source}: missing field {exc.args[0]!r}") from None
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
 
-def _rope_from_hf(config: dict[str, Any], source: str) -> RopeConfig:
+def hf_decoder_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields of a ModelConfig that most Hugging Face decoder configs spell alike (a family adds or
+    overrides its own). ModelConfigError names a missing field."""
+    try:
+        num_heads = int(config["num_attention_heads"])
+        hidden_size = int(config["hidden_size"])
+        head_dim = config.get("head_dim") or hidden_size // num_heads
+        eos = config.get("eos_token_id")
+        return dict(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=rope_from_hf(config, source),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", False)),
+            o_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+    except KeyError as exc:
+        raise ModelConfigError(f"{source}: missing field {exc.args[0]!r}") from None
+
+
+def rope_from_hf(config: dict[str, Any], source: str) -> RopeConfig:
+    """The rotary parameters of a Hugging Face config (transformers 4.x `rope_scaling` or 5.x
+    `rope_parameters`); an unknown rope type is refused naming the field."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(f"{source}: unsupported rope type {rope_type!r}; supported: "
+        field_name = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+        raise ModelConfigError(f"{source}: unsupported rope type {rope_type!r} in {field_name}; supported: "
                                f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    original = params.get("original_max_position_embeddings")
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
     if rope_type == "yarn" and original is None:
         original = config.get("max_position_embeddings")
+    factor = params.get("factor")
+    if rope_type == "longrope" and factor is None and original:
+        factor = config.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if rope_type == "yarn" and attention_factor is None and params.get("mscale") and params.get("mscale_all_dim"):
+        # DeepSeek's and Ministral 3's yarn: the ratio of two mscales (1 when they are equal)
+        attention_factor = _yarn_mscale(float(factor or 1.0), params["mscale"]) / _yarn_mscale(
+            float(factor or 1.0), params["mscale_all_dim"])
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
+        attention_factor=attention_factor,
+        short_factor=_floats(params.get("short_factor")),
+        long_factor=_floats(params.get("long_factor")),
+        query_scale_beta=params.get("llama_4_scaling_beta"),
     )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _floats(values: list | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(v) for v in values)

@@ -29,7 +29,7 @@ import torch
 import triton.testing
 from benchlib import row_emitter
 from localserve.models.config import ModelConfig, RopeConfig
-from localserve.models.rope import RotaryEmbedding
+from localserve.models.layers.rotary import RotaryEmbedding
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend
@@ -219,8 +219,8 @@ def q4_k_m_type(tensor: str, layer: int, num_layers: int) -> str:
 def random_q4_k_m_llama(config, device: torch.device):
     """A bf16 Llama of `config` whose linear layers and embeddings are random Q4_K_M-mixed GGUF blocks (the
     output layer Q6_K, the embeddings Q4_K), built without ever holding its dense weights."""
+    from localserve.models.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
     from localserve.models.llama import LlamaForCausalLM
-    from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
     from torch import nn
 
     generator = torch.Generator(device=device).manual_seed(0)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from localserve.models.llama import ForwardContext
+from localserve.models.protocol import ForwardContext
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend

@@ -3,7 +3,8 @@
 The model runner turns the scheduler's step contract (localserve.engine.step) into `AttentionInputs`
 once per step; the chosen backend's `build_metadata` derives what its kernels need from them (the
 torch backend: gather slots and masks per group; a Triton backend: int32 tables, split counts), and
-every layer's `forward` reuses that metadata.
+every layer's `forward` reuses that metadata. Each layer describes its own attention (`AttentionGeometry`)
+and hands that description to `forward` with its tensors.
 """
 
 from __future__ import annotations
@@ -48,6 +49,32 @@ class AttentionInputs:
         return cls(slots, positions, table, [num_tokens], [num_tokens], block_size)
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionGeometry:
+    """One attention layer as it describes itself to the backend: its heads, KV heads, head size, the scale
+    of its logits, and the features a family may turn on per layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # each query sees only its last `sliding_window` keys
+    sinks: torch.Tensor | None = None  # [num_heads] a learned logit per head that takes probability, no value
+    logit_softcap: float | None = None  # logits squashed to cap * tanh(logits / cap)
+
+    @classmethod
+    def plain(cls, query: torch.Tensor, key: torch.Tensor) -> AttentionGeometry:
+        """The geometry of query [T, H, D] and key [T, Hkv, D] with the usual 1/sqrt(D) and no extras."""
+        return cls(query.shape[1], key.shape[1], query.shape[2], query.shape[2] ** -0.5)
+
+    def check_plain(self, backend: str) -> None:
+        """Raise NotImplementedError naming a feature the backends do not compute yet."""
+        for feature, value in (("a sliding window", self.sliding_window), ("attention sinks", self.sinks),
+                               ("a logit soft-cap", self.logit_softcap)):
+            if value is not None:
+                raise NotImplementedError(f"the {backend} attention backend does not compute {feature} yet")
+
+
 class AttentionBackend(ABC):
     """Writes one layer's new K/V into the paged cache and attends over it."""
 
@@ -65,5 +92,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, metadata: Any) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D]; writes key/value into the cache."""
+                kv_cache: PagedKVCache, metadata: Any, geometry: AttentionGeometry | None = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D]; writes key/value into the cache.
+
+        `geometry`: the layer's description (a model always gives it); None: `AttentionGeometry.plain`.
+        """

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from localserve.attention.base import AttentionBackend, AttentionInputs
+from localserve.attention.base import AttentionBackend, AttentionGeometry, AttentionInputs
 
 if TYPE_CHECKING:
     from localserve.kv.cache import PagedKVCache
@@ -100,7 +100,10 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(inputs, make_groups(inputs))
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, metadata: TorchAttentionMetadata) -> torch.Tensor:
+                kv_cache: PagedKVCache, metadata: TorchAttentionMetadata,
+                geometry: AttentionGeometry | None = None) -> torch.Tensor:
+        geometry = geometry or AttentionGeometry.plain(query, key)
+        geometry.check_plain(self.name)
         inputs = metadata.inputs
         kv_cache.write(layer, key, value, inputs.slot_mapping, inputs.positions)
         # A rotated (quantized) cache: rotate the query once, attend in the cache's domain, un-rotate once.
@@ -116,11 +119,12 @@ class TorchAttentionBackend(AttentionBackend):
                 # Decodes: the query heads sharing a KV head become that head's query rows, so no
                 # grouped-query expansion is needed: [S, Hkv, H / Hkv, D].
                 group_query = group_query.view(-1, key_ctx.shape[1], num_heads // key_ctx.shape[1], head_dim)
-                out = F.scaled_dot_product_attention(group_query, key_ctx, value_ctx, attn_mask=group.mask)
+                out = F.scaled_dot_product_attention(group_query, key_ctx, value_ctx, attn_mask=group.mask,
+                                                     scale=geometry.scale)
                 output[group.token_index] = out.reshape(-1, num_heads, head_dim)
             else:
                 group_query = group_query.view(-1, group.num_query, num_heads, head_dim).transpose(1, 2)
                 out = F.scaled_dot_product_attention(group_query, key_ctx, value_ctx, attn_mask=group.mask,
-                                                     enable_gqa=True)
+                                                     scale=geometry.scale, enable_gqa=True)
                 output[group.token_index] = out.transpose(1, 2).reshape(-1, num_heads, head_dim)
         return kv_cache.restore_output(layer, output)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from localserve.attention.base import AttentionBackend, AttentionInputs
+from localserve.attention.base import AttentionBackend, AttentionGeometry, AttentionInputs
 from localserve.kernels.attention_plan import AttentionPlan, plan_attention
 from localserve.kernels.kv_format import KernelFormat, KVStore
 from localserve.kernels.paged_attention import paged_attention
@@ -72,8 +72,11 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(inputs)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: PagedKVCache, metadata: TritonAttentionMetadata) -> torch.Tensor:
+                kv_cache: PagedKVCache, metadata: TritonAttentionMetadata,
+                geometry: AttentionGeometry | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D]; writes key/value into the pool first."""
+        geometry = geometry or AttentionGeometry.plain(query, key)
+        geometry.check_plain(self.name)
         key_format, value_format = self.layer_formats(kv_cache, layer, query.device)
         inputs = metadata.inputs
         token_trig = None
@@ -82,11 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
             token_trig = table.index_select(0, inputs.positions)
         store_kv(key, inputs.slot_mapping, kv_store(kv_cache.key_stores[layer]), key_format, token_trig)
         store_kv(value, inputs.slot_mapping, kv_store(kv_cache.value_stores[layer]), value_format)
-        return self.attend(layer, query, kv_cache, metadata)
+        return self.attend(layer, query, kv_cache, metadata, geometry.scale)
 
-    def attend(self, layer: int, query: torch.Tensor, kv_cache: PagedKVCache,
-               metadata: TritonAttentionMetadata) -> torch.Tensor:
-        """Attention of query [T, H, D] over what the pool holds (the step's own K/V already written)."""
+    def attend(self, layer: int, query: torch.Tensor, kv_cache: PagedKVCache, metadata: TritonAttentionMetadata,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention of query [T, H, D] over what the pool holds (the step's own K/V already written);
+        `scale` of the logits, 1/sqrt(D) when None."""
         if query.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"the Triton attention backend computes in fp16, bf16 or fp32, not {query.dtype}")
         key_format, value_format = self.layer_formats(kv_cache, layer, query.device)
@@ -101,7 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
             trig_table = self.rotary_table(kv_cache, metadata.plan.max_seq_len, query.device)
         output = paged_attention(transformed.contiguous(), kv_store(kv_cache.key_stores[layer]),
                                  kv_store(kv_cache.value_stores[layer]), key_format, value_format, metadata.plan,
-                                 1 / math.sqrt(query.shape[-1]), coeff, trig_table)
+                                 1 / math.sqrt(query.shape[-1]) if scale is None else scale, coeff, trig_table)
         return kv_cache.restore_output(layer, output)
 
     def plan(self, inputs: AttentionInputs, num_heads: int, num_kv_heads: int, device: torch.device,

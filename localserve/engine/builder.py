@@ -25,13 +25,13 @@ from localserve.kv.cache import PagedKVCache
 from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.memory_plan import human_size, kv_budget_bytes, kv_bytes_per_token, num_kv_blocks
-from localserve.models.llama import LlamaForCausalLM
+from localserve.models.protocol import CausalLM
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None,
-                 draft_model: LlamaForCausalLM | None = None) -> LLMEngine:
+def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = None,
+                 draft_model: CausalLM | None = None) -> LLMEngine:
     """An engine for `model` with `config`'s pool, scheduling, attention and speculation settings;
     `draft_model` drafts when `config.spec_type` is "draft" (its tokenizer the target's: checked by the
     caller that loads both, `localserve.llm.check_same_tokenizer`).
@@ -79,7 +79,7 @@ def build_engine(model: LlamaForCausalLM, tokenizer=None, config: EngineConfig |
                      tokenizer, max_model_len=max_model_len)
 
 
-def build_draft_drafter(draft_model: LlamaForCausalLM, config: EngineConfig) -> DraftModelDrafter:
+def build_draft_drafter(draft_model: CausalLM, config: EngineConfig) -> DraftModelDrafter:
     """The draft model's drafter over a pool of its own (engine/draft_model.py says why): as many blocks as
     the target's pool, in the draft model's dtype, with the same backend choice."""
     param = next(draft_model.parameters())
@@ -94,7 +94,7 @@ def build_draft_drafter(draft_model: LlamaForCausalLM, config: EngineConfig) -> 
                              BlockManager(config.num_kv_blocks, config.block_size, 0, enable_prefix_caching=True))
 
 
-def build_kv_cache(model: LlamaForCausalLM, tokenizer, key_format: KVFormatSpec, value_format: KVFormatSpec,
+def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_format: KVFormatSpec,
                    num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> PagedKVCache:
     """The paged pool for `model`'s K and V in these formats, on the model's device; a format that needs the
     model's calibration gets it (computed once per model and machine) with the model's RoPE."""
@@ -102,6 +102,9 @@ def build_kv_cache(model: LlamaForCausalLM, tokenizer, key_format: KVFormatSpec,
     model_config = model.config
     calibration = rope = None
     if key_format.needs_calibration or value_format.needs_calibration:
+        if model_config.rotary_dim not in (None, model_config.head_dim):
+            raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) need the rotary embedding "
+                             f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
@@ -109,7 +112,7 @@ def build_kv_cache(model: LlamaForCausalLM, tokenizer, key_format: KVFormatSpec,
                         calibration, rope)
 
 
-def pool_blocks(model: LlamaForCausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec,
+def pool_blocks(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec,
                 config: EngineConfig) -> int:
     """KV blocks for a loaded model: from `config`'s byte budget, else from its fraction of the CUDA device,
     less what is already allocated there (the weights)."""

@@ -24,7 +24,7 @@ from localserve.attention.triton_backend import TritonAttentionBackend, TritonAt
 from localserve.engine.step import StepInput
 from localserve.kernels.attention_plan import BLOCK_N, DECODE_BLOCK_M, AttentionPlan, choose_num_splits
 from localserve.kv.cache import PagedKVCache
-from localserve.models.llama import ForwardContext, LlamaForCausalLM
+from localserve.models.protocol import CausalLM, ForwardContext
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 MAX_GRAPH_BATCH = GRAPH_BATCH_SIZES[-1]
@@ -44,7 +44,7 @@ class _Graph:
 class DecodeGraphs:
     """Runs decode-only steps from static buffers, captured as one CUDA graph per batch size."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, backend: TritonAttentionBackend,
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: TritonAttentionBackend,
                  max_model_len: int, capture: bool = True) -> None:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.capture = capture

@@ -20,8 +20,7 @@ from localserve.kernels.rotary import apply_rope
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.calibration import CALIBRATION_VERSION, SHRINKAGE, KVCalibration, layer_statistics
 from localserve.loading.default_model import cache_dir
-from localserve.models.llama import ForwardContext, LlamaForCausalLM
-from localserve.models.quantized import QuantizedLinear
+from localserve.models.protocol import CausalLM, ForwardContext
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +61,13 @@ class _RecordingBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, layer, query, key, value, kv_cache, metadata):
+    def forward(self, layer, query, key, value, kv_cache, metadata, geometry=None):
         self.records[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu())
-        return super().forward(layer, query, key, value, kv_cache, metadata)
+        return super().forward(layer, query, key, value, kv_cache, metadata, geometry)
 
 
 @torch.inference_mode()
-def calibrate(model: LlamaForCausalLM, token_ids: list[int]) -> KVCalibration:
+def calibrate(model: CausalLM, token_ids: list[int]) -> KVCalibration:
     """Run `model` over `token_ids` once and derive the statistics."""
     config = model.config
     device = next(model.parameters()).device
@@ -91,11 +90,10 @@ def calibrate(model: LlamaForCausalLM, token_ids: list[int]) -> KVCalibration:
     return KVCalibration.from_layers(layers)
 
 
-def _fingerprint(model: LlamaForCausalLM, token_ids: list[int]) -> str:
+def _fingerprint(model: CausalLM, token_ids: list[int]) -> str:
     digest = hashlib.sha256()
     digest.update(f"v{CALIBRATION_VERSION}|{SHRINKAGE}|{model.config!r}|{token_ids}".encode())
-    for projection in (model.model.layers[0].self_attn.k_proj, model.model.layers[-1].self_attn.v_proj):
-        weight = projection.blocks if isinstance(projection, QuantizedLinear) else projection.weight
+    for weight in model.calibration_sample():
         digest.update(weight.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -108,7 +106,7 @@ def calibration_tokens(tokenizer, vocab_size: int) -> list[int]:
     return torch.randint(0, vocab_size, (512,), generator=generator).tolist()
 
 
-def load_or_calibrate(model: LlamaForCausalLM, tokenizer=None, cache_folder: Path | None = None) -> KVCalibration:
+def load_or_calibrate(model: CausalLM, tokenizer=None, cache_folder: Path | None = None) -> KVCalibration:
     """The model's calibration from the on-disk cache, computed and stored there the first time."""
     token_ids = calibration_tokens(tokenizer, model.config.vocab_size)
     folder = cache_folder or cache_dir() / "kv_calibration"

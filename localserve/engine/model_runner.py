@@ -12,7 +12,7 @@ from localserve.attention.base import AttentionBackend, AttentionInputs
 from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.step import StepInput
 from localserve.kv.cache import PagedKVCache
-from localserve.models.llama import ForwardContext, LlamaForCausalLM
+from localserve.models.protocol import CausalLM, ForwardContext
 
 _start_pos, _seq_id, _block_table, _token_ids, _needs_logits = map(
     attrgetter, ("start_pos", "seq_id", "block_table", "token_ids", "needs_logits"))
@@ -22,10 +22,10 @@ class ModelRunner:
     """Owns the model, the KV pool and the attention backend; executes one step at a time.
 
     On CUDA with the Triton backend, decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py)
-    when `max_model_len` is given; other steps run eagerly.
+    when `max_model_len` is given and the model allows it (`supports_cuda_graphs`); other steps run eagerly.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
                  max_model_len: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -33,7 +33,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_tables = BlockTableRows()
         self.decode_graphs = None
-        if self.device.type == "cuda" and backend.name == "triton" and max_model_len:
+        if self.device.type == "cuda" and backend.name == "triton" and max_model_len and model.supports_cuda_graphs:
             from localserve.engine.cuda_graphs import DecodeGraphs  # imports triton: only where it runs
 
             self.decode_graphs = DecodeGraphs(model, kv_cache, backend, max_model_len)

@@ -1,9 +1,10 @@
 """Find a model (HF folder, hub repo id, .gguf file, or the default) and stream its weights in.
 
-The model is built on the meta device; each tensor is read from disk, converted to the run dtype and
-assigned in place, so peak memory stays near one copy of the weights. A GGUF's quantized weights may
-instead stay in their blocks (`keep_quantized_weights`): their layers become `QuantizedLinear` /
-`QuantizedEmbedding`.
+The config names the family (models/registry.py), whose model is built on the meta device; each tensor is
+read from disk, cut to where the family puts it, converted to the run dtype and assigned in place, so peak
+memory stays near one copy of the weights. A GGUF's quantized weights may instead stay in their blocks
+(`keep_quantized_weights`): their layers become `QuantizedLinear` / `QuantizedEmbedding`, and a mixture of
+experts' stacks keep their blocks (`RoutedExperts.keep_quantized`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from localserve.loading.default_model import HUB_PATTERNS, resolve_default_model
+from localserve.loading.pieces import same_values, take
 from localserve.loading.pooling_config import PoolingConfigError, folder_pooling
-from localserve.models.config import ModelConfig
-from localserve.models.llama import LlamaForCausalLM
-from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from localserve.models.config import ModelConfig, ModelConfigError
+from localserve.models.family import Target
+from localserve.models.layers.linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from localserve.models.layers.moe import RoutedExperts
+from localserve.models.protocol import CausalLM
+from localserve.models.registry import config_from_hf, family
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     path: Path
     gguf_reader: object | None = None  # the open GGUFReader of a .gguf, so its tokenizer is not read again
@@ -116,14 +121,18 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
     if keep_quantized_weights:
         _check_kernels_can_run(device)
     config, gguf_reader = read_model_config(path)
+    with torch.device("meta"):
+        model = family(config.family).model_class(config)
     if gguf_reader is not None:
-        from localserve.loading.gguf import iter_gguf_weights
+        from localserve.loading.gguf import check_gguf_tensors, iter_gguf_weights
 
+        expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+        check_gguf_tensors(gguf_reader, config, expected, path)
         weights = iter_gguf_weights(path, config, gguf_reader, keep_quantized=keep_quantized_weights)
     else:
-        weights = iter_safetensors_weights(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        weights = iter_safetensors_weights(path, config)
+    for part in config.unloaded_parts:
+        log.info("%s: its %s is left unloaded (served as a text model)", path.name, part)
     _stream_weights(model, weights, dtype, device, source=path)
     model.init_rope(device)
     model.eval()
@@ -141,8 +150,10 @@ def read_model_config(path: Path) -> tuple[ModelConfig, object | None]:
         gguf_reader = open_gguf(path)  # parsing the metadata takes seconds: once for config, weights, tokenizer
         return gguf_model_config(path, gguf_reader), gguf_reader
     if path.is_dir():
-        config = ModelConfig.from_hf_config(_read_json(path / "config.json"), name=path.name,
-                                            source=str(path / "config.json"))
+        try:
+            config = config_from_hf(_read_json(path / "config.json"), name=path.name, source=str(path / "config.json"))
+        except ModelConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
         try:
             return dataclasses.replace(config, pooling=folder_pooling(path, config.architecture)), None
         except PoolingConfigError as exc:
@@ -165,6 +176,8 @@ def describe_weights(model: torch.nn.Module) -> str:
     tensors = [*model.parameters(), *model.buffers()]
     size = sum(t.numel() * t.element_size() for t in tensors)
     kept = collections.Counter(m.format.name for m in model.modules() if isinstance(m, QuantizedLinear))
+    kept.update(f"{qtype} experts" for module in model.modules() if isinstance(module, RoutedExperts)
+                for qtype in module.formats.values())
     text = f"{size / 2**30:.2f} GiB"
     if kept:
         text += " (quantized blocks kept: " + ", ".join(f"{count} {name}" for name, count in sorted(kept.items())) + ")"
@@ -196,35 +209,53 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) one tensor at a time from every shard."""
+def iter_safetensors_weights(folder: Path, config: ModelConfig) -> Iterator[tuple[Target, torch.Tensor]]:
+    """Yield (target, tensor) one tensor at a time from every shard, each cut to where the model's family
+    puts it (models/family.py's `hf_targets`)."""
+    hf_targets = family(config.family).hf_targets
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, shard.get_tensor(name)
+                    targets = hf_targets(name, config)
+                    if targets is None:
+                        yield Target(name), shard.get_tensor(name)
+                        continue
+                    tensor = shard.get_tensor(name) if targets else None
+                    for target in targets:
+                        yield target, take(tensor, target)
         except SafetensorError as exc:
             raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})") from None
 
 
-def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor | QuantizedTensor]],
+def _stream_weights(model: CausalLM, weights: Iterator[tuple[Target, torch.Tensor | QuantizedTensor]],
                     dtype: torch.dtype, device: torch.device | str, source: Path) -> None:
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
+    stacks: dict[str, _ExpertStack] = {}  # stacked expert parameters filled one expert at a time
     with tqdm(total=len(expected), desc=f"loading {source.name}", unit="tensor", leave=False) as progress:
-        for name, tensor in weights:
+        for target, tensor in weights:
+            name = target.name
             if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (name == "lm_head.weight" and name not in expected):
                 continue  # recomputed buffers; an lm_head copy in a tied checkpoint, or an embedding model's
             if name not in expected and f"model.{name}" in expected:
                 name = f"model.{name}"  # saved from the bare decoder (`Qwen3Model`), as embedding models are
             if name not in expected:
                 raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {model.config.architecture}")
-            if tuple(tensor.shape) != tuple(expected[name].shape):
+            want = tuple(expected[name].shape)
+            if target.expert is not None:
+                stack = stacks.setdefault(name, _ExpertStack(want, dtype, device))
+                tensor = stack.fill(target.expert, tensor, name, source)
+                if tensor is None:
+                    continue
+            if isinstance(tensor, torch.Tensor) and same_values(tuple(tensor.shape), want):
+                tensor = tensor.reshape(want)  # a [H] tensor for a [1, H] parameter (llama.cpp drops axes of 1)
+            if tuple(tensor.shape) != want:
                 raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the config implies {tuple(expected[name].shape)}")
+                                     f"the config implies {want}")
             module_name, _, attr = name.rpartition(".")
             if isinstance(tensor, QuantizedTensor):
-                _keep_quantized(model, module_name, tensor, dtype, device)
+                _keep_quantized(model, module_name, attr, tensor, dtype, device)
             else:
                 parameter = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
                 setattr(model.get_submodule(module_name), attr, parameter)
@@ -236,12 +267,36 @@ def _stream_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.
         raise ModelLoadError(f"{source}: missing tensors {shown}")
 
 
-def _keep_quantized(model: torch.nn.Module, module_name: str, weight: QuantizedTensor, dtype: torch.dtype,
-                    device: torch.device | str) -> None:
-    """Replace the linear layer or embedding `module_name` by its quantized twin holding `weight`'s blocks."""
+class _ExpertStack:
+    """A stacked expert parameter [E, ...] of a checkpoint that stores one tensor per expert."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.data = torch.empty(shape, dtype=dtype, device=device)
+        self.filled: set[int] = set()
+
+    def fill(self, expert: int, tensor: torch.Tensor | QuantizedTensor, name: str, source: Path) -> torch.Tensor | None:
+        """Put one expert's tensor in its slot; the whole stack once every slot is filled, else None."""
+        if isinstance(tensor, QuantizedTensor) or not 0 <= expert < self.data.shape[0]:
+            raise ModelLoadError(f"{source}: expert {expert} of {name!r} does not fit {self.data.shape[0]} "
+                                 "dense experts")
+        if tuple(tensor.shape) != tuple(self.data.shape[1:]):
+            raise ModelLoadError(f"{source}: expert {expert} of {name!r} has shape {tuple(tensor.shape)}, the "
+                                 f"config implies {tuple(self.data.shape[1:])}")
+        self.data[expert] = tensor.to(self.data.dtype)
+        self.filled.add(expert)
+        return self.data if len(self.filled) == self.data.shape[0] else None
+
+
+def _keep_quantized(model: torch.nn.Module, module_name: str, attr: str, weight: QuantizedTensor,
+                    dtype: torch.dtype, device: torch.device | str) -> None:
+    """Replace the linear layer or embedding `module_name` by its quantized twin holding `weight`'s blocks,
+    or give a mixture of experts' projection `attr` its blocks."""
     parent_name, _, child = module_name.rpartition(".")
     old = model.get_submodule(module_name)
     on_device = QuantizedTensor(weight.blocks.to(device), weight.qtype, weight.shape)
+    if hasattr(old, "keep_quantized"):  # the routed experts (models/layers/moe.py)
+        old.keep_quantized(attr, on_device)
+        return
     if isinstance(old, torch.nn.Embedding):
         new: torch.nn.Module = QuantizedEmbedding(on_device, dtype)
     else:

@@ -19,7 +19,8 @@ from localserve.models.config import ModelConfig
 
 # Hugging Face architecture -> the family name GGUF metadata (and so Ollama) uses
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3",
+            "Mistral3ForConditionalGeneration": "mistral3", "Ministral3ForCausalLM": "mistral3"}
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 
 
@@ -31,6 +32,8 @@ class ModelCard:
     format: str = ""  # "gguf" or "safetensors"
     family: str = ""
     parameter_count: int = 0
+    active_parameter_count: int = 0  # read for each token: a mixture of experts' chosen experts only
+    architecture: str = ""  # the Hugging Face architecture it is served as ("Qwen3MoeForCausalLM")
     quantization: str = ""  # "Q4_1", "BF16", ...
     size_bytes: int = 0  # of the weight files
     modified_at: str = "1970-01-01T00:00:00Z"
@@ -46,8 +49,9 @@ class ModelCard:
         naming = "\n".join(f"{name} {stat.st_size} {stat.st_mtime_ns}" for name, stat in stats)
         newest = max((stat.st_mtime for _, stat in stats), default=0.0)
         family = FAMILIES.get(config.architecture, config.architecture)
-        count = parameter_count(config)
+        count, active = parameter_count(config), parameter_count(config, active=True)
         info = {"general.architecture": family, "general.parameter_count": count,
+                "general.active_parameter_count": active,
                 f"{family}.context_length": config.context_length, f"{family}.embedding_length": config.hidden_size,
                 f"{family}.feed_forward_length": config.intermediate_size, f"{family}.block_count": config.num_layers,
                 f"{family}.attention.head_count": config.num_heads,
@@ -55,8 +59,13 @@ class ModelCard:
                 f"{family}.attention.key_length": config.head_dim,
                 f"{family}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
                 f"{family}.rope.freq_base": config.rope.theta, f"{family}.vocab_size": config.vocab_size}
+        if config.moe is not None:
+            info |= {f"{family}.expert_count": config.moe.num_experts,
+                     f"{family}.expert_used_count": config.moe.top_k,
+                     f"{family}.expert_feed_forward_length": config.moe.intermediate_size}
         return cls(path=str(path), format="gguf" if path.suffix == ".gguf" else "safetensors", family=family,
-                   parameter_count=count, quantization=_quantization(path), size_bytes=sum(s.st_size for _, s in stats),
+                   parameter_count=count, active_parameter_count=active, architecture=config.architecture,
+                   quantization=_quantization(path), size_bytes=sum(s.st_size for _, s in stats),
                    modified_at=datetime.fromtimestamp(newest, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    digest=hashlib.sha256(naming.encode()).hexdigest(), model_info=tuple(info.items()))
 
@@ -69,9 +78,12 @@ class ModelCard:
         return str(self.parameter_count)
 
 
-def parameter_count(config: ModelConfig) -> int:
-    """The parameters of a Llama-family decoder of this shape: embeddings, each layer's attention, MLP and
-    norms, the final norm, and the output head unless it is tied to the embeddings."""
+def parameter_count(config: ModelConfig, active: bool = False) -> int:
+    """The parameters of a decoder of this shape: embeddings, each layer's attention, MLP (or router, experts
+    and shared expert) and norms, the final norm, and the output head unless it is tied to the embeddings.
+
+    `active`: those read for one token: of the routed experts, only the k chosen (Qwen3-30B-A3B: 30.5B,
+    3.3B active; embeddings counted in both, as their makers count them)."""
     hidden, heads = config.hidden_size, config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
     attention = hidden * (heads + 2 * kv) + heads * hidden
@@ -81,10 +93,23 @@ def parameter_count(config: ModelConfig) -> int:
         attention += hidden
     if config.qk_norm:
         attention += 2 * config.head_dim
-    mlp = 3 * hidden * config.intermediate_size + (2 * config.intermediate_size + hidden if config.mlp_bias else 0)
-    layer = attention + mlp + 2 * hidden
+    dense_mlp = _gated_mlp(hidden, config.intermediate_size, config.mlp_bias)
+    mlps = [_moe(config, active) if config.is_moe_layer(layer) else dense_mlp for layer in range(config.num_layers)]
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return embeddings + config.num_layers * layer + hidden
+    return embeddings + config.num_layers * (attention + 2 * hidden) + sum(mlps) + hidden
+
+
+def _gated_mlp(hidden: int, intermediate: int, bias: bool) -> int:
+    return 3 * hidden * intermediate + (2 * intermediate + hidden if bias else 0)
+
+
+def _moe(config: ModelConfig, active: bool) -> int:
+    moe, hidden = config.moe, config.hidden_size
+    experts = moe.top_k if active else moe.num_experts
+    router = moe.num_experts * (hidden + moe.router_bias + moe.selection_bias)
+    expert = _gated_mlp(hidden, moe.intermediate_size, moe.expert_bias)
+    shared = _gated_mlp(hidden, moe.shared_intermediate_size, config.mlp_bias) if moe.shared_intermediate_size else 0
+    return router + experts * expert + shared + (hidden if moe.shared_expert_gate else 0)
 
 
 def _quantization(path: Path) -> str:

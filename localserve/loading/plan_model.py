@@ -8,17 +8,15 @@ from pathlib import Path
 
 from localserve.kv.memory_plan import human_size
 from localserve.loading.default_model import resolve_default_model
+from localserve.loading.model_card import parameter_count
 from localserve.models.config import ModelConfig
+from localserve.models.registry import config_from_hf
 
 
 def estimated_weight_bytes(config: ModelConfig, bytes_per_param: float = 2.0) -> int:
-    """Weights of a Llama-family model from its shapes (16-bit by default); for a bare config.json."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * config.intermediate_size + 2 * h
-    if config.qkv_bias:
-        per_layer += q + 2 * kv
-    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    return int((config.num_layers * per_layer + embeddings + h) * bytes_per_param)
+    """Weights of a model from its shapes (16-bit by default), every expert of a mixture of experts
+    resident; for a bare config.json."""
+    return int(parameter_count(config) * bytes_per_param)
 
 
 def load_plan_model(model: str | None, bytes_per_param: float = 2.0,
@@ -36,14 +34,14 @@ def load_plan_model(model: str | None, bytes_per_param: float = 2.0,
     dense = f"parameters x {bytes_per_param:g} bytes"
     if path.is_file() and path.suffix == ".json":
         name = path.parent.name if path.name == "config.json" else path.stem
-        config = ModelConfig.from_hf_config(json.loads(path.read_text()), name=name, source=str(path))
+        config = config_from_hf(json.loads(path.read_text()), name=name, source=str(path))
         return config, estimated_weight_bytes(config, bytes_per_param), dense
     if path.is_file() and path.suffix == ".gguf":
         from localserve.loading.gguf import gguf_model_config, gguf_weight_bytes, open_gguf  # imports torch
 
         reader = open_gguf(path)
         config = gguf_model_config(path, reader)
-        stored, dense_bytes = gguf_weight_bytes(reader, bytes_per_param)
+        stored, dense_bytes = gguf_weight_bytes(reader, config, bytes_per_param)
         if keep_quantized_weights and stored < dense_bytes:
             return config, stored, f"stored size, quantized blocks kept; {human_size(dense_bytes)} at {dense}"
         return config, dense_bytes, dense

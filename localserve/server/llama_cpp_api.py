@@ -22,7 +22,7 @@ from localserve.server.completions_format import CHAT_COMPLETIONS
 from localserve.server.context import ServedModel, ServerConfig
 from localserve.server.http_exchange import HttpExchange
 from localserve.server.http_generation import HttpGeneration
-from localserve.server.models import ModelRegistry
+from localserve.server.models import ModelRegistry, model_shape
 from localserve.server.request_fields import WireFormat
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.tokenizer import Tokenizer
@@ -140,5 +140,6 @@ class LlamaCppApi:
             "default_generation_settings": {"n_ctx": model.max_model_len, "params": params},
             "total_slots": facts.max_num_seqs, "model_path": model.card.path,
             "model_alias": model.served_name, "chat_template": tokenizer.chat_template or "",
+            **model_shape(model.card),
             "modalities": {"vision": False, "audio": False},
             "build_info": f"localserve {importlib.metadata.version('localserve')}", "is_sleeping": False})

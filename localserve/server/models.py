@@ -217,8 +217,8 @@ class ModelRegistry:
 
     def describe(self, entry: ModelEntry) -> dict[str, Any]:
         """The model object of `/v1/models`: id, status, every name it answers to, its context, tool-call
-        format and reasoning (null until loaded), the sampling it defaults to; a loaded embedding model's
-        `capabilities` say so."""
+        format, reasoning, architecture and parameters (null until loaded), the sampling it defaults to; a
+        loaded embedding model's `capabilities` say so."""
         info = self.info(entry)
         described = {"id": info.name, "object": "model", "created": 0, "owned_by": "localserve",
                      "status": info.status.value, "names": [info.name, *info.aliases],
@@ -226,6 +226,7 @@ class ModelRegistry:
         serving = self._models[entry.id].serving  # what only the loaded model tells
         described |= serving.model.chat_fields() if serving is not None else {"tool_call_format": None,
                                                                                "reasoning": None}
+        described |= model_shape(serving.model.card if serving is not None else None)
         if serving is not None and serving.model.is_embedding:
             described["capabilities"] = serving.model.capabilities
         return described
@@ -498,3 +499,12 @@ def serving_loaded(engine: EngineAccess, tokenizer: ChatTokenizer, name: str, *,
     model_id = catalog.default.id
     return ModelRegistry(catalog, None, {model_id: sampling_defaults},
                          loaded={model_id: HandedModel(engine, tokenizer, card or ModelCard())})
+
+
+def model_shape(card: ModelCard | None) -> dict[str, Any]:
+    """`architecture` (the Hugging Face name it is served as) and `parameters` (`total`, and `active`: read
+    for each token, fewer than the total for a mixture of experts) of a loaded model's card; null without one."""
+    if card is None or not card.architecture:  # not loaded, or a card that knows nothing (a test's)
+        return {"architecture": None, "parameters": None}
+    return {"architecture": card.architecture,
+            "parameters": {"total": card.parameter_count, "active": card.active_parameter_count}}

@@ -60,9 +60,9 @@ class TorchWriteTritonAttend(TritonAttentionBackend):
     """Stores K/V with the torch codecs, then attends with the Triton kernel: against the torch backend,
     both attend over the very same stored bytes."""
 
-    def forward(self, layer, query, key, value, kv_cache, metadata):
+    def forward(self, layer, query, key, value, kv_cache, metadata, geometry=None):
         kv_cache.write(layer, key, value, metadata.inputs.slot_mapping, metadata.inputs.positions)
-        return self.attend(layer, query, kv_cache, metadata)
+        return self.attend(layer, query, kv_cache, metadata, None if geometry is None else geometry.scale)
 
 
 def greedy_tokens(model, backend, k_type: str, v_type: str) -> list[list[int]]:

@@ -24,7 +24,7 @@ from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.speculation import Draft, Drafter, DraftQuery
 from localserve.loading.hf import load_model
 from localserve.tokenizer.tokenizer import Tokenizer
-from tests.helpers.engine_checks import StepChecker
+from tests.helpers.engine_checks import run_requests
 from tests.helpers.models import write_tiny_model
 from tests.helpers.spec_costs import FixedStepCost
 
@@ -100,17 +100,7 @@ def run_all(model, tokenizer, requests, *, check: bool, draft_model=None, **conf
     if speculation is not None:
         speculation.cost = FixedStepCost()
         speculation.drafter = RandomlyCut(speculation.drafter, seed=len(requests))
-    checker = StepChecker(engine) if check else None
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    final = {}
-    for _ in range(5000):
-        if not engine.has_unfinished_requests():
-            break
-        final.update((output.request_id, output) for output in engine.step() if output.finished)
-        if checker:
-            checker.after_step()
-    assert engine.is_idle_and_clean()
-    return [final[request_id] for request_id in ids], engine
+    return run_requests(engine, requests, check), engine
 
 
 @pytest.fixture(scope="module")

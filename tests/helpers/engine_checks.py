@@ -279,3 +279,19 @@ def _shared_blocks(seqs: list[Sequence], block_size: int) -> int:
     """Full blocks of the sequences' common prefix, each keeping at least its last token to compute."""
     common = len(os.path.commonprefix([seq.token_ids for seq in seqs]))
     return min(common, min(seq.num_tokens for seq in seqs) - 1) // block_size
+
+
+def run_requests(engine: LLMEngine, requests, check: bool, max_steps: int = 5000) -> list:
+    """Add every (prompt, params) of `requests`, step until all finish (each step checked by a StepChecker
+    when `check`), and return their final outputs in order; the engine must end idle and clean."""
+    checker = StepChecker(engine) if check else None
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        final.update((output.request_id, output) for output in engine.step() if output.finished)
+        if checker:
+            checker.after_step()
+    assert engine.is_idle_and_clean()
+    return [final[request_id] for request_id in ids]

@@ -1,10 +1,13 @@
-"""llama.cpp's chat templates and vocabularies, taken from the llama-cpp-python sdist on PyPI once per machine.
+"""llama.cpp's chat templates, vocabularies and converter, taken from the llama-cpp-python sdist on PyPI once
+per machine.
 
-llama.cpp keeps the chat templates of many model families (`models/templates/*.jinja`) and the vocabularies
-of their tokenizers (`models/ggml-vocab-*.gguf`, metadata only) in its repository, and llama-cpp-python's
-sdist vendors that repository. The sdist is downloaded with `pip download --no-deps --no-binary :all:` (never
-installed), only the files named below are extracted, and they are kept under localserve's cache folder
-like the default model. A test that needs them is skipped, with the reason, only when PyPI cannot be reached.
+llama.cpp keeps the chat templates of many model families (`models/templates/*.jinja`), the vocabularies
+of their tokenizers (`models/ggml-vocab-*.gguf`, metadata only) and its Hugging Face -> GGUF converter
+(`convert_hf_to_gguf.py` with its `conversion/` and `gguf-py/` folders) in its repository, and
+llama-cpp-python's sdist vendors that repository. The sdist is downloaded with `pip download --no-deps
+--no-binary :all:` (never installed), only the files and folders named below are extracted, and they are
+kept under localserve's cache folder like the default model. A test that needs them is skipped, with the
+reason, only when PyPI cannot be reached.
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ TEMPLATES = (
     "meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
     "meta-llama-Llama-3.3-70B-Instruct.jinja", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
     "mistralai-Mistral-Nemo-Instruct-2407.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
 )
 VOCABULARIES = ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf")
 MEMBERS = {f"{MODELS_IN_SDIST}/templates/{name}": f"templates/{name}" for name in TEMPLATES} | {
     f"{MODELS_IN_SDIST}/{name}": f"vocab/{name}" for name in VOCABULARIES}
+# Folders taken whole (every member under the prefix), under converter/, and the file that says they are there.
+LLAMA_CPP_IN_SDIST = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp"
+TREES = {f"{LLAMA_CPP_IN_SDIST}/{name}": f"converter/{name}" for name in ("conversion/", "gguf-py/")} | {
+    f"{LLAMA_CPP_IN_SDIST}/convert_hf_to_gguf.py": "converter/convert_hf_to_gguf.py"}
+CONVERTER = "converter/convert_hf_to_gguf.py"
 
 
 def files_dir() -> Path:
@@ -45,7 +54,7 @@ def files_dir() -> Path:
 def _fetch() -> Path | str:
     """The folder, fetched on first use, or why it could not be (kept, so that a machine without PyPI tries once)."""
     folder = files_dir()
-    if all((folder / path).is_file() for path in MEMBERS.values()):
+    if all((folder / path).is_file() for path in [*MEMBERS.values(), CONVERTER]):
         return folder
     with tempfile.TemporaryDirectory(prefix="localserve-llama-cpp-") as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--retries", "1",
@@ -63,6 +72,13 @@ def _fetch() -> Path | str:
                     raise FileNotFoundError(f"{sdists[0].name} has no {member}")
                 (staging / target).parent.mkdir(parents=True, exist_ok=True)
                 (staging / target).write_bytes(source.read())
+            for member in sdist.getmembers():
+                prefix = next((p for p in TREES if member.name.startswith(p)), None)
+                if prefix is None or not member.isfile():
+                    continue
+                target = staging / (TREES[prefix] + member.name[len(prefix):])
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(sdist.extractfile(member).read())
         folder.parent.mkdir(parents=True, exist_ok=True)
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -88,3 +104,8 @@ def template_text(name: str) -> str:
 def vocabulary_path(name: str) -> Path:
     """One of `VOCABULARIES`."""
     return llama_cpp_files() / "vocab" / name
+
+
+def converter_path() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, beside its conversion/ and gguf-py/ folders."""
+    return llama_cpp_files() / CONVERTER

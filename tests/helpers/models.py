@@ -19,6 +19,9 @@ ARCHITECTURES = {
     "qwen2-yarn": ("Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                     "original_max_position_embeddings": 32}}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # 8 experts, 3 a token, renormalised; layer 1 dense (mlp_only_layers); saved one tensor per expert
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]}),
 }
 
 
@@ -28,18 +31,30 @@ def write_tiny_model(folder: Path, arch: str, seed: int = 0, dtype: torch.dtype 
     import transformers
 
     config_class, extra = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(
+    config = getattr(transformers, config_class)(**(dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-        **({"rms_norm_eps": 1e-6} | extra))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        rms_norm_eps=1e-6) | extra))
+    return save_random_model(folder, config, seed, dtype)
+
+
+def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32, model_class=None,
+                      **save_options):
+    """A transformers model of `config` (`model_class`, else the causal LM transformers maps it to) with wide
+    random weights, saved by save_pretrained (given `save_options`, e.g. max_shard_size) into `folder`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if model_class is None:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = model_class._from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # random init is tiny; widen it so logits are far from flat and ties rare
         for param in model.parameters():
             param.normal_(0, 0.2 if param.dim() > 1 else 1.0)
             if param.dim() == 1:
                 param.abs_().add_(0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, **save_options)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
     return model
 
@@ -78,3 +93,16 @@ def greedy_paged(runner, prompt: list[int], num_tokens: int, block_table: list[i
     if collected_logits is not None:
         collected_logits.extend(steps)
     return tokens
+
+
+def assert_matches_transformers(runner, hf_model, prompt: list[int], block_table: list[int],
+                                tolerance: float = 1e-4, num_tokens: int = 12) -> None:
+    """localserve's logits over `prompt` (paged through `block_table`) within `tolerance` of transformers',
+    and `num_tokens` greedy tokens the same as transformers' generate."""
+    ours = runner.prompt_logits(prompt, block_table)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt])).logits[0].float()
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert (ours - theirs).abs().max().item() < tolerance
+    assert greedy_paged(runner, prompt, num_tokens, block_table) == expected

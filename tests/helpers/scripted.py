@@ -54,6 +54,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
+def piece_tokenizer(specials: list[str], pieces: list[bytes]) -> BackendTokenizer:
+    """A byte-level BPE tokenizer without merges: ids 0.. the `specials` (added as special tokens), then one
+    token per piece (whose bytes it decodes to), in order."""
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({_byte_level(piece): i for i, piece in enumerate(pieces, start=len(specials))})
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    return backend
+
+
 def write_scripted_model(folder: Path, pieces: list[bytes | str], then: str = "eos",
                          generation_eos: list[int] | None = None, context_length: int = 256) -> Script:
     """Write the folder (config, weights, tokenizer) of a model that says `pieces` in order after BOS.
@@ -67,12 +79,7 @@ def write_scripted_model(folder: Path, pieces: list[bytes | str], then: str = "e
     assert FIRST_PIECE + len(data) <= VOCAB
     piece_ids = list(range(FIRST_PIECE, FIRST_PIECE + len(data)))
     fillers = [f"<unused{i}>".encode() for i in range(FIRST_PIECE + len(data), VOCAB)]
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    vocab.update({_byte_level(b): i for i, b in enumerate(data + fillers, start=FIRST_PIECE)})
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
+    backend = piece_tokenizer(SPECIALS, data + fillers)
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(

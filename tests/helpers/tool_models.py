@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-
-from tests.helpers.scripted import BOS, EOS, FIRST_PIECE, SPECIALS, VOCAB, Script, _byte_level, _write_weights
+from tests.helpers.scripted import BOS, EOS, FIRST_PIECE, SPECIALS, VOCAB, Script, _write_weights, piece_tokenizer
 
 # Hermes-shaped (the server detects the format by `<tool_call>`): tools listed, calls and results rendered.
 HERMES_TEMPLATE = (
@@ -53,12 +50,7 @@ def write_tool_model(folder: Path, calls: list[str], answer: list[str], template
     singles = [char.encode() for char in SINGLE_CHARACTERS if char.encode() not in data]
     fillers = singles[:VOCAB - FIRST_PIECE - len(data)]
     fillers += [f"<unused{i}>".encode() for i in range(FIRST_PIECE + len(data) + len(fillers), VOCAB)]
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    vocab.update({_byte_level(piece): i for i, piece in enumerate(data + fillers, start=FIRST_PIECE)})
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
+    backend = piece_tokenizer(SPECIALS, data + fillers)
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(

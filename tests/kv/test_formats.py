@@ -9,7 +9,7 @@ import pytest
 import torch
 from localserve.kernels.rotary import apply_rope
 from localserve.models.config import RopeConfig
-from localserve.models.rope import RotaryEmbedding
+from localserve.models.layers.rotary import RotaryEmbedding
 
 from localserve.attention.base import AttentionInputs
 from localserve.attention.torch_backend import TorchAttentionBackend

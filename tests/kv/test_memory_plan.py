@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +149,23 @@ def test_plan_counts_a_q4_k_m_gguf_at_its_stored_size(capsys, tmp_path):
     assert f"| fp16 | 16, 16 | {kv_bytes_per_token(config, 'fp16', 'fp16'):,}" in out and f"{fp16_tokens:,}" in out
     assert main(["plan", "-m", str(path), "--vram", "24GB", "--no-keep-quantized-weights"]) == 0
     assert f"weights {human_size(dense)} (parameters x 2 bytes)" in capsys.readouterr().out
+
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json, the fields that shape it
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def test_a_mixture_of_experts_counts_every_expert_resident(tmp_path):
+    from localserve.loading.model_card import parameter_count
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_30B_A3B))
+    config, weights, _ = load_plan_model(str(path))
+    assert 30.4e9 < parameter_count(config) < 30.6e9  # Qwen's 30.5B total, 3.3B activated
+    assert 3.2e9 < parameter_count(config, active=True) < 3.4e9
+    assert weights == 2 * parameter_count(config)
+    assert kv_bytes_per_token(config, "fp16", "fp16") == 48 * 4 * 128 * 2 * 2

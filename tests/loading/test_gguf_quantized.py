@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from localserve.models.quantized import QuantizedEmbedding, QuantizedLinear
+from localserve.models.layers.linear import QuantizedEmbedding, QuantizedLinear
 
 from localserve.loading.hf import ModelLoadError, load_model
 from tests.helpers.gguf import write_random_gguf

@@ -54,7 +54,8 @@ def test_the_served_model_answers_to_its_names():
     assert models.describe(entry) == {"id": "alias", "object": "model", "created": 0, "owned_by": "localserve",
                                       "status": "loaded", "names": ["alias", "own-name", "default"],
                                       "max_model_len": 512, "sampling_defaults": defaults.to_json(),
-                                      "tool_call_format": None, "reasoning": None}  # no chat format given
+                                      "tool_call_format": None, "reasoning": None,  # no chat format given
+                                      "architecture": None, "parameters": None}  # nor a card
 
 
 @pytest.mark.parametrize("name", ["Alias", "alias ", " alias", "alia", "aliases", "own-name-2", "own", "Default",

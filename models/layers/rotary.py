@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the scaling variants the supported configs use."""
+"""Rotary position embeddings with the scaling variants the supported configs use: default, linear, llama3,
+yarn, longrope (Phi-3), and GGUF frequency factors; over a whole head or its first `rotary_dim` values."""
 
 from __future__ import annotations
 
@@ -21,7 +22,25 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         inv_freq = _llama3_inv_freq(inv_freq, rope)
     elif rope.rope_type == "yarn":
         inv_freq, scale = _yarn_inv_freq(rope, head_dim)
+    elif rope.rope_type == "longrope":
+        inv_freq, scale = inv_freq / _factors(rope.short_factor, head_dim, "short_factor"), _longrope_scale(rope)
     return inv_freq, scale
+
+
+def _factors(values: tuple[float, ...] | None, head_dim: int, name: str) -> torch.Tensor:
+    if values is None or len(values) != head_dim // 2:
+        raise ValueError(f"longrope needs {head_dim // 2} values in {name}, one per frequency; got "
+                         f"{None if values is None else len(values)}")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _longrope_scale(rope: RopeConfig) -> float:
+    # What transformers' longrope does: attention_factor, else sqrt(1 + ln(factor) / ln(original context)).
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
+    if rope.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -59,15 +78,39 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Computes cos/sin for arbitrary positions (no precomputed table, so no length limit)."""
+    """Computes cos/sin for arbitrary positions (no precomputed table, so no length limit).
+
+    `head_dim` is the width it rotates (a model's `rotary_dim` when only part of each head turns). With
+    longrope, positions from the original context on use the long factors (each token by its own position,
+    so a sequence's earlier keys keep theirs when it grows past that length).
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         inv_freq, self.scale = rope_inv_freq(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.long_from = None
+        if rope.rope_type == "longrope" and rope.freq_factors is None:
+            base_inv_freq = rope_inv_freq(RopeConfig(theta=rope.theta), head_dim)[0]
+            long_inv_freq = base_inv_freq / _factors(rope.long_factor, head_dim, "long_factor")
+            self.register_buffer("long_inv_freq", long_inv_freq.to(device), persistent=False)
+            self.long_from = rope.original_max_position_embeddings
+
+        self.query_scale_beta = rope.query_scale_beta
+        self.query_scale_period = rope.original_max_position_embeddings
+
+    def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """[T, 1, 1] the factor each token's query is scaled by (Llama 4 / Ministral 3), or None without one."""
+        if self.query_scale_beta is None:
+            return None
+        periods = torch.floor(positions.float() / self.query_scale_period)
+        return (1 + self.query_scale_beta * torch.log1p(periods)).to(dtype)[:, None, None]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, head_dim] in `dtype` (computed in float32 as transformers does)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        inv_freq = self.inv_freq[None, :]
+        if self.long_from is not None:
+            inv_freq = torch.where(positions[:, None] >= self.long_from, self.long_inv_freq[None, :], inv_freq)
+        freqs = positions.float()[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)

@@ -18,11 +18,12 @@ from torch import nn
 
 @dataclass
 class QuantizedTensor:
-    """A 2-D weight as its GGUF blocks: uint8 [rows, row_bytes] of GGML type `qtype` (e.g. "Q4_K")."""
+    """A weight as its GGUF blocks: uint8 [rows, row_bytes] of GGML type `qtype` (e.g. "Q4_K"), or a stack of
+    experts' weights uint8 [experts, rows, row_bytes]."""
 
     blocks: torch.Tensor
     qtype: str
-    shape: tuple[int, int]  # (rows, columns) of the weight: (out_features, in_features)
+    shape: tuple[int, ...]  # of the weight: (out_features, in_features), or (experts, rows, columns)
 
     @property
     def nbytes(self) -> int:
