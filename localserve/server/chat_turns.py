@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localserve.engine.grammar import GrammarSpec
-from localserve.server.request_model import GenerationRequest, Message
+from localserve.server.request_model import UNFINISHED_CALL_IDS, GenerationRequest, Message
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.chat_format import ChatFormat, ChatStreamParser, ChatTurn, detect_chat_format
 from localserve.tokenizer.errors import TokenizerError
@@ -81,13 +81,28 @@ def plan_turn(request: GenerationRequest, chat_format: ChatFormat | None) -> Tur
     return TurnPlan(turn, grammar, grammar_field, reasoning_end, turn.skip_special_tokens)
 
 
-def check_tool_results(conversation: Sequence[Message], param: str) -> None:
-    """Each tool result must answer a call made earlier in the conversation (as OpenAI requires)."""
+def resolve_tool_results(conversation: Sequence[Message], param: str) -> None:
+    """Each tool result must answer a call made earlier in the conversation (as OpenAI requires); one that names
+    the function instead of the call (`tool_call_id` None) is given the earliest unanswered call of it."""
     called: set[str] = set()
+    unanswered: list[tuple[str, str | None]] = []  # (call id, function name), oldest first
     for message in conversation:
         for call in message.get("tool_calls") or ():
             called.add(call["id"])
-        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            unanswered.append((call["id"], call["function"]["name"]))
+        for call_id in message.get(UNFINISHED_CALL_IDS) or ():  # the model's own text now, still answerable
+            called.add(call_id)
+            unanswered.append((call_id, None))
+        if message["role"] != "tool":
+            continue
+        if message["tool_call_id"] is None:
+            match = next((call_id for call_id, name in unanswered if name == message["name"]), None)
+            if match is None:
+                raise ProtocolError("invalid_value", f"'{param}': the tool result of {message['name']!r} answers "
+                                    "no unanswered call of that function in an earlier assistant turn", param)
+            message["tool_call_id"] = match
+        if message["tool_call_id"] not in called:
             raise ProtocolError("invalid_value", f"'{param}': the tool result for call "
                                 f"{message['tool_call_id']!r} answers no tool call of an earlier assistant turn",
                                 param)
+        unanswered = [pair for pair in unanswered if pair[0] != message["tool_call_id"]]

@@ -17,6 +17,7 @@ conversation's messages carry tool turns as chat completions spell them (`Messag
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +28,30 @@ from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.tokenizer.tools import AUTO, ToolChoice, ToolSpec
 
 # {"role": "user" | "assistant" | "system" | "tool", "content": text}; an assistant's calls in "tool_calls"
-# ([{"id", "type": "function", "function": {"name", "arguments": JSON text}}]), a tool result's call in
-# "tool_call_id" (as chat completions spell them, whatever the wire format).
+# ([{"id", "type": "function", "function": {"name", "arguments": JSON text of an object}}]), a tool result's call
+# in "tool_call_id" (as chat completions spell them, whatever the wire format; None until resolved by the
+# function's "name" when the API lets a result name the function instead of the call).
 Message = dict[str, Any]
+# An assistant's call whose arguments are no JSON object (cut short: an older answer may hold one) is the model's
+# own text: its arguments join the message's content, and its id is kept under this key so that a tool result
+# may still answer it; the key never reaches a chat template (`template_view`).
+UNFINISHED_CALL_IDS = "unfinished_call_ids"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def is_json_object(text: str) -> bool:
+    """True when `text` is the JSON text of an object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def template_view(message: Message) -> Message:
+    """The message as a chat template is handed it (without this server's bookkeeping)."""
+    if UNFINISHED_CALL_IDS not in message:
+        return message
+    return {key: value for key, value in message.items() if key != UNFINISHED_CALL_IDS}
 
 
 def message_chars(message: Message) -> int:

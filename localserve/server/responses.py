@@ -22,12 +22,12 @@ from typing import Any
 
 from localserve.engine.constraints import GrammarError
 from localserve.engine.outputs import RequestOutput
-from localserve.server.chat_turns import TurnPlan, check_tool_results, plan_turn
+from localserve.server.chat_turns import TurnPlan, plan_turn, resolve_tool_results
 from localserve.server.context import ChatTokenizer, ServedModel, ServerConfig, on_event_loop
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelLease, ModelRegistry
-from localserve.server.request_model import GenerationRequest, Message, message_chars
+from localserve.server.request_model import GenerationRequest, Message, message_chars, template_view
 from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.tools import ChatFormatError
@@ -148,9 +148,10 @@ class ResponseService:
         tokenized as it is)."""
         if request.prompt is not None:
             return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None
-        check_tool_results(conversation, request.wire_name("input"))
+        resolve_tool_results(conversation, request.wire_name("input"))
         plan = plan_turn(request, lease.model.chat_format)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        conversation = [template_view(message) for message in conversation]
         # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
         return await self._encode_chat(lease.tokenizer, system + conversation, request.generate,
                                        request.wire_name("input"), plan), plan

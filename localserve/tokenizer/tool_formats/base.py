@@ -103,9 +103,9 @@ class CallEvents:
         self._arguments.append(text)
         self._events.append(ToolCallArgumentsDelta(self._open, text))
 
-    def close(self) -> None:
-        """The open call is complete."""
-        self._events.append(ToolCallEnd(self._open, "".join(self._arguments)))
+    def close(self, whole: bool = True) -> None:
+        """The open call ends: complete as the format writes it (`whole`), or cut short or broken off."""
+        self._events.append(ToolCallEnd(self._open, "".join(self._arguments), whole))
         self._open, self._arguments = None, []
 
     def take(self) -> list[StreamEvent]:
@@ -119,7 +119,7 @@ class ToolCallParser(ABC):
 
     Text that may still become a marker is held back until it cannot; `finish` releases what is held when the
     output ends: held text that never became a marker is content, a call cut short ends with the arguments it
-    has, and a call cut before its name is known is content as the model wrote it.
+    has (not `whole`), and a call cut before its name is known is content as the model wrote it.
     """
 
     def __init__(self, events: CallEvents) -> None:
@@ -137,7 +137,7 @@ class ToolCallParser(ABC):
         """The last events, when the output has ended."""
         self.advance(final=True)
         if self.events.is_open:
-            self.events.close()
+            self.events.close(whole=False)
         return self.events.take()
 
     @abstractmethod

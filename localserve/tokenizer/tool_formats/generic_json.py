@@ -112,7 +112,7 @@ def tools_prompt(use: ToolUse) -> str:
 
 class GenericJsonParser(ToolCallParser):
     """The answer's object: the text of `response` as content, the calls of `tool_call` / `tool_calls`; an
-    answer that is not a JSON object is content as written."""
+    answer that is not a JSON object is content as written; whitespace after the object is dropped."""
 
     def __init__(self, events: CallEvents) -> None:
         super().__init__(events)
@@ -140,7 +140,12 @@ class GenericJsonParser(ToolCallParser):
             if self._object.malformed:
                 self.buffer, self._state = self._object.rest, "text"
             elif self._object.done:
-                self.buffer, self._state = self._object.rest.lstrip(), "text"
+                self.buffer, self._state = self._object.rest, "after"
+        if self._state == "after":  # whitespace after the answer's object (the grammar allows some) says nothing
+            self.buffer = self.buffer.lstrip()
+            if not self.buffer:
+                return
+            self._state = "text"
         if self._state == "text":
             self.events.content(self.buffer)
             self.buffer = ""

@@ -94,7 +94,7 @@ class HermesParser(ToolCallParser):
             self._state = "text"
             return False
         if call.malformed:  # the call's text broke off: it ends with what it has
-            self.events.close()
+            self.events.close(whole=False)
         if call.done or call.malformed:
             self.buffer, self._state = call.rest, "closing"
             return True

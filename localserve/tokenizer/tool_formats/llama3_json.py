@@ -82,8 +82,8 @@ class Llama3JsonParser(ToolCallParser):
                 self.events.content(self._prefix + call.consumed)  # not a call: the answer is content
                 self._state = "text"
                 return False
-            if call.malformed:
-                self.events.close()
+            if call.malformed:  # the call's text broke off: it ends with what it has
+                self.events.close(whole=False)
             if call.done or call.malformed:
                 self.buffer, self._state = call.rest.lstrip(), "after_call"
                 return True

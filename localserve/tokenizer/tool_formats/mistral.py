@@ -139,8 +139,8 @@ class MistralArrayParser(ToolCallParser):
                     self.events.content(last.consumed)
                 return False
             if self._array.done or self._array.malformed:
-                if self.events.is_open:
-                    self.events.close()
+                if self.events.is_open:  # its element was no whole call object
+                    self.events.close(whole=False)
                 self.buffer, self._state = self._array.rest, "after_call"
                 return True
             return False

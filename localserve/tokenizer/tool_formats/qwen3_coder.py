@@ -144,7 +144,7 @@ class Qwen3CoderParser(ToolCallParser):
             return True
         if stripped.startswith(END_FUNCTION) or not (final or _may_become(stripped, (PARAMETER, END_FUNCTION))):
             self.events.arguments("}" if self._members else "{}")
-            self.events.close()
+            self.events.close(whole=stripped.startswith(END_FUNCTION))
             rest = stripped[len(END_FUNCTION):] if stripped.startswith(END_FUNCTION) else stripped
             self.buffer, self._state = rest, "closing"
             return True
