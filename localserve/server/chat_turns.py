@@ -3,7 +3,8 @@ chat format (no I/O here): the template's inputs, the engine's grammar and decod
 
 `model_chat_format` detects the format once, when the server starts (tokenizer/chat_format.py). `plan_turn`
 resolves one request against it: the `ChatTurn` (tools offered unless tool_choice is `none`, thinking off for
-`reasoning_effort: "none"`), the grammar (the calls' grammar when tools are offered; else the answer format's
+`reasoning_effort: "none"`), the grammar (the calls' grammar when tools are offered, which under tool_choice
+`auto` lets the answer be a value of the answer format's schema instead of calls; else the answer format's
 JSON schema), and what the engine is told (`grammar`, `reasoning_end`, `skip_special_tokens`). Every refusal
 names the request's field as its format spells it.
 """
@@ -71,11 +72,12 @@ def plan_turn(request: GenerationRequest, chat_format: ChatFormat | None) -> Tur
         return TurnPlan(None, grammar, grammar_field, None, True)
     try:
         turn = chat_format.turn(request.tools, request.tool_choice, request.parallel_tool_calls,
-                                thinking=request.reasoning.thinking)
+                                thinking=request.reasoning.thinking,
+                                answer=output_format.embedded_schema() if output_format is not None else None)
     except ChatFormatError as error:
         param = request.wire_name("reasoning") if error.field == "reasoning_effort" else request.wire_name("tools")
         raise ProtocolError("invalid_value", f"'{param}': {error.reason}", param) from None
-    if turn.grammar is not None:  # the calls' grammar covers the whole answer (a forced call leaves no text)
+    if turn.grammar is not None:  # the calls' grammar covers the whole answer (with the answer format's, if any)
         grammar, grammar_field = GrammarSpec.lark(turn.grammar.lark), request.wire_name("tools")
     reasoning_end = turn.reasoning_end.text if turn.reasoning_end is not None else None
     return TurnPlan(turn, grammar, grammar_field, reasoning_end, turn.skip_special_tokens)

@@ -407,17 +407,12 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
 
 
 def _check_tool_choice(request: GenerationRequest, draft: RequestDraft) -> None:
-    """`required` needs tools, a named function must be one of them, and an answer's format goes with tools only
-    when no call is offered or when one is forced (the answer is then a call, not text of the format)."""
+    """`required` needs tools, and a named function must be one of them. (An answer's format beside tools under
+    `auto` makes the answer either calls or a value of the format: server/chat_turns.py.)"""
     choice = request.tool_choice
     param = draft.names.get("tool_choice", request.wire_names.get("tool_choice", "tool_choice"))
     try:
-        callable_tools = choice.chosen_tools(request.tools)
+        choice.chosen_tools(request.tools)
     except ChatFormatError as error:
         at = draft.values.get("tool_choice_name_param", param) if choice.mode == "function" else param
         raise ProtocolError("invalid_value", f"'{at}': {error.reason}", at) from None
-    if request.output_format is not None and callable_tools and choice.mode == "auto":
-        at = draft.names["output_format"]
-        raise ProtocolError("unsupported_value", f"'{at}' with tools under tool_choice 'auto' is not supported: "
-                            "the answer would be either a call or text of the format; send tool_choice 'none', "
-                            "'required' or a function, or no tools", at)

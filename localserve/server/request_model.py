@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from localserve.engine.grammar import GrammarSpec
+from localserve.engine.grammar import JSON_DEFAULTS, GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.tokenizer.tools import AUTO, ToolChoice, ToolSpec
@@ -77,6 +77,14 @@ class OutputFormat:
         if self.kind == "json_object":
             return GrammarSpec.json_object()
         return GrammarSpec.json_schema(self.schema, strict=self.strict)
+
+    def embedded_schema(self) -> dict[str, Any]:
+        """The schema with the settings `grammar` compiles it with (as `x-guidance`), for a larger grammar that
+        holds it (a tool-call grammar whose answer may be a value of it instead of calls)."""
+        if self.kind == "json_object":
+            return {"type": "object", "x-guidance": {**JSON_DEFAULTS, "lenient": False}}
+        schema = dict(self.schema or {})
+        return {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {}), "lenient": not self.strict}}
 
 
 @dataclass(frozen=True)

@@ -43,17 +43,20 @@ def json_value(schema: Mapping[str, Any]) -> str:
 
 
 def calls_grammar(opener: str, trigger: str, call_rules: Sequence[str], call: str, *, lazy: bool,
-                  parallel: bool) -> str:
+                  parallel: bool, answer: Mapping[str, Any] | None = None) -> str:
     """An answer of calls that each begin with `opener` (the marker's grammar text, `trigger` its text) and go on
     as rule `call`, defined in `call_rules` (which may use the terminals `WS` and `ANY_TEXT`); whitespace between
     and after the calls, nothing else.
 
     `lazy` (tool_choice auto): free text first, then, if the trigger comes, the calls; text free of the trigger
-    is a whole answer too. Otherwise the answer is the calls alone. `parallel` false: one call at most.
+    is a whole answer too. Otherwise the answer is the calls alone, or, with `answer` (a JSON schema: tool_choice
+    auto beside an answer format), a JSON value of that schema instead. `parallel` false: one call at most.
     """
     more = f"(WS? {opener} {call})*" if parallel else ""
     free_text = f"FREE_TEXT: /(?s:.*)/ & ~/(?s:.*){regex_literal(trigger)}(?s:.*)/"
-    if not lazy:
+    if answer is not None:
+        lines = [f"start: answer | WS? {opener} {call} {more} WS?", f"answer: {json_value(answer)}"]
+    elif not lazy:
         lines = [f"start: WS? {opener} {call} {more} WS?"]
     elif opener.startswith("<["):  # a token: free text (never the trigger spelled out) ends where it comes
         lines = [f"start: FREE_TEXT ({opener} {call} {more} WS?)?", free_text]

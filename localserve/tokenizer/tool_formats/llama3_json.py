@@ -6,7 +6,8 @@ Llama's built-in tools use):
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
 There is no trigger text: an answer that starts with such an object is a call, so the grammar of `auto` lets
-free text through only when it does not start with `{`, from the first token.
+free text through only when it does not start with `{`, from the first token (with an answer format, a JSON
+value of it instead of free text).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ class Llama3JsonFormat(ToolFormat):
     def grammar(self, use: ToolUse) -> CallGrammar:
         tag = self.tokens.ids.get(PYTHON_TAG)
         calls = " | ".join(f"call_{index}" for index in range(len(use.tools)))
-        start = "start: WS? call WS?" if use.required else "start: TEXT | call WS?"
+        answer = "TEXT" if use.answer is None else "answer"  # free text, or a JSON value of the answer's format
+        start = "start: WS? call WS?" if use.required else f"start: {answer} | call WS?"
         python_tag = f"(<[{tag}]>)? " if tag is not None else ""  # the tag may come first where it is a token
         lines = ["%llguidance {}", start, r"TEXT: /\s*([^\s{](?s:.*))?/", f"call: {python_tag}({calls})"]
+        if use.answer is not None:
+            lines.append(f"answer: {json_value(use.answer)}")
         lines += [f'call_{index}: {literal(_call_prefix(tool.name))} {json_value(tool.parameters)} "}}"'
                   for index, tool in enumerate(use.tools)]
         return CallGrammar("\n".join([*lines, WS]) + "\n")
