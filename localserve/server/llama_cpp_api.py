@@ -131,11 +131,12 @@ class LlamaCppApi:
 
     async def _answer_props(self, exchange: HttpExchange, model: ServedModel, facts: EngineFacts,
                             tokenizer: Tokenizer) -> None:
-        defaults = model.sampling_defaults  # a top_k that is off is llama.cpp's 0
-        params = {"n_predict": self.config.default_max_output_tokens, "temperature": defaults.temperature,
+        defaults = model.sampling_defaults  # a top_k that is off is llama.cpp's 0, no token limit its -1
+        n_predict = self.config.default_max_output_tokens or -1
+        params = {"n_predict": n_predict, "temperature": defaults.temperature,
                   "top_k": defaults.top_k or 0, "top_p": defaults.top_p, "min_p": defaults.min_p, "seed": -1,
                   "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [],
-                  "max_tokens": self.config.default_max_output_tokens, "stream": False, "n_probs": 0}
+                  "max_tokens": n_predict, "stream": False, "n_probs": 0}
         await exchange.respond_json(200, {
             "default_generation_settings": {"n_ctx": model.max_model_len, "params": params},
             "total_slots": facts.max_num_seqs, "model_path": model.card.path,

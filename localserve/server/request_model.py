@@ -119,6 +119,8 @@ class RequestLimits:
     max_metadata_keys: int = 16
     max_metadata_key_chars: int = 64
     max_metadata_value_chars: int = 512
+    max_client_metadata_keys: int = 64  # client_metadata: a client's own tags, only echoed
+    max_client_metadata_value_chars: int = 8192
     max_id_chars: int = 256  # model and previous_response_id
     max_tools: int = 128  # tools offered in one request (each adds its schema to the prompt and the grammar)
 
@@ -163,6 +165,7 @@ class GenerationRequest:
     stream: bool = False  # over HTTP: server-sent events as the answer is generated
     include_usage: bool = False  # a streamed completion ends with a chunk holding the usage
     tools: tuple[ToolSpec, ...] = ()
+    tool_namespaces: Mapping[str, str] = field(default_factory=dict)  # a function of a Responses namespace -> it
     tool_choice: ToolChoice = AUTO
     parallel_tool_calls: bool = True  # False: at most one call per answer
     output_format: OutputFormat | None = None  # None: free text

@@ -235,8 +235,9 @@ class ResponseService:
                                 f"length), got {request.max_output_tokens}", field)
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees
-        wanted = request.max_output_tokens or self.config.default_max_output_tokens
-        max_tokens = max(1, min(wanted, max_model_len - num_prompt_tokens))
+        room = max_model_len - num_prompt_tokens
+        wanted = request.max_output_tokens or self.config.default_max_output_tokens or room
+        max_tokens = max(1, min(wanted, room))
         sampling = request.sampling
         if sampling.logprobs is not None:
             entries = (sampling.logprobs + 1) * sampling.num_samples * max_tokens

@@ -118,13 +118,16 @@ def test_generic_json_answers_and_calls():
     assert [_no_id(e) for e in events] == [*call_events(0, "search", '{"q": 1}'), *call_events(1, "x.y-z_1", "{}")]
 
 
-@pytest.mark.parametrize("format_name", ["hermes", "mistral_array", "json", "qwen3_coder"])
+@pytest.mark.parametrize("format_name", ["hermes", "mistral_array", "mistral_args", "json", "qwen3_coder",
+                                         "llama3_json"])
 def test_an_output_cut_mid_call_closes_the_call_with_what_it_has(format_name):
     text = write_answer(format_name, "", [("search", {"query": "föhn"})])
     cut = text[:text.index("föhn") + 2]
     events = parse(format_name, [cut])
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
-    assert events[-1].arguments.startswith('{"query": "f')
+    assert events[-1].arguments.startswith('{"query": "f') and not events[-1].whole
+    whole = parse(format_name, [text])
+    assert whole[-1].whole and json.loads(whole[-1].arguments) == {"query": "föhn"}
 
 
 def test_a_malformed_call_is_shown_as_the_model_wrote_it():

@@ -12,12 +12,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ANY_TEXT", "WS", "calls_grammar", "json_value", "literal", "marker", "regex_literal"]
+__all__ = ["ANY_TEXT", "TEMPLATE_JSON", "WS", "calls_grammar", "json_value", "literal", "marker", "regex_literal"]
 
 # Whitespace between and after calls, bounded: a small model may otherwise go on writing newlines after a
 # complete call until its token limit (the grammar could never end).
 WS = r"WS: /[ \t\r\n]{1,4}/"
 ANY_TEXT = r"ANY_TEXT: /(?s:.*)/"
+# JSON laid out as the templates' `tojson` writes it (a `%json` schema's "x-guidance" settings)
+TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
 
 

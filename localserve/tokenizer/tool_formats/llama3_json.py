@@ -12,10 +12,13 @@ value of it instead of free text).
 
 from __future__ import annotations
 
+from typing import Any
+
 from localserve.tokenizer.held_text import is_prefix_of_any
 from localserve.tokenizer.tool_formats.base import CallEvents, CallGrammar, ToolCallParser, ToolFormat, ToolUse
 from localserve.tokenizer.tool_formats.json_call import JsonCallReader
-from localserve.tokenizer.tool_formats.lark import WS, json_value, literal
+from localserve.tokenizer.tool_formats.lark import TEMPLATE_JSON, WS, json_value, literal
+from localserve.tokenizer.tools import ToolSpec
 
 __all__ = ["Llama3JsonFormat", "Llama3JsonParser"]
 
@@ -36,10 +39,12 @@ class Llama3JsonFormat(ToolFormat):
         start = "start: WS? call WS?" if use.required else f"start: {answer} | call WS?"
         python_tag = f"(<[{tag}]>)? " if tag is not None else ""  # the tag may come first where it is a token
         lines = ["%llguidance {}", start, r"TEXT: /\s*([^\s{](?s:.*))?/", f"call: {python_tag}({calls})"]
-        if use.answer is not None:
+        if use.answer is None:
+            lines += [f'call_{index}: {literal(_call_prefix(tool.name))} {json_value(tool.parameters)} "}}"'
+                      for index, tool in enumerate(use.tools)]
+        else:  # a call is a JSON value too then: llguidance cannot choose between a literal and a value alike
             lines.append(f"answer: {json_value(use.answer)}")
-        lines += [f'call_{index}: {literal(_call_prefix(tool.name))} {json_value(tool.parameters)} "}}"'
-                  for index, tool in enumerate(use.tools)]
+            lines += [f"call_{index}: {json_value(_call_schema(tool))}" for index, tool in enumerate(use.tools)]
         return CallGrammar("\n".join([*lines, WS]) + "\n")
 
     def parser(self, use: ToolUse) -> Llama3JsonParser:
@@ -48,6 +53,12 @@ class Llama3JsonFormat(ToolFormat):
 
 def _call_prefix(name: str) -> str:
     return f'{{"name": "{name}", "parameters": '
+
+
+def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+    """A call of `tool` as one JSON value, laid out as `_call_prefix` writes it."""
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "parameters": dict(tool.parameters)},
+            "required": ["name", "parameters"], "additionalProperties": False, "x-guidance": dict(TEMPLATE_JSON)}
 
 
 class Llama3JsonParser(ToolCallParser):
