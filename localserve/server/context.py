@@ -149,6 +149,9 @@ class ChatTokenizer(Protocol):
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> list[int]: ...
 
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str: ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 

@@ -24,6 +24,7 @@ from localserve.server.http_exchange import HttpExchange
 from localserve.server.http_generation import HttpGeneration
 from localserve.server.models import ModelRegistry
 from localserve.server.request_fields import WireFormat
+from localserve.server.response_events import new_id
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.tokenizer import Tokenizer
 
@@ -113,14 +114,10 @@ class LlamaCppApi:
         await exchange.respond_json(200, {"content": text})
 
     async def _apply_template(self, exchange: HttpExchange) -> None:
+        """The chat completion's prompt text as /v1/chat/completions renders it: its tools, tool turns and
+        template switches (reasoning_effort) included."""
         request = await self.generation.read(exchange, CHAT_COMPLETIONS)
-        async with self.models.leased(request.model) as lease:
-            tokenizer: Tokenizer = lease.tokenizer  # type: ignore[assignment]
-            try:
-                prompt = await asyncio.to_thread(tokenizer.apply_chat_template, request.input_messages)
-            except Exception as exc:  # no chat template, a template that raised
-                raise ProtocolError("invalid_prompt", f"the chat template could not render the messages: "
-                                    f"{type(exc).__name__}: {str(exc)[:300]}", "messages") from None
+        prompt = await self.generation.responses.render_prompt(request, new_id("http"))
         await exchange.respond_json(200, {"prompt": prompt})
 
     async def _props(self, exchange: HttpExchange) -> None:

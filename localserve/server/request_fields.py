@@ -138,13 +138,14 @@ class Text(Field):
 
     name: str
     bounded: bool = False  # an identifier: at most RequestLimits.max_id_chars
+    preferred: bool = False  # wins over another spelling of the same field in the same request
     stage = Stage.IDENTIFIER
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
         value = check_value(value, str, param)
         if self.bounded:
             check_length(value, param, draft.limits.max_id_chars)
-        draft.set(self.name, value, param)
+        draft.set(self.name, value, param, self.preferred)
 
 
 @dataclass(frozen=True)
