@@ -73,7 +73,7 @@ class Tools(Field):
                         continue
                     specs.append(self._function(inner, inner_where))
                     namespaces[specs[-1].name] = namespace
-            elif kind in HOSTED_TOOLS and self.flat:
+            elif kind in HOSTED_TOOLS:
                 add_unusable(draft, UnusableTool(where, kind, HOSTED_WHY))
             elif kind in OWN_FORM_TOOLS:
                 add_unusable(draft, UnusableTool(where, kind, OWN_FORM_WHY))
