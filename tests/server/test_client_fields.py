@@ -66,6 +66,21 @@ def test_codex_client_metadata_is_kept_and_echoed():
     assert json.loads(body)["client_metadata"] == CODEX_METADATA
 
 
+@pytest.mark.parametrize("client_metadata, status", [
+    ({f"k{index}": "v" for index in range(64)}, 200), ({f"k{index}": "v" for index in range(65)}, 400),
+    ({"x-codex-turn-metadata": "x" * 8192}, 200), ({"x-codex-turn-metadata": "x" * 8193}, 400),
+    ({"k" * 64: "v"}, 200), ({"k" * 65: "v"}, 400), ({"k": 5}, 400), ([], 400),
+])  # each bound, and one past it
+def test_client_metadata_bounds(client_metadata, status):
+    api = Api()
+    peer = run(api.answered("/v1/responses", {"model": "served", "input": "hi", "client_metadata": client_metadata},
+                            ["hello"]))
+    got, _, body = response(peer)
+    assert got == status, body
+    if status == 400:
+        assert json.loads(body)["error"]["param"] == "client_metadata"
+
+
 def test_responses_without_max_output_tokens_are_bounded_by_the_context_alone():
     api = Api(max_model_len=4096)  # a context above the 1,024 tokens the server once capped answers at
     run(api.answered("/v1/responses", {"model": "served", "input": "hi"}, ["hello"]))
