@@ -11,21 +11,21 @@ as chat completions does (the prompt it gives is the prompt chat completions cou
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.helpers.tool_models import JSON_ANSWER, PLAIN_CALLS, WEATHER_TOOL, scripted_tool_server
+from tests.helpers.server import post_json
+from tests.helpers.tool_models import JSON_ANSWER, WEATHER_TOOL
 
 WEATHER_PARAMETERS = WEATHER_TOOL["function"]["parameters"]
 SHELL = {"type": "function", "name": "shell", "description": "Runs a shell command and returns its output.",
          "strict": False, "parameters": {"type": "object", "properties": {
              "command": {"type": "array", "items": {"type": "string"}}, "workdir": {"type": "string"}},
              "required": ["command"], "additionalProperties": False}}
-WEATHER_NAMESPACE = {"type": "namespace", "name": "mcp__weather", "description": "Tools of the weather MCP server.",
+WEATHER_NAMESPACE = {"type": "namespace", "name": "mcp__weather", "description": "The weather MCP server's tools.",
                      "tools": [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
                                 "parameters": WEATHER_PARAMETERS}]}
 CLIENT_METADATA = {"x-codex-installation-id": "3f1c0a9e-5b7d-4c2a-9e8f-0d1b2c3a4e5f",
@@ -41,19 +41,6 @@ def codex_request(input_items: list[dict], tools: list[dict], **fields) -> dict:
             **fields}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with scripted_tool_server(tmp_path_factory.mktemp("tool-turns"), PLAIN_CALLS, JSON_ANSWER) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
-        yield client
-
-
 def final_response(client, request: dict) -> Response:
     with client.responses.create(**request) as stream:
         events = list(stream)
@@ -61,8 +48,8 @@ def final_response(client, request: dict) -> Response:
     return events[-1].response
 
 
-def test_codex_namespace_tools_and_an_output_without_call_id(client):
-    first = final_response(client, codex_request([ASK], [SHELL, WEATHER_NAMESPACE]))
+def test_codex_namespace_tools_and_an_output_without_call_id(weather_client):
+    first = final_response(weather_client, codex_request([ASK], [SHELL, WEATHER_NAMESPACE]))
     [call] = first.output
     assert call.type == "function_call" and (call.name, call.namespace) == ("get_weather", "mcp__weather")
     assert json.loads(call.arguments) == {"city": "Paris"}
@@ -70,43 +57,39 @@ def test_codex_namespace_tools_and_an_output_without_call_id(client):
     follow_up = [ASK, call.model_dump(exclude_none=True),
                  {"type": "function_call_output", "name": "get_weather", "namespace": "mcp__weather",
                   "output": "sunny"}]
-    second = final_response(client, codex_request(follow_up, [SHELL, WEATHER_NAMESPACE]))
+    second = final_response(weather_client, codex_request(follow_up, [SHELL, WEATHER_NAMESPACE]))
     assert second.output_text == JSON_ANSWER[0]
 
 
 @pytest.mark.parametrize("hosted", [{"type": "web_search"}, {"type": "web_search_preview"},
                                     {"type": "code_interpreter", "container": {"type": "auto"}}])
-def test_a_hosted_tool_is_refused_saying_so(client, hosted):
+def test_a_hosted_tool_is_refused_saying_so(weather_client, hosted):
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(**codex_request([ASK], [SHELL, hosted]))
+        weather_client.responses.create(**codex_request([ASK], [SHELL, hosted]))
     error = refused.value.body
     assert (error["code"], error["param"]) == ("unsupported_value", "tools[1].type")
     assert "hosted tool" in error["message"] and hosted["type"] in error["message"]
 
 
-def test_a_hosted_tool_the_request_never_calls_is_dropped(client):
-    answer = final_response(client, codex_request([ASK], [SHELL, {"type": "web_search"}], tool_choice="none"))
+def test_a_hosted_tool_the_request_never_calls_is_dropped(weather_client):
+    answer = final_response(weather_client, codex_request([ASK], [SHELL, {"type": "web_search"}], tool_choice="none"))
     assert [item.type for item in answer.output] == ["message"]
 
 
 def post(port: int, path: str, body: dict) -> dict:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    answer = connection.getresponse()
-    status, data = answer.status, json.loads(answer.read())
-    connection.close()
-    assert status == 200, data
-    return data
+    status, answer = post_json(port, path, body)
+    assert status == 200, answer
+    return answer
 
 
-def test_apply_template_renders_tools_and_tool_turns_as_chat_completions_does(server):
+def test_apply_template_renders_tools_and_tool_turns_as_chat_completions_does(weather_server):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     conversation = [{"role": "user", "content": "what is the weather in paris"},
                     {"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     body = {"model": "tools", "messages": conversation, "tools": [WEATHER_TOOL]}
-    prompt = post(server.port, "/apply-template", body)["prompt"]
+    prompt = post(weather_server.port, "/apply-template", body)["prompt"]
     # the template's own rendering of the tools, of the call (its arguments an object) and of the result
     assert "Tools: get_weather" in prompt and '"arguments": {"city": "Paris"}' in prompt and "(for call_1)" in prompt
-    counted = post(server.port, "/v1/chat/completions", {**body, "max_tokens": 1})["usage"]["prompt_tokens"]
-    assert len(post(server.port, "/tokenize", {"content": prompt})["tokens"]) == counted
+    counted = post(weather_server.port, "/v1/chat/completions", {**body, "max_tokens": 1})["usage"]["prompt_tokens"]
+    assert len(post(weather_server.port, "/tokenize", {"content": prompt})["tokens"]) == counted

@@ -17,12 +17,10 @@ import json
 import anthropic
 import jsonschema
 import ollama
-import openai
-import pytest
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
-from tests.helpers.tool_models import JSON_ANSWER, PLAIN_CALLS, WEATHER_TOOL, scripted_tool_server
+from tests.helpers.tool_models import WEATHER_TOOL
 
 
 class Weather(BaseModel):
@@ -57,21 +55,8 @@ AGENT_RESPONSES_REQUEST = {
 TOOL_OUTPUT = "sunny"  # what the agent's get_weather returns
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with scripted_tool_server(tmp_path_factory.mktemp("tools-with-format"), PLAIN_CALLS, JSON_ANSWER) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
-        yield client
-
-
-def test_an_agent_with_tools_and_an_output_type_on_chat_completions(client):
-    first = client.chat.completions.create(**AGENT_CHAT_REQUEST)
+def test_an_agent_with_tools_and_an_output_type_on_chat_completions(weather_client):
+    first = weather_client.chat.completions.create(**AGENT_CHAT_REQUEST)
     ChatCompletion.model_validate(first.model_dump())
     [choice] = first.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -82,13 +67,13 @@ def test_an_agent_with_tools_and_an_output_type_on_chat_completions(client):
         {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                          "arguments": call.function.arguments}}]},
                            {"role": "tool", "tool_call_id": call.id, "content": TOOL_OUTPUT}]
-    final = client.chat.completions.create(**second).choices[0]
+    final = weather_client.chat.completions.create(**second).choices[0]
     assert final.finish_reason == "stop" and not final.message.tool_calls
     assert Weather.model_validate_json(final.message.content) == Weather(city="Paris", summary="sunny")
 
 
-def test_an_agent_with_tools_and_an_output_type_on_responses(client):
-    first = client.responses.create(**AGENT_RESPONSES_REQUEST)  # parsed into the SDK's Response
+def test_an_agent_with_tools_and_an_output_type_on_responses(weather_client):
+    first = weather_client.responses.create(**AGENT_RESPONSES_REQUEST)  # parsed into the SDK's Response
     [call] = first.output
     assert call.type == "function_call" and (call.name, json.loads(call.arguments)) == ("get_weather",
                                                                                          {"city": "Paris"})
@@ -96,19 +81,19 @@ def test_an_agent_with_tools_and_an_output_type_on_responses(client):
     second["input"] += [{"arguments": call.arguments, "call_id": call.call_id, "name": call.name,
                          "type": "function_call", "id": call.id, "status": "completed"},
                         {"call_id": call.call_id, "output": TOOL_OUTPUT, "type": "function_call_output"}]
-    final = client.responses.create(**second)
+    final = weather_client.responses.create(**second)
     assert final.status == "completed" and [item.type for item in final.output] == ["message"]
     assert Weather.model_validate_json(final.output_text) == Weather(city="Paris", summary="sunny")
 
 
-def test_a_forced_call_beside_a_format_is_still_a_call(client):
-    forced = client.chat.completions.create(**AGENT_CHAT_REQUEST, tool_choice="required").choices[0]
+def test_a_forced_call_beside_a_format_is_still_a_call(weather_client):
+    forced = weather_client.chat.completions.create(**AGENT_CHAT_REQUEST, tool_choice="required").choices[0]
     assert forced.finish_reason == "tool_calls" and [call.function.name for call in forced.message.tool_calls] == [
         "get_weather"]
 
 
-def test_ollama_format_beside_tools(server):
-    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=60)
+def test_ollama_format_beside_tools(weather_server):
+    client = ollama.Client(host=f"http://127.0.0.1:{weather_server.port}", timeout=60)
     ask = [{"role": "user", "content": QUESTION}]
     called = client.chat(model="tools", messages=ask, tools=[WEATHER_TOOL], format=OUTPUT_SCHEMA,
                          options={"temperature": 0})
@@ -121,12 +106,13 @@ def test_ollama_format_beside_tools(server):
     jsonschema.validate(json.loads(answer.message.content), OUTPUT_SCHEMA)
 
 
-def test_anthropic_output_config_beside_tools(server):
+def test_anthropic_output_config_beside_tools(weather_server):
     tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": ARGUMENTS_SCHEMA}
     fields = {"model": "tools", "max_tokens": 100, "tools": [tool], "extra_body": {"temperature": 0},
               "output_config": {"format": {"type": "json_schema", "schema": OUTPUT_SCHEMA}}}
     ask = [{"role": "user", "content": QUESTION}]
-    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0) as sdk:
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{weather_server.port}", api_key="unused",
+                             max_retries=0) as sdk:
         called = sdk.messages.create(messages=ask, **fields)
         assert called.stop_reason == "tool_use" and [block.type for block in called.content] == ["tool_use"]
         assert (called.content[0].name, called.content[0].input) == ("get_weather", {"city": "Paris"})
