@@ -64,25 +64,32 @@ class Tools(Field):
         specs: list[ToolSpec] = []
         namespaces: dict[str, str] = {}
         for where, tool in each_tool(value, param, draft):
-            kind = tool.get("type")
-            if self.flat and kind == "namespace":
-                namespace = check_value(tool.get("name"), str, f"{where}.name")
-                for inner_where, inner in each_tool(tool.get("tools"), f"{where}.tools", draft):
-                    if inner.get("type") in HOSTED_TOOLS | OWN_FORM_TOOLS:
-                        add_unusable(draft, UnusableTool(inner_where, inner["type"], OWN_FORM_WHY))
-                        continue
-                    specs.append(self._function(inner, inner_where))
-                    namespaces[specs[-1].name] = namespace
-            elif kind in HOSTED_TOOLS:
-                add_unusable(draft, UnusableTool(where, kind, HOSTED_WHY))
-            elif kind in OWN_FORM_TOOLS:
-                add_unusable(draft, UnusableTool(where, kind, OWN_FORM_WHY))
-            else:
+            if self.flat and tool.get("type") == "namespace":
+                namespace = tool.get("name")
+                if not isinstance(namespace, str) or not namespace:
+                    raise ProtocolError("invalid_type", f"'{where}.name' must be the namespace's name", f"{where}.name")
+                if not isinstance(tool.get("tools"), list):
+                    raise ProtocolError("invalid_type", f"'{where}.tools' must be an array of function tools",
+                                        f"{where}.tools")
+                for inner_where, inner in each_tool(tool["tools"], f"{where}.tools", draft):
+                    if self._usable(inner, inner_where, draft):
+                        specs.append(self._function(inner, inner_where))
+                        namespaces[specs[-1].name] = namespace
+            elif self._usable(tool, where, draft):
                 specs.append(self._function(tool, where))
         check_length(specs, param, draft.limits.max_tools)
         draft.set("tools", tuple(specs), param)
         if namespaces:
             draft.set("tool_namespaces", namespaces, param)
+
+    @staticmethod
+    def _usable(tool: dict[str, Any], where: str, draft: RequestDraft) -> bool:
+        """False for a hosted tool or one of a form of its own (noted as an UnusableTool)."""
+        kind = tool.get("type")
+        if kind in HOSTED_TOOLS or kind in OWN_FORM_TOOLS:
+            add_unusable(draft, UnusableTool(where, kind, HOSTED_WHY if kind in HOSTED_TOOLS else OWN_FORM_WHY))
+            return False
+        return True
 
     def _function(self, tool: dict[str, Any], where: str) -> ToolSpec:
         nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}

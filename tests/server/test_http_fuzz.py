@@ -95,7 +95,8 @@ tool_requests = st.one_of(
     st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({"input": responses_history}, optional={
         "tools": st.sampled_from([[{"type": "function", **WEATHER}], [{"type": "web_search"}], [{
             "type": "namespace", "name": "mcp__weather", "description": "Weather.", "tools": [
-                {"type": "function", **WEATHER}]}]]),
+                {"type": "function", **WEATHER}]}], [{"type": "namespace", "name": "n"}],
+            [{"type": "namespace", "tools": 5}], [{"type": "namespace", "name": "n", "tools": [5, {"type": "mcp"}]}]]),
         "tool_choice": st.sampled_from(["auto", "none"]), "stream": st.booleans(),
         "client_metadata": st.just({"session_id": "s1", "x-codex-turn-metadata": '{"turn": 1}'}),
         "text": st.just({"format": {"type": "json_object"}})})),

@@ -77,6 +77,10 @@ def test_warm_ups_store_and_identifiers(wire):
     ({"tools": [{"type": "file_search"}]}, ("unsupported_value", "tools[0].type")),  # a hosted tool
     ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "c"}]}]},
      ("unsupported_value", "tools[0].tools[0].type")),
+    ({"tools": [{"type": "namespace", "name": "n"}]}, ("invalid_type", "tools[0].tools")),
+    ({"tools": [{"type": "namespace", "tools": []}]}, ("invalid_type", "tools[0].name")),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "bad name"}]}]},
+     ("invalid_value", "tools[0].tools[0].name")),
     ({"tools": [1]}, ("invalid_type", "tools[0]")),
     ({"tools": "f"}, ("invalid_type", "tools")),
     ({"tool_choice": "required"}, ("invalid_value", "tool_choice")),
