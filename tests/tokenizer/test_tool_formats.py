@@ -183,3 +183,17 @@ def test_generated_qwen3_coder_answers_parse_back(content, arguments_list, data)
     calls = [("typed", arguments) for arguments in arguments_list]
     text = write_answer("qwen3_coder", content, calls)
     assert [_no_id(e) for e in parse("qwen3_coder", data.draw(split_points(text)))] == expected(content, calls)
+
+
+WHITESPACE = st.text(alphabet=" \t\r\n", max_size=4)  # what the call grammars allow around the calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(list(TOOL_FORMATS)), st.lists(st.tuples(NAMES, json_arguments()), min_size=1, max_size=2),
+       WHITESPACE, WHITESPACE, st.data())
+def test_whitespace_around_calls_is_no_content_however_it_streams(format_name, calls, before, after, data):
+    calls = calls[:1] if format_name == "llama3_json" else calls
+    if format_name == "qwen3_coder":
+        calls = [("typed", {}) for _ in calls]
+    text = before + write_answer(format_name, "", calls) + after
+    assert [_no_id(e) for e in parse(format_name, data.draw(split_points(text)))] == expected("", calls)
