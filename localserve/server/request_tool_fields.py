@@ -36,7 +36,7 @@ class UnusableTool:
     """A tool of a request that the model cannot be offered here: where it is, its type, and why."""
 
     where: str
-    kind: str
+    kind: Any  # its `type` as sent (a string, or whatever a client wrote there)
     why: str
 
     def refusal(self) -> ProtocolError:
