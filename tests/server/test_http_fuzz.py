@@ -101,8 +101,8 @@ tool_requests = st.one_of(
         "client_metadata": st.just({"session_id": "s1", "x-codex-turn-metadata": '{"turn": 1}'}),
         "text": st.just({"format": {"type": "json_object"}})})),
 ).map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
-requests = st.one_of(
-    valid_requests, valid_requests, tool_requests,
+requests = st.one_of(  # valid requests weighed thrice, so every kind of answer comes often
+    valid_requests, valid_requests, valid_requests, tool_requests,
     st.tuples(st.just("/v1/chat/completions"), chat_bodies.map(json.dumps).map(str.encode)),
     st.tuples(st.just("/v1/completions"), completion_bodies.map(json.dumps).map(str.encode)),
     st.tuples(st.just("/v1/responses"), response_bodies.map(json.dumps).map(str.encode)),
