@@ -333,8 +333,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds from a websocket upgrade's head to its 101")
     g.add_argument("--first-event-timeout", type=float, default=bounds.first_event_s, metavar="S",
                    help="seconds a /v1/responses websocket may stay silent after opening")
-    g.add_argument("--max-tokens", "-n", type=int, default=1024,
-                   help="max_output_tokens of a request that sets none (always cut to the context)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="max_output_tokens of a request that sets none (default: none, the context bounds it; "
+                        "always cut to the context)")
     g.add_argument("--temperature", "--temp", type=float,
                    help="temperature of a request that sets none (default: the model's generation_config.json, "
                         "else 0.8)")

@@ -16,7 +16,6 @@ there.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from localserve.server.api_errors import anthropic_error_body
@@ -37,11 +36,7 @@ def message_id(stream: ResponseStream) -> str:
 
 
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
-    try:
-        call_input = json.loads(call.arguments) if call.arguments.strip() else {}
-    except ValueError:  # a call the token limit cut short: no object to show
-        call_input = {}
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call_input}
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}
 
 
 class AnthropicView:

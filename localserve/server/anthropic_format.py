@@ -33,7 +33,29 @@ ANTHROPIC_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True, tool
                                    refused_roles={"system": SYSTEM_FIELD, "developer": SYSTEM_FIELD})
 NO_ACCOUNTS = "there are no accounts"
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool", naming one
+ANTHROPIC_TOOL_WHY = ("is not a custom tool: Anthropic runs its server tools on its side, and its built-in client "
+                      "tools have schemas of their own; this server's model calls custom tools, which the client runs")
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # an earlier turn's reasoning: templates drop it
+
+
+# Context edits that change nothing here: earlier turns' thinking is never rendered (templates drop it), so
+# clearing it, or keeping it (Claude Code's `keep: "all"`), leaves the prompt as it is.
+NO_OP_CONTEXT_EDITS = ("clear_thinking_20251015",)
+
+
+def _context_edits_change_nothing(value: dict[str, Any]) -> bool:
+    edits = value.get("edits", [])
+    return isinstance(edits, list) and all(isinstance(edit, dict) and edit.get("type") in NO_OP_CONTEXT_EDITS
+                                           for edit in edits)
+
+
+def _context_edit_why(value: dict[str, Any]) -> str:
+    edits = value.get("edits")
+    kinds = [edit.get("type") for edit in edits if isinstance(edit, dict)] if isinstance(edits, list) else []
+    other = next((kind for kind in kinds if kind not in NO_OP_CONTEXT_EDITS), None)
+    what = f"the edit {shown(other)}" if other is not None else "'edits' other than an array of edits"
+    return (f"{what} would change the context, which is never edited or compacted here (tool results stay as "
+            f"sent); only {', '.join(NO_OP_CONTEXT_EDITS)} is accepted, since earlier thinking is never rendered")
 
 
 class AnthropicMessages(fields.Field):
@@ -111,7 +133,9 @@ def _result_text(content: Any, at: str) -> str:
 
 class AnthropicTools(fields.Field):
     """`tools`: custom tools (`name`, `description`, `input_schema`); Anthropic's server tools (web search,
-    code execution, ...) are refused, naming the tool."""
+    code execution, ...: it runs them on its side) and its built-in client tools (bash, text editor, computer:
+    schemas of its own) are unusable tools (request_tool_fields.UnusableTool): dropped when the tool choice calls
+    none of them, else refused, naming the tool."""
 
     shared = "tools"
 
@@ -119,8 +143,8 @@ class AnthropicTools(fields.Field):
         specs = []
         for where, tool in tool_fields.each_tool(value, param, draft):
             if tool.get("type", "custom") != "custom":
-                raise ProtocolError("unsupported_value", f"'{where}.type' {shown(tool.get('type'))} is not "
-                                    "supported: only custom tools (the client runs them) exist here", f"{where}.type")
+                tool_fields.add_unusable(draft, tool_fields.UnusableTool(where, tool.get("type"), ANTHROPIC_TOOL_WHY))
+                continue
             function = {"name": tool.get("name"), "description": tool.get("description"),
                         "parameters": tool.get("input_schema")}
             try:
@@ -219,10 +243,11 @@ PROMPT_FIELDS: dict[str, fields.Field] = {
     "thinking": Thinking(),
     "mcp_servers": fields.Refused("there are no MCP servers to reach", kind=list),
     "output_config": fields.Nested({"format": JsonOutput(),
-                                    "effort": fields.Refused("the served model's effort is not set on this API",
-                                                             fields.is_empty, str, order=3)}),
+                                    "effort": fields.Refused("the served model's effort is not set on this API: only "
+                                                             "'high', Anthropic's default, is accepted",
+                                                             fields.one_of("high"), str, order=3)}),
     "cache_control": fields.Ignored("the prefix cache keeps every prompt's blocks without being asked", dict),
-    "context_management": fields.Refused("the context is never compacted"),
+    "context_management": fields.Refused(_context_edit_why, _context_edits_change_nothing, dict),
     "container": fields.Refused("there are no code-execution containers"),
 }
 

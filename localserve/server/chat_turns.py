@@ -3,7 +3,8 @@ chat format (no I/O here): the template's inputs, the engine's grammar and decod
 
 `model_chat_format` detects the format once, when the server starts (tokenizer/chat_format.py). `plan_turn`
 resolves one request against it: the `ChatTurn` (tools offered unless tool_choice is `none`, thinking off for
-`reasoning_effort: "none"`), the grammar (the calls' grammar when tools are offered; else the answer format's
+`reasoning_effort: "none"`), the grammar (the calls' grammar when tools are offered, which under tool_choice
+`auto` lets the answer be a value of the answer format's schema instead of calls; else the answer format's
 JSON schema), and what the engine is told (`grammar`, `reasoning_end`, `skip_special_tokens`). Every refusal
 names the request's field as its format spells it.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localserve.engine.grammar import GrammarSpec
-from localserve.server.request_model import GenerationRequest, Message
+from localserve.server.request_model import UNFINISHED_CALL_IDS, GenerationRequest, Message
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.chat_format import ChatFormat, ChatStreamParser, ChatTurn, detect_chat_format
 from localserve.tokenizer.errors import TokenizerError
@@ -71,23 +72,39 @@ def plan_turn(request: GenerationRequest, chat_format: ChatFormat | None) -> Tur
         return TurnPlan(None, grammar, grammar_field, None, True)
     try:
         turn = chat_format.turn(request.tools, request.tool_choice, request.parallel_tool_calls,
-                                thinking=request.reasoning.thinking)
+                                thinking=request.reasoning.thinking,
+                                answer=output_format.embedded_schema() if output_format is not None else None)
     except ChatFormatError as error:
         param = request.wire_name("reasoning") if error.field == "reasoning_effort" else request.wire_name("tools")
         raise ProtocolError("invalid_value", f"'{param}': {error.reason}", param) from None
-    if turn.grammar is not None:  # the calls' grammar covers the whole answer (a forced call leaves no text)
+    if turn.grammar is not None:  # the calls' grammar covers the whole answer (with the answer format's, if any)
         grammar, grammar_field = GrammarSpec.lark(turn.grammar.lark), request.wire_name("tools")
     reasoning_end = turn.reasoning_end.text if turn.reasoning_end is not None else None
     return TurnPlan(turn, grammar, grammar_field, reasoning_end, turn.skip_special_tokens)
 
 
-def check_tool_results(conversation: Sequence[Message], param: str) -> None:
-    """Each tool result must answer a call made earlier in the conversation (as OpenAI requires)."""
+def resolve_tool_results(conversation: Sequence[Message], param: str) -> None:
+    """Each tool result must answer a call made earlier in the conversation (as OpenAI requires); one that names
+    the function instead of the call (`tool_call_id` None) is given the earliest unanswered call of it."""
     called: set[str] = set()
+    unanswered: list[tuple[str, str | None]] = []  # (call id, function name), oldest first
     for message in conversation:
         for call in message.get("tool_calls") or ():
             called.add(call["id"])
-        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            unanswered.append((call["id"], call["function"]["name"]))
+        for call_id in message.get(UNFINISHED_CALL_IDS) or ():  # the model's own text now, still answerable
+            called.add(call_id)
+            unanswered.append((call_id, None))
+        if message["role"] != "tool":
+            continue
+        if message["tool_call_id"] is None:
+            match = next((call_id for call_id, name in unanswered if name == message["name"]), None)
+            if match is None:
+                raise ProtocolError("invalid_value", f"'{param}': the tool result of {message['name']!r} answers "
+                                    "no unanswered call of that function in an earlier assistant turn", param)
+            message["tool_call_id"] = match
+        if message["tool_call_id"] not in called:
             raise ProtocolError("invalid_value", f"'{param}': the tool result for call "
                                 f"{message['tool_call_id']!r} answers no tool call of an earlier assistant turn",
                                 param)
+        unanswered = [pair for pair in unanswered if pair[0] != message["tool_call_id"]]

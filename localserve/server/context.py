@@ -70,7 +70,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 5.0  # SIGINT/SIGTERM: time to tell every client before closing anyway
     max_stored_responses: int = 1024  # conversations kept for previous_response_id (LRU)
     max_stored_chars: int = 64 << 20  # and at most this much text in all of them
-    default_max_output_tokens: int = 1024  # when response.create gives no max_output_tokens
+    # the token limit of a request that sets none; None: the context alone bounds it (as OpenAI's APIs do)
+    default_max_output_tokens: int | None = None
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
     web_ui: bool = True  # the web page at / (server/web_ui.py); False: / is a 404 (--no-webui)
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -147,6 +148,9 @@ class ChatTokenizer(Protocol):
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

@@ -113,7 +113,9 @@ class HttpApi:
             pass
 
     async def _dispatch(self, exchange: HttpExchange) -> None:
-        method, path = exchange.method, exchange.path
+        # HEAD is answered wherever GET is, as GET would answer it (the transport sends no body for it)
+        method = "GET" if exchange.method == "HEAD" else exchange.method
+        path = exchange.path
         if path == "/health" and method == "GET":
             return await exchange.respond_json(200, {"status": "ok"})
         page = self.web_ui is not None and method == "GET" and self.web_ui.serves(path)
@@ -142,7 +144,8 @@ class HttpApi:
             raise ProtocolError("websocket_required", f"GET {path} is a websocket endpoint: send an upgrade",
                                 status=426)
         if any(route_path == path for _, route_path in self.routes) or path in WEBSOCKET_PATHS:
-            raise ProtocolError("method_not_allowed", f"{shown(method, 20)} is not allowed on {path}", status=405)
+            raise ProtocolError("method_not_allowed", f"{shown(exchange.method, 20)} is not allowed on {path}",
+                                status=405)
         raise ProtocolError("not_found", f"no such path: {path[:200]}", status=404)
 
     # ------------------------------------------------------------------ plain GETs

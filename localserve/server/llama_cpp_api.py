@@ -24,6 +24,7 @@ from localserve.server.http_exchange import HttpExchange
 from localserve.server.http_generation import HttpGeneration
 from localserve.server.models import ModelRegistry, model_shape
 from localserve.server.request_fields import WireFormat
+from localserve.server.response_events import new_id
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.tokenizer import Tokenizer
 
@@ -113,14 +114,10 @@ class LlamaCppApi:
         await exchange.respond_json(200, {"content": text})
 
     async def _apply_template(self, exchange: HttpExchange) -> None:
+        """The chat completion's prompt text as /v1/chat/completions renders it: its tools, tool turns and
+        template switches (reasoning_effort) included."""
         request = await self.generation.read(exchange, CHAT_COMPLETIONS)
-        async with self.models.leased(request.model) as lease:
-            tokenizer: Tokenizer = lease.tokenizer  # type: ignore[assignment]
-            try:
-                prompt = await asyncio.to_thread(tokenizer.apply_chat_template, request.input_messages)
-            except Exception as exc:  # no chat template, a template that raised
-                raise ProtocolError("invalid_prompt", f"the chat template could not render the messages: "
-                                    f"{type(exc).__name__}: {str(exc)[:300]}", "messages") from None
+        prompt = await self.generation.responses.render_prompt(request, new_id("http"))
         await exchange.respond_json(200, {"prompt": prompt})
 
     async def _props(self, exchange: HttpExchange) -> None:
@@ -131,11 +128,12 @@ class LlamaCppApi:
 
     async def _answer_props(self, exchange: HttpExchange, model: ServedModel, facts: EngineFacts,
                             tokenizer: Tokenizer) -> None:
-        defaults = model.sampling_defaults  # a top_k that is off is llama.cpp's 0
-        params = {"n_predict": self.config.default_max_output_tokens, "temperature": defaults.temperature,
+        defaults = model.sampling_defaults  # a top_k that is off is llama.cpp's 0, no token limit its -1
+        n_predict = self.config.default_max_output_tokens or -1
+        params = {"n_predict": n_predict, "temperature": defaults.temperature,
                   "top_k": defaults.top_k or 0, "top_p": defaults.top_p, "min_p": defaults.min_p, "seed": -1,
                   "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [],
-                  "max_tokens": self.config.default_max_output_tokens, "stream": False, "n_probs": 0}
+                  "max_tokens": n_predict, "stream": False, "n_probs": 0}
         await exchange.respond_json(200, {
             "default_generation_settings": {"n_ctx": model.max_model_len, "params": params},
             "total_slots": facts.max_num_seqs, "model_path": model.card.path,

@@ -27,11 +27,14 @@ from localserve.server.ollama_format import OLLAMA_CHAT, OLLAMA_GENERATE
 from localserve.server.request_fields import WireFormat
 from localserve.server.validation import ProtocolError
 
-# The Ollama release whose documented API this follows (/api/ps, /api/embed, `format` schemas, `think`).
-OLLAMA_API_VERSION = "0.9.0"
+# The Ollama release whose API this server serves: 0.13.4 added OpenAI's /v1/responses, the newest of the APIs
+# served here that Ollama's clients check the version for (Codex's --oss needs it, and falls back or stops below
+# it); /api/ps, /api/embed with `dimensions`, `format` schemas, `think` with levels and `tool_name` came before.
+# Fields of later releases this server does not honour (the chat's `logprobs`, images) are refused by name.
+OLLAMA_API_VERSION = "0.13.4"
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"  # /api/ps: the model stays loaded while the server runs
-SHOW = WireFormat({"model": fields.Required(fields.Text("model", bounded=True)),
-                   "name": fields.Text("model", bounded=True),  # Ollama's older spelling
+SHOW = WireFormat({"model": fields.Text("model", bounded=True, preferred=True),
+                   "name": fields.Text("model", bounded=True),  # Ollama's older spelling (litellm's ollama_chat/)
                    "verbose": fields.Ignored("model_info holds no token lists, verbose or not", bool)})
 
 
@@ -70,6 +73,9 @@ class OllamaApi:
         """A model's details, template and capabilities; one not loaded is described from its files (nothing
         is loaded or unloaded for it)."""
         request = await self.generation.read(exchange, SHOW)
+        if request.model is None:
+            raise ProtocolError("missing_required_parameter", "'model' (or its older spelling 'name') is required",
+                                "model")
         shown = await self.models.shown(self._find(request.model))
         model = shown.model
         card, defaults = model.card, model.sampling_defaults

@@ -10,7 +10,6 @@ that fails or is cut by a shutdown ends its stream with `{"error": ...}`, as Oll
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -43,11 +42,7 @@ def load_answer(model: str, chat: bool, done_reason: str = "load") -> dict[str, 
 
 def ollama_call(call: ToolCall) -> dict[str, Any]:
     """A call as Ollama writes it: the function's name and its arguments as an object."""
-    try:
-        arguments = json.loads(call.arguments) if call.arguments.strip() else {}
-    except ValueError:  # a call the model left unfinished (the token limit): its text as it is
-        arguments = call.arguments
-    return {"function": {"name": call.name, "arguments": arguments}}
+    return {"function": {"name": call.name, "arguments": call.input}}
 
 
 class OllamaView:

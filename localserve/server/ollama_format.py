@@ -127,11 +127,11 @@ def _call(call: Any, where: str, call_id: str) -> dict[str, Any]:
         raise ProtocolError("invalid_type", f"'{where}' must be a call: {{\"function\": {{\"name\", \"arguments\"}}}}",
                             where)
     arguments = function.get("arguments", {})
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, (dict, str)):  # text: the unfinished call an older answer of this server held
         raise ProtocolError("invalid_type", f"'{where}.function.arguments' must be an object",
                             f"{where}.function.arguments")
-    return {"id": call_id, "type": "function", "function": {"name": function.get("name"),
-                                                            "arguments": json.dumps(arguments)}}
+    return {"id": call_id, "type": "function", "function": {
+        "name": function.get("name"), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
 class Think(fields.Field):

@@ -138,13 +138,14 @@ class Text(Field):
 
     name: str
     bounded: bool = False  # an identifier: at most RequestLimits.max_id_chars
+    preferred: bool = False  # wins over another spelling of the same field in the same request
     stage = Stage.IDENTIFIER
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
         value = check_value(value, str, param)
         if self.bounded:
             check_length(value, param, draft.limits.max_id_chars)
-        draft.set(self.name, value, param)
+        draft.set(self.name, value, param, self.preferred)
 
 
 @dataclass(frozen=True)
@@ -237,17 +238,24 @@ class Include(Field):
 
 @dataclass(frozen=True)
 class Metadata(Field):
-    """String keys to string values, bounded in number and length, echoed."""
+    """String keys to string values, bounded in number and length, echoed: the response's `metadata`, or (`client`)
+    a client's own tags (Codex's `client_metadata`: its session, thread and turn), kept only to be echoed and
+    bounded more loosely (a turn's tags are JSON text)."""
+
+    client: bool = False
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
         metadata, limits = check_value(value, dict, param), draft.limits
-        if len(metadata) > limits.max_metadata_keys or not all(
+        max_keys, max_value_chars = ((limits.max_client_metadata_keys, limits.max_client_metadata_value_chars)
+                                     if self.client else (limits.max_metadata_keys, limits.max_metadata_value_chars))
+        if len(metadata) > max_keys or not all(
                 isinstance(text, str) and len(key) <= limits.max_metadata_key_chars
-                and len(text) <= limits.max_metadata_value_chars for key, text in metadata.items()):
-            raise ProtocolError("invalid_value", f"'{param}' must map at most {limits.max_metadata_keys} strings "
+                and len(text) <= max_value_chars for key, text in metadata.items()):
+            raise ProtocolError("invalid_value", f"'{param}' must map at most {max_keys} strings "
                                 f"(keys up to {limits.max_metadata_key_chars} characters) to strings (up to "
-                                f"{limits.max_metadata_value_chars} characters)", param)
-        draft.set("metadata", metadata, param)
+                                f"{max_value_chars} characters)", param)
+        if not self.client:
+            draft.set("metadata", metadata, param)
 
 
 @dataclass(frozen=True)
@@ -319,6 +327,7 @@ class WireFormat:
     streams: bool = False  # whether a request that does not say `stream` is streamed (Ollama's are)
     stores: bool = True  # False: no answer is kept for previous_response_id beyond its own request
     echoed: Mapping[str, Any] = field(default_factory=dict)  # fields the answer echoes, and their defaults
+    echoed_if_sent: tuple[str, ...] = ()  # fields the answer echoes when the request sent them
     wire_names: Mapping[str, str] = field(init=False)  # shared field -> its first spelling in the map
 
     def __post_init__(self) -> None:
@@ -393,9 +402,11 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
         context_tokens=values.get("context_tokens"), settings=values.get("settings", {}),
         include_usage=values.get("include_usage", False), tools=values.get("tools", ()),
         tool_choice=values.get("tool_choice", AUTO), parallel_tool_calls=values.get("parallel_tool_calls", True),
+        tool_namespaces=values.get("tool_namespaces", {}),
         output_format=values.get("output_format"), reasoning=values.get("reasoning", ReasoningChoice()),
         keep_alive_s=values.get("keep_alive_s"),
-        echoed={name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
+        echoed={**{name: _echoed(default, body.get(name)) for name, default in wire.echoed.items()},
+                **{name: body[name] for name in wire.echoed_if_sent if body.get(name) is not None}},
         wire_names={name: draft.names.get(name, spelled) for name, spelled in wire.wire_names.items()})
     _check_tool_choice(request, draft)
     limit, param = draft.limits.max_input_chars, request.wire_name("input")
@@ -407,17 +418,17 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
 
 
 def _check_tool_choice(request: GenerationRequest, draft: RequestDraft) -> None:
-    """`required` needs tools, a named function must be one of them, and an answer's format goes with tools only
-    when no call is offered or when one is forced (the answer is then a call, not text of the format)."""
+    """A tool the model cannot be offered (request_tool_fields.UnusableTool) is dropped when the tool choice calls
+    none of it (`none`, a named function), else refused; `required` needs tools, and a named function must be one
+    of them. (An answer's format beside tools under `auto` makes the answer either calls or a value of the
+    format: server/chat_turns.py.)"""
     choice = request.tool_choice
+    unusable = draft.values.get("unusable_tools")
+    if unusable and choice.mode in ("auto", "required"):
+        raise unusable[0].refusal()
     param = draft.names.get("tool_choice", request.wire_names.get("tool_choice", "tool_choice"))
     try:
-        callable_tools = choice.chosen_tools(request.tools)
+        choice.chosen_tools(request.tools)
     except ChatFormatError as error:
         at = draft.values.get("tool_choice_name_param", param) if choice.mode == "function" else param
         raise ProtocolError("invalid_value", f"'{at}': {error.reason}", at) from None
-    if request.output_format is not None and callable_tools and choice.mode == "auto":
-        at = draft.names["output_format"]
-        raise ProtocolError("unsupported_value", f"'{at}' with tools under tool_choice 'auto' is not supported: "
-                            "the answer would be either a call or text of the format; send tool_choice 'none', "
-                            "'required' or a function, or no tools", at)

@@ -5,18 +5,20 @@ types, roles and fields it cannot honour, how it spells tool turns); `parse_mess
 of them all. Tool turns become chat completions' shape whatever the API (request_model.Message):
 an assistant message's `tool_calls` (each with its `id` and its arguments as JSON text), a `tool`
 message's `tool_call_id`. Chat completions write them so; the Responses API writes `function_call` items
-(joined into the assistant message before them) and `function_call_output` items, and its `reasoning`
-items are accepted and left out (templates drop earlier turns' reasoning).
+(joined into the assistant message before them) and `function_call_output` items (which may name the
+function instead of the call: `tool_call_id` None and its `name`, resolved against the whole conversation by
+server/chat_turns.py), and its `reasoning` items are accepted and left out (templates drop earlier turns'
+reasoning). A call whose arguments are no JSON object (one cut short, as an older answer may hold) is the
+model's own text (request_model.UNFINISHED_CALL_IDS), never a refusal.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from localserve.server.request_model import Message, RequestLimits
+from localserve.server.request_model import UNFINISHED_CALL_IDS, Message, RequestLimits, is_json_object
 from localserve.server.validation import ProtocolError, check_length, check_type, shown
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -53,10 +55,9 @@ def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestL
         kind = item.get("type") if form.tool_turns == "responses" and isinstance(item, dict) else None
         if kind == "function_call":
             call = _call(item, where, "call_id", item.get("name"), item.get("arguments"), f"{where}.")
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            _join_call(messages[-1], call)
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):
@@ -65,11 +66,29 @@ def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestL
             if not isinstance(output, str):
                 raise ProtocolError("invalid_type", f"'{where}.output' must be a string or text parts",
                                     f"{where}.output")
-            messages.append({"role": "tool", "content": output,
-                             "tool_call_id": _call_id(item, "call_id", f"{where}.call_id")})
+            messages.append(_function_output(item, where, output))
         elif kind != "reasoning":
             messages.append(_message(item, where, form))
     return messages
+
+
+def _function_output(item: Mapping[str, Any], where: str, output: str) -> Message:
+    """A `function_call_output` as a tool message: for the call of its `call_id`, or, without one (optional in
+    the SDK's types), for the earliest unanswered call of the function it names (resolved later)."""
+    if item.get("call_id") is None and isinstance(item.get("name"), str) and item["name"]:
+        return {"role": "tool", "content": output, "tool_call_id": None, "name": item["name"]}
+    return {"role": "tool", "content": output, "tool_call_id": _call_id(item, "call_id", f"{where}.call_id")}
+
+
+def _join_call(message: Message, call: dict[str, Any]) -> None:
+    """Join `call` to the assistant `message`: as one of its calls, or, when its arguments are no JSON object (a
+    call cut short), as the model's own text after its content."""
+    arguments = call["function"]["arguments"]
+    if not arguments.strip() or is_json_object(arguments):
+        message.setdefault("tool_calls", []).append(call)
+        return
+    message["content"] = "\n".join(text for text in (message["content"], arguments) if text)
+    message.setdefault(UNFINISHED_CALL_IDS, []).append(call["id"])
 
 
 def _call_id(item: Mapping[str, Any], key: str, where: str) -> str:
@@ -86,12 +105,6 @@ def _call(item: Mapping[str, Any], where: str, id_key: str, name: Any, arguments
     if not isinstance(arguments, str):
         raise ProtocolError("invalid_type", f"'{prefix}arguments' must be the arguments as JSON text",
                             f"{prefix}arguments")
-    try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise ProtocolError("invalid_value", f"'{prefix}arguments' must be a JSON object", f"{prefix}arguments")
     return {"id": _call_id(item, id_key, f"{where}.{id_key}"), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
@@ -127,9 +140,8 @@ def _message(item: Any, where: str, form: MessageFormat) -> Message:
             raise ProtocolError("invalid_type", f"'{where}.tool_calls' must be an array of calls",
                                 f"{where}.tool_calls")
         message = {"role": "assistant", "content": _content(item, where, form, null_allowed=True)}
-        if calls:
-            message["tool_calls"] = [_chat_call(call, f"{where}.tool_calls[{number}]")
-                                     for number, call in enumerate(calls)]
+        for number, call in enumerate(calls):
+            _join_call(message, _chat_call(call, f"{where}.tool_calls[{number}]"))
         return message
     content = _content(item, where, form, null_allowed=role == "assistant" and form.null_assistant_content)
     return {"role": ROLES[role], "content": content}

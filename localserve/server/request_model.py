@@ -17,20 +17,41 @@ conversation's messages carry tool turns as chat completions spell them (`Messag
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from localserve.engine.grammar import GrammarSpec
+from localserve.engine.grammar import JSON_DEFAULTS, GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.tokenizer.tools import AUTO, ToolChoice, ToolSpec
 
 # {"role": "user" | "assistant" | "system" | "tool", "content": text}; an assistant's calls in "tool_calls"
-# ([{"id", "type": "function", "function": {"name", "arguments": JSON text}}]), a tool result's call in
-# "tool_call_id" (as chat completions spell them, whatever the wire format).
+# ([{"id", "type": "function", "function": {"name", "arguments": JSON text of an object}}]), a tool result's call
+# in "tool_call_id" (as chat completions spell them, whatever the wire format; None until resolved by the
+# function's "name" when the API lets a result name the function instead of the call).
 Message = dict[str, Any]
+# An assistant's call whose arguments are no JSON object (cut short: an older answer may hold one) is the model's
+# own text: its arguments join the message's content, and its id is kept under this key so that a tool result
+# may still answer it; the key never reaches a chat template (`template_view`).
+UNFINISHED_CALL_IDS = "unfinished_call_ids"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def is_json_object(text: str) -> bool:
+    """True when `text` is the JSON text of an object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def template_view(message: Message) -> Message:
+    """The message as a chat template is handed it (without this server's bookkeeping)."""
+    if UNFINISHED_CALL_IDS not in message:
+        return message
+    return {key: value for key, value in message.items() if key != UNFINISHED_CALL_IDS}
 
 
 def message_chars(message: Message) -> int:
@@ -56,6 +77,14 @@ class OutputFormat:
         if self.kind == "json_object":
             return GrammarSpec.json_object()
         return GrammarSpec.json_schema(self.schema, strict=self.strict)
+
+    def embedded_schema(self) -> dict[str, Any]:
+        """The schema with the settings `grammar` compiles it with (as `x-guidance`), for a larger grammar that
+        holds it (a tool-call grammar whose answer may be a value of it instead of calls)."""
+        if self.kind == "json_object":
+            return {"type": "object", "x-guidance": {**JSON_DEFAULTS, "lenient": False}}
+        schema = dict(self.schema or {})
+        return {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {}), "lenient": not self.strict}}
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,8 @@ class RequestLimits:
     max_metadata_keys: int = 16
     max_metadata_key_chars: int = 64
     max_metadata_value_chars: int = 512
+    max_client_metadata_keys: int = 64  # client_metadata: a client's own tags, only echoed
+    max_client_metadata_value_chars: int = 8192
     max_id_chars: int = 256  # model and previous_response_id
     max_tools: int = 128  # tools offered in one request (each adds its schema to the prompt and the grammar)
 
@@ -134,6 +165,7 @@ class GenerationRequest:
     stream: bool = False  # over HTTP: server-sent events as the answer is generated
     include_usage: bool = False  # a streamed completion ends with a chunk holding the usage
     tools: tuple[ToolSpec, ...] = ()
+    tool_namespaces: Mapping[str, str] = field(default_factory=dict)  # a function of a Responses namespace -> it
     tool_choice: ToolChoice = AUTO
     parallel_tool_calls: bool = True  # False: at most one call per answer
     output_format: OutputFormat | None = None  # None: free text

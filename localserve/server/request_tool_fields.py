@@ -1,7 +1,15 @@
 """The field kinds of tool calls, structured output and reasoning (server/request_fields.py has the rest and
 the parser): `Tools`, `ToolChoiceField`, `OutputFormatField` and `ReasoningEffort`, each in chat
 completions' nested spelling or, `flat`, the Responses API's. Rules between them (a named function must be
-one of the tools; a format beside callable tools) are the parser's (`_check_tool_choice`)."""
+one of the tools; a tool the model cannot call here) are the parser's (`_check_tool_choice`).
+
+The model calls function tools only: their JSON arguments are what every chat format writes and constrains.
+A Responses `namespace` tool (a group of function tools) is flattened into its functions, their names kept, and
+each call of one names its namespace again (`GenerationRequest.tool_namespaces`). Any other kind of tool is an
+`UnusableTool`: a hosted tool (web search, file search, code interpreter, ...: the provider runs it on its
+side, and this server runs no tool), or a client tool in a form of its own (free-form `custom` text, a shell,
+a patch, a computer). It is dropped when the request's tool_choice lets the model call no tool of it (`none`,
+or a named function), else refused, saying why."""
 
 from __future__ import annotations
 
@@ -14,27 +22,83 @@ from localserve.server.request_model import REASONING_EFFORTS, OutputFormat, Rea
 from localserve.server.validation import ProtocolError, check_length, check_type, check_value, shown
 from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 
+HOSTED_TOOLS = frozenset({  # the Responses API's tools that OpenAI runs on its side
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "image_generation", "mcp", "tool_search", "programmatic_tool_calling"})
+OWN_FORM_TOOLS = frozenset({"custom", "local_shell", "shell", "apply_patch", "computer", "computer_use_preview"})
+HOSTED_WHY = ("is a hosted tool: the provider runs it on its side, and this server runs no tool (its model calls "
+              "function tools, which the client runs)")
+OWN_FORM_WHY = ("is a tool of a form of its own: this server's model calls function tools (JSON arguments) only")
+
+
+@dataclass(frozen=True)
+class UnusableTool:
+    """A tool of a request that the model cannot be offered here: where it is, its type, and why."""
+
+    where: str
+    kind: Any  # its `type` as sent (a string, or whatever a client wrote there)
+    why: str
+
+    def refusal(self) -> ProtocolError:
+        at = f"{self.where}.type"
+        return ProtocolError("unsupported_value", f"'{at}' {shown(self.kind)} {self.why}: leave it out, or send a "
+                             "tool_choice that calls no tool of it ('none', or a function), which drops it", at)
+
+
+def add_unusable(draft: RequestDraft, tool: UnusableTool) -> None:
+    """Note a tool the model cannot be offered (`_check_tool_choice` drops or refuses it)."""
+    draft.values.setdefault("unusable_tools", []).append(tool)
+
 
 @dataclass(frozen=True)
 class Tools(Field):
     """An array of function tools, as chat completions nest them (`{"type": "function", "function": {"name",
     "description", "parameters"}}`) or, `flat`, as the Responses API writes them (`{"type": "function",
-    "name", ...}`); each checked into a ToolSpec, an error naming the tool's field."""
+    "name", ...}`, and `namespace` tools holding such functions); each checked into a ToolSpec, an error naming
+    the tool's field. A tool of another kind is an UnusableTool."""
 
     flat: bool = False
     shared = "tools"
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
-        specs = []
+        specs: list[ToolSpec] = []
+        namespaces: dict[str, str] = {}
         for where, tool in each_tool(value, param, draft):
-            nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}
-            try:
-                specs.append(ToolSpec.from_openai(nested if self.flat else tool))
-            except ChatFormatError as error:
-                named = error.field.removeprefix("function.") if self.flat else error.field
-                at = f"{where}.{named}"
-                raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
+            if self.flat and tool.get("type") == "namespace":
+                namespace = tool.get("name")
+                if not isinstance(namespace, str) or not namespace:
+                    raise ProtocolError("invalid_type", f"'{where}.name' must be the namespace's name", f"{where}.name")
+                if not isinstance(tool.get("tools"), list):
+                    raise ProtocolError("invalid_type", f"'{where}.tools' must be an array of function tools",
+                                        f"{where}.tools")
+                for inner_where, inner in each_tool(tool["tools"], f"{where}.tools", draft):
+                    if self._usable(inner, inner_where, draft):
+                        specs.append(self._function(inner, inner_where))
+                        namespaces[specs[-1].name] = namespace
+            elif self._usable(tool, where, draft):
+                specs.append(self._function(tool, where))
+        check_length(specs, param, draft.limits.max_tools)
         draft.set("tools", tuple(specs), param)
+        if namespaces:
+            draft.set("tool_namespaces", namespaces, param)
+
+    @staticmethod
+    def _usable(tool: dict[str, Any], where: str, draft: RequestDraft) -> bool:
+        """False for a hosted tool or one of a form of its own (noted as an UnusableTool)."""
+        kind = tool.get("type")
+        if kind in HOSTED_TOOLS or kind in OWN_FORM_TOOLS:
+            add_unusable(draft, UnusableTool(where, kind, HOSTED_WHY if kind in HOSTED_TOOLS else OWN_FORM_WHY))
+            return False
+        return True
+
+    def _function(self, tool: dict[str, Any], where: str) -> ToolSpec:
+        nested = {"type": tool.get("type"), "function": {key: tool[key] for key in FUNCTION_KEYS if key in tool}}
+        try:
+            return ToolSpec.from_openai(nested if self.flat else tool)
+        except ChatFormatError as error:
+            named = error.field.removeprefix("function.") if self.flat else error.field
+            at = f"{where}.{named}"
+            raise ProtocolError("invalid_value", f"'{at}' {error.reason}", at) from None
 
 
 def each_tool(value: Any, param: str, draft: RequestDraft) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -351,7 +351,9 @@ class ResponseStream:
         sample = self.samples[item.sample]
         if item.kind == "function_call":
             call = sample.calls[item.call]
+            namespace = self.request.tool_namespaces.get(call.name)  # a function of a namespace tool names it
             return {"id": item.id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
+                    **({"namespace": namespace} if namespace is not None else {}),
                     "arguments": "" if opening else call.arguments}
         if item.kind == "reasoning":
             content = [] if opening else [self._reasoning_part(sample.reasoning)]

@@ -22,12 +22,12 @@ from typing import Any
 
 from localserve.engine.constraints import GrammarError
 from localserve.engine.outputs import RequestOutput
-from localserve.server.chat_turns import TurnPlan, check_tool_results, plan_turn
+from localserve.server.chat_turns import TurnPlan, plan_turn, resolve_tool_results
 from localserve.server.context import ChatTokenizer, ServedModel, ServerConfig, on_event_loop
 from localserve.server.conversations import ConversationStore
 from localserve.server.metrics import ServerMetrics
 from localserve.server.models import ModelLease, ModelRegistry
-from localserve.server.request_model import GenerationRequest, Message, message_chars
+from localserve.server.request_model import GenerationRequest, Message, message_chars, template_view
 from localserve.server.response_events import ResponseStream, new_id
 from localserve.server.validation import ProtocolError
 from localserve.tokenizer.tools import ChatFormatError
@@ -123,6 +123,24 @@ class ResponseService:
             lease.release()
         return len(prompt_ids)
 
+    async def render_prompt(self, request: GenerationRequest, owner: str) -> str:
+        """The text of `request`'s chat prompt as `start` renders it (tools and tool turns as the served model's
+        chat format writes them), without running it."""
+        entry = self.models.find(request.model)
+        conversation = self._conversation(request, owner)
+        lease = await self._acquire(entry)
+        try:
+            messages, template_inputs, _ = self._chat_inputs(request, conversation, lease)
+            field = request.wire_name("input")
+            try:
+                return await asyncio.to_thread(lease.tokenizer.apply_chat_template, messages, True,
+                                               **template_inputs)
+            except Exception as exc:  # no chat template, a template that raised
+                raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
+                                    f"{type(exc).__name__}: {str(exc)[:300]}", field) from None
+        finally:
+            lease.release()
+
     def _conversation(self, request: GenerationRequest, owner: str) -> list[Message]:
         """The stored turns `previous_response_id` names, then the request's input; its size checked."""
         history: list[Message] = []
@@ -148,12 +166,29 @@ class ResponseService:
         tokenized as it is)."""
         if request.prompt is not None:
             return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None
-        check_tool_results(conversation, request.wire_name("input"))
+        messages, template_inputs, plan = self._chat_inputs(request, conversation, lease)
+        # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
+        return await self._encode_chat(lease.tokenizer, messages, request.generate, request.wire_name("input"),
+                                       template_inputs), plan
+
+    @staticmethod
+    def _chat_inputs(request: GenerationRequest, conversation: list[Message],
+                     lease: ModelLease) -> tuple[list[Message], dict[str, Any], TurnPlan]:
+        """What the chat template renders: the instructions and the conversation (its tool results resolved, its
+        tool turns converted as the model's chat format reads them), the turn's tools and template variables;
+        and the turn's plan."""
+        field = request.wire_name("input")
+        resolve_tool_results(conversation, field)
         plan = plan_turn(request, lease.model.chat_format)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-        return await self._encode_chat(lease.tokenizer, system + conversation, request.generate,
-                                       request.wire_name("input"), plan), plan
+        messages = system + [template_view(message) for message in conversation]
+        if plan.turn is None:
+            return messages, {}, plan
+        try:
+            inputs = plan.turn.chat_inputs(messages)
+        except ChatFormatError as error:
+            raise ProtocolError("invalid_value", f"'{field}': {error}", field) from None
+        return inputs.messages, {"tools": inputs.tools, **inputs.variables}, plan
 
     @staticmethod
     def _engine_fields(request: GenerationRequest, plan: TurnPlan | None) -> dict[str, Any]:
@@ -192,16 +227,8 @@ class ResponseService:
 
     @staticmethod
     async def _encode_chat(tokenizer: ChatTokenizer, messages: list[Message], add_generation_prompt: bool,
-                           field: str, plan: TurnPlan) -> list[int]:
-        """The prompt's ids: the messages, and the turn's tools and template variables when the model has a
-        chat format (tool turns converted as its template reads them)."""
-        template_inputs: dict[str, Any] = {}
-        if plan.turn is not None:
-            try:
-                inputs = plan.turn.chat_inputs(messages)
-            except ChatFormatError as error:
-                raise ProtocolError("invalid_value", f"'{field}': {error}", field) from None
-            messages, template_inputs = inputs.messages, {"tools": inputs.tools, **inputs.variables}
+                           field: str, template_inputs: dict[str, Any]) -> list[int]:
+        """The prompt's ids: the messages rendered with the turn's tools and template variables."""
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
             prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt,
                                                  **template_inputs)
@@ -234,8 +261,9 @@ class ResponseService:
                                 f"length), got {request.max_output_tokens}", field)
         if not request.generate:
             return 1  # the prompt is prefilled with one sampled token, which nobody sees
-        wanted = request.max_output_tokens or self.config.default_max_output_tokens
-        max_tokens = max(1, min(wanted, max_model_len - num_prompt_tokens))
+        room = max_model_len - num_prompt_tokens
+        wanted = request.max_output_tokens or self.config.default_max_output_tokens or room
+        max_tokens = max(1, min(wanted, room))
         sampling = request.sampling
         if sampling.logprobs is not None:
             entries = (sampling.logprobs + 1) * sampling.num_samples * max_tokens

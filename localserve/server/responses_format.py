@@ -55,6 +55,7 @@ FIELDS: dict[str, fields.Field] = {
                                     for name in EXTENSION_SAMPLING}),
     "include": fields.Include(LOGPROBS_INCLUDE),
     "metadata": fields.Metadata(),
+    "client_metadata": fields.Metadata(client=True),
     "store": fields.Flag("store"),
     "generate": fields.Flag("generate"),
     "prompt_cache_options": fields.Nested({"prewarm": fields.Prewarm()}, open=True),
@@ -94,12 +95,15 @@ ECHOED = {"tools": [], "tool_choice": "auto", "text": {"format": {"type": "text"
           "background": False, "user": None, "safety_identifier": None, "prompt_cache_key": None,
           "prompt_cache_retention": None, "top_logprobs": None}
 
+ECHOED_IF_SENT = ("client_metadata",)  # a client's own tags (Codex's), kept with the response
+
 RESPONSES_WEBSOCKET = fields.WireFormat(FIELDS | {
-    "stream": fields.Ignored("over a websocket every response streams"), "stream_id": StreamId()}, echoed=ECHOED)
+    "stream": fields.Ignored("over a websocket every response streams"), "stream_id": StreamId()}, echoed=ECHOED,
+    echoed_if_sent=ECHOED_IF_SENT)
 RESPONSES_HTTP = fields.WireFormat(FIELDS | {
     "stream": fields.Flag("stream"),
     "stream_id": fields.Refused("lanes exist on a websocket connection (ws://.../v1/responses); over HTTP each "
-                                "request is its own response", _never)}, echoed=ECHOED)
+                                "request is its own response", _never)}, echoed=ECHOED, echoed_if_sent=ECHOED_IF_SENT)
 
 
 def parse_client_event(frame: str | bytes) -> dict[str, Any]:

@@ -5,13 +5,20 @@ A `SampleOutput` keeps what the sample said so far and the events not yet sent (
 one API's view (server/response_events.py for Responses, server/completion_events.py for chat completions)
 takes and spells. Without a parser (a plain completion, or a chat turn that neither offers tools nor
 reasons) every delta is content as it comes.
+
+A call is handed on only once it has ended whole: its events are held from its start to its end, then pending
+all at once (its argument pieces as they came). A call the output ends inside (the token limit, a stop string,
+a cancel) or whose text broke off is dropped, so no API ever shows a call with arguments that are no JSON
+object; the calls kept are numbered 0, 1, 2, ... in `calls`' order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from localserve.server.request_model import is_json_object
 from localserve.tokenizer.chat_format import ChatStreamParser
 from localserve.tokenizer.stream_events import (
     ContentDelta,
@@ -23,14 +30,19 @@ from localserve.tokenizer.stream_events import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToolCall:
-    """A call the sample made: its id (the API's `call_id`), the function and its arguments (JSON text)."""
+    """A call the sample made, whole: its id (the API's `call_id`), the function and its arguments (the JSON text
+    of an object)."""
 
     id: str
     name: str
-    arguments: str = ""
-    done: bool = False
+    arguments: str
+
+    @property
+    def input(self) -> dict[str, Any]:
+        """The arguments as an object (Ollama's `arguments`, Anthropic's `input`)."""
+        return json.loads(self.arguments)
 
     def message_call(self) -> dict[str, Any]:
         """As a conversation stores it (request_model.Message's `tool_calls`)."""
@@ -46,6 +58,7 @@ class SampleOutput:
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     pending: list[StreamEvent] = field(default_factory=list)
+    held: list[StreamEvent] = field(default_factory=list)  # the open call's events, until it ends
     pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
     all_logprobs: list[dict[str, Any]] = field(default_factory=list)
     num_output_tokens: int = 0
@@ -79,14 +92,25 @@ class SampleOutput:
 
     def _take(self, events: list[StreamEvent]) -> None:
         for event in events:
+            if isinstance(event, (ToolCallStart, ToolCallArgumentsDelta)):
+                self.held.append(event)
+                continue
+            if isinstance(event, ToolCallEnd):
+                self._end_call(event)
+                continue
             if isinstance(event, ContentDelta):
                 self.content += event.text
             elif isinstance(event, ReasoningDelta):
                 self.reasoning += event.text
-            elif isinstance(event, ToolCallStart):
-                self.calls.append(ToolCall(event.id, event.name))
-            elif isinstance(event, ToolCallArgumentsDelta):
-                self.calls[event.index].arguments += event.text
-            elif isinstance(event, ToolCallEnd):
-                self.calls[event.index].arguments, self.calls[event.index].done = event.arguments, True
             self.pending.append(event)
+
+    def _end_call(self, end: ToolCallEnd) -> None:
+        """The held call ends: kept, numbered after the calls kept before it, when whole; else dropped."""
+        held, self.held = self.held, []
+        start = held[0]
+        assert isinstance(start, ToolCallStart), "a call's events begin with its start"
+        if not end.whole or not is_json_object(end.arguments):
+            return
+        index = len(self.calls)
+        self.calls.append(ToolCall(start.id, start.name, end.arguments))
+        self.pending += [replace(event, index=index) for event in [*held, end]]

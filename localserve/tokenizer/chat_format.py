@@ -105,10 +105,13 @@ class ChatFormat:
     reasoning: ThinkFormat | None
 
     def turn(self, tools: Sequence[ToolSpec] = (), tool_choice: ToolChoice = AUTO,
-             parallel_tool_calls: bool = True, thinking: bool = True) -> ChatTurn:
+             parallel_tool_calls: bool = True, thinking: bool = True,
+             answer: Mapping[str, Any] | None = None) -> ChatTurn:
         """One request's use of the format: the tools offered, `tool_choice`, whether several calls may come,
-        and whether the model thinks (where it reasons; `thinking=False` needs a template that can switch it
-        off). Raises ChatFormatError naming the field a request got wrong."""
+        whether the model thinks (where it reasons; `thinking=False` needs a template that can switch it
+        off), and the JSON schema an answer must follow when it calls nothing (`answer`, with llguidance's
+        `x-guidance` settings; under `required` or a named function the answer is the calls, so it is unused).
+        Raises ChatFormatError naming the field a request got wrong."""
         names = [tool.name for tool in tools]
         if duplicate := next((name for name in names if names.count(name) > 1), None):
             raise ChatFormatError("tools", f"two tools are named {duplicate!r}")
@@ -117,8 +120,9 @@ class ChatFormat:
         callable_tools = tool_choice.chosen_tools(tools)
         use = None
         if callable_tools:
-            use = ToolUse(callable_tools, required=tool_choice.mode in ("required", "function"),
-                          parallel=parallel_tool_calls, offered=tuple(tools))
+            required = tool_choice.mode in ("required", "function")
+            use = ToolUse(callable_tools, required=required, parallel=parallel_tool_calls, offered=tuple(tools),
+                          answer=None if required else answer)
         return ChatTurn(self.tool_format, self.reasoning, use, thinking)
 
 

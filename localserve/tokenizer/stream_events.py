@@ -4,7 +4,8 @@ A chat stream parser (`chat_format.ChatStreamParser`) is fed the text deltas of 
 events in order. A call's events come as one `ToolCallStart` (its index in the output, its id and the
 function's name, once), its arguments' JSON text in `ToolCallArgumentsDelta` pieces, then one `ToolCallEnd`
 whose `arguments` is the pieces joined; indexes count 0, 1, 2, ... in the order the calls open, and a call
-closes before the next one opens.
+closes before the next one opens. A call the output ends inside (cut by the token limit, a stop string or a
+cancel), or whose text broke off, ends with `whole` False: its arguments are what it had.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class ToolCallArgumentsDelta:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEnd:
-    """A call is complete; `arguments` is all its pieces joined (valid JSON unless the output was cut)."""
+    """A call ends; `arguments` is all its pieces joined. `whole`: the format's call ended as it is written (its
+    arguments then valid JSON); False for a call cut short or broken off, whose arguments are what it had."""
 
     index: int
     arguments: str
+    whole: bool = True
 
 
 StreamEvent = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallArgumentsDelta | ToolCallEnd

@@ -97,3 +97,24 @@ def grammar_model(grammar_model_dir):
     from localserve.tokenizer.tokenizer import Tokenizer
 
     return load_model(grammar_model_dir, dtype=torch.float64).model, Tokenizer.from_path(grammar_model_dir)
+
+
+@pytest.fixture(scope="module")
+def weather_server(tmp_path_factory):
+    """The scripted Hermes model of the client tests (tests/helpers/tool_models.py: it calls get_weather, writes
+    whitespace after the call, and after the result answers with a JSON object), served as `tools`; one server
+    per test module that asks for it."""
+    from tests.helpers.tool_models import JSON_ANSWER, PLAIN_CALLS, scripted_tool_server
+
+    with scripted_tool_server(tmp_path_factory.mktemp("weather"), PLAIN_CALLS, JSON_ANSWER) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def weather_client(weather_server):
+    """An `openai` client of `weather_server`."""
+    import openai
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{weather_server.port}/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client

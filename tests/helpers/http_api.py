@@ -29,8 +29,8 @@ class Api:
     """An HttpApi and the parts it is handed."""
 
     def __init__(self, api_key: str | None = None, sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
-                 **config: Any) -> None:
-        self.engine = RecordedEngineThread(max_model_len=200)
+                 max_model_len: int = 200, **config: Any) -> None:
+        self.engine = RecordedEngineThread(max_model_len=max_model_len)
         self.config = ServerConfig(api_key=api_key, allowed_origins=(ORIGIN,), **config)
         metrics = ServerMetrics("served")
         conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)

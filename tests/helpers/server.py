@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 from contextlib import contextmanager
@@ -179,3 +180,13 @@ def running_models_server(models_dir: Path, load=None, policy=None, load_default
     finally:
         registry.unload_all()
         torch.set_num_threads(num_threads)
+
+
+def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
+    """POST `body` as JSON on a connection of its own; the status and the JSON answer."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    status, answer = response.status, json.loads(response.read())
+    connection.close()
+    return status, answer

@@ -9,9 +9,12 @@ answer it picks (the server's grammar must allow each token, or the sampled toke
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.helpers.scripted import BOS, EOS, FIRST_PIECE, SPECIALS, VOCAB, Script, _write_weights, piece_tokenizer
+from tests.helpers.server import make_llm, running_server
 
 # Hermes-shaped (the server detects the format by `<tool_call>`): tools listed, calls and results rendered.
 HERMES_TEMPLATE = (
@@ -72,3 +75,30 @@ CALLS = ["<think>\nI should look.\n</think>\n\n", WEATHER[:CUT], WEATHER[CUT:], 
 ANSWER = ["<think>\nBoth came.\n</think>\n\n", "It is sunny ", "at noon."]
 # long enough for full 16-token blocks: the follow-up's prompt begins with them
 QUESTION = "what is the weather in paris and what time is it there " * 4
+
+# The scripted model of the client tests (no thinking): it calls get_weather and writes whitespace after the call
+# (the call grammar allows up to 4 characters of it); after the result it answers with a JSON object, the typed
+# output an agent asks for.
+PLAIN_CALLS = [WEATHER[:CUT], WEATHER[CUT:], "\n\n"]
+JSON_ANSWER = ['{"city": "Paris", "summary": "sunny"}']
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}},
+                                                                "required": ["city"]}}}
+# A template without tool markers: the generic JSON format (the default model SmolLM2's); a tool result is a
+# user message holding {"tool_response": ...}, after which the prompt ends with BOS
+GENERIC_TEMPLATE = (
+    "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{% endfor %}"
+    "{%- if messages[-1].content.startswith('{\"tool_response\"') %}<s>{% else %}</s>{% endif %}")
+GENERIC_CALLS = ['{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', "\n\n"]
+GENERIC_ANSWER = ['{"response": "It is sunny."}']
+
+
+@contextmanager
+def scripted_tool_server(folder: Path, calls: list[str], answer: list[str], template: str = HERMES_TEMPLATE,
+                         alias: str = "tools") -> Iterator:
+    """A server (tests/helpers/server.py's running_server) of the scripted model `write_tool_model` writes into
+    `folder`, served as `alias`."""
+    write_tool_model(folder, calls, answer, template)
+    with running_server(make_llm(folder, max_model_len=1024), model_alias=alias) as server:
+        yield server

@@ -9,7 +9,7 @@ import pytest
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
 from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS, COMPLETIONS_DEFAULT_MAX_TOKENS
 from localserve.server.request_fields import parse_request
-from localserve.server.request_model import RequestLimits
+from localserve.server.request_model import UNFINISHED_CALL_IDS, RequestLimits
 from localserve.server.validation import ProtocolError
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -79,8 +79,8 @@ def test_chat_fields_reach_the_request():
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
      ("invalid_type", "messages[0].tool_calls[0]")),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
-     ("invalid_value", "messages[0].tool_calls[0].function.arguments")),
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
+     ("invalid_type", "messages[0].tool_calls[0].function.arguments")),
     ({"top_logprobs": 2}, ("invalid_value", "top_logprobs")),
     ({"max_tokens": 0, "max_completion_tokens": 5}, ("integer_below_min_value", "max_tokens")),
     ({"stream_options": {"include_usage": "yes"}}, ("invalid_type", "stream_options.include_usage")),
@@ -116,3 +116,13 @@ def test_completion_fields_reach_the_request():
 ])
 def test_completion_refusals_name_their_field(body, expected):
     assert refused(completion, **body) == expected
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Par', "[1]", "not json"])
+def test_a_call_whose_arguments_are_no_object_is_the_models_own_text(arguments):
+    cut = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    whole = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    request = chat(messages=[*MESSAGES, {"role": "assistant", "content": "Let me look.", "tool_calls": [cut, whole]}])
+    turn = request.input_messages[-1]
+    assert turn["content"] == f"Let me look.\n{arguments}" and turn["tool_calls"] == [whole]
+    assert turn[UNFINISHED_CALL_IDS] == ["c1"]  # a tool result may still answer it

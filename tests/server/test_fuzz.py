@@ -51,15 +51,25 @@ create_fields = {
         extreme_numbers), "metadata": maybe(st.dictionaries(nasty_text, nasty_text, max_size=3)),
     "stream_id": lane_names, "store": maybe(st.booleans()), "generate": maybe(st.booleans()),
     "previous_response_id": maybe(st.sampled_from(["resp_nope", "@last"])), "localserve": maybe(extension),
-    "tools": maybe(st.just([{"type": "function", "name": "f", "parameters": {}}])),
+    "tools": maybe(st.sampled_from([[{"type": "function", "name": "f", "parameters": {}}], [{"type": "web_search"}],
+                                    [{"type": "namespace", "name": "n", "description": "N.", "tools": [
+                                        {"type": "function", "name": "f"}]}]])),
+    "client_metadata": maybe(st.dictionaries(nasty_text, nasty_text, max_size=3)),
     "tool_choice": maybe(st.sampled_from(["auto", "none", "required"])),
     "text": maybe(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])),
     "reasoning": maybe(st.sampled_from([{"effort": "none"}, {"effort": "high"}])),
     "truncation": maybe(st.sampled_from(["auto", "disabled"])), "include": maybe(st.just(
         ["message.output_text.logprobs"])), "background": maybe(st.booleans()), "unknown_field": json_values,
 }
-creates = st.fixed_dictionaries({"type": st.just("response.create"), "input": st.just("hello") | create_fields.pop(
-    "input")}, optional=create_fields)
+# a conversation of tool turns as clients send it back: a call (whole, or cut short as an older answer held one),
+# and its output by call id or by the function's name
+tool_turns = st.builds(lambda arguments, output: [
+    {"role": "user", "content": "hello"},
+    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+    {"type": "function_call_output", "output": "done", **output}],
+    st.sampled_from(["{}", '{"x": "un', "[]"]), st.sampled_from([{"call_id": "c1"}, {"name": "f"}, {"name": "g"}]))
+creates = st.fixed_dictionaries({"type": st.just("response.create"), "input": st.just("hello") | tool_turns
+                                 | create_fields.pop("input")}, optional=create_fields)
 valid_lanes = st.none() | st.sampled_from(["a", "b", "c"])
 valid_creates = st.fixed_dictionaries(
     {"type": st.just("response.create"), "input": st.sampled_from(["hello", "tell me a story", "the cat"])},

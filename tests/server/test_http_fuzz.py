@@ -2,10 +2,15 @@
 /v1/chat/completions, /v1/completions and /v1/responses, streamed or not, read whole or dropped
 mid-stream, over one keep-alive connection (opened again whenever the server closes it).
 
+Tool turns among them, as real clients send them: tools (functions, a Responses namespace, hosted tools) with
+and without an answer format, a history holding an answered call, a call cut short (as an older answer of
+this server held one) or a result naming its function instead of its call, Codex's `client_metadata`; the
+server's token limit (4) cuts the tiny model's calls.
+
 Invariants: never a 5xx; every refusal is a 4xx in OpenAI's error shape; every 200 parses into the
-`openai` SDK's types (whole) or is a well-formed event stream ending in `[DONE]` or a closing event;
-the keep-alive connection stays usable after every refusal of a body; /health stays ok; at the end
-every block is free or cached and the engine thread is alive.
+`openai` SDK's types (whole, its calls' arguments JSON objects) or is a well-formed event stream ending in
+`[DONE]` or a closing event; the keep-alive connection stays usable after every refusal of a body; /health
+stays ok; at the end every block is free or cached and the engine thread is alive.
 """
 
 from __future__ import annotations
@@ -69,8 +74,35 @@ valid_requests = st.one_of(
     st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({"input": st.just("hello")}, optional={
         "stream": st.booleans(), "max_output_tokens": st.integers(1, 4), "temperature": st.floats(0, 2)})),
 ).map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
-requests = st.one_of(
-    valid_requests, valid_requests,
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+ARGUMENTS = st.sampled_from(['{"city": "Paris"}', '{"city": "Par', "", "[1]"])  # whole, cut short, none, no object
+chat_history = st.builds(lambda arguments, answered: [
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": arguments}}]},
+    *([{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}] if answered else [])], ARGUMENTS, st.booleans())
+responses_history = st.builds(lambda arguments, output: [
+    {"role": "user", "content": "hello"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": arguments},
+    *([{"type": "function_call_output", "output": "sunny", **output}] if output is not None else [])],
+    ARGUMENTS, st.sampled_from([None, {"call_id": "call_1"}, {"name": "get_weather"}, {"name": "nobody"}]))
+tool_requests = st.one_of(
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({"messages": chat_history}, optional={
+        "tools": st.sampled_from([[{"type": "function", "function": WEATHER}], [{"type": "web_search"}]]),
+        "tool_choice": st.sampled_from(["auto", "required", "none"]), "stream": st.booleans(),
+        "response_format": st.just({"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}})})),
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({"input": responses_history}, optional={
+        "tools": st.sampled_from([[{"type": "function", **WEATHER}], [{"type": "web_search"}], [{
+            "type": "namespace", "name": "mcp__weather", "description": "Weather.", "tools": [
+                {"type": "function", **WEATHER}]}], [{"type": "namespace", "name": "n"}],
+            [{"type": "namespace", "tools": 5}], [{"type": "namespace", "name": "n", "tools": [5, {"type": "mcp"}]}]]),
+        "tool_choice": st.sampled_from(["auto", "none"]), "stream": st.booleans(),
+        "client_metadata": st.just({"session_id": "s1", "x-codex-turn-metadata": '{"turn": 1}'}),
+        "text": st.just({"format": {"type": "json_object"}})})),
+).map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
+requests = st.one_of(  # valid requests weighed thrice, so every kind of answer comes often
+    valid_requests, valid_requests, valid_requests, tool_requests,
     st.tuples(st.just("/v1/chat/completions"), chat_bodies.map(json.dumps).map(str.encode)),
     st.tuples(st.just("/v1/completions"), completion_bodies.map(json.dumps).map(str.encode)),
     st.tuples(st.just("/v1/responses"), response_bodies.map(json.dumps).map(str.encode)),
@@ -102,7 +134,7 @@ class HttpFuzzer:
                 self.reconnect()
                 return
         else:
-            ENDPOINTS[path].model_validate(json.loads(response.read()))
+            check_calls(ENDPOINTS[path].model_validate(json.loads(response.read())))
         if response.will_close:
             self.reconnect()
 
@@ -133,6 +165,17 @@ class HttpFuzzer:
         if self.connection is not None:
             self.connection.close()
         self.connection = None
+
+
+def check_calls(answer) -> None:
+    """Every call of a whole answer has arguments that are a JSON object."""
+    if isinstance(answer, ChatCompletion):
+        arguments = [call.function.arguments for choice in answer.choices for call in choice.message.tool_calls or ()]
+    elif isinstance(answer, Response):
+        arguments = [item.arguments for item in answer.output if item.type == "function_call"]
+    else:
+        arguments = []
+    assert all(isinstance(json.loads(text), dict) for text in arguments), arguments
 
 
 def health_ok(port: int) -> bool:

@@ -159,7 +159,7 @@ def test_a_request_with_nothing_to_say_loads_the_model(server):
     ({"model": "tiny-chat", "messages": CONVERSATION, "options": {"bogus": 1}}, 400, "options.bogus"),
     ({"model": "tiny-chat", "messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0]"),
     ({"model": "tiny-chat", "messages": [{"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages[0].tool_calls[0].function.arguments"),
+        {"function": {"name": "f", "arguments": 5}}]}]}, 400, "messages[0].tool_calls[0].function.arguments"),
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400,
      "messages[0].images"),
 ])

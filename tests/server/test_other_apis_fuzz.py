@@ -1,10 +1,15 @@
 """A hypothesis fuzzer for the other APIs' bodies (tiny model), as tests/server/test_http_fuzz.py is for
 OpenAI's: random and adversarial requests to Ollama's /api/chat, /api/generate and /api/show, Anthropic's
 /v1/messages and /v1/messages/count_tokens, and llama.cpp's /tokenize, /detokenize and /apply-template,
-streamed or not, read whole or dropped mid-stream, over one keep-alive connection.
+streamed or not, read whole or dropped mid-stream, over one keep-alive connection. Tool turns among them as
+real clients send them: Ollama's tools beside `format`, a history holding a call (its arguments an object, or
+the unfinished text an older answer held, as Open WebUI sends it back) and its result; Anthropic's tools (a
+server tool among them) beside `output_config`, Claude Code's `output_config.effort` and
+`context_management`, a tool_use and its tool_result; the tiny model's calls cut by the token limit.
 
 Invariants: never a 5xx; every refusal is a 4xx in its API's error shape; every 200 parses into the
-API's client types (the `ollama` client's, the `anthropic` SDK's) or is a well-formed stream (NDJSON
+API's client types (the `ollama` client's, the `anthropic` SDK's: a call's arguments an object) or is a
+well-formed stream (NDJSON
 ending in `done: true` or an error; server-sent events ending in `message_stop` or an error event); the
 connection stays usable after every refusal; at the end the engine is idle, every block free or cached,
 no response in flight. Fixed examples pin the bounds each path checks.
@@ -84,6 +89,33 @@ valid_generate = st.tuples(st.just("/api/generate"), st.fixed_dictionaries({
 valid_message = st.tuples(st.just("/v1/messages"), st.fixed_dictionaries({
     "model": st.just("served"), "max_tokens": st.integers(1, 4), "stream": st.booleans(),
     "messages": st.just([{"role": "user", "content": "hello"}])}, optional={"temperature": st.floats(0, 1)}))
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+ollama_history = st.builds(lambda arguments, answered: [
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": arguments}}]},
+    *([{"role": "tool", "content": "sunny", "tool_name": "get_weather"}] if answered else [])],
+    st.sampled_from([{"city": "Paris"}, '{"city": "Par', 5]), st.booleans())
+ollama_tools = st.tuples(st.just("/api/chat"), st.fixed_dictionaries({
+    "model": st.just("served"), "messages": st.just([{"role": "user", "content": "hello"}]) | ollama_history},
+    optional={"tools": st.just([WEATHER]), "format": st.sampled_from(["json", SCHEMA]), "stream": st.booleans()}))
+anthropic_history = st.just([
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                       "input": {"city": "Paris"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}])
+anthropic_tools = st.tuples(st.just("/v1/messages"), st.fixed_dictionaries({
+    "model": st.just("served"), "max_tokens": st.integers(1, 4),
+    "messages": st.just([{"role": "user", "content": "hello"}]) | anthropic_history}, optional={
+    "tools": st.sampled_from([[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                              [{"type": "web_search_20250305", "name": "web_search"}]]),
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}]),
+    "output_config": st.sampled_from([{"effort": "high"}, {"effort": "low"},
+                                      {"effort": "high", "format": {"type": "json_schema", "schema": SCHEMA}}]),
+    "context_management": st.sampled_from([{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                                           {"edits": [{"type": "clear_tool_uses_20250919"}]}, {"edits": 5}]),
+    "stream": st.booleans()}))
 fuzzed = st.one_of(
     st.tuples(st.just("/api/chat"), ollama_chat), st.tuples(st.just("/api/generate"), ollama_generate),
     st.tuples(st.just("/api/show"), ollama_show), st.tuples(st.just("/v1/messages"), anthropic_body),
@@ -100,9 +132,11 @@ streamed_message = st.tuples(st.just("/v1/messages"), st.fixed_dictionaries({
 streamed_chat = st.tuples(st.just("/api/chat"), st.fixed_dictionaries({
     "model": st.just("served"), "messages": st.just([{"role": "user", "content": "hello"}])}))
 encoded = [strategy.map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
-           for strategy in (valid_chat, valid_generate, valid_message, streamed_message, streamed_chat, fuzzed)]
-requests = st.sampled_from([*encoded[:5], encoded[5], encoded[5], encoded[5], encoded[5], raw_bodies]).flatmap(
-    lambda chosen: chosen)
+           for strategy in (valid_chat, valid_generate, valid_message, streamed_message, streamed_chat, ollama_tools,
+                            anthropic_tools, fuzzed)]
+# streamed Anthropic messages weighed twice: the SDK's events must come often enough to be checked
+requests = st.sampled_from([*encoded[:7], encoded[3], encoded[7], encoded[7], encoded[7], encoded[7],
+                            raw_bodies]).flatmap(lambda chosen: chosen)
 
 
 def check_error(path: str, body: bytes) -> None:
@@ -118,14 +152,15 @@ def check_error(path: str, body: bytes) -> None:
 
 def check_whole(path: str, body: bytes) -> None:
     answer = json.loads(body)
-    if path == "/api/chat":
+    if path == "/api/chat":  # the client refuses a call whose arguments are no object
         assert ollama.ChatResponse.model_validate(answer).done
     elif path == "/api/generate":
         assert ollama.GenerateResponse.model_validate(answer).done
     elif path == "/api/show":
         ollama.ShowResponse.model_validate(answer)
     elif path == "/v1/messages":
-        Message.model_validate(answer)
+        assert all(isinstance(block.input, dict) for block in Message.model_validate(answer).content
+                   if block.type == "tool_use")
     elif path == "/v1/messages/count_tokens":
         assert MessageTokensCount.model_validate(answer).input_tokens > 0
     elif path == "/tokenize":
@@ -173,8 +208,8 @@ class Fuzzer:
             if "error" in item:
                 assert item["code"] != "server_error", item
                 break
+            (ollama.ChatResponse if "message" in item else ollama.GenerateResponse).model_validate(item)  # every line
             if item["done"]:
-                (ollama.ChatResponse if "message" in item else ollama.GenerateResponse).model_validate(item)
                 break
         assert response.read() == b""
         return True

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from localserve.engine.grammar import GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
+from localserve.server.request_model import OutputFormat
 from localserve.tokenizer.chat_format import detect_chat_format
 from localserve.tokenizer.tools import ToolChoice, ToolSpec
 from tests.helpers.request_wire import (
@@ -67,9 +68,13 @@ def expected_grammar(case: dict, chat_format) -> GrammarSpec | None:
              for tool in case.get("tools") or ()]
     choice = case.get("tool_choice") or "auto"
     choice = ToolChoice.function(choice["name"]) if isinstance(choice, dict) else ToolChoice(choice)
-    if tools and choice.mode != "none":
-        return GrammarSpec.lark(chat_format.turn(tools, choice).grammar.lark)
     answer = case.get("structured_output") or {"type": "text"}
+    if tools and choice.mode != "none":  # beside an answer format, the answer may be a value of it instead
+        answer_format = {"json_object": OutputFormat("json_object"),
+                         "json_schema": OutputFormat("json_schema", answer.get("schema"), answer.get("strict", False))
+                         }.get(answer["type"])
+        embedded = answer_format.embedded_schema() if answer_format is not None else None
+        return GrammarSpec.lark(chat_format.turn(tools, choice, answer=embedded).grammar.lark)
     if answer["type"] == "json_object":
         return GrammarSpec.json_object()
     if answer["type"] == "json_schema":
@@ -206,7 +211,9 @@ PINNED = [
     ({"tools": [TOOL_F], "tool_choice": "none"}, Outcome(params=expected_params({}))),  # no tools offered
     ({"tools": [1]}, Outcome(status=400, code="invalid_type", field="tools[0]")),
     ({"tools": "f"}, Outcome(status=400, code="invalid_type", field="tools")),
-    ({"tools": [{"type": "web_search"}]}, Outcome(status=400, code="invalid_value", field="tools[0].type")),
+    # a hosted tool: refused unless the tool choice calls none of it, then dropped
+    ({"tools": [{"type": "web_search"}]}, Outcome(status=400, code="unsupported_value", field="tools[0].type")),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "none"}, Outcome(params=expected_params({}))),
     ({"tools": [{"type": "function", "name": "bad name"}]},
      Outcome(status=400, code="invalid_value", field="tools[0].name")),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
@@ -223,8 +230,7 @@ PINNED = [
     ({"structured_output": {"type": "yaml"}},
      Outcome(status=400, code="invalid_value", field="structured_output.type")),
     ({"structured_output": "json"}, Outcome(status=400, code="invalid_type", field="structured_output")),
-    ({"structured_output": SCHEMA_FORMAT, "tools": [TOOL_F]},
-     Outcome(status=400, code="unsupported_value", field="structured_output")),
+    ({"structured_output": SCHEMA_FORMAT, "tools": [TOOL_F]}, ACCEPTED),  # a call, or a value of the schema
     ({"structured_output": SCHEMA_FORMAT, "tools": [TOOL_F], "tool_choice": "required"}, ACCEPTED),  # a call
     ({"reasoning_effort": "high"}, ACCEPTED),  # the tiny model does not reason: nothing changes
     ({"reasoning_effort": "extreme"}, Outcome(status=400, code="invalid_value", field="reasoning_effort")),

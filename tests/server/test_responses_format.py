@@ -74,13 +74,17 @@ def test_warm_ups_store_and_identifiers(wire):
 @pytest.mark.parametrize("wire", [RESPONSES_WEBSOCKET, RESPONSES_HTTP])
 @pytest.mark.parametrize("body, expected", [
     ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, ("invalid_value", "tools[0].parameters")),
-    ({"tools": [{"type": "file_search"}]}, ("invalid_value", "tools[0].type")),
+    ({"tools": [{"type": "file_search"}]}, ("unsupported_value", "tools[0].type")),  # a hosted tool
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "c"}]}]},
+     ("unsupported_value", "tools[0].tools[0].type")),
+    ({"tools": [{"type": "namespace", "name": "n"}]}, ("invalid_type", "tools[0].tools")),
+    ({"tools": [{"type": "namespace", "tools": []}]}, ("invalid_type", "tools[0].name")),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "bad name"}]}]},
+     ("invalid_value", "tools[0].tools[0].name")),
     ({"tools": [1]}, ("invalid_type", "tools[0]")),
     ({"tools": "f"}, ("invalid_type", "tools")),
     ({"tool_choice": "required"}, ("invalid_value", "tool_choice")),
     ({"tool_choice": {"type": "allowed_tools"}}, ("invalid_value", "tool_choice.type")),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}, "tools": [{"type": "function", "name": "f"}]},
-     ("unsupported_value", "text.format")),
     ({"text": {"verbosity": "low"}}, ("unsupported_parameter", "text.verbosity")),
     ({"text": {"format": "json"}}, ("invalid_type", "text.format")),
     ({"reasoning": {"effort": "extreme"}}, ("invalid_value", "reasoning.effort")),

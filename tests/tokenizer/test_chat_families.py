@@ -224,6 +224,27 @@ def test_grammars_accept_the_family_calls(family):
         assert not accepts(family, single.lark, write_answer(tool_format, "", two))
 
 
+ANSWER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "summary": {"type": "string"}},
+                 "required": ["city", "summary"], "additionalProperties": False,
+                 "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grammars_with_an_answer_format_take_the_calls_or_a_value_of_it(family):
+    tool_format = FAMILIES[family].tool_format
+    grammar = chat_format(family).turn(TOOLS, ToolChoice("auto"), answer=ANSWER_SCHEMA).grammar
+    assert grammar.trigger is None  # the first token already chooses between the two
+    answer = json.dumps({"city": "Zürich", "summary": "sunny"}, ensure_ascii=False)
+    written = json.dumps({"response": json.loads(answer)}, ensure_ascii=False) if tool_format == "json" else answer
+    if FAMILIES[family].vocabulary != "ggml-vocab-llama-spm.gguf":  # its tokens of text at the start begin "▁"
+        assert accepts(family, grammar.lark, written)
+    assert accepts(family, grammar.lark, write_answer(tool_format, "", [("get_weather", {"city": "Zürich"})]))
+    assert not accepts(family, grammar.lark, write_answer(tool_format, "Just an answer, no call.", []))
+    assert not accepts(family, grammar.lark, written.replace("summary", "weather"))
+    forced = chat_format(family).turn(TOOLS, ToolChoice("required"), answer=ANSWER_SCHEMA).grammar
+    assert not accepts(family, forced.lark, written)  # a forced call leaves no room for the answer
+
+
 @pytest.mark.parametrize("family", [name for name, family in FAMILIES.items() if family.reasoning])
 def test_reasoning_switch_and_end_marker(family):
     tokenizer = family_tokenizer(family)

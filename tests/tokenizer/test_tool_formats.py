@@ -118,13 +118,16 @@ def test_generic_json_answers_and_calls():
     assert [_no_id(e) for e in events] == [*call_events(0, "search", '{"q": 1}'), *call_events(1, "x.y-z_1", "{}")]
 
 
-@pytest.mark.parametrize("format_name", ["hermes", "mistral_array", "json", "qwen3_coder"])
+@pytest.mark.parametrize("format_name", ["hermes", "mistral_array", "mistral_args", "json", "qwen3_coder",
+                                         "llama3_json"])
 def test_an_output_cut_mid_call_closes_the_call_with_what_it_has(format_name):
     text = write_answer(format_name, "", [("search", {"query": "föhn"})])
     cut = text[:text.index("föhn") + 2]
     events = parse(format_name, [cut])
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
-    assert events[-1].arguments.startswith('{"query": "f')
+    assert events[-1].arguments.startswith('{"query": "f') and not events[-1].whole
+    whole = parse(format_name, [text])
+    assert whole[-1].whole and json.loads(whole[-1].arguments) == {"query": "föhn"}
 
 
 def test_a_malformed_call_is_shown_as_the_model_wrote_it():
@@ -180,3 +183,17 @@ def test_generated_qwen3_coder_answers_parse_back(content, arguments_list, data)
     calls = [("typed", arguments) for arguments in arguments_list]
     text = write_answer("qwen3_coder", content, calls)
     assert [_no_id(e) for e in parse("qwen3_coder", data.draw(split_points(text)))] == expected(content, calls)
+
+
+WHITESPACE = st.text(alphabet=" \t\r\n", max_size=4)  # what the call grammars allow around the calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(list(TOOL_FORMATS)), st.lists(st.tuples(NAMES, json_arguments()), min_size=1, max_size=2),
+       WHITESPACE, WHITESPACE, st.data())
+def test_whitespace_around_calls_is_no_content_however_it_streams(format_name, calls, before, after, data):
+    calls = calls[:1] if format_name == "llama3_json" else calls
+    if format_name == "qwen3_coder":
+        calls = [("typed", {}) for _ in calls]
+    text = before + write_answer(format_name, "", calls) + after
+    assert [_no_id(e) for e in parse(format_name, data.draw(split_points(text)))] == expected("", calls)

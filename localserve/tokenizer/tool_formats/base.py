@@ -40,18 +40,26 @@ def random_call_id(length: int = 24, prefix: str = "call_") -> str:
 class ToolUse:
     """The tools of one request as a format writes and constrains them: the tools a call may use (`tools`),
     whether at least one call must come (`required`: tool_choice `required` or a named function), whether
-    several may (`parallel`: OpenAI's `parallel_tool_calls`), and the tools the prompt shows (`offered`: all
-    the request's tools when a named function narrows `tools` to one; None: `tools`)."""
+    several may (`parallel`: OpenAI's `parallel_tool_calls`), the tools the prompt shows (`offered`: all
+    the request's tools when a named function narrows `tools` to one; None: `tools`), and what an answer that
+    calls nothing must be (`answer`: a JSON schema, with llguidance's `x-guidance` settings, when the request
+    asks for a format beside its tools; None: free text; never with `required`)."""
 
     tools: tuple[ToolSpec, ...]
     required: bool = False
     parallel: bool = True
     offered: tuple[ToolSpec, ...] | None = None
+    answer: Mapping[str, Any] | None = None
 
     @property
     def shown_tools(self) -> tuple[ToolSpec, ...]:
         """The tools the prompt describes."""
         return self.tools if self.offered is None else self.offered
+
+    @property
+    def lazy(self) -> bool:
+        """True when the answer is free text until a call's trigger (tool_choice auto, no answer format)."""
+        return not self.required and self.answer is None
 
 
 @dataclass(frozen=True)
@@ -103,9 +111,9 @@ class CallEvents:
         self._arguments.append(text)
         self._events.append(ToolCallArgumentsDelta(self._open, text))
 
-    def close(self) -> None:
-        """The open call is complete."""
-        self._events.append(ToolCallEnd(self._open, "".join(self._arguments)))
+    def close(self, whole: bool = True) -> None:
+        """The open call ends: complete as the format writes it (`whole`), or cut short or broken off."""
+        self._events.append(ToolCallEnd(self._open, "".join(self._arguments), whole))
         self._open, self._arguments = None, []
 
     def take(self) -> list[StreamEvent]:
@@ -119,7 +127,7 @@ class ToolCallParser(ABC):
 
     Text that may still become a marker is held back until it cannot; `finish` releases what is held when the
     output ends: held text that never became a marker is content, a call cut short ends with the arguments it
-    has, and a call cut before its name is known is content as the model wrote it.
+    has (not `whole`), and a call cut before its name is known is content as the model wrote it.
     """
 
     def __init__(self, events: CallEvents) -> None:
@@ -137,7 +145,7 @@ class ToolCallParser(ABC):
         """The last events, when the output has ended."""
         self.advance(final=True)
         if self.events.is_open:
-            self.events.close()
+            self.events.close(whole=False)
         return self.events.take()
 
     @abstractmethod

@@ -73,7 +73,7 @@ class GenericJsonFormat(ToolFormat):
                                       f"answer: {json_value(answer_schema(use))}", WS]) + "\n")
 
     def parser(self, use: ToolUse) -> GenericJsonParser:
-        return GenericJsonParser(CallEvents(self.new_call_id))
+        return GenericJsonParser(CallEvents(self.new_call_id), response_is_json=use.answer is not None)
 
 
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
@@ -91,7 +91,8 @@ def answer_schema(use: ToolUse) -> dict[str, Any]:
         forms.append({"type": "object", "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1}},
                       "required": ["tool_calls"], "additionalProperties": False})
     if not use.required:
-        forms.append({"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+        response = dict(use.answer) if use.answer is not None else {"type": "string"}
+        forms.append({"type": "object", "properties": {"response": response}, "required": ["response"],
                       "additionalProperties": False})
     return {"anyOf": forms}
 
@@ -103,7 +104,9 @@ def tools_prompt(use: ToolUse) -> str:
     forms = ['{"tool_call": {"name": "<tool name>", "arguments": {<its arguments>}}} to call a tool']
     if use.parallel:
         forms.append('{"tool_calls": [{"name": ..., "arguments": ...}, ...]} to call several at once')
-    if not use.required:
+    if not use.required and use.answer is not None:
+        forms.append('{"response": <your answer as a JSON value of the format asked for>} to answer the user')
+    elif not use.required:
         forms.append('{"response": "<your answer>"} to answer the user')
     only = f" You must call {use.tools[0].name}." if use.required and len(use.tools) == 1 else ""
     return (f"You can call these tools:\n{tools}\n\nReply with one JSON object and nothing else: "
@@ -111,14 +114,16 @@ def tools_prompt(use: ToolUse) -> str:
 
 
 class GenericJsonParser(ToolCallParser):
-    """The answer's object: the text of `response` as content, the calls of `tool_call` / `tool_calls`; an
-    answer that is not a JSON object is content as written."""
+    """The answer's object: the text of `response` as content (its JSON text when it is no string, or when the
+    answer has a format: `response_is_json`), the calls of `tool_call` / `tool_calls`; an answer that is not a
+    JSON object is content as written; whitespace after the object is dropped."""
 
-    def __init__(self, events: CallEvents) -> None:
+    def __init__(self, events: CallEvents, response_is_json: bool = False) -> None:
         super().__init__(events)
         self._state = "start"
         self._object = JsonObjectReader()
         self._response: JsonStringDecoder | None = None
+        self._response_is_json = response_is_json
         self._response_is_text = True  # False when `response` is not a string: its JSON is the content
         self._call: JsonCallReader | None = None
         self._calls: JsonArrayReader | None = None
@@ -140,7 +145,12 @@ class GenericJsonParser(ToolCallParser):
             if self._object.malformed:
                 self.buffer, self._state = self._object.rest, "text"
             elif self._object.done:
-                self.buffer, self._state = self._object.rest.lstrip(), "text"
+                self.buffer, self._state = self._object.rest, "after"
+        if self._state == "after":  # whitespace after the answer's object (the grammar allows some) says nothing
+            self.buffer = self.buffer.lstrip()
+            if not self.buffer:
+                return
+            self._state = "text"
         if self._state == "text":
             self.events.content(self.buffer)
             self.buffer = ""
@@ -156,7 +166,7 @@ class GenericJsonParser(ToolCallParser):
     def _member_piece(self, key: str, text: str) -> None:
         if key == "response":
             if self._response is None and self._response_is_text:
-                self._response_is_text = text.startswith('"')
+                self._response_is_text = text.startswith('"') and not self._response_is_json
                 self._response = JsonStringDecoder() if self._response_is_text else None
             self.events.content(self._response.feed(text) if self._response_is_text else text)
         elif key == "tool_call":

@@ -32,11 +32,9 @@ class HermesFormat(ToolFormat):
         rules = [f'call: "\\n" ({calls}) "\\n" {marker(CLOSE, self.tokens.ids)}']
         rules += [f"call_{index}: {literal(_call_prefix(tool.name))} {json_value(tool.parameters)} \"}}\""
                   for index, tool in enumerate(use.tools)]
-        lazy = not use.required
-        lark = calls_grammar(marker(OPEN, self.tokens.ids), OPEN, rules, "call", lazy=lazy, parallel=use.parallel)
-        if not lazy:
-            return CallGrammar(lark)
-        return CallGrammar(lark, OPEN, self.tokens.ids.get(OPEN))
+        lark = calls_grammar(marker(OPEN, self.tokens.ids), OPEN, rules, "call", lazy=use.lazy, parallel=use.parallel,
+                             answer=use.answer)
+        return CallGrammar(lark, OPEN, self.tokens.ids.get(OPEN)) if use.lazy else CallGrammar(lark)
 
     def parser(self, use: ToolUse) -> HermesParser:
         return HermesParser(self)
@@ -94,7 +92,7 @@ class HermesParser(ToolCallParser):
             self._state = "text"
             return False
         if call.malformed:  # the call's text broke off: it ends with what it has
-            self.events.close()
+            self.events.close(whole=False)
         if call.done or call.malformed:
             self.buffer, self._state = call.rest, "closing"
             return True

@@ -12,12 +12,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ANY_TEXT", "WS", "calls_grammar", "json_value", "literal", "marker", "regex_literal"]
+__all__ = ["ANY_TEXT", "TEMPLATE_JSON", "WS", "calls_grammar", "json_value", "literal", "marker", "regex_literal"]
 
 # Whitespace between and after calls, bounded: a small model may otherwise go on writing newlines after a
 # complete call until its token limit (the grammar could never end).
 WS = r"WS: /[ \t\r\n]{1,4}/"
 ANY_TEXT = r"ANY_TEXT: /(?s:.*)/"
+# JSON laid out as the templates' `tojson` writes it (a `%json` schema's "x-guidance" settings)
+TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/")
 
 
@@ -43,17 +45,20 @@ def json_value(schema: Mapping[str, Any]) -> str:
 
 
 def calls_grammar(opener: str, trigger: str, call_rules: Sequence[str], call: str, *, lazy: bool,
-                  parallel: bool) -> str:
+                  parallel: bool, answer: Mapping[str, Any] | None = None) -> str:
     """An answer of calls that each begin with `opener` (the marker's grammar text, `trigger` its text) and go on
     as rule `call`, defined in `call_rules` (which may use the terminals `WS` and `ANY_TEXT`); whitespace between
     and after the calls, nothing else.
 
     `lazy` (tool_choice auto): free text first, then, if the trigger comes, the calls; text free of the trigger
-    is a whole answer too. Otherwise the answer is the calls alone. `parallel` false: one call at most.
+    is a whole answer too. Otherwise the answer is the calls alone, or, with `answer` (a JSON schema: tool_choice
+    auto beside an answer format), a JSON value of that schema instead. `parallel` false: one call at most.
     """
     more = f"(WS? {opener} {call})*" if parallel else ""
     free_text = f"FREE_TEXT: /(?s:.*)/ & ~/(?s:.*){regex_literal(trigger)}(?s:.*)/"
-    if not lazy:
+    if answer is not None:
+        lines = [f"start: answer | WS? {opener} {call} {more} WS?", f"answer: {json_value(answer)}"]
+    elif not lazy:
         lines = [f"start: WS? {opener} {call} {more} WS?"]
     elif opener.startswith("<["):  # a token: free text (never the trigger spelled out) ends where it comes
         lines = [f"start: FREE_TEXT ({opener} {call} {more} WS?)?", free_text]

@@ -6,15 +6,19 @@ Llama's built-in tools use):
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
 There is no trigger text: an answer that starts with such an object is a call, so the grammar of `auto` lets
-free text through only when it does not start with `{`, from the first token.
+free text through only when it does not start with `{`, from the first token (with an answer format, a JSON
+value of it instead of free text).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from localserve.tokenizer.held_text import is_prefix_of_any
 from localserve.tokenizer.tool_formats.base import CallEvents, CallGrammar, ToolCallParser, ToolFormat, ToolUse
 from localserve.tokenizer.tool_formats.json_call import JsonCallReader
-from localserve.tokenizer.tool_formats.lark import WS, json_value, literal
+from localserve.tokenizer.tool_formats.lark import TEMPLATE_JSON, WS, json_value, literal
+from localserve.tokenizer.tools import ToolSpec
 
 __all__ = ["Llama3JsonFormat", "Llama3JsonParser"]
 
@@ -31,11 +35,16 @@ class Llama3JsonFormat(ToolFormat):
     def grammar(self, use: ToolUse) -> CallGrammar:
         tag = self.tokens.ids.get(PYTHON_TAG)
         calls = " | ".join(f"call_{index}" for index in range(len(use.tools)))
-        start = "start: WS? call WS?" if use.required else "start: TEXT | call WS?"
+        answer = "TEXT" if use.answer is None else "answer"  # free text, or a JSON value of the answer's format
+        start = "start: WS? call WS?" if use.required else f"start: {answer} | call WS?"
         python_tag = f"(<[{tag}]>)? " if tag is not None else ""  # the tag may come first where it is a token
         lines = ["%llguidance {}", start, r"TEXT: /\s*([^\s{](?s:.*))?/", f"call: {python_tag}({calls})"]
-        lines += [f'call_{index}: {literal(_call_prefix(tool.name))} {json_value(tool.parameters)} "}}"'
-                  for index, tool in enumerate(use.tools)]
+        if use.answer is None:
+            lines += [f'call_{index}: {literal(_call_prefix(tool.name))} {json_value(tool.parameters)} "}}"'
+                      for index, tool in enumerate(use.tools)]
+        else:  # a call is a JSON value too then: llguidance cannot choose between a literal and a value alike
+            lines.append(f"answer: {json_value(use.answer)}")
+            lines += [f"call_{index}: {json_value(_call_schema(tool))}" for index, tool in enumerate(use.tools)]
         return CallGrammar("\n".join([*lines, WS]) + "\n")
 
     def parser(self, use: ToolUse) -> Llama3JsonParser:
@@ -44,6 +53,12 @@ class Llama3JsonFormat(ToolFormat):
 
 def _call_prefix(name: str) -> str:
     return f'{{"name": "{name}", "parameters": '
+
+
+def _call_schema(tool: ToolSpec) -> dict[str, Any]:
+    """A call of `tool` as one JSON value, laid out as `_call_prefix` writes it."""
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "parameters": dict(tool.parameters)},
+            "required": ["name", "parameters"], "additionalProperties": False, "x-guidance": dict(TEMPLATE_JSON)}
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -82,8 +97,8 @@ class Llama3JsonParser(ToolCallParser):
                 self.events.content(self._prefix + call.consumed)  # not a call: the answer is content
                 self._state = "text"
                 return False
-            if call.malformed:
-                self.events.close()
+            if call.malformed:  # the call's text broke off: it ends with what it has
+                self.events.close(whole=False)
             if call.done or call.malformed:
                 self.buffer, self._state = call.rest.lstrip(), "after_call"
                 return True

@@ -66,10 +66,9 @@ class _MistralFormat(ToolFormat):
         return converted, tools
 
     def _grammar(self, use: ToolUse, rules: list[str]) -> CallGrammar:
-        lazy = not use.required
-        lark = calls_grammar(marker(TOOL_CALLS, self.tokens.ids), TOOL_CALLS, rules, "call", lazy=lazy,
-                             parallel=use.parallel)
-        return CallGrammar(lark, TOOL_CALLS, self.tokens.ids.get(TOOL_CALLS)) if lazy else CallGrammar(lark)
+        lark = calls_grammar(marker(TOOL_CALLS, self.tokens.ids), TOOL_CALLS, rules, "call", lazy=use.lazy,
+                             parallel=use.parallel, answer=use.answer)
+        return CallGrammar(lark, TOOL_CALLS, self.tokens.ids.get(TOOL_CALLS)) if use.lazy else CallGrammar(lark)
 
 
 class MistralArrayFormat(_MistralFormat):
@@ -86,7 +85,7 @@ class MistralArrayFormat(_MistralFormat):
         rules += [f'call_{index}: {literal(_array_prefix(tool.name))} {json_value(tool.parameters)} CALL_ID? "}}"'
                   for index, tool in enumerate(use.tools)]
         # parallel calls are elements of one array, so one opener at most
-        return self._grammar(ToolUse(use.tools, use.required, parallel=False), rules)
+        return self._grammar(ToolUse(use.tools, use.required, parallel=False, answer=use.answer), rules)
 
     def parser(self, use: ToolUse) -> MistralArrayParser:
         return MistralArrayParser(CallEvents(self.new_call_id))
@@ -139,8 +138,8 @@ class MistralArrayParser(ToolCallParser):
                     self.events.content(last.consumed)
                 return False
             if self._array.done or self._array.malformed:
-                if self.events.is_open:
-                    self.events.close()
+                if self.events.is_open:  # its element was no whole call object
+                    self.events.close(whole=False)
                 self.buffer, self._state = self._array.rest, "after_call"
                 return True
             return False

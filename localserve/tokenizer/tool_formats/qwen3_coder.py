@@ -58,9 +58,9 @@ class Qwen3CoderFormat(ToolFormat):
                 parameters.append(f"({head} {value})" + ("" if name in required else "?"))
             rules.append(f"call_{index}: {literal(f'{FUNCTION}{tool.name}>{chr(10)}')} {' '.join(parameters)} "
                          f"{literal(END_FUNCTION)}")
-        lazy = not use.required
-        lark = calls_grammar(marker(OPEN, self.tokens.ids), OPEN, rules, "call", lazy=lazy, parallel=use.parallel)
-        return CallGrammar(lark, OPEN, self.tokens.ids.get(OPEN)) if lazy else CallGrammar(lark)
+        lark = calls_grammar(marker(OPEN, self.tokens.ids), OPEN, rules, "call", lazy=use.lazy, parallel=use.parallel,
+                             answer=use.answer)
+        return CallGrammar(lark, OPEN, self.tokens.ids.get(OPEN)) if use.lazy else CallGrammar(lark)
 
     def parser(self, use: ToolUse) -> Qwen3CoderParser:
         return Qwen3CoderParser(CallEvents(self.new_call_id), use.tools)
@@ -144,7 +144,7 @@ class Qwen3CoderParser(ToolCallParser):
             return True
         if stripped.startswith(END_FUNCTION) or not (final or _may_become(stripped, (PARAMETER, END_FUNCTION))):
             self.events.arguments("}" if self._members else "{}")
-            self.events.close()
+            self.events.close(whole=stripped.startswith(END_FUNCTION))
             rest = stripped[len(END_FUNCTION):] if stripped.startswith(END_FUNCTION) else stripped
             self.buffer, self._state = rest, "closing"
             return True
