@@ -112,8 +112,10 @@ def test_a_client_that_stops_reading_mid_stream_is_cut(impatient_server):
 
     events, close_code, held_for = run(main(server.port))
     assert held_for >= SEND_TIMEOUT_S  # it was given its time
-    # cut with 1008 (policy violation); when the close frame sits behind unread data, a reset
-    assert close_code in (1008, None)
+    # cut with 1008 (policy violation); when the close frame sits behind unread data, the connection ends
+    # without it: a reset (no code yet) or an end of stream (websockets says 1006, abnormal closure), which of
+    # the two depends on timing (it failed 2 runs in 3 on an idle machine)
+    assert close_code in (1008, 1006, None)
     assert not any(event["type"] in CLOSING_EVENTS for event in events)  # it never got to the end
     wait_until_idle(server.server.models.serving_now().engine)  # every block free or cached
 
