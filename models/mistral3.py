@@ -22,7 +22,8 @@ UNLOADED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 
 
 class Mistral3ForCausalLM(DecoderForCausalLM):
-    pass
+    """The shared decoder under the name its checkpoints declare (what logs and reports show); the family's
+    differences are in its config reading and tensor names, not in code."""
 
 
 def hf_config(config: dict[str, Any], source: str) -> ModelConfig:

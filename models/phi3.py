@@ -22,7 +22,8 @@ from localserve.models.layers.decoder import DecoderForCausalLM
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
-    pass
+    """The shared decoder under the name its checkpoints declare (what logs and reports show); the family's
+    differences are in its config reading and tensor names, not in code."""
 
 
 def hf_config(config: dict[str, Any], source: str) -> ModelConfig:

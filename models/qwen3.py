@@ -11,7 +11,8 @@ from localserve.models.layers.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
-    pass
+    """The shared decoder under the name its checkpoints declare (what logs and reports show); the family's
+    differences are in its config reading and tensor names, not in code."""
 
 
 def qwen3_fields(config: dict[str, Any], source: str) -> dict[str, Any]:

@@ -23,7 +23,8 @@ PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|do
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    pass
+    """The shared decoder under the name its checkpoints declare (what logs and reports show); the family's
+    differences are in its config reading and tensor names, not in code."""
 
 
 def hf_config(config: dict[str, Any], source: str) -> ModelConfig:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.models import write_tiny_model
-from tests.helpers.server import make_llm, write_tiny_chat_model
+from tests.helpers.server import make_llm, openai_client, write_tiny_chat_model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,8 +113,6 @@ def weather_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def weather_client(weather_server):
     """An `openai` client of `weather_server`."""
-    import openai
 
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{weather_server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(weather_server.port) as client:
         yield client

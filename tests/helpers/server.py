@@ -40,6 +40,13 @@ def write_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def openai_client(port: int, timeout: float = 60):
+    """An `openai` client of the server on `port` (no retries: a test sees the first answer); a context manager."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_len: int | None = None):
     from localserve.engine.config import EngineConfig
     from localserve.llm import LLM

@@ -10,9 +10,9 @@ import json
 
 import anthropic
 import ollama
-import openai
 import pytest
 
+from tests.helpers.server import openai_client
 from tests.helpers.tool_models import (
     GENERIC_ANSWER,
     GENERIC_CALLS,
@@ -39,7 +39,7 @@ def server(request, tmp_path_factory):
 
 
 def test_chat_completions(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(server.port) as client:
         fields = {"model": "tools", "messages": ASK, "tools": [WEATHER_TOOL], "temperature": 0}
         whole = client.chat.completions.create(**fields).choices[0]
         chunks = [chunk.choices[0] for chunk in client.chat.completions.create(stream=True, **fields)]
@@ -50,7 +50,7 @@ def test_chat_completions(server):
 
 
 def test_responses(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(server.port) as client:
         fields = {"model": "tools", "input": ASK, "tools": [{"type": "function", **WEATHER_TOOL["function"]}],
                   "temperature": 0}
         whole = client.responses.create(**fields)

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import httpx
 import numpy as np
 import ollama
-import openai
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -22,7 +21,7 @@ from localserve.llm import LLM
 from localserve.server.request_model import RequestLimits
 from tests.helpers.embedding_models import cosine, reference_embedding, write_tiny_embedding_model
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
-from tests.helpers.server import running_server
+from tests.helpers.server import openai_client, running_server
 
 MAX_MODEL_LEN = 48
 MAX_INPUTS = 6
@@ -53,8 +52,7 @@ def embedding_setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(embedding_setup):
     server, _, _ = embedding_setup
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(server.port) as client:
         yield client
 
 

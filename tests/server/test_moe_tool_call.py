@@ -10,13 +10,12 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 from safetensors import safe_open
 
 from tests.helpers.llama_cpp_files import template_text
 from tests.helpers.moe_models import write_tool_calling_qwen3_moe
-from tests.helpers.server import make_llm, running_server
+from tests.helpers.server import make_llm, openai_client, running_server
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -37,8 +36,7 @@ def server(folder):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(server.port) as client:
         yield client
 
 

@@ -17,7 +17,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from websockets.asyncio.client import connect
 
-from tests.helpers.server import collect_response, running_server, wait_until_idle
+from tests.helpers.server import collect_response, openai_client, running_server, wait_until_idle
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 PROMPT = "hello world tell me a story about the cat and the dog"
@@ -33,8 +33,7 @@ def server(tiny_chat_llm):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(server.port) as client:
         yield client
 
 

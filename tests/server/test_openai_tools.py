@@ -20,7 +20,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from websockets.asyncio.client import connect
 
-from tests.helpers.server import collect_response, make_llm, running_server, wait_until_idle
+from tests.helpers.server import collect_response, make_llm, openai_client, running_server, wait_until_idle
 from tests.helpers.tool_models import ANSWER, CALLS, QUESTION, THINKING_TEMPLATE, TIME, WEATHER, write_tool_model
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
@@ -43,8 +43,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(server.port) as client:
         yield client
 
 
