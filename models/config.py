@@ -80,6 +80,23 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends and keeps its KV, where layers differ (gpt-oss, Gemma 3/4).
+
+    `sliding_window`: each query sees only its last `sliding_window` keys (None: all of them);
+    `keys_are_values`: the layer stores no values and attends with its keys as values (Gemma 4's global
+    layers); `rope`/`rotary_dim`: the layer's own rotary embedding (None: the model's).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    keys_are_values: bool = False
+    rope: RopeConfig | None = None
+    rotary_dim: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and features of a decoder-only language model."""
 
@@ -111,6 +128,8 @@ class ModelConfig:
     rotary_dim: int | None = None  # rotary embedding on the first `rotary_dim` of each head; None: all of it
     # Parts of a multimodal checkpoint left unloaded (e.g. "vision tower"): said at start.
     unloaded_parts: tuple[str, ...] = ()
+    # Per-layer attention where layers differ (one entry per layer); empty: every layer as the fields above.
+    layer_attention: tuple[LayerAttention, ...] = ()
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:
@@ -123,6 +142,12 @@ class ModelConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        """How `layer` attends: its entry in `layer_attention`, else the model-wide fields."""
+        if self.layer_attention:
+            return self.layer_attention[layer]
+        return LayerAttention(self.num_kv_heads, self.head_dim, self.sliding_window, rotary_dim=self.rotary_dim)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
