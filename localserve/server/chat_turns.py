@@ -3,10 +3,11 @@ chat format (no I/O here): the template's inputs, the engine's grammar and decod
 
 `model_chat_format` detects the format once, when the server starts (tokenizer/chat_format.py). `plan_turn`
 resolves one request against it: the `ChatTurn` (tools offered unless tool_choice is `none`, thinking off for
-`reasoning_effort: "none"`), the grammar (the calls' grammar when tools are offered, which under tool_choice
-`auto` lets the answer be a value of the answer format's schema instead of calls; else the answer format's
-JSON schema), and what the engine is told (`grammar`, `reasoning_end`, `skip_special_tokens`). Every refusal
-names the request's field as its format spells it.
+`reasoning_effort: "none"`, the effort as the template's level where it takes one), the grammar (the calls'
+grammar when tools are offered, which under tool_choice `auto` lets the answer be a value of the answer format's
+schema instead of calls; else the answer format's JSON schema), and what the engine is told (`grammar`,
+`reasoning_end`, `skip_special_tokens`, the turn's `stop_token_ids`). Every refusal names the request's field
+as its format spells it.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class TurnPlan:
 
     def engine_fields(self) -> dict[str, Any]:
         """SamplingParams' fields of this turn."""
+        stops = list(self.turn.stop_token_ids) if self.turn is not None else []
         return {"grammar": self.grammar, "reasoning_end": self.reasoning_end,
-                "skip_special_tokens": self.skip_special_tokens}
+                "skip_special_tokens": self.skip_special_tokens, **({"stop_token_ids": stops} if stops else {})}
 
 
 def plan_turn(request: GenerationRequest, chat_format: ChatFormat | None) -> TurnPlan:
@@ -72,7 +74,7 @@ def plan_turn(request: GenerationRequest, chat_format: ChatFormat | None) -> Tur
         return TurnPlan(None, grammar, grammar_field, None, True)
     try:
         turn = chat_format.turn(request.tools, request.tool_choice, request.parallel_tool_calls,
-                                thinking=request.reasoning.thinking,
+                                thinking=request.reasoning.thinking, effort=request.reasoning.effort,
                                 answer=output_format.embedded_schema() if output_format is not None else None)
     except ChatFormatError as error:
         param = request.wire_name("reasoning") if error.field == "reasoning_effort" else request.wire_name("tools")

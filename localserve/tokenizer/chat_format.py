@@ -3,17 +3,19 @@ and what one request's turn needs of them.
 
     chat_format = detect_chat_format(tokenizer)          # once, at load; names: chat_format.tool_format.name,
                                                          # chat_format.reasoning.name (or None)
-    turn = chat_format.turn(tools, ToolChoice("auto"), parallel_tool_calls=True, thinking=True)
+    turn = chat_format.turn(tools, ToolChoice("auto"), parallel_tool_calls=True, thinking=True, effort="high")
     inputs = turn.chat_inputs(messages)                   # the messages, tools and variables for the template
     prompt_ids = tokenizer.encode_chat(inputs.messages, tools=inputs.tools, **inputs.variables)
-    turn.grammar, turn.reasoning_end, turn.skip_special_tokens   # what the engine's request carries
+    turn.grammar, turn.reasoning_end, turn.skip_special_tokens, turn.stop_token_ids  # what the engine is told
     parser = turn.stream_parser()                        # one per sequence: feed(delta) -> events, finish()
 
 Tool formats are told apart by what their templates write (checked in this order): Qwen3-Coder's
 `<function=`/`<parameter=`, Mistral's `[TOOL_CALLS]` (with `[ARGS]`: the newer form), Hermes/Qwen's
 `<tool_call>`, Llama 3's `<|python_tag|>` or `"parameters": ` beside `<|start_header_id|>`; a template with
 none of them gets the generic JSON form. A template that writes `<think>` or `</think>` reasons; the prompt
-it renders, with its switch on and off, says whether the output starts inside the block.
+it renders, with its switch on and off, says whether the output starts inside the block. A template that writes
+harmony's `<|channel|>` and `<|message|>` is gpt-oss's format (tokenizer/harmony.py), a format of its own rather
+than a tool-call format beside `<think>` reasoning: those are the "tagged" families of this module.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from localserve.tokenizer.chat_template import ChatTemplateError
+from localserve.tokenizer.chat_turn import ChatFormat, ChatInputs, ChatStreamParser, ChatTurn, check_tool_names
 from localserve.tokenizer.errors import TokenizerError
+from localserve.tokenizer.harmony import HarmonyFormat, is_harmony_template
 from localserve.tokenizer.reasoning import Marker, ReasoningSplitter, ThinkFormat
 from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, StreamEvent, coalesce
 from localserve.tokenizer.tokenizer import Tokenizer
@@ -43,7 +47,8 @@ from localserve.tokenizer.tool_formats.mistral import MistralArgsFormat, Mistral
 from localserve.tokenizer.tool_formats.qwen3_coder import Qwen3CoderFormat
 from localserve.tokenizer.tools import AUTO, ChatFormatError, ToolChoice, ToolSpec
 
-__all__ = ["TOOL_FORMATS", "ChatFormat", "ChatInputs", "ChatStreamParser", "ChatTurn", "detect_chat_format"]
+__all__ = ["TOOL_FORMATS", "ChatFormat", "ChatInputs", "ChatStreamParser", "ChatTurn", "TaggedChatFormat",
+           "TaggedStreamParser", "TaggedTurn", "detect_chat_format"]
 
 TOOL_FORMATS: dict[str, type[ToolFormat]] = {
     cls.name: cls for cls in (HermesFormat, Qwen3CoderFormat, Llama3JsonFormat, MistralArrayFormat,
@@ -70,7 +75,10 @@ def detect_chat_format(tokenizer: Tokenizer, chat_template: str | None = None) -
     template = chat_template or tokenizer.chat_template
     if not template:
         raise TokenizerError(f"{tokenizer.source}: the tokenizer has no chat template")
-    tool_format = detect_tool_format(template)(MarkerTokens.of(tokenizer.added_tokens))
+    tokens = MarkerTokens.of(tokenizer.added_tokens)
+    if is_harmony_template(template):
+        return HarmonyFormat(tokens)
+    tool_format = detect_tool_format(template)(tokens)
     reasoning = None
     if ThinkFormat.start in template or ThinkFormat.end in template:
         switch = THINKING_SWITCH if THINKING_SWITCH in template else None
@@ -85,20 +93,11 @@ def detect_chat_format(tokenizer: Tokenizer, chat_template: str | None = None) -
 
         end_ids = tuple(tokenizer.encode(ThinkFormat.end, add_special_tokens=False))
         reasoning = ThinkFormat(end_ids, switch, {True: opens(True), False: opens(False)})
-    return ChatFormat(tool_format, reasoning)
+    return TaggedChatFormat(tool_format, reasoning)
 
 
 @dataclass(frozen=True)
-class ChatInputs:
-    """What a chat template is rendered with: `tokenizer.encode_chat(messages, tools=tools, **variables)`."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    variables: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ChatFormat:
+class TaggedChatFormat(ChatFormat):
     """A model's tool-call format and reasoning format (None: the template does not reason)."""
 
     tool_format: ToolFormat
@@ -106,15 +105,10 @@ class ChatFormat:
 
     def turn(self, tools: Sequence[ToolSpec] = (), tool_choice: ToolChoice = AUTO,
              parallel_tool_calls: bool = True, thinking: bool = True,
-             answer: Mapping[str, Any] | None = None) -> ChatTurn:
-        """One request's use of the format: the tools offered, `tool_choice`, whether several calls may come,
-        whether the model thinks (where it reasons; `thinking=False` needs a template that can switch it
-        off), and the JSON schema an answer must follow when it calls nothing (`answer`, with llguidance's
-        `x-guidance` settings; under `required` or a named function the answer is the calls, so it is unused).
-        Raises ChatFormatError naming the field a request got wrong."""
-        names = [tool.name for tool in tools]
-        if duplicate := next((name for name in names if names.count(name) > 1), None):
-            raise ChatFormatError("tools", f"two tools are named {duplicate!r}")
+             answer: Mapping[str, Any] | None = None, effort: str | None = None) -> TaggedTurn:
+        """See `ChatFormat.turn`: `thinking=False` needs a template that can switch it off; `effort` has no
+        levels here; under `required` or a named function the answer is the calls, so `answer` is unused."""
+        check_tool_names(tools)
         if not thinking and self.reasoning is not None and not self.reasoning.can_disable:
             raise ChatFormatError("reasoning_effort", "this model's chat template cannot turn thinking off")
         callable_tools = tool_choice.chosen_tools(tools)
@@ -123,12 +117,11 @@ class ChatFormat:
             required = tool_choice.mode in ("required", "function")
             use = ToolUse(callable_tools, required=required, parallel=parallel_tool_calls, offered=tuple(tools),
                           answer=None if required else answer)
-        return ChatTurn(self.tool_format, self.reasoning, use, thinking)
+        return TaggedTurn(self.tool_format, self.reasoning, use, thinking)
 
 
-class ChatTurn:
-    """What one request needs of the chat format: the template's inputs, the grammar of its answer, where the
-    reasoning ends, how to decode and how to parse its output."""
+class TaggedTurn(ChatTurn):
+    """One request's turn of a tagged family: the tool format's inputs, grammar and parser, after `<think>`."""
 
     def __init__(self, tool_format: ToolFormat, reasoning: ThinkFormat | None, use: ToolUse | None,
                  thinking: bool) -> None:
@@ -139,47 +132,40 @@ class ChatTurn:
 
     @property
     def tools_offered(self) -> bool:
-        """True when the prompt offers tools (not with tool_choice `none`)."""
         return self._use is not None
 
     @property
     def reasons(self) -> bool:
-        """True when the output may begin with reasoning."""
         return self._reasoning is not None and self._thinking
 
     def chat_inputs(self, messages: Sequence[Mapping[str, Any]]) -> ChatInputs:
-        """The template's inputs for `messages` (in the APIs' shape: call arguments as JSON text)."""
         converted, tools = self._tool_format.template_inputs(messages, self._use)
         variables = self._reasoning.template_variables(self._thinking) if self._reasoning else {}
         return ChatInputs(converted, tools, variables)
 
     @property
     def grammar(self) -> CallGrammar | None:
-        """The grammar of the answer's calls, or None when no tools are offered."""
         return self._tool_format.grammar(self._use) if self._use is not None else None
 
     @property
     def reasoning_end(self) -> Marker | None:
-        """Where any grammar of the answer starts (after the reasoning), or None: from the first token."""
         return self._reasoning.end_marker if self.reasons else None
 
     @property
     def skip_special_tokens(self) -> bool:
-        """How to decode the output for the parser: False when a marker it reacts to is a special token."""
         markers = [*self._tool_format.markers] if self._use is not None else []
         if self.reasons:
             markers += [ThinkFormat.start, ThinkFormat.end]
         return not any(marker in self._tool_format.tokens.special for marker in markers)
 
-    def stream_parser(self) -> ChatStreamParser:
-        """A fresh parser for one sequence of the output."""
+    def stream_parser(self) -> TaggedStreamParser:
         splitter = self._reasoning.splitter(self._reasoning.opens_in_prompt(True)) if self.reasons else None
         if self._use is None:
-            return ChatStreamParser(splitter, PlainTextParser(CallEvents(self._tool_format.new_call_id)))
-        return ChatStreamParser(splitter, self._tool_format.parser(self._use))
+            return TaggedStreamParser(splitter, PlainTextParser(CallEvents(self._tool_format.new_call_id)))
+        return TaggedStreamParser(splitter, self._tool_format.parser(self._use))
 
 
-class ChatStreamParser:
+class TaggedStreamParser(ChatStreamParser):
     """One output's text deltas in, its events out: reasoning split off first, then the answer's content and
     calls as the tool format reads them (see `stream_events`)."""
 
@@ -188,12 +174,10 @@ class ChatStreamParser:
         self._tool_parser = tool_parser
 
     def feed(self, text: str) -> list[StreamEvent]:
-        """The events that `text`, the next delta of decoded text, completes."""
         pieces = self._splitter.feed(text) if self._splitter else [ContentDelta(text)]
         return coalesce(self._route(pieces))
 
     def finish(self) -> list[StreamEvent]:
-        """The last events, once the output has ended (held text released, an open call closed)."""
         pieces = self._splitter.finish() if self._splitter else []
         return coalesce(self._route(pieces) + self._tool_parser.finish())
 

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localserve.tokenizer.chat_format import TOOL_FORMATS, ChatStreamParser
+from localserve.tokenizer.chat_format import TOOL_FORMATS, TaggedStreamParser
 from localserve.tokenizer.reasoning import ThinkFormat
 from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, ToolCallEnd, ToolCallStart, coalesce
 from localserve.tokenizer.tool_formats.base import ToolUse
@@ -59,7 +59,7 @@ TOOLS = (ToolSpec("get_weather"), ToolSpec("search"))
        st.booleans(), st.data())
 def test_generated_reasoning_and_calls_parse_back(format_name, reasoning, content, calls, opened, data):
     text = write_reasoning(reasoning, write_answer(format_name, content, calls), opened)
-    parser = ChatStreamParser(THINK.splitter(opened), TOOL_FORMATS[format_name]().parser(ToolUse(TOOLS)))
+    parser = TaggedStreamParser(THINK.splitter(opened), TOOL_FORMATS[format_name]().parser(ToolUse(TOOLS)))
     events = []
     for piece in data.draw(split_points(text)):
         events += parser.feed(piece)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from localserve.tokenizer.held_text import split_at_marker
 from localserve.tokenizer.stream_events import (
     ContentDelta,
+    ReasoningDelta,
     StreamEvent,
     ToolCallArgumentsDelta,
     ToolCallEnd,
@@ -82,7 +83,8 @@ class CallGrammar:
 
 
 class CallEvents:
-    """The events of one output's content and calls, numbered in the order the calls open."""
+    """The events of one output's content, calls (numbered in the order they open) and, for a format whose
+    parser reads reasoning too (harmony's), its reasoning."""
 
     def __init__(self, new_call_id: Callable[[], str]) -> None:
         self._new_call_id = new_call_id
@@ -99,6 +101,10 @@ class CallEvents:
     def content(self, text: str) -> None:
         """Answer text."""
         self._events.append(ContentDelta(text))
+
+    def reasoning(self, text: str) -> None:
+        """Reasoning text."""
+        self._events.append(ReasoningDelta(text))
 
     def open(self, name: str) -> None:
         """A call of function `name` starts (the previous one must have ended)."""
