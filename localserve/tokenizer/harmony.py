@@ -212,7 +212,7 @@ class HarmonyParser(ChatStreamParser):
     and preamble bodies as content, a call's body as its arguments (the call opens when its header is complete,
     and ends, whole when its body is one JSON value, with the message or the output).
 
-    Messages of one kind are joined by a blank line. Text where a header should be that cannot be one (a line
+    The messages of one kind are joined by a blank line. Text where a header should be that cannot be one (a line
     break, over MAX_HEADER_CHARS, or the output ends) is content, as the model wrote it, up to the message's
     end; a header cut short by the end of the output is left out (it is structure, not text). A recipient
     where no tools were offered (`calls` False) does not make a call: the body is content.
@@ -224,7 +224,7 @@ class HarmonyParser(ChatStreamParser):
         self._buffer = ""
         self._state = "header"  # header | body | between (after a message's end, before the next header)
         self._kind = "content"  # the body's: reasoning | content | call
-        self._last_kind: str | None = None  # the kind of the last message that had text
+        self._kinds_seen: set[str] = set()  # the kinds of the messages that had text
         self._body_started = False
         self._value: JsonValueScanner | None = None
         self._value_done = False
@@ -303,9 +303,10 @@ class HarmonyParser(ChatStreamParser):
         if self._kind == "call":
             self._call_text(text)
             return
-        if not self._body_started and self._last_kind == self._kind:
-            text = "\n\n" + text  # a second message of the same kind
-        self._body_started, self._last_kind = True, self._kind
+        if not self._body_started and self._kind in self._kinds_seen:
+            text = "\n\n" + text  # a later message of the same kind
+        self._body_started = True
+        self._kinds_seen.add(self._kind)
         if self._kind == "reasoning":
             self._events.reasoning(text)
         else:

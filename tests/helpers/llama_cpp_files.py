@@ -34,6 +34,7 @@ TEMPLATES = (
     "mistralai-Mistral-Nemo-Instruct-2407.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
     "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
+    "openai-gpt-oss-120b.jinja",
 )
 VOCABULARIES = ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf")
 MEMBERS = {f"{MODELS_IN_SDIST}/templates/{name}": f"templates/{name}" for name in TEMPLATES} | {
