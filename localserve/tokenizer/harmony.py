@@ -82,8 +82,13 @@ class HarmonyCalls:
 
     def template_inputs(self, messages: Sequence[Mapping[str, Any]],
                         use: ToolUse | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """The messages, one call per assistant message, each followed by its results; and the tools."""
-        tools = [tool.template_tool() for tool in use.shown_tools] if use is not None else None
+        """The messages, one call per assistant message, each followed by its results; and the tools, each
+        with a description (the template writes `"// " + description` and fails on a tool without one)."""
+        tools = None
+        if use is not None:
+            tools = [tool.template_tool() for tool in use.shown_tools]
+            for tool in tools:
+                tool["function"].setdefault("description", "")
         return one_call_per_message(template_messages(messages)), tools
 
     def grammar(self, use: ToolUse) -> CallGrammar:

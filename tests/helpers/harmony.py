@@ -11,7 +11,12 @@ ids and the ids between its vocabulary and 199998 are placeholders no text encod
 
 from __future__ import annotations
 
+import json
 from functools import cache
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 from localserve.tokenizer.tokenizer import Tokenizer
 from tests.helpers.chat_families import CONTROL, NORMAL, _Field, _GGUFView, tokenizer_metadata
@@ -63,3 +68,74 @@ def harmony_reference():
 
     ours = harmony_tokenizer()
     return reference_for(ours.backend, ours.chat_template, **ours.special_tokens_map)
+
+
+# ------------------------------------------------------------------ a scripted model that speaks harmony
+SCRIPT_HIDDEN = 32
+SCRIPT_LOGIT = 32.0
+# What the scripted model says after the prompt's `<|start|>assistant` when its call is forced: an analysis
+# message, then (the grammar steering it once the script would repeat itself) the call with `city` "Paris".
+SCRIPT_REASONING = "I should look."
+SCRIPT_CITY = "Paris"
+
+
+def write_harmony_model(folder: Path) -> Path:
+    """A tiny Llama folder with the harmony tokenizer and template whose greedy next token depends only on the
+    last one (tests/helpers/scripted.py's idea, on a 201,088-id vocabulary): after `assistant` it opens a
+    channel, names it `analysis`, says SCRIPT_REASONING and ends the message; then back at `assistant` it would
+    say the same again, which a forced call's grammar (one analysis at most) does not allow: the allowed
+    token with the lowest id wins among the rest (all logits 0), so the grammar writes the call's header;
+    in the arguments' free string SCRIPT_CITY is preferred (a small bias on every token), then the string
+    and the object close. Without a grammar it repeats its analysis until its token limit."""
+    tokenizer = harmony_tokenizer()
+
+    def token(text: str) -> int:
+        [token_id] = tokenizer.encode(text, add_special_tokens=False)
+        return token_id
+
+    steps = ["assistant", "<|channel|>", "analysis", "<|message|>", "I", " should", " look", ".", "<|end|>",
+             "<|start|>", "assistant"]
+    successor = {token(a): token(b) for a, b in zip(steps, steps[1:])}
+    successor[token(SCRIPT_CITY)] = token('"}')  # the string and the object close
+    states = {token_id: index for index, token_id in enumerate(sorted({*successor, *successor.values()}))}
+    constant = SCRIPT_HIDDEN - 1
+    assert len(states) < constant
+    scale = (SCRIPT_HIDDEN / 2) ** 0.5  # RMSNorm of a row with two ones
+    embedding = torch.zeros(VOCAB_SIZE, SCRIPT_HIDDEN)
+    embedding[:, constant] = 1.0
+    head = torch.zeros(VOCAB_SIZE, SCRIPT_HIDDEN)
+    for token_id, state in states.items():
+        embedding[token_id, state] = 1.0
+    for token_id, following in successor.items():
+        head[following, states[token_id]] = SCRIPT_LOGIT / scale
+    head[token(SCRIPT_CITY), constant] = 8.0 / scale
+    write_scripted_weights(folder, embedding, head, eos_token_id=RETURN_ID)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
+         "chat_template": tokenizer.chat_template}))
+    return folder
+
+
+def write_scripted_weights(folder: Path, embedding: torch.Tensor, head: torch.Tensor, eos_token_id: int) -> None:
+    """A one-layer Llama whose layer adds nothing (zero output projections): its logits are
+    `head @ rmsnorm(embedding[token])`."""
+    vocab, hidden = embedding.shape
+    intermediate, heads = 16, 4
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+              "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 1,
+              "num_attention_heads": heads, "num_key_value_heads": heads, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 2048, "bos_token_id": FIRST_SPECIAL, "eos_token_id": eos_token_id,
+              "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    layer = "model.layers.0."
+    weights = {"model.embed_tokens.weight": embedding, "model.norm.weight": torch.ones(hidden), "lm_head.weight": head,
+               layer + "input_layernorm.weight": torch.ones(hidden),
+               layer + "post_attention_layernorm.weight": torch.ones(hidden),
+               layer + "mlp.gate_proj.weight": torch.zeros(intermediate, hidden),
+               layer + "mlp.up_proj.weight": torch.zeros(intermediate, hidden),
+               layer + "mlp.down_proj.weight": torch.zeros(hidden, intermediate)}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        weights[f"{layer}self_attn.{name}.weight"] = torch.zeros(hidden, hidden)
+    save_file(weights, str(folder / "model.safetensors"))

@@ -90,6 +90,13 @@ def test_tools_and_results_render_as_transformers_one_call_per_message():
     assert prompt.endswith("<|start|>assistant")
 
 
+def test_a_tool_without_a_description_renders():
+    bare = ToolSpec("ping")
+    inputs = harmony().turn([bare]).chat_inputs([{"role": "user", "content": "Hi"}])
+    prompt = harmony_tokenizer().apply_chat_template(inputs.messages, tools=inputs.tools, **inputs.variables)
+    assert "// \ntype ping = () => any;" in prompt
+
+
 @pytest.mark.parametrize(("effort", "level"), [(None, "medium"), ("minimal", "low"), ("low", "low"),
                                                 ("medium", "medium"), ("high", "high"), ("xhigh", "high")])
 def test_reasoning_effort_is_the_templates_level(effort, level):
