@@ -21,8 +21,18 @@ UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types (llama.cpp's llama_
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k (gpt-4o, gpt-oss): case-aware words with their contractions, numbers in threes, "/" kept after symbols.
+O200K_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + O200K_CONTRACTIONS
+               + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + O200K_CONTRACTIONS
+               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+O200K_PRE = ("gpt-4o",)
+SPLITS = {**dict.fromkeys(LLAMA3_PRE, LLAMA3_SPLIT), **dict.fromkeys(QWEN2_PRE, QWEN2_SPLIT),
+          **dict.fromkeys(O200K_PRE, O200K_SPLIT)}
+# tiktoken's vocabularies take a piece that is a whole token as it is, before any merge
+WHOLE_PIECES_FIRST = LLAMA3_PRE + O200K_PRE
 GPT2_PRE = ("default", "gpt2", "gpt-2")
 
 
@@ -98,12 +108,12 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
     backend = BackendTokenizer(BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
                                    end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
-                                   ignore_merges=pre in LLAMA3_PRE))  # as Llama 3's tokenizer.json
+                                   ignore_merges=pre in WHOLE_PIECES_FIRST))  # as Llama 3's tokenizer.json
     if pre == "smollm":  # SmolLM2's tokenizer.json: single digits, then GPT-2's byte-level regex
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                          pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    elif pre in LLAMA3_PRE or pre in QWEN2_PRE:
-        split = LLAMA3_SPLIT if pre in LLAMA3_PRE else QWEN2_SPLIT
+    elif pre in SPLITS:
+        split = SPLITS[pre]
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

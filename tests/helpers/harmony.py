@@ -4,7 +4,8 @@ gpt-oss's vocabulary is o200k_harmony (201,088 ids), which llama.cpp's sdist doe
 is Llama 3's byte-level BPE vocabulary (the sdist's `ggml-vocab-llama-bpe.gguf`, of the same tiktoken lineage)
 grown to o200k_harmony's size, with harmony's special tokens on their real ids (the public o200k_harmony
 spec: `<|startoftext|>` 199998 ... `<|call|>` 200012, `<|endofprompt|>` 200018, the rest of 199998-201087
-`<|reserved_N|>`), rebuilt by localserve's GGUF rebuilding as a gpt-oss GGUF would be. Llama 3's own special
+`<|reserved_N|>`) and o200k's pre-tokenizer (`tokenizer.ggml.pre` "gpt-4o"), rebuilt by localserve's GGUF
+rebuilding as a gpt-oss GGUF would be. Llama 3's own special
 ids and the ids between its vocabulary and 199998 are placeholders no text encodes to. End of sequence is
 `<|return|>` alone, as a gpt-oss GGUF names it: `<|call|>` ends a turn as the format's stop token.
 """
@@ -55,6 +56,7 @@ def harmony_tokenizer() -> Tokenizer:
     fields["tokenizer.ggml.eos_token_id"] = _Field(RETURN_ID)
     fields["tokenizer.ggml.padding_token_id"] = _Field(199999)
     fields["tokenizer.ggml.add_bos_token"] = _Field(False)
+    fields["tokenizer.ggml.pre"] = _Field("gpt-4o")  # o200k's pre-tokenizer, as a gpt-oss GGUF names it
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id"):
         fields.pop(key, None)
     fields["tokenizer.chat_template"] = _Field(template_text(HARMONY_TEMPLATE))

@@ -44,6 +44,26 @@ def harmony() -> HarmonyFormat:
     return detected
 
 
+# tiktoken's o200k_base split pattern, as its public definition spells it
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["Don't", "SHOUT", "it's", "HelloWorld", "12345", "km/h", "...", "\n\n", "  ",
+                                 " x", "😀", "Zürich's", "ÉCOLE", "café", "\t", "/", "<|end|>"]), max_size=10))
+def test_a_gpt_oss_gguf_splits_text_as_o200k(pieces):
+    """`tokenizer.ggml.pre` "gpt-4o" rebuilds o200k's pre-tokenizer (checked against the `regex` package)."""
+    import regex
+    from tokenizers import decoders
+
+    text = "".join(pieces)
+    split = harmony_tokenizer().backend.pre_tokenizer.pre_tokenize_str(text)
+    byte_level = decoders.ByteLevel()
+    assert [byte_level.decode([piece]) for piece, _ in split] == regex.findall(O200K, text)
+
+
 def test_the_gpt_oss_template_is_harmony():
     detected = harmony()
     assert detected.tool_format.name == "harmony" and detected.reasoning.name == "harmony"
