@@ -5,7 +5,8 @@ message and then, its call forced by tool_choice, the call the grammar steers it
 Through `openai`: the forced call arrives as `tool_calls` with valid arguments and the analysis as
 `reasoning_content`, never in `content`, whole and streamed, on chat completions and Responses (a reasoning
 item, then a function_call item). Through `anthropic`: the same conversation gives a thinking block and a
-tool_use block, whole and streamed. `<|call|>` ends the turn though the model's end of sequence is
+tool_use block, whole and streamed. Through `ollama` (no tool choice there: the analysis, which the model
+repeats without a grammar, comes as `thinking`). `<|call|>` ends the turn though the model's end of sequence is
 `<|return|>` alone; reasoning_effort reaches the template; "none" is refused naming the field."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import ollama
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
@@ -131,3 +133,18 @@ def test_the_same_conversation_through_anthropic_gives_thinking_and_tool_use(ser
         assert answer.stop_reason == "tool_use"
     assert "".join(delta.thinking for delta in deltas if delta.type == "thinking_delta") == SCRIPT_REASONING
     assert not [delta for delta in deltas if delta.type == "text_delta"]
+
+
+def test_ollama_gets_the_analysis_as_thinking(server):
+    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=60)
+    options = {"temperature": 0, "num_predict": 24}
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = client.chat(model="gpt-oss", messages=messages, think=True, options=options)
+    assert chat.message.thinking.startswith(SCRIPT_REASONING + "\n\n" + SCRIPT_REASONING)  # message after message
+    assert not chat.message.content
+    streamed = list(client.chat(model="gpt-oss", messages=messages, think=True, options=options, stream=True))
+    assert "".join(part.message.thinking or "" for part in streamed) == chat.message.thinking
+    assert not "".join(part.message.content or "" for part in streamed)
+    with pytest.raises(ollama.ResponseError) as raised:
+        client.chat(model="gpt-oss", messages=messages, think=False, options=options)
+    assert raised.value.status_code == 400 and "cannot turn thinking off" in raised.value.error
