@@ -1,6 +1,8 @@
 """Grouped-query attention over the paged KV cache: q/k/v/o projections (with or without biases), an
 optional RMSNorm of each query and key head, rotary embedding (on the whole head or its first
-`rotary_dim` values), and the layer's `AttentionGeometry` handed to the backend with its tensors."""
+`rotary_dim` values), and the layer's `AttentionGeometry` handed to the backend with its tensors: its
+sliding window (ModelConfig.attention_of) and, where the config has them, its learned sink logits
+(`sinks` [num_heads], gpt-oss)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,17 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.geometry = AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.sliding_window = config.attention_of(layer).sliding_window
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+
+    @property
+    def geometry(self) -> AttentionGeometry:
+        """How this layer attends, built when asked: `sinks` is the parameter the loader put in place (as
+        float32 logits, what the backends take)."""
+        sinks = self.sinks.float() if hasattr(self, "sinks") else None
+        return AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                 sliding_window=self.sliding_window, sinks=sinks)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
