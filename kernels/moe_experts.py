@@ -3,8 +3,9 @@ them: the CPU path, and the reference the fused-MoE kernels (fused_moe.py) are t
 
 Expert e is a gated MLP: y_e(x) = down_e(glu(gate_e x + b, up_e x + b)) + b, where glu is the experts'
 `activation`: `silu`, silu(g) * u (SwiGLU: Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE); or `clamped_swiglu`
-(gpt-oss), g' * sigmoid(alpha g') * (u' + 1) with g' = min(g, limit) and u' = clamp(u, -limit, limit). A router (the model's,
-models/layers) picks k experts per token and their weights; the layer's output for token t is
+(gpt-oss), g' * sigmoid(alpha g') * (u' + 1) with g' = min(g, limit) and u' = clamp(u, -limit, limit).
+A router (the model's, models/layers) picks k experts per token and their weights; the layer's output for
+token t is
 sum_j topk_weights[t, j] * y_{topk_ids[t, j]}(x_t). Each projection of all experts is one `ExpertMatrix`:
 dense [E, rows, columns] in the model's dtype, or on CUDA a GGUF 3-D tensor's blocks kept as stored
 (uint8 [E, rows, row_bytes], gguf_blocks.py), so a 4-bit expert is read at its stored size.

@@ -1,8 +1,7 @@
 """The mixture-of-experts MLP: a router (routers.py) picks k routed experts per token and weighs them; the
 experts are gated MLPs (SwiGLU, or gpt-oss's clamped SwiGLU: MoEConfig.activation) held per projection
-as stacked tensors [E, rows, columns] (dense, or a GGUF's
-blocks kept as stored); a shared expert (a gated MLP every token goes through, optionally scaled by
-sigmoid(w . x)) adds its output.
+as stacked tensors [E, rows, columns] (dense, or a GGUF's blocks kept as stored); a shared expert (a
+gated MLP every token goes through, optionally scaled by sigmoid(w . x)) adds its output.
 
 The product over the routed experts is kernels/moe_experts.py's contract: on CUDA the fused Triton kernels
 (`localserve.kernels.fused_moe`) when they can be imported; on the CPU the plain-torch `moe_reference`.
