@@ -22,6 +22,7 @@ from typing import Any
 
 from localserve.models.config import LayerAttention, ModelConfig, ModelConfigError, MoEConfig, hf_decoder_fields
 from localserve.models.family import DECODER_LAYER_TENSORS, Family, GGUFMetadata, Target, gguf_decoder_fields
+from localserve.models.layers.attention import check_layers
 from localserve.models.layers.decoder import DecoderForCausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -76,8 +77,10 @@ def hf_config(config: dict[str, Any], source: str) -> ModelConfig:
     except ModelConfigError as exc:
         raise ModelConfigError(f"{source}: {exc}") from None
     layers = _with_layers(fields, layer_windows(layer_types, num_layers, config.get("sliding_window"), source))
-    return ModelConfig(architecture="GptOssForCausalLM", **fields, moe=moe, layer_attention=layers,
+    read = ModelConfig(architecture="GptOssForCausalLM", **fields, moe=moe, layer_attention=layers,
                        attention_sinks=True)
+    check_layers(read, source)
+    return read
 
 
 # transformers' expert and router names -> ours (after `model.layers.N.mlp.`): (name, first row, step along
@@ -126,8 +129,10 @@ def gguf_config(meta: GGUFMetadata) -> ModelConfig:
                                "expert_used_count and expert_feed_forward_length") from None
     except ModelConfigError as exc:
         raise ModelConfigError(f"{meta.source}: {exc}") from None
-    return ModelConfig(architecture="GptOssForCausalLM", **fields, moe=moe, layer_attention=layers,
+    read = ModelConfig(architecture="GptOssForCausalLM", **fields, moe=moe, layer_attention=layers,
                        attention_sinks=True)
+    check_layers(read, meta.source)
+    return read
 
 
 def gguf_layer_targets(kind: str, suffix: str, prefix: str, config: ModelConfig) -> list[Target] | None:

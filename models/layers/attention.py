@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from localserve.kernels.rotary import apply_rope
-from localserve.models.config import ModelConfig
+from localserve.models.config import ModelConfig, ModelConfigError
 from localserve.models.layers.norms import RMSNorm
 from localserve.models.protocol import ForwardContext
 from torch import nn
@@ -33,6 +33,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if width == x.shape[-1]:
         return apply_rope(x, cos, sin)
     return torch.cat((apply_rope(x[..., :width], cos, sin), x[..., width:]), dim=-1)
+
+
+def check_layers(config: ModelConfig, source: str) -> None:
+    """Refuse, naming the layer and the value, a layer whose attention the backends cannot take (its head
+    size, its heads over its KV heads, its window): at config reading, before any weight is read."""
+    for layer in range(config.num_layers):
+        attention = config.attention_of(layer)
+        try:
+            AttentionGeometry(config.num_heads, attention.num_kv_heads, attention.head_dim, 1.0,
+                              sliding_window=attention.sliding_window)
+        except ValueError as exc:
+            raise ModelConfigError(f"{source}: layer {layer}: {exc}") from None
 
 
 class Attention(nn.Module):
