@@ -35,9 +35,10 @@ def tiny_config(**changes):
         | changes))
 
 
-def save_gpt_oss(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32, sink_scale: float = 1.0):
-    """A random model of `config` saved into `folder` with a small BPE tokenizer; returns the transformers model.
-    `sink_scale`: the sinks' spread (normal, both signs)."""
+def save_gpt_oss(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32, sink_scale: float = 1.0,
+                 sink_offset: float = 0.0, tokenizer: bool = True):
+    """A random model of `config` saved into `folder` (with a small BPE tokenizer unless not `tokenizer`);
+    returns the transformers model. The sinks: normal, times `sink_scale`, plus `sink_offset`."""
     import transformers
 
     torch.manual_seed(seed)
@@ -48,13 +49,14 @@ def save_gpt_oss(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch
             if param.dim() == 1 and not name.endswith("sinks"):
                 param.abs_().add_(0.5)
             if name.endswith("sinks"):
-                param.mul_(sink_scale)
+                param.mul_(sink_scale).add_(sink_offset)
             if name.endswith("gate_up_proj"):
                 param.mul_(EXPERT_GATE_UP_SCALE)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
-    write_bpe_tokenizer(folder, VOCAB, SPECIALS)
+    if tokenizer:
+        write_bpe_tokenizer(folder, VOCAB, SPECIALS)
     return model
 
 

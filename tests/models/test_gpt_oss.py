@@ -7,10 +7,14 @@ prompts and generations several windows long through the paged cache; and what i
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import gguf
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from localserve.loading.hf import ModelLoadError, load_model
 from tests.helpers.gguf_convert import convert
@@ -29,10 +33,12 @@ NUM_TOKENS = 60
 
 
 def transformers_greedy(hf_model, prompt: list[int], num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """transformers' prompt logits and greedy tokens, each step a whole forward pass: its KV cache keeps
+    nothing of a window of 1 (transformers 5.25's cached generate then differs from its own forward)."""
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt])).logits[0].float()
         tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+                                   eos_token_id=None, pad_token_id=0, use_cache=False)[0, len(prompt):].tolist()
     return logits, tokens
 
 
@@ -160,3 +166,54 @@ def test_configs_the_kernels_cannot_take_are_refused_naming_the_layer_and_value(
     with pytest.raises(ModelLoadError) as info:
         load_model(edited(dense[0], tmp_path, **changes))
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def check_generated(tmp, config, prompt_length: int, seed: int, num_tokens: int = 6, **sinks) -> None:
+    """A model of `config` (saved without a tokenizer) against transformers: prompt logits and greedy tokens."""
+    hf_model = save_gpt_oss(tmp, config, seed=seed, tokenizer=False, **sinks)
+    _, runner = make_runner(tmp)
+    prompt = torch.randint(3, 320, (prompt_length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    assert_matches(runner, hf_model, prompt, num_tokens, table=list(range(8)))
+
+
+@st.composite
+def configs(draw):
+    num_kv_heads = draw(st.integers(1, 2))
+    num_experts = draw(st.integers(1, 5))
+    num_layers = draw(st.integers(1, 3))
+    return tiny_config(
+        num_hidden_layers=num_layers, num_key_value_heads=num_kv_heads,
+        num_attention_heads=num_kv_heads * draw(st.integers(1, 3)), head_dim=draw(st.sampled_from([8, 16, 32])),
+        num_local_experts=num_experts, num_experts_per_tok=draw(st.integers(1, num_experts)),
+        sliding_window=draw(st.integers(1, 40)), intermediate_size=draw(st.sampled_from([32, 64])),
+        layer_types=draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=num_layers,
+                                  max_size=num_layers)))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs(), prompt_length=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_generated_configs_against_transformers(config, prompt_length, seed):
+    """Windows, head counts, head sizes, expert counts, k and layer patterns drawn at random; prompts up to
+    70 tokens (several windows of most)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        check_generated(Path(tmp), config, prompt_length, seed)
+
+
+# At the limits: a window of one key (each query sees itself), a window as long as the prompt and one key
+# shorter, every expert chosen (k = E), one expert, sinks that take nearly all the probability and sinks
+# that take none.
+LIMITS = {
+    "window-1": (dict(sliding_window=1), {}),
+    "window-prompt": (dict(sliding_window=40), {}),
+    "window-prompt-less-1": (dict(sliding_window=39), {}),
+    "k-equals-experts": (dict(num_local_experts=3, num_experts_per_tok=3), {}),
+    "one-expert": (dict(num_local_experts=1, num_experts_per_tok=1), {}),
+    "sinks-dominate": ({}, dict(sink_scale=0.0, sink_offset=30.0)),
+    "sinks-vanish": ({}, dict(sink_scale=0.0, sink_offset=-60.0)),
+}
+
+
+@pytest.mark.parametrize("case", LIMITS)
+def test_at_the_limits(case, tmp_path):
+    changes, sinks = LIMITS[case]
+    check_generated(tmp_path, tiny_config(**changes), prompt_length=40, seed=len(case), **sinks)
