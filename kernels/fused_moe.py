@@ -3,7 +3,7 @@ GGUF blocks, multiplied without gathering any expert's weights; moe_reference is
 
 Two ways, chosen by the batch (choose_moe_method):
 - `per_token` (decode): a program takes one (token, expert) pair and BLOCK_N rows of that expert's gate
-  and up, as the GGUF gemv does (gemv_tiles), and writes act(gate) * up; then a program takes one token
+  and up, as the GGUF gemv does (gemv_tiles), and writes glu(gate, up); then a program takes one token
   and BLOCK_N rows of `down` and sums its k experts, weighted, in registers. Each pair reads its expert's
   rows directly (llama.cpp's mul_mat_id vector path): two tokens that chose one expert read it twice,
   which costs nothing while few tokens share experts.
@@ -113,6 +113,16 @@ def _tile_product(x_rows, x_ok, w_ptr, bias_ptr, expert, rows, num_rows, columns
 
 
 @triton.jit
+def _glu(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    """The experts' activation (moe_experts.py): silu(gate) * up, or gpt-oss's clamped SwiGLU."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _run(sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A grouped program's (pairs [BM] of its run, which of them are real, its rows [BN] of W)."""
     pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -125,11 +135,12 @@ def _token_gate_up_kernel(
     gate_ptr, up_ptr,  # [E, I, H] dense, or uint8 [E, I, row bytes] blocks
     gate_bias_ptr, up_bias_ptr,  # [E, I] (read only with GATE_BIAS / UP_BIAS)
     topk_ids_ptr,  # [T * k] the pairs' experts
-    hidden_ptr,  # [T * k, I] out: act(gate x) * (up x), model dtype
+    hidden_ptr,  # [T * k, I] out: glu(gate x, up x), model dtype
     num_experts, top_k, hidden_size, intermediate_size, stride_x,
     gate_expert_stride, gate_row_stride, up_expert_stride, up_row_stride,  # elements (bytes for blocks)
     GATE: tl.constexpr, UP: tl.constexpr,  # (FORMAT, PLANES, BLOCK_VALUES, BLOCK_BYTES, TILE_BLOCKS, GROUP)
     GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    alpha, limit, CLAMPED: tl.constexpr,  # the activation: _glu
 ):
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair)
@@ -141,14 +152,14 @@ def _token_gate_up_kernel(
                            gate_expert_stride, gate_row_stride, GATE, GATE_BIAS, BLOCK_N)
     up = _vector_product(x_row, 1, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
                          up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_N)
-    hidden = gate * tl.sigmoid(gate) * up
+    hidden = _glu(gate, up, alpha, limit, CLAMPED)
     tl.store(hidden_ptr + pair.to(tl.int64) * intermediate_size + rows,
              cast_round_nearest(hidden, hidden_ptr.dtype.element_ty), mask=rows < intermediate_size)
 
 
 @triton.jit
 def _token_down_kernel(
-    hidden_ptr,  # [T * k, I] act(gate) * up, model dtype
+    hidden_ptr,  # [T * k, I] glu(gate, up), model dtype
     down_ptr,  # [E, H, I] dense, or uint8 [E, H, row bytes] blocks
     down_bias_ptr,  # [E, H] (read only with DOWN_BIAS)
     topk_ids_ptr, topk_weights_ptr,  # [T * k]
@@ -181,11 +192,12 @@ def _grouped_gate_up_kernel(
     gate_bias_ptr, up_bias_ptr,  # [E, I] (read only with GATE_BIAS / UP_BIAS)
     sorted_pairs_ptr,  # [S] pairs t * k + j grouped by expert, each expert's run padded to BLOCK_M with T * k
     run_experts_ptr,  # [S / BLOCK_M] the expert of each run of BLOCK_M, -1 for the runs past the last
-    hidden_ptr,  # [T * k, I] out: act(gate x) * (up x), model dtype
+    hidden_ptr,  # [T * k, I] out: glu(gate x, up x), model dtype
     num_pairs, top_k, hidden_size, intermediate_size, stride_x,
     gate_expert_stride, gate_row_stride, up_expert_stride, up_row_stride,
     GATE: tl.constexpr, UP: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    alpha, limit, CLAMPED: tl.constexpr,  # the activation: _glu
 ):
     expert = tl.load(run_experts_ptr + tl.program_id(0))
     if expert < 0:
@@ -197,7 +209,7 @@ def _grouped_gate_up_kernel(
                          DOT_PRECISION)
     up = _tile_product(x_rows, pair_ok, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
                        up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_M, BLOCK_N, COMPUTE, DOT_PRECISION)
-    hidden = gate * tl.sigmoid(gate) * up
+    hidden = _glu(gate, up, alpha, limit, CLAMPED)
     out = hidden_ptr + pairs.to(tl.int64)[:, None] * intermediate_size + rows[None, :]
     tl.store(out, cast_round_nearest(hidden, hidden_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (rows < intermediate_size)[None, :])
@@ -205,7 +217,7 @@ def _grouped_gate_up_kernel(
 
 @triton.jit
 def _grouped_down_kernel(
-    hidden_ptr,  # [T * k, I] act(gate) * up, model dtype
+    hidden_ptr,  # [T * k, I] glu(gate, up), model dtype
     down_ptr,  # [E, H, I] dense, or uint8 [E, H, row bytes] blocks
     down_bias_ptr,  # [E, H] (read only with DOWN_BIAS)
     topk_weights_ptr,  # [T * k]
@@ -300,7 +312,7 @@ def _check(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_weigh
 def fused_moe(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
               method: str | None = None, config: MoeConfig | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in x's dtype: for each token the sum over
-    its k experts of weight * down_e(act(gate_e x) * up_e x), as moe_reference.
+    its k experts of weight * down_e(glu(gate_e x, up_e x)), as moe_reference.
 
     `method`: 'per_token' or 'grouped'; None chooses by the batch (choose_moe_method). `config`: the
     device's default (moe_config) unless given.
@@ -323,7 +335,9 @@ def fused_moe(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_we
     hidden = torch.empty(num_tokens * top_k, intermediate_size, dtype=x.dtype, device=x.device)
     # An absent bias is never read; the weights stand in for its pointer.
     biases = [m.data if m.bias is None else m.bias for m in (gate, up, down)]
-    gate_up = dict(GATE=gate_layout, UP=up_layout, GATE_BIAS=gate.bias is not None, UP_BIAS=up.bias is not None)
+    gate_up = dict(GATE=gate_layout, UP=up_layout, GATE_BIAS=gate.bias is not None, UP_BIAS=up.bias is not None,
+                   alpha=float(experts.alpha), limit=float(experts.limit),
+                   CLAMPED=experts.activation == "clamped_swiglu")
     down_args = dict(DOWN=down_layout, DOWN_BIAS=down.bias is not None)
     if method == "per_token":
         _token_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate_size, block_n))](

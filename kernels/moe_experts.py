@@ -1,8 +1,11 @@
 """One mixture-of-experts layer's routed experts as the kernels read them, and the plain-torch product over
 them: the CPU path, and the reference the fused-MoE kernels (fused_moe.py) are tested against.
 
-Expert e is a gated MLP: y_e(x) = down_e(act(gate_e x + b) * (up_e x + b)) + b. A router (the model's,
-models/layers) picks k experts per token and their weights; the layer's output for token t is
+Expert e is a gated MLP: y_e(x) = down_e(glu(gate_e x + b, up_e x + b)) + b, where glu is the experts'
+`activation`: `silu`, silu(g) * u (SwiGLU: Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE); or `clamped_swiglu`
+(gpt-oss), g' * sigmoid(alpha g') * (u' + 1) with g' = min(g, limit) and u' = clamp(u, -limit, limit).
+A router (the model's, models/layers) picks k experts per token and their weights; the layer's output for
+token t is
 sum_j topk_weights[t, j] * y_{topk_ids[t, j]}(x_t). Each projection of all experts is one `ExpertMatrix`:
 dense [E, rows, columns] in the model's dtype, or on CUDA a GGUF 3-D tensor's blocks kept as stored
 (uint8 [E, rows, row_bytes], gguf_blocks.py), so a 4-bit expert is read at its stored size.
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from localserve.kernels.gguf_blocks import QuantFormat
 
-ACTIVATIONS = ("silu",)  # act() of the gate: SwiGLU (Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE)
+ACTIVATIONS = ("silu", "clamped_swiglu")  # glu(gate, up), the module doc defines each
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,14 @@ class Experts:
     up: ExpertMatrix
     down: ExpertMatrix
     activation: str = "silu"
+    alpha: float = 1.702  # clamped_swiglu's
+    limit: float = 7.0  # clamped_swiglu's
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown expert activation {self.activation!r}; known: {', '.join(ACTIVATIONS)}")
+        if self.activation == "clamped_swiglu" and not self.limit > 0:
+            raise ValueError(f"clamped_swiglu's limit {self.limit} must be positive")
         hidden, intermediate = self.gate.columns, self.gate.rows
         shapes = {(m.num_experts, m.rows, m.columns) for m in (self.gate, self.up)}
         if shapes != {(self.num_experts, intermediate, hidden)} or (
@@ -95,6 +102,15 @@ def expert_weight(matrix: ExpertMatrix, expert: int, dtype: torch.dtype) -> torc
     return dequantize_rows(matrix.data[expert].contiguous(), matrix.format, matrix.columns, dtype)
 
 
+def glu(gate: torch.Tensor, up: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """The experts' activation of their gate and up projections (the module doc)."""
+    if experts.activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=experts.limit)
+    up = up.clamp(-experts.limit, experts.limit)
+    return gate * torch.sigmoid(gate * experts.alpha) * (up + 1)
+
+
 def _project(x: torch.Tensor, matrix: ExpertMatrix, expert: int) -> torch.Tensor:
     out = x @ expert_weight(matrix, expert, x.dtype).T
     return out if matrix.bias is None else out + matrix.bias[expert]
@@ -121,7 +137,7 @@ def moe_reference(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor,
         start += count
         tokens = picks // top_k
         rows = x[tokens]
-        hidden = torch.nn.functional.silu(_project(rows, experts.gate, expert)) * _project(rows, experts.up, expert)
+        hidden = glu(_project(rows, experts.gate, expert), _project(rows, experts.up, expert), experts)
         out = _project(hidden, experts.down, expert)
         weights = topk_weights.reshape(-1)[picks].to(torch.float32)
         output.index_add_(0, tokens, out.to(torch.float32) * weights[:, None])

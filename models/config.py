@@ -15,6 +15,7 @@ from localserve.models.pooling import PoolingSpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 class ModelConfigError(ValueError):
@@ -36,6 +37,8 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
+    # yarn: round the correction range out to whole dimensions (transformers' default); gpt-oss keeps it exact
+    truncate: bool = True
     # Per-frequency divisors stored in a GGUF's `rope_freqs.weight` (llama3 scaling there).
     freq_factors: tuple[float, ...] | None = None
     # longrope (Phi-3): per-frequency divisors below and from `original_max_position_embeddings` on.
@@ -68,10 +71,20 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # one shared expert of this size beside the routed ones; 0: none
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(w . x)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (`intermediate_size` of the model) instead
+    # The experts' gated activation, one of EXPERT_ACTIVATIONS (kernels/moe_experts.py defines each):
+    # `silu`: silu(gate) * up; `clamped_swiglu` (gpt-oss): its `swiglu_alpha` and `swiglu_limit`.
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.router not in ROUTER_KINDS:
             raise ModelConfigError(f"router kind {self.router!r} is not one of {', '.join(ROUTER_KINDS)}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelConfigError(f"expert activation {self.activation!r} is not one of "
+                                   f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if not self.swiglu_limit > 0:
+            raise ModelConfigError(f"swiglu_limit {self.swiglu_limit} must be positive")
         if not 0 < self.top_k <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
         if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
@@ -130,6 +143,8 @@ class ModelConfig:
     unloaded_parts: tuple[str, ...] = ()
     # Per-layer attention where layers differ (one entry per layer); empty: every layer as the fields above.
     layer_attention: tuple[LayerAttention, ...] = ()
+    # A learned logit per attention head in every softmax's denominator (gpt-oss's sinks, `self_attn.sinks`).
+    attention_sinks: bool = False
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:
@@ -215,6 +230,7 @@ def rope_from_hf(config: dict[str, Any], source: str) -> RopeConfig:
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=attention_factor,
+        truncate=bool(params.get("truncate", True)),
         short_factor=_floats(params.get("short_factor")),
         long_factor=_floats(params.get("long_factor")),
         query_scale_beta=params.get("llama_4_scaling_beta"),

@@ -19,7 +19,9 @@ class Target:
     """Where (part of) a checkpoint tensor goes in the model.
 
     `rows`: the rows [start, stop) of the source along `axis` that go there (one part of a fused tensor;
-    axis 1 of a stacked expert tensor [E, rows, ...]);
+    axis 1 of a stacked expert tensor [E, rows, ...]), every `step`-th of them (gpt-oss interleaves its
+    experts' gate and up rows: start 0 or 1, step 2);
+    `transpose`: the last two axes swapped after the cut (a checkpoint storing [E, in, out]);
     `expert`: the slot of a stacked expert parameter [E, ...] that this (one expert's) tensor fills;
     `unpermute_heads`: llama.cpp interleaved the rotary halves of this Q or K over that many heads.
     """
@@ -27,6 +29,8 @@ class Target:
     name: str
     rows: tuple[int, int] | None = None
     axis: int = 0
+    step: int = 1
+    transpose: bool = False
     expert: int | None = None
     unpermute_heads: int | None = None
 

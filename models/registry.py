@@ -25,13 +25,14 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Mistral3ForConditionalGeneration": "mistral3",
     "Ministral3ForCausalLM": "mistral3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Hugging Face `model_type` -> family module, for a config that names no architecture we know
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "phi3": "phi3", "mistral3": "mistral3", "ministral3": "mistral3"}
+                  "phi3": "phi3", "mistral3": "mistral3", "ministral3": "mistral3", "gpt_oss": "gpt_oss"}
 # GGUF `general.architecture` -> family module
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
-                      "mistral3": "mistral3"}
+                      "mistral3": "mistral3", "gpt-oss": "gpt_oss"}
 
 
 def family(name: str) -> Family:

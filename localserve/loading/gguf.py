@@ -133,7 +133,9 @@ def check_gguf_tensors(reader, config: ModelConfig, expected: dict[str, tuple[in
                                     f"in a {config.architecture} of this config")
             have = list(shape)
             if target.rows is not None:
-                have[target.axis] = target.rows[1] - target.rows[0]
+                have[target.axis] = len(range(*target.rows, target.step))
+            if target.transpose:
+                have[-2:] = have[:-3:-1]
             if not same_values(tuple(have), tuple(want)):
                 raise GGUFLoadError(f"{path}: tensor {tensor.name!r} has shape {shape}, the metadata implies "
                                     f"{tuple(want)} for {target.name}")

@@ -4,7 +4,8 @@ The config names the family (models/registry.py), whose model is built on the me
 read from disk, cut to where the family puts it, converted to the run dtype and assigned in place, so peak
 memory stays near one copy of the weights. A GGUF's quantized weights may instead stay in their blocks
 (`keep_quantized_weights`): their layers become `QuantizedLinear` / `QuantizedEmbedding`, and a mixture of
-experts' stacks keep their blocks (`RoutedExperts.keep_quantized`).
+experts' stacks keep their blocks (`RoutedExperts.keep_quantized`). So may a Hugging Face folder's MXFP4
+experts (`_blocks`/`_scales` pairs, loading/mxfp4.py), dequantized at load otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from localserve.loading import mxfp4
 from localserve.loading.default_model import HUB_PATTERNS, resolve_default_model
 from localserve.loading.pieces import same_values, take
 from localserve.loading.pooling_config import PoolingConfigError, folder_pooling
@@ -104,8 +106,23 @@ def serving_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def default_keep_quantized(path: Path, device: torch.device | str) -> bool:
-    """--keep-quantized-weights by default: for a .gguf on CUDA (on a CPU the kernels cannot run)."""
-    return path.suffix == ".gguf" and torch.device(device).type == "cuda"
+    """--keep-quantized-weights by default: for a .gguf, or a folder of MXFP4 weights, on CUDA (on a CPU the
+    kernels cannot run)."""
+    if torch.device(device).type != "cuda":
+        return False
+    return path.suffix == ".gguf" or (path.is_dir() and has_mxfp4_weights(path))
+
+
+def has_mxfp4_weights(folder: Path) -> bool:
+    """Whether a Hugging Face folder's config says its weights are (partly) MXFP4 (`quant_method: mxfp4`)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    except json.JSONDecodeError:
+        return False
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
 
 
 def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
@@ -130,7 +147,7 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
         check_gguf_tensors(gguf_reader, config, expected, path)
         weights = iter_gguf_weights(path, config, gguf_reader, keep_quantized=keep_quantized_weights)
     else:
-        weights = iter_safetensors_weights(path, config)
+        weights = iter_safetensors_weights(path, config, keep_quantized=keep_quantized_weights)
     for part in config.unloaded_parts:
         log.info("%s: its %s is left unloaded (served as a text model)", path.name, part)
     _stream_weights(model, weights, dtype, device, source=path)
@@ -209,23 +226,56 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(folder: Path, config: ModelConfig) -> Iterator[tuple[Target, torch.Tensor]]:
+def iter_safetensors_weights(folder: Path, config: ModelConfig,
+                             keep_quantized: bool = False) -> Iterator[tuple[Target, torch.Tensor | QuantizedTensor]]:
     """Yield (target, tensor) one tensor at a time from every shard, each cut to where the model's family
-    puts it (models/family.py's `hf_targets`)."""
+    puts it (models/family.py's `hf_targets`). An MXFP4 pair (`<name>_blocks` with its `<name>_scales`,
+    wherever the shards put them) comes once, under the blocks' name: as GGUF MXFP4 blocks with
+    `keep_quantized`, else dequantized."""
     hf_targets = family(config.family).hf_targets
-    for file in safetensors_files(folder):
+    files = safetensors_files(folder)
+    where = {name: file for file in files for name in _tensor_names(file)}
+    pairs = {scales for name in where if (scales := mxfp4.partner(name)) in where}
+    for file in files:
         try:
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if name in pairs:
+                        continue  # read with its blocks
                     targets = hf_targets(name, config)
-                    if targets is None:
-                        yield Target(name), shard.get_tensor(name)
+                    if targets == []:
                         continue
-                    tensor = shard.get_tensor(name) if targets else None
+                    tensor = shard.get_tensor(name)
+                    if mxfp4.partner(name) in pairs:
+                        tensor = _mxfp4_tensor(name, tensor, where, keep_quantized)
+                    if targets is None:
+                        yield Target(name), tensor
+                        continue
                     for target in targets:
                         yield target, take(tensor, target)
         except SafetensorError as exc:
             raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})") from None
+
+
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        with safe_open(file, framework="pt") as shard:
+            return list(shard.keys())
+    except SafetensorError as exc:
+        raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})") from None
+
+
+def _mxfp4_tensor(name: str, blocks: torch.Tensor, where: dict[str, Path],
+                  keep_quantized: bool) -> torch.Tensor | QuantizedTensor:
+    scales_name = mxfp4.partner(name)
+    with safe_open(where[scales_name], framework="pt") as shard:
+        scales = shard.get_tensor(scales_name)
+    try:
+        if keep_quantized:
+            return mxfp4.to_gguf_blocks(name, blocks, scales)
+        return mxfp4.dequantize(name, blocks, scales)
+    except mxfp4.MXFP4Error as exc:
+        raise ModelLoadError(f"{where[name]}: {exc}") from None
 
 
 def _stream_weights(model: CausalLM, weights: Iterator[tuple[Target, torch.Tensor | QuantizedTensor]],

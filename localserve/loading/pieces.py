@@ -22,8 +22,11 @@ def same_values(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
 
 
 def take(tensor: torch.Tensor | QuantizedTensor, target: Target) -> torch.Tensor | QuantizedTensor:
-    """The part of `tensor` that `target` names."""
+    """The part of `tensor` that `target` names (a quantized tensor's blocks cut by whole rows, never
+    transposed)."""
     if isinstance(tensor, QuantizedTensor):
+        if target.transpose or target.axis == tensor.blocks.dim() - 1:
+            raise ValueError(f"{target.name}: quantized blocks are cut by whole rows, never transposed")
         blocks = _take_rows(tensor.blocks, target)
         shape = (*blocks.shape[:-1], tensor.shape[-1])
         return QuantizedTensor(blocks, tensor.qtype, shape)
@@ -32,7 +35,12 @@ def take(tensor: torch.Tensor | QuantizedTensor, target: Target) -> torch.Tensor
 
 def _take_rows(tensor: torch.Tensor, target: Target) -> torch.Tensor:
     if target.rows is not None:
-        tensor = tensor.narrow(target.axis, target.rows[0], target.rows[1] - target.rows[0])
+        start, stop = target.rows
+        index = [slice(None)] * tensor.dim()
+        index[target.axis] = slice(start, stop, target.step)
+        tensor = tensor[tuple(index)]
+    if target.transpose:
+        tensor = tensor.transpose(-1, -2)
     if target.unpermute_heads is not None:
         tensor = unpermute_rotary(tensor, target.unpermute_heads)
     return tensor.contiguous()

@@ -1,6 +1,8 @@
 """Grouped-query attention over the paged KV cache: q/k/v/o projections (with or without biases), an
 optional RMSNorm of each query and key head, rotary embedding (on the whole head or its first
-`rotary_dim` values), and the layer's `AttentionGeometry` handed to the backend with its tensors."""
+`rotary_dim` values), and the layer's `AttentionGeometry` handed to the backend with its tensors: its
+sliding window (ModelConfig.attention_of) and, where the config has them, its learned sink logits
+(`sinks` [num_heads], gpt-oss)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from localserve.kernels.rotary import apply_rope
-from localserve.models.config import ModelConfig
+from localserve.models.config import ModelConfig, ModelConfigError
 from localserve.models.layers.norms import RMSNorm
 from localserve.models.protocol import ForwardContext
 from torch import nn
@@ -33,6 +35,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((apply_rope(x[..., :width], cos, sin), x[..., width:]), dim=-1)
 
 
+def check_layers(config: ModelConfig, source: str) -> None:
+    """Refuse, naming the layer and the value, a layer whose attention the backends cannot take (its head
+    size, its heads over its KV heads, its window): at config reading, before any weight is read."""
+    for layer in range(config.num_layers):
+        attention = config.attention_of(layer)
+        try:
+            AttentionGeometry(config.num_heads, attention.num_kv_heads, attention.head_dim, 1.0,
+                              sliding_window=attention.sliding_window)
+        except ValueError as exc:
+            raise ModelConfigError(f"{source}: layer {layer}: {exc}") from None
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -46,7 +60,17 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.geometry = AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.sliding_window = config.attention_of(layer).sliding_window
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+
+    @property
+    def geometry(self) -> AttentionGeometry:
+        """How this layer attends, built when asked: `sinks` is the parameter the loader put in place (as
+        float32 logits, what the backends take)."""
+        sinks = self.sinks.float() if hasattr(self, "sinks") else None
+        return AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                 sliding_window=self.sliding_window, sinks=sinks)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]

@@ -1,7 +1,7 @@
 """The mixture-of-experts MLP: a router (routers.py) picks k routed experts per token and weighs them; the
-experts are gated MLPs held per projection as stacked tensors [E, rows, columns] (dense, or a GGUF's
-blocks kept as stored); a shared expert (a gated MLP every token goes through, optionally scaled by
-sigmoid(w . x)) adds its output.
+experts are gated MLPs (SwiGLU, or gpt-oss's clamped SwiGLU: MoEConfig.activation) held per projection
+as stacked tensors [E, rows, columns] (dense, or a GGUF's blocks kept as stored); a shared expert (a
+gated MLP every token goes through, optionally scaled by sigmoid(w . x)) adds its output.
 
 The product over the routed experts is kernels/moe_experts.py's contract: on CUDA the fused Triton kernels
 (`localserve.kernels.fused_moe`) when they can be imported; on the CPU the plain-torch `moe_reference`.
@@ -37,8 +37,10 @@ class RoutedExperts(nn.Module):
     """E experts' gate and up [E, I, H] and down [E, H, I] projections (with biases [E, rows] where the family
     has them), named as transformers 5 names them (`mlp.experts.down_proj`)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: dict | None = None) -> None:
         super().__init__()
+        self.activation = activation or {}  # Experts' activation fields (activation, alpha, limit) if not silu
         shapes = {"gate_proj": (intermediate_size, hidden_size), "up_proj": (intermediate_size, hidden_size),
                   "down_proj": (hidden_size, intermediate_size)}
         for name, shape in shapes.items():
@@ -68,7 +70,7 @@ class RoutedExperts(nn.Module):
             matrices.append(ExpertMatrix(getattr(self, name), self.columns[name],
                                          None if qtype is None else QUANT_FORMATS[qtype],
                                          getattr(self, name.replace("_proj", "_bias"), None)))
-        return Experts(*matrices)
+        return Experts(*matrices, **self.activation)
 
 
 class MoE(nn.Module):
@@ -80,7 +82,8 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         if moe.selection_bias:
             self.selection_bias = nn.Parameter(torch.empty(moe.num_experts))
-        self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size, moe.expert_bias)
+        activation = dict(activation=moe.activation, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+        self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.intermediate_size, moe.expert_bias, activation)
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, moe.shared_intermediate_size, bias)
             if moe.shared_expert_gate:

@@ -12,6 +12,8 @@ program as Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -53,9 +55,12 @@ def assert_equals_reference(out: torch.Tensor, x: torch.Tensor, reference_expert
     assert error <= TOLERANCE[x.dtype] * expected.abs().max().item(), (error, expected.abs().max().item())
 
 
-def run_case(qtype: str, num_tokens: int, method: str, config=None, seed: int = 0, biases: bool = False) -> None:
+def run_case(qtype: str, num_tokens: int, method: str, config=None, seed: int = 0, biases: bool = False,
+             **activation) -> None:
+    """`activation`: the Experts' activation fields (activation, alpha, limit) where not SwiGLU's."""
     hidden, intermediate = expert_shape(qtype)
     experts, reference_experts = random_experts(qtype, NUM_EXPERTS, hidden, intermediate, seed, biases)
+    experts, reference_experts = (dataclasses.replace(e, **activation) for e in (experts, reference_experts))
     ids, weights = uneven_routes(num_tokens, NUM_EXPERTS, TOP_K, seed)
     x = activations(qtype, num_tokens, seed)
     out = fused_moe(x.to(DEVICE), experts, ids.to(DEVICE), weights.to(DEVICE), method=method, config=config)
@@ -98,6 +103,14 @@ def test_expert_biases(method):
     """Biases on gate, up and down (gpt-oss has them), dense and quantized."""
     run_case("bf16", 7, method, seed=5, biases=True)
     run_case("Q4_0", 7, method, seed=5, biases=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_clamped_swiglu_of_gpt_oss(method):
+    """gpt-oss's activation with biases, on dense and MXFP4 experts; a limit of 0.5 clamps most gate and up
+    values (the kernels and the reference clamp alike), alpha not 1 (unlike silu)."""
+    for qtype in ("bf16", "MXFP4"):
+        run_case(qtype, 7, method, seed=9, biases=True, activation="clamped_swiglu", alpha=1.702, limit=0.5)
 
 
 def test_grouped_with_cuda_tiling():
