@@ -81,14 +81,14 @@ SCRIPT_REASONING = "I should look."
 SCRIPT_CITY = "Paris"
 
 
-def write_harmony_model(folder: Path) -> Path:
-    """A tiny Llama folder with the harmony tokenizer and template whose greedy next token depends only on the
-    last one (tests/helpers/scripted.py's idea, on a 201,088-id vocabulary): after `assistant` it opens a
-    channel, names it `analysis`, says SCRIPT_REASONING and ends the message; then back at `assistant` it would
-    say the same again, which a forced call's grammar (one analysis at most) does not allow: the allowed
-    token with the lowest id wins among the rest (all logits 0), so the grammar writes the call's header;
-    in the arguments' free string SCRIPT_CITY is preferred (a small bias on every token), then the string
-    and the object close. Without a grammar it repeats its analysis until its token limit."""
+def write_harmony_model(folder: Path, family: str = "gpt-oss") -> Path:
+    """A tiny model folder (`family` "gpt-oss", or "llama") with the harmony tokenizer and template whose greedy
+    next token depends only on the last one (tests/helpers/scripted.py's idea, on a 201,088-id vocabulary):
+    after `assistant` it opens a channel, names it `analysis`, says SCRIPT_REASONING and ends the message; then
+    back at `assistant` it would say the same again, which a forced call's grammar (one analysis at most) does
+    not allow: the allowed token with the lowest id wins among the rest (all logits 0), so the grammar writes
+    the call's header; in the arguments' free string SCRIPT_CITY is preferred (a small bias on every token),
+    then the string and the object close. Without a grammar it repeats its analysis until its token limit."""
     tokenizer = harmony_tokenizer()
 
     def token(text: str) -> int:
@@ -111,12 +111,37 @@ def write_harmony_model(folder: Path) -> Path:
     for token_id, following in successor.items():
         head[following, states[token_id]] = SCRIPT_LOGIT / scale
     head[token(SCRIPT_CITY), constant] = 8.0 / scale
-    write_scripted_weights(folder, embedding, head, eos_token_id=RETURN_ID)
+    if family == "gpt-oss":
+        write_scripted_gpt_oss(folder, embedding, head)
+    else:
+        write_scripted_weights(folder, embedding, head, eos_token_id=RETURN_ID)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
          "chat_template": tokenizer.chat_template}))
     return folder
+
+
+def write_scripted_gpt_oss(folder: Path, embedding: torch.Tensor, head: torch.Tensor) -> None:
+    """A tiny gpt-oss (transformers' GptOssConfig: windows, sinks, experts) whose layers add nothing (every
+    weight and bias zero but the norms'): its logits are `head @ rmsnorm(embedding[token])`."""
+    import transformers
+
+    from tests.helpers.gpt_oss_models import tiny_config
+
+    vocab, hidden = embedding.shape
+    config = tiny_config(vocab_size=vocab, hidden_size=hidden, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+                         num_experts_per_tok=1, bos_token_id=FIRST_SPECIAL, eos_token_id=RETURN_ID,
+                         pad_token_id=FIRST_SPECIAL + 1, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        model.get_input_embeddings().weight.copy_(embedding)
+        model.get_output_embeddings().weight.copy_(head)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
 
 
 def write_scripted_weights(folder: Path, embedding: torch.Tensor, head: torch.Tensor, eos_token_id: int) -> None:

@@ -1,6 +1,7 @@
 """A gpt-oss conversation in harmony through the official SDKs: llama.cpp's real gpt-oss template and a
-tokenizer with harmony's real token ids, on a scripted model (tests/helpers/harmony.py) that writes an analysis
-message and then, its call forced by tool_choice, the call the grammar steers it to.
+tokenizer with harmony's real token ids, on a tiny gpt-oss (GptOssForCausalLM: windows, sinks, experts) scripted
+to write an analysis message and then, its call forced by tool_choice, the call the grammar steers it to
+(tests/helpers/harmony.py).
 
 Through `openai`: the forced call arrives as `tool_calls` with valid arguments and the analysis as
 `reasoning_content`, never in `content`, whole and streamed, on chat completions and Responses (a reasoning
@@ -55,6 +56,7 @@ def ask(client, **fields) -> ChatCompletion:
 def test_models_show_the_harmony_format(client):
     [model] = client.models.list().data
     assert (model.tool_call_format, model.reasoning) == ("harmony", {"format": "harmony", "can_disable": False})
+    assert model.architecture == "GptOssForCausalLM"
 
 
 @pytest.mark.parametrize("choice", ["required", FORCED], ids=["required", "named"])
