@@ -17,7 +17,6 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from localserve.tokenizer.tokenizer import Tokenizer
 from tests.helpers.chat_families import CONTROL, NORMAL, _Field, _GGUFView, tokenizer_metadata
@@ -81,9 +80,9 @@ SCRIPT_REASONING = "I should look."
 SCRIPT_CITY = "Paris"
 
 
-def write_harmony_model(folder: Path, family: str = "gpt-oss") -> Path:
-    """A tiny model folder (`family` "gpt-oss", or "llama") with the harmony tokenizer and template whose greedy
-    next token depends only on the last one (tests/helpers/scripted.py's idea, on a 201,088-id vocabulary):
+def write_harmony_model(folder: Path) -> Path:
+    """A tiny gpt-oss folder with the harmony tokenizer and template whose greedy next token depends only on the
+    last one (tests/helpers/scripted.py's idea, on a 201,088-id vocabulary):
     after `assistant` it opens a channel, names it `analysis`, says SCRIPT_REASONING and ends the message; then
     back at `assistant` it would say the same again, which a forced call's grammar (one analysis at most) does
     not allow: the allowed token with the lowest id wins among the rest (all logits 0), so the grammar writes
@@ -111,10 +110,7 @@ def write_harmony_model(folder: Path, family: str = "gpt-oss") -> Path:
     for token_id, following in successor.items():
         head[following, states[token_id]] = SCRIPT_LOGIT / scale
     head[token(SCRIPT_CITY), constant] = 8.0 / scale
-    if family == "gpt-oss":
-        write_scripted_gpt_oss(folder, embedding, head)
-    else:
-        write_scripted_weights(folder, embedding, head, eos_token_id=RETURN_ID)
+    write_scripted_gpt_oss(folder, embedding, head)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
@@ -142,27 +138,3 @@ def write_scripted_gpt_oss(folder: Path, embedding: torch.Tensor, head: torch.Te
         model.get_output_embeddings().weight.copy_(head)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-
-
-def write_scripted_weights(folder: Path, embedding: torch.Tensor, head: torch.Tensor, eos_token_id: int) -> None:
-    """A one-layer Llama whose layer adds nothing (zero output projections): its logits are
-    `head @ rmsnorm(embedding[token])`."""
-    vocab, hidden = embedding.shape
-    intermediate, heads = 16, 4
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-              "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": 1,
-              "num_attention_heads": heads, "num_key_value_heads": heads, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 2048, "bos_token_id": FIRST_SPECIAL, "eos_token_id": eos_token_id,
-              "tie_word_embeddings": False}
-    (folder / "config.json").write_text(json.dumps(config))
-    layer = "model.layers.0."
-    weights = {"model.embed_tokens.weight": embedding, "model.norm.weight": torch.ones(hidden), "lm_head.weight": head,
-               layer + "input_layernorm.weight": torch.ones(hidden),
-               layer + "post_attention_layernorm.weight": torch.ones(hidden),
-               layer + "mlp.gate_proj.weight": torch.zeros(intermediate, hidden),
-               layer + "mlp.up_proj.weight": torch.zeros(intermediate, hidden),
-               layer + "mlp.down_proj.weight": torch.zeros(hidden, intermediate)}
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        weights[f"{layer}self_attn.{name}.weight"] = torch.zeros(hidden, hidden)
-    save_file(weights, str(folder / "model.safetensors"))
