@@ -13,7 +13,19 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from localserve.tokenizer.tools import ToolSpec
+
 Call = tuple[str, dict[str, Any]]
+
+# The tools the format tests offer: descriptions and argument descriptions with non-ASCII text, one optional
+# argument.
+WEATHER = ToolSpec("get_weather", "Current weather in a city, in °C", {
+    "type": "object", "properties": {"city": {"type": "string", "description": "e.g. Zürich"},
+                                     "days": {"type": "integer", "description": "how many days"}},
+    "required": ["city"]})
+SEARCH = ToolSpec("search", "Search the web", {
+    "type": "object", "properties": {"query": {"type": "string", "description": "what to look for"}},
+    "required": ["query"]})
 
 MISTRAL_WRITTEN_ID = "a1B2c3D4e"
 

@@ -26,15 +26,8 @@ from localserve.tokenizer.stream_events import (
 )
 from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 from tests.helpers.chat_families import FAMILIES, family_tokenizer, reference_tokenizer
-from tests.helpers.tool_outputs import write_answer, write_reasoning
+from tests.helpers.tool_outputs import SEARCH, WEATHER, write_answer, write_reasoning
 
-WEATHER = ToolSpec("get_weather", "Current weather in a city, in °C", {
-    "type": "object", "properties": {"city": {"type": "string", "description": "e.g. Zürich"},
-                                     "days": {"type": "integer", "description": "how many days"}},
-    "required": ["city"]})
-SEARCH = ToolSpec("search", "Search the web", {
-    "type": "object", "properties": {"query": {"type": "string", "description": "what to look for"}},
-    "required": ["query"]})
 TOOLS = [WEATHER, SEARCH]
 MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<think>",
            "</think>", "<function=", "<parameter=")

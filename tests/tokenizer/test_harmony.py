@@ -26,14 +26,8 @@ from localserve.tokenizer.stream_events import (
 )
 from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 from tests.helpers.harmony import CALL_ID, RETURN_ID, harmony_reference, harmony_tokenizer
-from tests.helpers.tool_outputs import json_arguments
+from tests.helpers.tool_outputs import SEARCH, WEATHER, json_arguments
 
-WEATHER = ToolSpec("get_weather", "Current weather in a city, in °C", {
-    "type": "object", "properties": {"city": {"type": "string", "description": "e.g. Zürich"},
-                                     "days": {"type": "integer", "description": "how many days"}},
-    "required": ["city"]})
-SEARCH = ToolSpec("search", "Search the web", {
-    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})
 TOOLS = [WEATHER, SEARCH]
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 
