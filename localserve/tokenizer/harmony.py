@@ -35,7 +35,7 @@ from localserve.tokenizer.held_text import split_at_marker
 from localserve.tokenizer.json_stream import JsonValueScanner
 from localserve.tokenizer.stream_events import StreamEvent
 from localserve.tokenizer.tool_formats.base import CallEvents, CallGrammar, MarkerTokens, ToolUse, random_call_id
-from localserve.tokenizer.tool_formats.lark import json_value, literal, marker
+from localserve.tokenizer.tool_formats.lark import json_value, literal, marker, regex_literal
 from localserve.tokenizer.tools import AUTO, ChatFormatError, ToolChoice, ToolSpec, template_messages
 
 __all__ = ["HarmonyCalls", "HarmonyFormat", "HarmonyParser", "HarmonyReasoning", "HarmonyTurn",
@@ -93,7 +93,8 @@ class HarmonyCalls:
 
     def grammar(self, use: ToolUse) -> CallGrammar:
         """The whole output's grammar (harmony's structure is in special tokens, so it is constrained from the
-        first token; the message bodies other than a call's are free text, which holds no special token).
+        first token; the message bodies other than a call's are free text, which holds no special token, nor a
+        marker that ends a message spelled in ordinary tokens).
 
         Under tool_choice `auto`: any analysis and preamble messages, then a call or the final answer (a value
         of `use.answer` when the request has an answer format). Under `required` or a named function: at most
@@ -116,7 +117,10 @@ class HarmonyCalls:
             body = "TEXT" if use.answer is None else json_value(use.answer)
             rules.append(f'final: {token(CHANNEL)} "final" {token(MESSAGE)} {body} {token(RETURN)}')
             start = "start: (analysis | preamble)* (call | final)"
-        return CallGrammar("\n".join(["%llguidance {}", start, *rules, "TEXT: /(?s:.*)/"]) + "\n")
+        # a body never spells a marker that ends a message in ordinary tokens: the parser would end it there
+        spelled = "|".join(regex_literal(text) for text in (END, START, RETURN, CALL))
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*)({spelled})(?s:.*)/"
+        return CallGrammar("\n".join(["%llguidance {}", start, *rules, text]) + "\n")
 
     def _token(self, text: str) -> str:
         return marker(text, self.tokens.ids)

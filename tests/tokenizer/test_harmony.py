@@ -331,6 +331,18 @@ def test_an_auto_grammar_takes_a_call_or_an_answer_after_any_reasoning():
     assert not accepts(formatted.lark, ANALYSIS_OUT + FINAL)
 
 
+def test_a_body_cannot_spell_a_marker_that_ends_a_message():
+    """"<|end|>" written in ordinary tokens inside the analysis would end it for the parser: the grammar refuses it."""
+    tokenizer = harmony_tokenizer()
+    auto = harmony().turn(TOOLS).grammar
+    grammar = llguidance.LLMatcher(lltokenizer(), auto.lark, log_level=1)
+    head = tokenizer.encode("<|channel|>analysis<|message|>so", add_special_tokens=False)
+    spelled = [*tokenizer.encode("<|", add_special_tokens=False), *tokenizer.encode("end|>", add_special_tokens=False)]
+    assert tokenizer.decode(spelled, skip_special_tokens=False) == "<|end|>"
+    assert grammar.consume_tokens(head) and grammar.validate_tokens(spelled) < len(spelled)
+    assert accepts(auto.lark, "<|channel|>analysis<|message|>a <| b |> end|><|end|><|start|>assistant" + FINAL)
+
+
 def test_no_tools_no_grammar():
     assert harmony().turn(TOOLS, ToolChoice("none")).grammar is None
     assert harmony().turn().grammar is None
