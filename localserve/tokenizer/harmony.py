@@ -223,8 +223,9 @@ class HarmonyParser(ChatStreamParser):
 
     The messages of one kind are joined by a blank line. Text where a header should be that cannot be one (a line
     break, over MAX_HEADER_CHARS, or the output ends) is content, as the model wrote it, up to the message's
-    end; a header cut short by the end of the output is left out (it is structure, not text). A recipient
-    where no tools were offered (`calls` False) does not make a call: the body is content.
+    end; a header cut short by the end of the output is left out (it is structure, not text). Only a recipient
+    `functions.NAME` makes a call, and only where tools were offered (`calls`); another (a tool's own message
+    `to=assistant`, a built-in tool never offered here) leaves the body content.
     """
 
     def __init__(self, calls: bool, new_call_id: Callable[[], str] = random_call_id) -> None:
@@ -298,10 +299,9 @@ class HarmonyParser(ChatStreamParser):
         recipient = RECIPIENT.search(header)
         channel = CHANNEL_NAME.search(header)
         self._state, self._body_started = "body", False
-        if recipient is not None and self._calls:
+        if recipient is not None and recipient.group(1).startswith(FUNCTIONS) and self._calls:
             self._kind = "call"
-            name = recipient.group(1)
-            self._events.open(name[len(FUNCTIONS):] if name.startswith(FUNCTIONS) else name)
+            self._events.open(recipient.group(1)[len(FUNCTIONS):])
             self._value, self._value_done, self._after_value = JsonValueScanner(), False, ""
         else:
             self._kind = "reasoning" if channel is not None and channel.group(1) == "analysis" else "content"

@@ -183,9 +183,12 @@ def test_fixed_outputs_parse(text, expected):
     assert parse(text, pieces=list(text)) == expected  # one character at a time
 
 
-def test_a_recipient_without_tools_offered_is_content():
+def test_a_recipient_without_tools_offered_or_not_a_function_is_content():
     text = '<|channel|>commentary to=functions.search json<|message|>{"query": "x"}'
     assert parse(text, calls=False) == [ContentDelta('{"query": "x"}')]
+    # a tool's message (as the template writes results) or a built-in tool's call: no call of ours
+    assert parse('functions.search to=assistant<|channel|>commentary<|message|>"ok"') == [ContentDelta('"ok"')]
+    assert parse('<|channel|>analysis to=python code<|message|>print(1)') == [ReasoningDelta("print(1)")]
 
 
 def test_arguments_followed_by_text_are_not_whole():
