@@ -82,6 +82,7 @@ def test_window_of_one_sees_only_itself_and_a_window_past_the_context_sees_every
 
 
 @pytest.mark.parametrize("field,value,message", [
+    ("head_dim", 513, "head size 513: attention takes head sizes 1 to 512"),
     ("head_dim", 1024, "head size 1024: attention takes head sizes 1 to 512"),
     ("sliding_window", 0, "sliding window 0: a window holds at least one key"),
     ("logit_softcap", 0.0, "logit soft-cap 0.0: the cap must be positive"),
