@@ -85,7 +85,6 @@ def test_a_layer_reads_and_writes_its_own_kv_groups_tables(name):
     torch.testing.assert_close(out.double(), batch.expected, atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("k_type,v_type", [("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot")])
 def test_head_size_512_with_keys_as_values(k_type, v_type):
     """Gemma 4's global layers: head size 512, one KV head, keys as values, in each KV format."""
