@@ -219,7 +219,7 @@ def drive_attention_geometry(dtype: torch.dtype, largest_only: bool = False) -> 
     ]
     batches = [[(1, 40), (5, 18)], [(1, 40), (1, 18)]]  # prefill tiles, decode
     if largest_only:
-        cases, batches = [cases[2], cases[4], cases[6]], batches[:1]
+        cases, batches = [cases[3], cases[4], cases[6]], batches[:1]
     for geometry, k_type, v_type, splits in cases:
         for shapes in batches:
             batch = geometry_batch(shapes, geometry, k_type, v_type, dtype)
