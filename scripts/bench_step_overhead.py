@@ -89,6 +89,8 @@ class RandomTokenModel:
     munmap that belong to the model's output, not to the engine.
     """
 
+    can_generate = True  # it has an output head (the engine refuses requests for a model without one)
+
     def __init__(self, vocab: int, max_rows: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.tables = [torch.rand(max_rows, vocab, generator=generator) for _ in range(3)]
