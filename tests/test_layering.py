@@ -277,6 +277,7 @@ def test_schedule_never_runs_the_draft_models_forward_pass():
     """The draft model's own drafter, over a runner whose forward pass raises: schedule() hands it out
     and never calls it; the engine would (and here it raises)."""
     from localserve.engine.draft_model import DraftModelDrafter
+    from localserve.engine.drafting import Draft
     from localserve.engine.speculation import Speculation
     from localserve.kv.block_manager import BlockManager
     from tests.helpers.scheduler_states import make_request, make_scheduler, run
@@ -296,3 +297,7 @@ def test_schedule_never_runs_the_draft_models_forward_pass():
     assert batch.drafting.drafter is drafter and [query.max_tokens for query in batch.drafting.queries] == [4]
     with pytest.raises(AssertionError, match="forward pass ran"):
         batch.drafting.drafter.propose(batch.drafting.queries)
+    scheduler.add_drafts(batch, [Draft([])], 0.0)  # no draft after all: the step is a plain decode
+    assert [row.query_len for row in batch.rows] == [1] and batch.step_input.chunks == [batch.rows[0].chunk]
+    with pytest.raises(ValueError, match="add_drafts: this batch asks for no drafts"):
+        scheduler.add_drafts(batch, [Draft([7])], 0.0)
