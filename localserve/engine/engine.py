@@ -33,6 +33,7 @@ from localserve.engine.scheduler import Scheduler
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
 from localserve.engine.spec_acceptance import Verification, VerifyRow, verify
+from localserve.engine.stop_reason import ABORT, ERROR, StopReason
 from localserve.engine.stop_rules import append_sampled_token
 from localserve.kv.block_manager import BlockManager
 
@@ -183,17 +184,19 @@ class LLMEngine:
             raise ValueError(f"the input needs {blocks} blocks, the pool has {self.block_manager.num_blocks} "
                              f"(of {self.config.block_size} tokens): it can never run")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request at once; its blocks go back to the pool. Unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once; its blocks go back to the pool. Returns its final output (its unfinished
+        samples stopped by "abort"); unknown or finished ids are ignored (None)."""
         request = self.requests.pop(request_id, None)
         if request is None or request.is_finished:
-            return
+            return None
         live = request.live_seqs
         self.scheduler.finish(request)
         for seq in live:
-            seq.finish_reason = "abort"
+            seq.finish_reason, seq.stop = "abort", ABORT
         self.num_requests_finished += 1
         self.events.append(EventKind.FINISHED, request.label, reason="abort")
+        return make_output(request, True, self.tokenizer)
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """End a request that cannot go on: its blocks go back, `reason` is its error. Unknown ids are ignored."""
@@ -206,7 +209,8 @@ class LLMEngine:
         self.scheduler.finish(request)
         request.error = reason
         for seq in request.seqs:
-            seq.finish_reason = seq.finish_reason or "error"
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.stop = "error", ERROR
         self.events.append(EventKind.FAILED, request.label, reason=reason)
 
     @contextlib.contextmanager
@@ -229,6 +233,7 @@ class LLMEngine:
         """Schedule, run the model, sample, and report every request that moved."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        drafting_s = self._draft(batch) if batch.drafting is not None else 0.0
         masks = self.grammar_masks.start(batch.rows)  # filled while the model runs
         if batch.num_pooled_tokens:
             logits, hidden = self.runner.execute_pooled(batch.step_input)
@@ -239,12 +244,23 @@ class LLMEngine:
         outputs = self._postprocess(batch, logits, hidden)
         self.num_steps += 1
         duration = time.perf_counter() - start
-        self.scheduler.observe_step(batch, duration)
+        self.scheduler.observe_step(batch, duration - drafting_s)  # the drafter's cost is learnt apart
         self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.rows),
                                             len(batch.preempted), duration))
         if self.config.check_integrity:
             self.block_manager.check_integrity()
         return outputs
+
+    def _draft(self, batch: Batch) -> float:
+        """The drafts the schedule asked for (engine/speculation.py), made by its drafter (a draft model's
+        forward passes run here, between the schedule and the target's forward pass) and handed back to
+        the scheduler, which completes the step; returns the seconds the drafter took."""
+        drafting = batch.drafting
+        start = time.perf_counter()
+        drafts = drafting.drafter.propose(drafting.queries)
+        drafting_s = time.perf_counter() - start
+        self.scheduler.add_drafts(batch, drafts, drafting_s)
+        return drafting_s
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[RequestOutput]:
         self.scheduler.mark_computed(batch)
@@ -260,7 +276,7 @@ class LLMEngine:
             request, seq, num_tokens = scheduled.request, scheduled.seq, scheduled.query_len
             if scheduled.num_draft_tokens:
                 moved[request.request_id] = request
-                draft = self.scheduler.speculation.restore_row(scheduled)  # a decode row again
+                draft = self.scheduler.take_draft(scheduled)  # a decode row again
                 verified.append(VerifyRow(request, seq, num_logits_rows, draft.token_ids, draft.probs))
                 num_logits_rows += len(draft.token_ids) + 1
                 continue
@@ -304,7 +320,7 @@ class LLMEngine:
                 request.pooling.add(hidden[offset:offset + row.query_len], chunk.start_pos)
                 if chunk.context_len == seq.num_tokens:
                     request.embedding = request.pooling.vector()
-                    self._finish_seq(seq, "stop")
+                    self._end_seq(seq, "stop")
             if request.embedding is not None or request.error is not None:  # done, or failed alone
                 moved[request.request_id] = request
             offset += row.query_len
@@ -406,7 +422,6 @@ class LLMEngine:
         """Add each verification's tokens to its sequence one by one (stop rules apply to each: a stop
         inside the accepted draft ends the sequence there), then let the block manager keep what was
         accepted (engine/speculation.py). Failures as in `_append_sampled`."""
-        speculation = self.scheduler.speculation
         entries = zip(rows, verifications)
         row = None
         while True:
@@ -424,16 +439,18 @@ class LLMEngine:
                             break
                     request.just_readmitted = False
                     if reason is not None:
-                        speculation.record(seq, len(row.draft), verification.num_accepted)
                         self._finish_seq(seq, reason)
-                    else:
-                        speculation.commit(request, seq, len(row.draft), verification.num_accepted)
+                    self.scheduler.settle_draft(seq, len(row.draft), verification.num_accepted)
                 return
             except Exception as exc:
                 self._fail_alone(row.request, exc)
 
-    def _finish_seq(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
+    def _finish_seq(self, seq: Sequence, stop: StopReason) -> None:
+        seq.stop = stop
+        self._end_seq(seq, stop.finish_reason)
+
+    def _end_seq(self, seq: Sequence, finish_reason: str) -> None:
+        seq.finish_reason = finish_reason
         seq.pending_append = False
         self.block_manager.free(seq.seq_id)  # a finished sample gives its blocks back at once
 

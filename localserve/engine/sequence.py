@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.spec_state import SpecState
 from localserve.engine.step import SeqChunk
+from localserve.engine.stop_reason import StopReason
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +95,8 @@ class Sequence:
     # Inside the request's reasoning block (from the start of the output until `reasoning_end` appears).
     in_reasoning: bool = False
     num_reasoning_tokens: int = 0  # output tokens of the reasoning block, the one that ends it included
+    # Why it stopped, set with finish_reason (engine/stop_reason.py); last: the fields before it keep their places.
+    stop: StopReason | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
