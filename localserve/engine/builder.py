@@ -21,7 +21,7 @@ from localserve.engine.scheduler import Scheduler
 from localserve.engine.speculation import Drafter, Speculation
 from localserve.engine.step_budget import StepCostModel, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
-from localserve.kv.cache import PagedKVCache
+from localserve.kv.cache import LayerKVShape, PagedKVCache
 from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.memory_plan import human_size, kv_budget_bytes, kv_bytes_per_token, num_kv_blocks
@@ -51,7 +51,7 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     key_format = config.cache_type_k or dtype_format(param.dtype)
     value_format = config.cache_type_v or dtype_format(param.dtype)
     backend, why = select_backend(config.attention_backend, param.device, key_format, value_format,
-                                  model_config.head_dim)
+                                  model_config.head_dim, model.attention_geometry())
     log.info("attention backend: %s", why)
     if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
         config = dataclasses.replace(config, num_kv_blocks=pool_blocks(model, key_format, value_format, config))
@@ -101,7 +101,18 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     param = next(model.parameters())
     model_config = model.config
     calibration = rope = None
+    layer_shapes = None
+    if model_config.layer_attention:
+        layer_shapes = [LayerKVShape(layer.num_kv_heads, layer.head_dim, layer.keys_are_values)
+                        for layer in model_config.layer_attention]
     if key_format.needs_calibration or value_format.needs_calibration:
+        own = next((i for i, layer in enumerate(model_config.layer_attention)
+                    if (layer.num_kv_heads, layer.head_dim, layer.keys_are_values, layer.rope, layer.rotary_dim)
+                    != (model_config.num_kv_heads, model_config.head_dim, False, None, model_config.rotary_dim)), None)
+        if own is not None:
+            raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) calibrate one layer shape "
+                             f"and rotary embedding; layer {own} has its own (use q8_0 or "
+                             "q4_rot:-mean,-key_transform)")
         if model_config.rotary_dim not in (None, model_config.head_dim):
             raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) need the rotary embedding "
                              f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
@@ -109,7 +120,7 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
-                        calibration, rope)
+                        calibration, rope, layer_shapes)
 
 
 def pool_blocks(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec,
