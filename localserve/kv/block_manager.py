@@ -112,6 +112,7 @@ class BlockManager:
         self.group_windows = tuple(group_windows)
         self._pools = [BlockPool(size) for size in pool_sizes]
         self._window_groups = [g for g, window in enumerate(self.group_windows) if window is not None]
+        self._full_groups = [g for g, window in enumerate(self.group_windows) if window is None]
         self._swap_tiers: list[BlockTier] = [CpuSwapPool(num_cpu_blocks) for _ in pool_sizes]
         self._followers = Followers()
         self._seqs: dict[int, SequenceBlocks] = {}
@@ -594,7 +595,7 @@ class BlockManager:
                 # Chained: the previous block's key is this one's parent.
                 block_hash = hash_block(block_hash, token_ids[index * block_size:(index + 1) * block_size], extra_key)
                 block_ids = [pool.hash_to_block.get(block_hash) for pool in self._pools]
-                if any(block_ids[group] is None for group in range(self.num_groups) if group not in self._window_groups):
+                if any(block_ids[group] is None for group in self._full_groups):
                     break
                 # Without a full group, a miss does not end the search: a later window may still be cached.
                 hashes.append(block_hash)
