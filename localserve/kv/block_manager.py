@@ -198,7 +198,7 @@ class BlockManager:
         sequence's next operation (the step contract carries tables this way, sparing a copy per sequence a step)."""
         return self._seqs[seq_id].block_tables[group]
 
-    def live_block_tables(self, seq_id: int) -> Sequence[list[int]]:
+    def live_block_tables(self, seq_id: int) -> list[list[int]]:
         """Every group's `live_block_table` of the sequence, in group order (the list itself, read-only)."""
         return self._seqs[seq_id].block_tables
 

@@ -100,9 +100,9 @@ class StepChecker:
 
     def check_moves(self, batch: Batch) -> None:
         step, bm = batch.step_input, self.engine.block_manager
-        swapped_out = {gpu for gpu, _ in step.swap_out}
-        swapped_in = {gpu for _, gpu in step.swap_in}
-        assert not {cpu for _, cpu in step.swap_out} & {cpu for cpu, _ in step.swap_in}, \
+        swapped_out = {gpu for gpu, _, _ in step.swap_out}
+        swapped_in = {gpu for _, gpu, _ in step.swap_in}
+        assert not {cpu for _, cpu, _ in step.swap_out} & {cpu for cpu, _, _ in step.swap_in}, \
             f"a CPU block is swapped out to and in from in one step: {step.swap_out} {step.swap_in}"
         # A copy-on-write pair: the block a sample of the step starts writing into, and the original a
         # sibling still holds at the same place.
@@ -114,7 +114,7 @@ class StepChecker:
                 table = bm.block_table(sibling.seq_id)
                 if sibling is not seq and index < len(table):
                     legit.add((table[index], bm.block_table(seq.seq_id)[index]))
-        for source, destination in step.block_copies:
+        for source, destination, _ in step.block_copies:
             assert (source, destination) in legit, \
                 f"copy {source}->{destination} is no copy-on-write of a sequence in the step (a withdrawn append?)"
             assert bm.ref_count(destination) == 1, f"copy-on-write destination {destination} is shared"
@@ -129,13 +129,13 @@ class StepChecker:
         """Make the step's moves and writes on the pool model, checking every read first."""
         step, size = batch.step_input, self.block_size
         # Each kind of move reads all its sources before writing, as the pool's indexed copies do.
-        out = [(cpu, self.gpu_kv[gpu]) for gpu, cpu in step.swap_out]
+        out = [(cpu, self.gpu_kv[gpu]) for gpu, cpu, _ in step.swap_out]
         for cpu, kv in out:
             self.cpu_kv[cpu] = kv
-        back = [(gpu, self.cpu_kv[cpu]) for cpu, gpu in step.swap_in]
+        back = [(gpu, self.cpu_kv[cpu]) for cpu, gpu, _ in step.swap_in]
         for gpu, kv in back:
             self.gpu_kv[gpu] = kv
-        copies = [(destination, self.gpu_kv[source]) for source, destination in step.block_copies]
+        copies = [(destination, self.gpu_kv[source]) for source, destination, _ in step.block_copies]
         for destination, kv in copies:
             self.gpu_kv[destination] = kv
         prefixes = [tuple(row.seq.token_ids) for row in batch.rows]
