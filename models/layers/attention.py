@@ -46,7 +46,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.geometry = AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.geometry = AttentionGeometry(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                          sliding_window=config.attention_of(layer).sliding_window)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
