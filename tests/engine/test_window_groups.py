@@ -19,6 +19,7 @@ from localserve.kv.layer_groups import max_blocks_in_window
 from localserve.loading.hf import load_model
 from tests.helpers.engine_checks import run_requests
 from tests.helpers.models import save_random_model
+from tests.helpers.spec_costs import FixedStepCost
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -59,6 +60,8 @@ def requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
 
 def outputs(model, reqs, **config) -> tuple[list[list[int]], object]:
     engine = build_engine(model, None, EngineConfig(check_integrity=True, **config))
+    if engine.scheduler.speculation is not None:
+        engine.scheduler.speculation.cost = FixedStepCost()  # draft whatever this machine's speed
     results = run_requests(engine, reqs, check=True)
     return [list(result.outputs[0].token_ids) for result in results], engine
 
@@ -105,7 +108,8 @@ def test_speculative_decoding_keeps_greedy_output(window_model):
         reqs.append(((piece * 20)[:rng.randint(20, 60)], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
     expected, _ = outputs(model, reqs, num_kv_blocks=128, max_num_seqs=6)
     got, engine = outputs(model, reqs, num_kv_blocks=32, max_num_seqs=6, spec_type="ngram", spec_tokens=5)
-    assert engine.scheduler.speculation.totals.num_drafts > 0
+    totals = engine.scheduler.speculation.totals
+    assert totals.num_drafts > 10 and 0 < totals.num_accepted_tokens < totals.num_draft_tokens
     assert got == expected
 
 
@@ -117,7 +121,9 @@ def test_the_second_turn_of_a_conversation_hits_the_prefix_cache_and_answers_as_
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, check_integrity=True))
     answer = list(run_requests(engine, [(first_turn, params)], check=True)[0].outputs[0].token_ids)
     second_turn = first_turn + answer + [rng.randrange(3, 256) for _ in range(12)]
-    [result] = run_requests(engine, [(second_turn, params)], check=True)
+    # (A step checker's pool model starts empty: it would not know the first turn's cached blocks; the
+    # integrity check still runs after every step.)
+    [result] = run_requests(engine, [(second_turn, params)], check=False)
     assert result.num_cached_tokens >= 64  # the first turn's blocks, found again (the window's among them)
     uncached = build_engine(model, None, EngineConfig(num_kv_blocks=64, enable_prefix_caching=False))
     [reference] = run_requests(uncached, [(second_turn, params)], check=False)
