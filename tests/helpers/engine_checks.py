@@ -13,7 +13,8 @@ after each `engine.step()`. Every step is then checked for:
   that another move of the step freed or handed out shows up as a wrong read. Besides, each
   copy-on-write pair belongs to a sequence that runs in the step, no copy touches a block a swap of
   the step moves, and a preempted request has nothing left in the step and was not readmitted
-  without sampling since;
+  without sampling since (with layer groups: group 0's moves on its model; every group's books by the
+  integrity check);
 - progress: a step taken while there is work computes at least one token, swaps a request in, or
   fails a request;
 - order (docs/ARCHITECTURE.md, "Scheduling rules"): requests are admitted or readmitted (new,
@@ -100,9 +101,9 @@ class StepChecker:
 
     def check_moves(self, batch: Batch) -> None:
         step, bm = batch.step_input, self.engine.block_manager
-        swapped_out = {gpu for gpu, _ in step.swap_out}
-        swapped_in = {gpu for _, gpu in step.swap_in}
-        assert not {cpu for _, cpu in step.swap_out} & {cpu for cpu, _ in step.swap_in}, \
+        swapped_out = {gpu for gpu, _, group in step.swap_out if group == 0}
+        swapped_in = {gpu for _, gpu, group in step.swap_in if group == 0}
+        assert not {(cpu, g) for _, cpu, g in step.swap_out} & {(cpu, g) for cpu, _, g in step.swap_in}, \
             f"a CPU block is swapped out to and in from in one step: {step.swap_out} {step.swap_in}"
         # A copy-on-write pair: the block a sample of the step starts writing into, and the original a
         # sibling still holds at the same place.
@@ -114,7 +115,7 @@ class StepChecker:
                 table = bm.block_table(sibling.seq_id)
                 if sibling is not seq and index < len(table):
                     legit.add((table[index], bm.block_table(seq.seq_id)[index]))
-        for source, destination in step.block_copies:
+        for source, destination, _ in [move for move in step.block_copies if move[2] == 0]:
             assert (source, destination) in legit, \
                 f"copy {source}->{destination} is no copy-on-write of a sequence in the step (a withdrawn append?)"
             assert bm.ref_count(destination) == 1, f"copy-on-write destination {destination} is shared"
@@ -129,13 +130,13 @@ class StepChecker:
         """Make the step's moves and writes on the pool model, checking every read first."""
         step, size = batch.step_input, self.block_size
         # Each kind of move reads all its sources before writing, as the pool's indexed copies do.
-        out = [(cpu, self.gpu_kv[gpu]) for gpu, cpu in step.swap_out]
+        out = [(cpu, self.gpu_kv[gpu]) for gpu, cpu, group in step.swap_out if group == 0]
         for cpu, kv in out:
             self.cpu_kv[cpu] = kv
-        back = [(gpu, self.cpu_kv[cpu]) for cpu, gpu in step.swap_in]
+        back = [(gpu, self.cpu_kv[cpu]) for cpu, gpu, group in step.swap_in if group == 0]
         for gpu, kv in back:
             self.gpu_kv[gpu] = kv
-        copies = [(destination, self.gpu_kv[source]) for source, destination in step.block_copies]
+        copies = [(destination, self.gpu_kv[source]) for source, destination, group in step.block_copies if group == 0]
         for destination, kv in copies:
             self.gpu_kv[destination] = kv
         prefixes = [tuple(row.seq.token_ids) for row in batch.rows]
