@@ -61,8 +61,8 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     e.add_argument("--kv-cache-memory",
                    help="size the KV pool to this many bytes, e.g. 6GB (overrides --num-kv-blocks)")
     e.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction,
-                   help="keep a .gguf's quantized weights in their blocks on the device, multiplied by Triton "
-                        "kernels (default: on for a .gguf on CUDA, off on a CPU)")
+                   help="keep a .gguf's quantized weights (and a folder's MXFP4 experts) in their blocks on the "
+                        "device, multiplied by Triton kernels (default: on for those on CUDA, off on a CPU)")
     e.add_argument("--attention-backend", default="auto",
                    help="attention implementation: auto (the fastest that supports the device and KV formats), "
                         "torch, triton")
