@@ -75,7 +75,10 @@ def test_alone_gives_transformers_greedy_tokens(saved, alone):
 
 
 def test_batched_with_prefix_caching_equals_alone(model64, alone):
+    """The window layers keep their KV in a pool of their own (kv/layer_groups.py), which the integrity
+    check, run after every step, holds to the window's blocks per sequence."""
     outputs, engine = run(model64, workload(), enable_prefix_caching=True)
+    assert [usage.sliding_window for usage in engine.block_manager.group_usage()] == [None, WINDOW]
     assert outputs == alone
     assert engine.block_manager.prefix_hit_tokens > 0
     assert max(step.num_seqs for step in engine.step_history) > 4
