@@ -68,11 +68,12 @@ def outputs(model, reqs, **config) -> tuple[list[list[int]], object]:
 
 def test_the_config_becomes_a_full_group_and_a_window_group(window_model):
     model, _ = window_model
-    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4))
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32))
     assert engine.block_manager.group_windows == (None, WINDOW)
     assert engine.runner.kv_cache.layer_groups == [1, 0, 1]
-    # The window pool: 4 slots x (ceil(16 / 16) + 1) + the longest prompt's blocks, at most the full pool's.
-    assert engine.block_manager.group_num_blocks == (64, 64)
+    # The window pool: 4 slots x (ceil((16 + 32 - 1) / 16) + 1): each slot's window and one prefill chunk.
+    assert engine.block_manager.group_num_blocks == (64, 16)
+    assert [store["values"].shape[0] for store in engine.runner.kv_cache.key_stores] == [16, 64, 16]
     assert model.config.context_length == 8192  # no longer capped by the window
 
 

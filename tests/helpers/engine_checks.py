@@ -200,6 +200,8 @@ class StepChecker:
                 if seq.pending_append or seq in request.followers:
                     continue  # swapped in by this step (decodes from the next), or waiting for its leader
                 todo, done = seq.num_uncomputed_tokens, scheduled.get(id(seq), 0)
+                # A window layer group gives a prompt slots a chunk at a time: a chunk ends there at most.
+                todo = min(todo, bm.num_slotted_tokens(seq.seq_id) - seq.num_computed_tokens)
                 if done == todo:
                     continue
                 if config.enable_chunked_prefill or todo == 1:
