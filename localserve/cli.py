@@ -425,7 +425,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 chunk_tokens=chunk)
     if rows[0].window_pools:
         num_full_layers = config.num_layers - sum(len(pool.group.layers) for pool in rows[0].window_pools)
-        rule = (f"ceil((W + {chunk} - 1) / {args.block_size}) + 1 blocks" if chunk else
+        rule = (f"(ceil((W + {chunk} - 1) / {args.block_size}) + 1) blocks" if chunk else
                 f"(ceil(W / {args.block_size}) + 1) blocks + one {args.ctx_size or config.context_length:,}-token "
                 f"prompt")
         print(f"layer groups: full ({num_full_layers} layers) and "

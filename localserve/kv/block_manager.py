@@ -179,13 +179,13 @@ class BlockManager:
 
     @property
     def num_cpu_blocks(self) -> int:
-        """Blocks of each group's CPU swap pool."""
-        return self._swap_tiers[0].capacity
+        """Blocks of the CPU swap pools (one per group, each as large)."""
+        return sum(tier.capacity for tier in self._swap_tiers)
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        """CPU blocks not holding a swapped-out sequence, in the group that has the fewest."""
-        return min(tier.num_free_blocks for tier in self._swap_tiers)
+        """CPU blocks not holding a swapped-out sequence (all groups)."""
+        return sum(tier.num_free_blocks for tier in self._swap_tiers)
 
     def group_usage(self) -> list[GroupUsage]:
         """Blocks used, cached and free in each group's pool."""

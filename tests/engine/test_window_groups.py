@@ -145,3 +145,29 @@ def test_a_4096_token_generation_holds_the_window_groups_blocks_bounded_at_every
         assert window.num_used_blocks <= bound
         most_held = max(most_held, window.num_used_blocks)
     assert most_held == bound and full.num_used_blocks == 0
+
+
+def test_the_snapshot_facts_and_metrics_show_each_groups_blocks(window_model):
+    from localserve.engine.facts import read_facts
+    from localserve.engine.snapshot import read_snapshot, read_stats
+    from localserve.server.metrics import ServerMetrics
+
+    model, _ = window_model
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32))
+    engine.add_request(list(range(3, 60)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    facts = read_facts(engine)
+    assert [(g.label, g.num_layers, g.num_blocks) for g in facts.kv_groups] == [("full", 1, 64), ("window 16", 2, 16)]
+    assert facts.num_gpu_blocks == 80
+    per_layer = 2 * 16 * 2 * 8  # KV heads x head size x (K, V) x float64
+    assert facts.kv_cache_bytes == 16 * per_layer * (64 + 2 * 16)
+    full, window = read_stats(engine).gauges.kv_groups
+    assert full.num_used_blocks == 4 and 0 < window.num_used_blocks <= 3  # 57 prompt tokens: keys 41.. held
+    snapshot = read_snapshot(engine)
+    assert len(engine.block_manager.snapshot().block_states) == 80
+    assert snapshot.to_json()["gauges"]["kv_groups"][1]["sliding_window"] == WINDOW
+    text = ServerMetrics("tiny").render(read_stats(engine)).decode()
+    assert f'localserve_kv_group_blocks{{group="window 16",model_name="tiny",state="used"}} ' \
+           f'{float(window.num_used_blocks)}' in text
+    assert 'localserve_kv_group_blocks{group="full",model_name="tiny",state="free"} 60.0' in text

@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+from localserve.models.config import LayerAttention, ModelConfig
 
 from localserve.cli import main
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.group_plan import plan_group_pools, window_pool_blocks
 from localserve.kv.memory_plan import plan
-from localserve.models.config import LayerAttention, ModelConfig
 
 HELPERS = Path(__file__).parents[1] / "helpers"
 GPT_OSS_20B = HELPERS / "gpt_oss_20b_config.json"
