@@ -163,6 +163,11 @@ class BlockManager:
         return min(pool.num_available_blocks for pool in self._pools)
 
     @property
+    def group_available_blocks(self) -> list[int]:
+        """`num_available_blocks` of each group, group 0 first."""
+        return [pool.num_available_blocks for pool in self._pools]
+
+    @property
     def num_used_blocks(self) -> int:
         """GPU blocks pointed at by at least one block table (all groups)."""
         return sum(pool.num_used_blocks for pool in self._pools)
@@ -267,6 +272,11 @@ class BlockManager:
         every block of the prompt except prefix hits on blocks in use and blocks a window group drops (a hit
         on a cached block counts, as it leaves the free queue too)."""
         return max(self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take)
+
+    def group_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
+                                 use_prefix_cache: bool = True) -> list[int]:
+        """`num_blocks_to_allocate` of each group, group 0 first."""
+        return self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
         """True when `allocate` of this prompt would succeed now."""
@@ -543,6 +553,10 @@ class BlockManager:
         for seq in seqs:
             seq.is_swapped = True
         return moves
+
+    def group_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> list[int]:
+        """`num_blocks_to_swap_in` of each group, group 0 first."""
+        return [len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups)]
 
     def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
         """GPU blocks that swapping these sequences back in would take in the group taking most (shared

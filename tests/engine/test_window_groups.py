@@ -171,3 +171,16 @@ def test_the_snapshot_facts_and_metrics_show_each_groups_blocks(window_model):
     assert f'localserve_kv_group_blocks{{group="window 16",model_name="tiny",state="used"}} ' \
            f'{float(window.num_used_blocks)}' in text
     assert 'localserve_kv_group_blocks{group="full",model_name="tiny",state="free"} 60.0' in text
+
+
+def test_a_prompt_longer_than_the_window_pool_is_admitted_and_answers_as_transformers(window_model):
+    """The window pool (2 slots x (ceil((16 + 16 - 1) / 16) + 1) = 6 blocks) is far smaller than the prompt's
+    19 blocks: admission counts each group's pool on its own, and the window group takes slots a chunk at
+    a time."""
+    model, hf_model = window_model
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 256) for _ in range(300)]
+    got, engine = outputs(model, [(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))],
+                          num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    assert engine.block_manager.group_num_blocks == (64, 6)
+    assert got == [hf_greedy(hf_model, prompt, 20)]

@@ -218,17 +218,19 @@ class StepChecker:
         slots_in_use = sum(len(r.live_seqs) if r.forked else r.params.n for r in scheduler.queues.running)
         slots = len(seqs) if head.forked else head.params.n
         if head in scheduler.queues.swapped:
-            need = bm.num_blocks_to_swap_in([seq.seq_id for seq in seqs])
+            needs = bm.group_blocks_to_swap_in([seq.seq_id for seq in seqs])
         else:
-            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
-                -(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
-        growth = min(slots, max(0, peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots,
-                                               bm.block_size) - need))
+            others = sum(-(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
+            needs = [need + others for need in bm.group_blocks_to_allocate(seqs[0].token_ids)]
+        peak = peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots, bm.block_size)
+        # In each layer group's pool: its blocks now, a block per running slot, and its own growth.
+        blocks_fit = all(need + slots_in_use + min(slots, max(0, peak - need)) <= available
+                         for need, available in zip(needs, bm.group_available_blocks, strict=True))
         fits = (slots_in_use + slots <= config.max_num_seqs and (head in scheduler.queues.swapped or left > 0)
-                and need + slots_in_use + growth <= bm.num_available_blocks)
+                and blocks_fit)
         assert not fits, f"{head.label} waits though it fits: {slots_in_use} + {slots} of {config.max_num_seqs} " \
-                         f"slots, {left} tokens of the budget left, needs {need} + {slots_in_use} + {growth} of " \
-                         f"{bm.num_available_blocks} blocks"
+                         f"slots, {left} tokens of the budget left, needs {needs} + {slots_in_use} of " \
+                         f"{bm.group_available_blocks} blocks"
 
     # ---- after the step ----
     def after_step(self) -> None:
