@@ -135,7 +135,7 @@ class Admission:
 
     def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
         """Full blocks of the sequences' common prefix, each keeping at least its last token to compute."""
-        if len(seqs) < 2:
+        if len(seqs) < 2 or not self.block_manager.shares_uncomputed_blocks:
             return 0
         first = seqs[0].token_ids
         common = min(seq.num_tokens for seq in seqs) - 1

@@ -252,6 +252,12 @@ class BlockManager:
         return all(pool.num_blocks >= (num_peak_blocks if window is None else min(num_first_blocks, num_peak_blocks))
                    for pool, window in zip(self._pools, self.group_windows, strict=True))
 
+    @property
+    def shares_uncomputed_blocks(self) -> bool:
+        """Whether `allocate_sharing` shares a leader's blocks: not where window groups give slots a chunk at a
+        time (a leader's window table does not reach the blocks it has not computed yet)."""
+        return not (self._window_groups and self.window_chunk_tokens is not None)
+
     def make_slots(self, seq_id: int) -> int:
         """Give the sequence's window groups blocks up to `window_chunk_tokens` past its computed tokens, as
         far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
@@ -352,8 +358,7 @@ class BlockManager:
             first_needed = num_blocks_out_of_window(num_computed_blocks * self.block_size, self.group_windows[group],
                                                     self.block_size)
             leader_table = leader.block_tables[group]
-            if len(leader_table) < num_shared_blocks or NO_BLOCK in leader_table[first_needed:num_shared_blocks] \
-                    or self.window_chunk_tokens is not None:
+            if len(leader_table) < num_shared_blocks or NO_BLOCK in leader_table[first_needed:num_shared_blocks]:
                 return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids)
         num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
         if not self._has_room([num_new_blocks] * self.num_groups):

@@ -220,7 +220,8 @@ class StepChecker:
         if head in scheduler.queues.swapped:
             needs = bm.group_blocks_to_swap_in([seq.seq_id for seq in seqs])
         else:
-            others = sum(-(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
+            shared = _shared_blocks(seqs, bm.block_size) if bm.shares_uncomputed_blocks else 0
+            others = sum(-(-seq.num_tokens // bm.block_size) - shared for seq in seqs[1:])
             needs = [need + others for need in bm.group_blocks_to_allocate(seqs[0].token_ids)]
         peak = peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots, bm.block_size)
         # In each layer group's pool: its blocks now, a block per running slot, and its own growth.
