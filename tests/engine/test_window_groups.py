@@ -184,3 +184,23 @@ def test_a_prompt_longer_than_the_window_pool_is_admitted_and_answers_as_transfo
                           num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
     assert engine.block_manager.group_num_blocks == (64, 6)
     assert got == [hf_greedy(hf_model, prompt, 20)]
+
+
+def test_a_model_wide_window_is_a_window_on_every_layer(tmp_path):
+    """Qwen2's `use_sliding_window` from layer 0 on (Mistral's model-wide window alike): one window group,
+    no full one; the context is no longer capped by the window."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, attn_implementation="eager")
+    hf_model = save_random_model(tmp_path, config, seed=5, dtype=torch.float64)
+    model = load_model(tmp_path, dtype=torch.float64).model
+    assert model.config.sliding_window == WINDOW and model.config.context_length == 4096
+    rng = random.Random(5)
+    reqs = [([rng.randrange(3, 256) for _ in range(length)], SamplingParams(temperature=0, max_tokens=40,
+                                                                           ignore_eos=True)) for length in (40, 57)]
+    got, engine = outputs(model, reqs, num_kv_blocks=12, max_num_seqs=2, max_num_batched_tokens=16)
+    assert engine.block_manager.group_windows == (WINDOW,)
+    assert got == [hf_greedy(hf_model, prompt, 40) for prompt, _ in reqs]

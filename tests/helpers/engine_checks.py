@@ -39,6 +39,7 @@ from localserve.engine.batch import Batch
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventKind
 from localserve.engine.sequence import Request, Sequence
+from localserve.kv.layer_groups import num_blocks_out_of_window
 
 CORRUPT = (-1,)  # a block written mid-way over contents that were not this sequence's prefix
 
@@ -140,10 +141,11 @@ class StepChecker:
         for destination, kv in copies:
             self.gpu_kv[destination] = kv
         prefixes = [tuple(row.seq.token_ids) for row in batch.rows]
+        window = self.engine.block_manager.group_windows[0]  # group 0 of a model whose every layer has a window
         for row, chunk, tokens in zip(batch.rows, step.chunks, prefixes):
             seq = row.seq
             assert tokens[chunk.start_pos:chunk.context_len] == tuple(chunk.token_ids), f"seq {seq.seq_id}"
-            for index in range(-(-chunk.start_pos // size)):
+            for index in range(num_blocks_out_of_window(chunk.start_pos, window, size), -(-chunk.start_pos // size)):
                 end = min(chunk.start_pos, (index + 1) * size)
                 held = self.gpu_kv[chunk.block_table[index]]
                 assert held is not None and held[:end] == tokens[:end] and len(held) >= end, \
