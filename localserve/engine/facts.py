@@ -67,7 +67,7 @@ class EngineFacts:
     kv_bytes_per_token: int  # K and V of every layer, in the pool's formats
     capacity: tuple[KvCapacity, ...]  # per format of CAPACITY_FORMATS that fits the model's head size
     embedding: EmbeddingFacts | None = None  # an embedding model's (None: a generation model)
-    kv_groups: tuple[KvGroupFacts, ...] = ()  # the layer groups' pools, group 0 first (empty: one pool)
+    kv_groups: tuple[KvGroupFacts, ...] = ()  # with layer groups, their pools, group 0 first (empty: one pool)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -103,4 +103,5 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
         kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding,
         kv_groups=tuple(KvGroupFacts(usage.label, kv_cache.layer_groups.count(group), usage.num_blocks,
                                      group_bytes[group])
-                        for group, usage in enumerate(engine.block_manager.group_usage())))
+                        for group, usage in enumerate(engine.block_manager.group_usage())) if len(group_bytes) > 1
+        else ())

@@ -67,7 +67,8 @@ class Gauges:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     step_limit_s: float = 0.0  # the time budget (--max-step-ms) of the last step that had one; 0: none yet
-    # Each layer group's pool (kv/layer_groups.py), group 0 first; the block counts above are their sums.
+    # With layer groups (kv/layer_groups.py), each group's pool, group 0 first (the block counts above are their
+    # sums); empty: one pool.
     kv_groups: tuple[GroupUsage, ...] = ()
 
 
@@ -143,7 +144,7 @@ def read_stats(engine: EngineState) -> EngineStats:
                     last.duration_s if last else 0.0, last.num_tokens if last else 0, spec.acceptance_rate,
                     spec.mean_accepted_length,
                     scheduler.step_budget.last_limit_s if scheduler.step_budget is not None else 0.0,
-                    tuple(bm.group_usage()))
+                    tuple(bm.group_usage()) if bm.num_groups > 1 else ())
     by_mode = preemption.num_preemptions_by_mode
     counters = Counters(engine.num_steps, preemption.num_preemptions, by_mode["recompute"], by_mode["swap"],
                         preemption.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
