@@ -120,6 +120,9 @@ class TritonAttentionBackend(AttentionBackend):
             geometry = AttentionGeometry(query.shape[1], num_kv_heads, query.shape[2], scale)
         key_format, value_format = self.layer_formats(kv_cache, layer, query.device)
         plan = metadata.plan or self.layer_plan(metadata, layer, geometry, query.device)
+        if plan.block_m < geometry.num_heads // num_kv_heads:  # a static plan made for another layer's heads
+            raise ValueError(f"layer {layer}'s {geometry.num_heads // num_kv_heads} query heads per KV head do not "
+                             f"fit the step plan's tiles of {plan.block_m} rows")
         transformed = kv_cache.transform_query(layer, query)
         coeff = trig_table = None
         if key_format.key_mean is not None:

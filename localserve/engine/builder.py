@@ -52,7 +52,7 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     key_format = config.cache_type_k or dtype_format(param.dtype)
     value_format = config.cache_type_v or dtype_format(param.dtype)
     backend, why = select_backend(config.attention_backend, param.device, key_format, value_format,
-                                  model_config.head_dim)
+                                  model_config.head_dim, model.attention_geometry())
     log.info("attention backend: %s", why)
     max_model_len = config.model_len(model_config.context_length)
     pools = group_pools(model, key_format, value_format, config, max_model_len)
@@ -108,14 +108,23 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     param = next(model.parameters())
     model_config = model.config
     calibration = rope = None
+    layer_shapes = None
+    if model_config.layer_attention:
+        layer_shapes = [LayerKVShape(layer.num_kv_heads, layer.head_dim, layer.keys_are_values)
+                        for layer in model_config.layer_attention]
     if key_format.needs_calibration or value_format.needs_calibration:
+        own = next((i for i, layer in enumerate(model_config.layer_attention)
+                    if (layer.num_kv_heads, layer.head_dim, layer.keys_are_values, layer.rope, layer.rotary_dim)
+                    != (model_config.num_kv_heads, model_config.head_dim, False, None, model_config.rotary_dim)), None)
+        if own is not None:
+            raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) calibrate one layer shape "
+                             f"and rotary embedding; layer {own} has its own (use q8_0 or "
+                             "q4_rot:-mean,-key_transform)")
         if model_config.rotary_dim not in (None, model_config.head_dim):
             raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) need the rotary embedding "
                              f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
-    layers = [model_config.attention_of(layer) for layer in range(model_config.num_layers)]
-    layer_shapes = [LayerKVShape(layer.num_kv_heads, layer.head_dim, layer.keys_are_values) for layer in layers]
     layer_groups = group_numbers = None
     if pools is not None and len(pools) > 1:
         group_of = {layer: index for index, pool in enumerate(pools) for layer in pool.group.layers}

@@ -9,7 +9,9 @@ import torch
 from localserve.kernels.attention_plan import plan_attention
 from localserve.kernels.paged_attention import paged_attention
 
-from localserve.attention.base import AttentionGeometry
+from localserve.attention import backend_class
+from localserve.attention.base import AttentionGeometry, AttentionInputs, GroupTables
+from localserve.attention.torch_backend import TorchAttentionBackend
 from localserve.attention.triton_backend import TritonAttentionBackend, kv_store
 from tests.helpers.geometry_pools import geometry_batch
 from tests.helpers.kv_pools import DEVICE
@@ -57,10 +59,32 @@ def test_geometry_matches_dense_attention(case):
     batch = geometry_batch(SHAPES, layer(**shape), k_type, v_type, dtype, seed=splits)
     if shape.get("window", 999) <= 32:
         assert batch.skipped_blocks > 0  # -1 table entries and NaN blocks before every window
-    check(triton_attend(batch, splits), batch)
+    out = triton_attend(batch, splits)
+    check(out, batch)
+    backend = TorchAttentionBackend()  # and the torch path over the same bytes (it rewrites the step's own)
+    torch_out = backend.forward(0, batch.query, batch.key, batch.value, batch.cache,
+                                backend.build_metadata(batch.inputs), batch.geometry)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, torch_out, atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_a_layer_reads_and_writes_its_own_kv_groups_tables(name):
+    """AttentionInputs.groups: the layer's group (layer_groups) gives its slots and block tables; the
+    step's first tables (another group's block ids) are never used for it."""
+    batch = geometry_batch([(1, 60), (7, 30)], layer(window=16, sinks=True), "fp32", "fp32")
+    inputs = batch.inputs
+    other = GroupTables(torch.full_like(inputs.slot_mapping, -1), torch.full_like(inputs.block_tables, -1))
+    grouped = AttentionInputs(torch.full_like(inputs.slot_mapping, -1), inputs.positions,
+                              torch.full_like(inputs.block_tables, -1), inputs.query_lens, inputs.context_lens,
+                              inputs.block_size, groups=[other, GroupTables(inputs.slot_mapping, inputs.block_tables)],
+                              layer_groups=[1])
+    backend = backend_class(name)()
+    out = backend.forward(0, batch.query, batch.key, batch.value, batch.cache, backend.build_metadata(grouped),
+                          batch.geometry)
+    torch.testing.assert_close(out.double(), batch.expected, atol=3e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("k_type,v_type", [("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_rot", "q4_rot")])
 def test_head_size_512_with_keys_as_values(k_type, v_type):
     """Gemma 4's global layers: head size 512, one KV head, keys as values, in each KV format."""
