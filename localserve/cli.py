@@ -394,7 +394,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-np", "--parallel", type=int, default=16,
                         help="slots a window layer group's pool is sized for (default 16)")
     parser.add_argument("-c", "--ctx-size", type=int,
-                        help="longest prompt a window layer group's pool admits (default: the model's context)")
+                        help="longest prompt, for a window layer group's pool without chunked prefill (default: "
+                             "the model's context)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="a step's tokens: the prefill chunk a window layer group's pool holds per slot "
+                             "(default 512; 0: no chunked prefill)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -416,14 +420,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  f"({weight_source}) = KV pool {human_size(budget)}")
     print(f"{config.name}: {config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
           f"{config.head_dim}; {where}; blocks of {args.block_size} tokens")
-    rows = plan(config, budget, args.block_size, max_num_seqs=args.parallel, max_model_len=args.ctx_size)
+    chunk = args.max_num_batched_tokens or None
+    rows = plan(config, budget, args.block_size, max_num_seqs=args.parallel, max_model_len=args.ctx_size,
+                chunk_tokens=chunk)
     if rows[0].window_pools:
-        context = args.ctx_size or config.context_length
         num_full_layers = config.num_layers - sum(len(pool.group.layers) for pool in rows[0].window_pools)
+        rule = (f"(ceil((W + {chunk} - 1) / {args.block_size}) + 1) blocks" if chunk else
+                f"(ceil(W / {args.block_size}) + 1) blocks + one {args.ctx_size or config.context_length:,}-token "
+                f"prompt")
         print(f"layer groups: full ({num_full_layers} layers) and "
               + ", ".join(f"{pool.label} ({len(pool.group.layers)} layers)" for pool in rows[0].window_pools)
-              + f"; a window pool holds {args.parallel} slots x (ceil(W / {args.block_size}) + 1) blocks + one "
-              f"{context:,}-token prompt; tokens that fit: the full layers' pool")
+              + f"; a window pool holds {args.parallel} slots x {rule}; tokens that fit: the full layers' pool")
     print(format_plan(rows, block_size=args.block_size))
     if budget == 0:
         print("the weights alone fill the device: no room for a KV pool")

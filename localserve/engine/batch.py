@@ -133,10 +133,12 @@ class BatchFiller:
         """Give the sequence a row of as many of its uncomputed tokens as the rules allow (module doc)."""
         start = seq.num_computed_tokens
         remaining = len(seq.token_ids) - start
+        # Window layer groups give slots a chunk's worth at a time (kv/block_manager.py): the chunk ends there.
+        slotted = self.block_manager.make_slots(seq.seq_id) - start
         if self.enable_chunked_prefill:
-            num_tokens = min(remaining, batch.budget_left)
+            num_tokens = min(remaining, slotted, batch.budget_left)
         elif remaining <= batch.budget_left or batch.num_prefill_tokens == 0:
-            num_tokens = remaining
+            num_tokens = min(remaining, slotted)
         else:
             num_tokens = 0
         if num_tokens <= 0:

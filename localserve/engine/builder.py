@@ -66,7 +66,8 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     kv_cache = build_kv_cache(model, tokenizer, key_format, value_format, config.num_kv_blocks, config.block_size,
                               num_cpu_blocks, pools)
     block_manager = BlockManager([pool.num_blocks for pool in pools], config.block_size, num_cpu_blocks,
-                                 config.enable_prefix_caching, [pool.group.sliding_window for pool in pools])
+                                 config.enable_prefix_caching, [pool.group.sliding_window for pool in pools],
+                                 window_chunk_tokens(config))
     events = EventLog()
     step_cost = StepCostModel() if config.spec_type or config.max_step_ms is not None else None
     step_budget = None
@@ -124,8 +125,6 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
                              f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
-    layers = [model_config.attention_of(layer) for layer in range(model_config.num_layers)]
-    layer_shapes = [LayerKVShape(layer.num_kv_heads, layer.head_dim, layer.keys_are_values) for layer in layers]
     layer_groups = group_numbers = None
     if pools is not None and len(pools) > 1:
         group_of = {layer: index for index, pool in enumerate(pools) for layer in pool.group.layers}
@@ -134,6 +133,11 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
                         calibration, rope, layer_shapes, layer_groups, group_numbers)
+
+
+def window_chunk_tokens(config: EngineConfig) -> int | None:
+    """The tokens a window group gives a sequence slots for at a time: a step's budget with chunked prefill."""
+    return config.max_num_batched_tokens if config.enable_chunked_prefill else None
 
 
 def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec, config: EngineConfig,
@@ -150,18 +154,18 @@ def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVForma
                                  torch.cuda.memory_allocated(device), config.gpu_memory_utilization)
     if budget is None:  # --num-kv-blocks: the full group's pool; a window group's by its rule, at most that
         pools = plan_group_pools(model.config, key_format, value_format, 0, config.block_size,
-                                 config.max_num_seqs, max_model_len)
+                                 config.max_num_seqs, max_model_len, window_chunk_tokens(config))
         has_full_group = pools[0].group.sliding_window is None
 
         def num_blocks(window: int | None) -> int:
             if window is None or not has_full_group:
                 return config.num_kv_blocks
             return min(config.num_kv_blocks, window_pool_blocks(window, config.block_size, config.max_num_seqs,
-                                                                max_model_len))
+                                                                max_model_len, window_chunk_tokens(config)))
 
         return [dataclasses.replace(pool, num_blocks=num_blocks(pool.group.sliding_window)) for pool in pools]
     pools = plan_group_pools(model.config, key_format, value_format, budget, config.block_size,
-                             config.max_num_seqs, max_model_len)
+                             config.max_num_seqs, max_model_len, window_chunk_tokens(config))
     if min(pool.num_blocks for pool in pools) == 0:
         block_bytes = sum(pool.bytes_per_token for pool in pools) * config.block_size
         raise ValueError(f"a KV budget of {human_size(budget)} holds no block of {config.block_size} tokens "

@@ -16,6 +16,12 @@ tokens finds them. A prefix hit of L tokens is one every group accepts: a full g
 before L, a window group only those its window at L covers. Block moves (copy-on-write, swap) name
 their group: (source, destination, group).
 
+With `window_chunk_tokens` (the step's token budget), a window group gives a sequence blocks for at most
+that many tokens past its computed ones at a time: at admission for its first prefill chunk, then as
+`mark_computed` moves on (as many as its pool has then), and for each appended token once its prompt is
+computed. The tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk, and a
+window pool of max_num_seqs x (ceil((W + chunk) / block_size) + 1) blocks always has room for them.
+
 The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
 `num_cpu_blocks` blocks holding the sequences preempted by swap, with no prefix cache; the followers
@@ -96,9 +102,14 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int | Sequence[int], block_size: int = 16, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, group_windows: Sequence[int | None] = (None,)) -> None:
+                 enable_prefix_caching: bool = True, group_windows: Sequence[int | None] = (None,),
+                 window_chunk_tokens: int | None = None) -> None:
         """`group_windows`: each group's sliding window (None: full attention); `num_blocks`: the pool size
-        of each group, or one size for all."""
+        of each group, or one size for all; `window_chunk_tokens`: see the module doc (None: a window group
+        takes blocks for a whole prompt at admission, as a full group does)."""
+        if window_chunk_tokens is not None and window_chunk_tokens < 1:
+            raise ValueError(f"window_chunk_tokens must be >= 1, got {window_chunk_tokens}")
+        self.window_chunk_tokens = window_chunk_tokens
         pool_sizes = [num_blocks] * len(group_windows) if isinstance(num_blocks, int) else list(num_blocks)
         if not group_windows or len(pool_sizes) != len(group_windows):
             raise ValueError(f"need one pool size per group: {len(group_windows)} groups, sizes {pool_sizes}")
@@ -152,6 +163,11 @@ class BlockManager:
         return min(pool.num_available_blocks for pool in self._pools)
 
     @property
+    def group_available_blocks(self) -> list[int]:
+        """`num_available_blocks` of each group, group 0 first."""
+        return [pool.num_available_blocks for pool in self._pools]
+
+    @property
     def num_used_blocks(self) -> int:
         """GPU blocks pointed at by at least one block table (all groups)."""
         return sum(pool.num_used_blocks for pool in self._pools)
@@ -168,13 +184,13 @@ class BlockManager:
 
     @property
     def num_cpu_blocks(self) -> int:
-        """Blocks of each group's CPU swap pool."""
-        return self._swap_tiers[0].capacity
+        """Blocks of the CPU swap pools (one per group, each as large)."""
+        return sum(tier.capacity for tier in self._swap_tiers)
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        """CPU blocks not holding a swapped-out sequence, in the group that has the fewest."""
-        return min(tier.num_free_blocks for tier in self._swap_tiers)
+        """CPU blocks not holding a swapped-out sequence (all groups)."""
+        return sum(tier.num_free_blocks for tier in self._swap_tiers)
 
     def group_usage(self) -> list[GroupUsage]:
         """Blocks used, cached and free in each group's pool."""
@@ -231,10 +247,29 @@ class BlockManager:
 
     def can_ever_hold(self, num_prompt_tokens: int, num_peak_blocks: int) -> bool:
         """True when a sequence of this prompt, growing to `num_peak_blocks` blocks, fits the pools when
-        alone: a full group holds all its blocks, a window group the whole prompt's at admission."""
-        num_prompt_blocks = self._num_blocks_for(num_prompt_tokens)
-        return all(pool.num_blocks >= (num_peak_blocks if window is None else max(num_prompt_blocks, 1))
+        alone: a full group holds all its blocks, a window group its first chunk's (module doc)."""
+        num_first_blocks = self._num_blocks_for(self._slot_target(num_prompt_tokens, 0))
+        return all(pool.num_blocks >= (num_peak_blocks if window is None else min(num_first_blocks, num_peak_blocks))
                    for pool, window in zip(self._pools, self.group_windows, strict=True))
+
+    @property
+    def shares_uncomputed_blocks(self) -> bool:
+        """Whether `allocate_sharing` shares a leader's blocks: not where window groups give slots a chunk at a
+        time (a leader's window table does not reach the blocks it has not computed yet)."""
+        return not (self._window_groups and self.window_chunk_tokens is not None)
+
+    def make_slots(self, seq_id: int) -> int:
+        """Give the sequence's window groups blocks up to `window_chunk_tokens` past its computed tokens, as
+        far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
+        self._extend_windows(self._gpu_seq(seq_id))
+        return self.num_slotted_tokens(seq_id)
+
+    def num_slotted_tokens(self, seq_id: int) -> int:
+        """Leading tokens of the sequence with a KV slot in every group: a prefill chunk ends there at most."""
+        seq = self._seqs[seq_id]
+        if not self._window_groups:
+            return seq.num_tokens
+        return min(seq.num_tokens, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
@@ -243,6 +278,11 @@ class BlockManager:
         every block of the prompt except prefix hits on blocks in use and blocks a window group drops (a hit
         on a cached block counts, as it leaves the free queue too)."""
         return max(self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take)
+
+    def group_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
+                                 use_prefix_cache: bool = True) -> list[int]:
+        """`num_blocks_to_allocate` of each group, group 0 first."""
+        return self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
         """True when `allocate` of this prompt would succeed now."""
@@ -272,14 +312,13 @@ class BlockManager:
             raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {plan.num_blocks_to_take} blocks "
                                    f"per group, {[pool.num_available_blocks for pool in self._pools]} available")
         num_cached_tokens = len(plan.hit_hashes) * self.block_size
-        num_prompt_blocks = self._num_blocks_for(len(token_ids))
         block_tables = []
         for pool, window, hits in zip(self._pools, self.group_windows, plan.group_hits, strict=True):
             # Hits leave the free queue before new blocks are taken from its head, which could evict them.
             for block_id in hits:
                 pool.hold(block_id)
             num_dropped = num_blocks_out_of_window(num_cached_tokens, window, self.block_size)
-            num_new_blocks = num_prompt_blocks - num_dropped - len(hits)
+            num_new_blocks = self._num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
             block_tables.append([NO_BLOCK] * num_dropped + hits
                                 + [pool.take_free_block() for _ in range(num_new_blocks)])
         self._seqs[seq_id] = SequenceBlocks(
@@ -318,7 +357,8 @@ class BlockManager:
         for group in self._window_groups:
             first_needed = num_blocks_out_of_window(num_computed_blocks * self.block_size, self.group_windows[group],
                                                     self.block_size)
-            if NO_BLOCK in leader.block_tables[group][first_needed:num_shared_blocks]:
+            leader_table = leader.block_tables[group]
+            if len(leader_table) < num_shared_blocks or NO_BLOCK in leader_table[first_needed:num_shared_blocks]:
                 return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids)
         num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
         if not self._has_room([num_new_blocks] * self.num_groups):
@@ -366,13 +406,16 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id}: append token {num_tokens} to the shared token list first")
         needs_new_block = num_tokens % self.block_size == 0
         pools = self._pools
+        # A window group whose table stops short of the tokens (a prompt not yet computed) gives no slot here.
+        covers = [len(table) * self.block_size >= num_tokens for table in seq.block_tables]
         if not needs_new_block and (not seq.may_share_last_block or all(
-                pool.ref_counts[table[-1]] == 1 for pool, table in zip(pools, seq.block_tables, strict=True))):
+                pool.ref_counts[table[-1]] == 1 for pool, table, covered in zip(pools, seq.block_tables, covers,
+                                                                                strict=True) if covered)):
             seq.num_tokens = num_tokens + 1  # the common case: room in its own last block
             seq.may_share_last_block = False  # its other holders, if any, have left
             return []
-        writes_copy = [needs_new_block or pool.ref_counts[table[-1]] > 1
-                       for pool, table in zip(pools, seq.block_tables, strict=True)]
+        writes_copy = [covered and (needs_new_block or pool.ref_counts[table[-1]] > 1)
+                       for pool, table, covered in zip(pools, seq.block_tables, covers, strict=True)]
         if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)):
             if not seq.shares_token_ids:
                 seq.token_ids.pop()  # changes nothing
@@ -402,10 +445,10 @@ class BlockManager:
         """
         seq = self._seqs[seq_id]
         num_before = seq.num_computed_tokens
-        if seq.is_swapped or not num_before <= num_computed_tokens <= seq.num_tokens:
+        if seq.is_swapped or not num_before <= num_computed_tokens <= self.num_slotted_tokens(seq_id):
             self._gpu_seq(seq_id)  # raises if swapped
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{num_before}, "
-                             f"{seq.num_tokens}], got {num_computed_tokens}")
+                             f"{self.num_slotted_tokens(seq_id)}] (its tokens with slots), got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
         # A sequence holds the key of each of its full computed blocks (check_integrity: one key per
         # block_size computed tokens), and followers share full blocks only, so both are due only when
@@ -422,6 +465,7 @@ class BlockManager:
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
         self._slide_windows(seq, num_before)
+        self._extend_windows(seq)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
@@ -515,6 +559,10 @@ class BlockManager:
             seq.is_swapped = True
         return moves
 
+    def group_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> list[int]:
+        """`num_blocks_to_swap_in` of each group, group 0 first."""
+        return [len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups)]
+
     def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
         """GPU blocks that swapping these sequences back in would take in the group taking most (shared
         blocks count once)."""
@@ -606,7 +654,6 @@ class BlockManager:
                     num_blocks_out_of_window(num_hits * block_size, self.group_windows[group], block_size), num_hits)]
                 for group in self._window_groups):
             num_hits -= 1
-        num_prompt_blocks = self._num_blocks_for(len(token_ids))
         group_hits = []
         num_blocks_to_take = []
         for group, (pool, window) in enumerate(zip(self._pools, self.group_windows, strict=True)):
@@ -614,7 +661,8 @@ class BlockManager:
             hits = [found[index][group] for index in range(num_dropped, num_hits)]
             group_hits.append(hits)
             num_hits_in_use = sum(1 for block_id in hits if pool.ref_counts[block_id] > 0)
-            num_blocks_to_take.append(num_prompt_blocks - num_dropped - num_hits_in_use)
+            num_table_blocks = self._num_table_blocks(window, len(token_ids), num_hits * block_size)
+            num_blocks_to_take.append(num_table_blocks - num_dropped - num_hits_in_use)
         return _AllocationPlan(hashes[:num_hits], group_hits, num_blocks_to_take)
 
     def _num_blocks_to_append(self, seq_ids: Iterable[int]) -> list[int]:
@@ -625,17 +673,42 @@ class BlockManager:
             seq = self._seqs[seq_id]
             if seq.is_swapped:
                 self._gpu_seq(seq_id)  # raises
+            covers = [len(table) * self.block_size >= seq.num_tokens for table in seq.block_tables]
             if seq.num_tokens % self.block_size == 0:
-                num_blocks = [count + 1 for count in num_blocks]
+                num_blocks = [count + covered for count, covered in zip(num_blocks, covers, strict=True)]
             elif seq.may_share_last_block:
                 for group, (pool, table) in enumerate(zip(self._pools, seq.block_tables, strict=True)):
-                    if pool.ref_counts[table[-1]] > 1:
+                    if covers[group] and pool.ref_counts[table[-1]] > 1:
                         key = (group, table[-1])
                         writers_per_shared_block[key] = writers_per_shared_block.get(key, 0) + 1
         for (group, block_id), num_writers in writers_per_shared_block.items():
             holders = self._pools[group].ref_counts[block_id]
             num_blocks[group] += num_writers if num_writers < holders else num_writers - 1
         return num_blocks
+
+    def _slot_target(self, num_tokens: int, num_computed_tokens: int) -> int:
+        """Tokens a window group gives slots to: up to `window_chunk_tokens` past the computed ones."""
+        if self.window_chunk_tokens is None:
+            return num_tokens
+        return min(num_tokens, num_computed_tokens + self.window_chunk_tokens)
+
+    def _num_table_blocks(self, window: int | None, num_tokens: int, num_computed_tokens: int) -> int:
+        """Entries of a new table in a group of this window: every token's, or a window group's slotted ones."""
+        if window is None:
+            return self._num_blocks_for(num_tokens)
+        return self._num_blocks_for(self._slot_target(num_tokens, num_computed_tokens))
+
+    def _extend_windows(self, seq: SequenceBlocks) -> None:
+        """Window groups give the sequence slots up to `window_chunk_tokens` past its computed tokens, as many
+        blocks as every window pool has now (the same number in each)."""
+        if not self._window_groups:
+            return
+        tables = [seq.block_tables[group] for group in self._window_groups]
+        wanted = self._num_blocks_for(self._slot_target(seq.num_tokens, seq.num_computed_tokens)) - len(tables[0])
+        num_new_blocks = min(wanted, *(self._pools[group].num_available_blocks for group in self._window_groups))
+        for group, table in zip(self._window_groups, tables, strict=True):
+            pool = self._pools[group]
+            table += [pool.take_free_block() for _ in range(num_new_blocks)]
 
     def _slide_windows(self, seq: SequenceBlocks, num_computed_before: int) -> None:
         """Window groups give back the sequence's blocks that its computed tokens moved out of the window,

@@ -142,6 +142,15 @@ class PagedKVCache:
                                   pin_memory=pin)
                 for name, (shape, dtype) in codec.storage().items()}
 
+    def group_bytes_per_token(self) -> list[int]:
+        """Bytes one token occupies in each layer group's layers, K and V (K only where keys are values)."""
+        per_group = [0] * len(self.group_num_blocks)
+        for layer, (key_codec, value_codec, shape) in enumerate(
+                zip(self.key_codecs, self.value_codecs, self.layer_shapes, strict=True)):
+            per_group[self.layer_groups[layer]] += key_codec.bytes_per_token() + (
+                0 if shape.keys_are_values else value_codec.bytes_per_token())
+        return per_group
+
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the pool, K and V of every layer (K only where keys are values)."""
         return sum(k.bytes_per_token() + (0 if shape.keys_are_values else v.bytes_per_token())

@@ -1,15 +1,17 @@
 """Sizing the pools of a model's layer groups (kv/layer_groups.py) from a byte budget. No torch here.
 
 A full-attention group keeps every token of every sequence, so it takes what the budget leaves; a window
-group's need is bounded, and its pool is sized by this rule (`window_pool_blocks`):
+group's need is bounded, and its pool is sized by this rule (`window_pool_blocks`), never more blocks
+than the full group has:
 
-    max_num_seqs x (ceil(W / block_size) + 1)   every slot decoding with its window's blocks
-    + ceil(max_model_len / block_size)          one whole prompt being admitted
+- with chunked prefill (chunks of at most `chunk_tokens`, the step's token budget): the block manager
+  gives a sequence window slots a chunk at a time, so each slot holds at most its window and one chunk:
+  max_num_seqs x (ceil((W + chunk - 1) / block_size) + 1) blocks, and no sequence ever waits for one;
+- without: a window group takes all of a prompt's blocks at admission, as a full group does, and gives
+  them back as the prefill passes them: max_num_seqs x (ceil(W / block_size) + 1) decoding slots plus
+  one longest prompt, ceil(max_model_len / block_size).
 
-A window group takes all of a prompt's blocks when the prompt is admitted (the block manager allocates
-prompts whole) and gives them back as the prefill passes them, so the pool must hold one longest prompt
-beside the decoding slots; never more blocks than the full group has. Where a model has only window
-groups, they share the budget like layers of one pool.
+Where a model has only window groups, they share the budget like layers of one pool.
 """
 
 from __future__ import annotations
@@ -63,13 +65,17 @@ def layer_bytes_per_token(layer: LayerKV, key_format: KVFormatSpec, value_format
     return layer.num_kv_heads * (key_bytes + value_bytes)
 
 
-def window_pool_blocks(sliding_window: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """Blocks a window group's pool needs (the module doc's rule)."""
+def window_pool_blocks(sliding_window: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                       chunk_tokens: int | None) -> int:
+    """Blocks a window group's pool needs (the module doc's rule; `chunk_tokens` None: no chunked prefill)."""
+    if chunk_tokens is not None:
+        return max_num_seqs * max_blocks_in_window(sliding_window, block_size, chunk_tokens)
     return max_num_seqs * max_blocks_in_window(sliding_window, block_size) + -(-max_model_len // block_size)
 
 
 def plan_group_pools(shape: LayeredShape, key_format: KVFormatSpec, value_format: KVFormatSpec,
-                     kv_budget: int, block_size: int, max_num_seqs: int, max_model_len: int) -> list[GroupPool]:
+                     kv_budget: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                     chunk_tokens: int | None) -> list[GroupPool]:
     """Each group's pool in `kv_budget` bytes, group 0 first: window groups by the rule, capped at the full
     group's size, the full group the rest. Raises ValueError when a format cannot store a layer's heads."""
     groups = group_layers(layer_windows(shape))
@@ -78,7 +84,7 @@ def plan_group_pools(shape: LayeredShape, key_format: KVFormatSpec, value_format
     if groups[0].sliding_window is not None or len(groups) == 1:  # one pool's worth: every group alike
         num_blocks = max(0, kv_budget // (sum(per_token) * block_size))
         return [GroupPool(group, size, num_blocks) for group, size in zip(groups, per_token, strict=True)]
-    wanted = [window_pool_blocks(group.sliding_window, block_size, max_num_seqs, max_model_len)
+    wanted = [window_pool_blocks(group.sliding_window, block_size, max_num_seqs, max_model_len, chunk_tokens)
               for group in groups[1:]]
     # The full group gets what the window pools leave; a window pool wanting more than the full group has
     # is held to its size instead (it never needs more): those grow with the full group, the others are fixed.

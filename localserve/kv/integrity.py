@@ -19,11 +19,11 @@ def check_integrity(books: BlockBooks) -> None:
     In each group's pool: free + cached + used == total; a block is in the free queue exactly when its
     count is 0; every GPU and CPU ref count equals the number of block tables pointing at the block; the
     prefix-cache map and the blocks' keys agree and each key matches the contents behind it. Each
-    sequence's keys match its tokens; each of its block tables covers exactly its tokens; in a window
-    group exactly the blocks wholly before the window of its next query are given back (`NO_BLOCK`, a
-    prefix of the table), so it holds at most ceil((W + n - 1) / block_size) + 1 blocks with n tokens
-    uncomputed (ceil(W / block_size) + 1 in a decode); a follower shares its leader's blocks and has not
-    caught up yet.
+    sequence's keys match its tokens; each of its block tables covers exactly its tokens (a window
+    group's: at least its computed ones, at most all); in a window group exactly the blocks wholly before
+    the window of its next query are given back (`NO_BLOCK`, a prefix of the table), so it holds at most
+    ceil((W + n - 1) / block_size) + 1 blocks with n tokens slotted but uncomputed (ceil(W / block_size) + 1
+    in a decode); a follower shares its leader's blocks and has not caught up yet.
     """
     block_size = books.block_size
     for seq_id, seq in books.sequences.items():
@@ -61,11 +61,15 @@ def _check_pool(books: BlockBooks, group: int, pool: PoolBooks) -> None:
         _check(all(block_id == NO_BLOCK for block_id in table[:num_dropped]) and NO_BLOCK not in held,
                f"{where}, seq {seq_id}: table {list(table)} should give back exactly its first {num_dropped} "
                f"blocks ({seq.num_computed_tokens} computed tokens, window {window})")
-        _check(len(table) == -(-seq.num_tokens // block_size) and len(set(held)) == len(held),
+        num_blocks = -(-seq.num_tokens // block_size)
+        # A window group's table may stop short of the tokens, never of the computed ones (its slots).
+        min_blocks = num_blocks if window is None else -(-seq.num_computed_tokens // block_size)
+        _check(min_blocks <= len(table) <= num_blocks and len(set(held)) == len(held),
                f"{where}, seq {seq_id}: {len(table)} blocks ({len(set(held))} distinct held) for "
-               f"{seq.num_tokens} tokens")
+               f"{seq.num_tokens} tokens, {seq.num_computed_tokens} computed")
         if window is not None:
-            bound = max_blocks_in_window(window, block_size, max(1, seq.num_tokens - seq.num_computed_tokens))
+            num_slotted = min(seq.num_tokens, len(table) * block_size)
+            bound = max_blocks_in_window(window, block_size, max(1, num_slotted - seq.num_computed_tokens))
             _check(len(held) <= bound, f"{where}, seq {seq_id}: holds {len(held)} blocks, more than the window "
                    f"of {window} tokens needs ({bound})")
         for index, block_id in enumerate(held, start=num_dropped):
@@ -75,7 +79,8 @@ def _check_pool(books: BlockBooks, group: int, pool: PoolBooks) -> None:
                    f"{where}, seq {seq_id}: block {block_id} is registered under another key")
     for seq_id, seq in books.sequences.items():
         table = seq.block_tables[group]
-        _check(seq.may_share_last_block or not seq.num_tokens % block_size
+        covers_tokens = len(table) * block_size >= seq.num_tokens and table and table[-1] != NO_BLOCK
+        _check(seq.may_share_last_block or not seq.num_tokens % block_size or not covers_tokens
                or table_refs[seq.is_swapped][table[-1]] == 1,
                f"{where}, seq {seq_id}: its partly filled last block has other holders and is not marked as shared")
     num_cached = 0

@@ -93,15 +93,17 @@ class PlanRow:
 
 def plan(shape: KVShape, kv_budget: int, block_size: int = 16,
          formats: tuple[tuple[KVFormatSpec, KVFormatSpec], ...] = PLAN_FORMATS,
-         contexts: tuple[int, ...] = CONTEXTS, max_num_seqs: int = 16, max_model_len: int | None = None) -> list[PlanRow]:
+         contexts: tuple[int, ...] = CONTEXTS, max_num_seqs: int = 16, max_model_len: int | None = None,
+         chunk_tokens: int | None = 512) -> list[PlanRow]:
     """What fits in `kv_budget` bytes of KV pool for each (K format, V format). Window groups' pools are
-    sized for `max_num_seqs` slots and prompts of `max_model_len` tokens (None: the model's context)."""
+    sized for `max_num_seqs` slots, prefill chunks of `chunk_tokens` (None: no chunked prefill) and prompts of
+    `max_model_len` tokens (None: the model's context): kv/group_plan.py."""
     rows = []
     for key_format, value_format in formats:
         per_token = kv_bytes_per_token(shape, key_format, value_format)
         tokens_without_windows = num_kv_blocks(kv_budget, per_token, block_size) * block_size
         pools = plan_group_pools(shape, key_format, value_format, kv_budget, block_size, max_num_seqs,
-                                 max_model_len or shape.context_length)
+                                 max_model_len or shape.context_length, chunk_tokens)
         has_window_pools = pools[0].group.sliding_window is None and len(pools) > 1
         tokens = pools[0].num_blocks * block_size if has_window_pools else tokens_without_windows
         seqs = {ctx: tokens // ctx for ctx in contexts}

@@ -68,11 +68,12 @@ def outputs(model, reqs, **config) -> tuple[list[list[int]], object]:
 
 def test_the_config_becomes_a_full_group_and_a_window_group(window_model):
     model, _ = window_model
-    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4))
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32))
     assert engine.block_manager.group_windows == (None, WINDOW)
     assert engine.runner.kv_cache.layer_groups == [1, 0, 1]
-    # The window pool: 4 slots x (ceil(16 / 16) + 1) + the longest prompt's blocks, at most the full pool's.
-    assert engine.block_manager.group_num_blocks == (64, 64)
+    # The window pool: 4 slots x (ceil((16 + 32 - 1) / 16) + 1): each slot's window and one prefill chunk.
+    assert engine.block_manager.group_num_blocks == (64, 16)
+    assert [store["values"].shape[0] for store in engine.runner.kv_cache.key_stores] == [16, 64, 16]
     assert model.config.context_length == 8192  # no longer capped by the window
 
 
@@ -144,3 +145,62 @@ def test_a_4096_token_generation_holds_the_window_groups_blocks_bounded_at_every
         assert window.num_used_blocks <= bound
         most_held = max(most_held, window.num_used_blocks)
     assert most_held == bound and full.num_used_blocks == 0
+
+
+def test_the_snapshot_facts_and_metrics_show_each_groups_blocks(window_model):
+    from localserve.engine.facts import read_facts
+    from localserve.engine.snapshot import read_snapshot, read_stats
+    from localserve.server.metrics import ServerMetrics
+
+    model, _ = window_model
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32))
+    engine.add_request(list(range(3, 60)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    facts = read_facts(engine)
+    assert [(g.label, g.num_layers, g.num_blocks) for g in facts.kv_groups] == [("full", 1, 64), ("window 16", 2, 16)]
+    assert facts.num_gpu_blocks == 80
+    per_layer = 2 * 16 * 2 * 8  # KV heads x head size x (K, V) x float64
+    assert facts.kv_cache_bytes == 16 * per_layer * (64 + 2 * 16)
+    full, window = read_stats(engine).gauges.kv_groups
+    assert full.num_used_blocks == 4 and 0 < window.num_used_blocks <= 3  # 57 prompt tokens: keys 41.. held
+    snapshot = read_snapshot(engine)
+    assert len(engine.block_manager.snapshot().block_states) == 80
+    assert snapshot.to_json()["gauges"]["kv_groups"][1]["sliding_window"] == WINDOW
+    text = ServerMetrics("tiny").render(read_stats(engine)).decode()
+    assert f'localserve_kv_group_blocks{{group="window 16",model_name="tiny",state="used"}} ' \
+           f'{float(window.num_used_blocks)}' in text
+    assert 'localserve_kv_group_blocks{group="full",model_name="tiny",state="free"} 60.0' in text
+
+
+def test_a_prompt_longer_than_the_window_pool_is_admitted_and_answers_as_transformers(window_model):
+    """The window pool (2 slots x (ceil((16 + 16 - 1) / 16) + 1) = 6 blocks) is far smaller than the prompt's
+    19 blocks: admission counts each group's pool on its own, and the window group takes slots a chunk at
+    a time."""
+    model, hf_model = window_model
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 256) for _ in range(300)]
+    got, engine = outputs(model, [(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))],
+                          num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    assert engine.block_manager.group_num_blocks == (64, 6)
+    assert got == [hf_greedy(hf_model, prompt, 20)]
+
+
+def test_a_model_wide_window_is_a_window_on_every_layer(tmp_path):
+    """Qwen2's `use_sliding_window` from layer 0 on (Mistral's model-wide window alike): one window group,
+    no full one; the context is no longer capped by the window."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, attn_implementation="eager")
+    hf_model = save_random_model(tmp_path, config, seed=5, dtype=torch.float64)
+    model = load_model(tmp_path, dtype=torch.float64).model
+    assert model.config.sliding_window == WINDOW and model.config.context_length == 4096
+    rng = random.Random(5)
+    reqs = [([rng.randrange(3, 256) for _ in range(length)], SamplingParams(temperature=0, max_tokens=40,
+                                                                           ignore_eos=True)) for length in (40, 57)]
+    got, engine = outputs(model, reqs, num_kv_blocks=12, max_num_seqs=2, max_num_batched_tokens=16)
+    assert engine.block_manager.group_windows == (WINDOW,)
+    assert got == [hf_greedy(hf_model, prompt, 40) for prompt, _ in reqs]

@@ -39,6 +39,7 @@ from localserve.engine.batch import Batch
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventKind
 from localserve.engine.sequence import Request, Sequence
+from localserve.kv.layer_groups import num_blocks_out_of_window
 
 CORRUPT = (-1,)  # a block written mid-way over contents that were not this sequence's prefix
 
@@ -140,10 +141,11 @@ class StepChecker:
         for destination, kv in copies:
             self.gpu_kv[destination] = kv
         prefixes = [tuple(row.seq.token_ids) for row in batch.rows]
+        window = self.engine.block_manager.group_windows[0]  # group 0 of a model whose every layer has a window
         for row, chunk, tokens in zip(batch.rows, step.chunks, prefixes):
             seq = row.seq
             assert tokens[chunk.start_pos:chunk.context_len] == tuple(chunk.token_ids), f"seq {seq.seq_id}"
-            for index in range(-(-chunk.start_pos // size)):
+            for index in range(num_blocks_out_of_window(chunk.start_pos, window, size), -(-chunk.start_pos // size)):
                 end = min(chunk.start_pos, (index + 1) * size)
                 held = self.gpu_kv[chunk.block_table[index]]
                 assert held is not None and held[:end] == tokens[:end] and len(held) >= end, \
@@ -200,6 +202,8 @@ class StepChecker:
                 if seq.pending_append or seq in request.followers:
                     continue  # swapped in by this step (decodes from the next), or waiting for its leader
                 todo, done = seq.num_uncomputed_tokens, scheduled.get(id(seq), 0)
+                # A window layer group gives a prompt slots a chunk at a time: a chunk ends there at most.
+                todo = min(todo, bm.num_slotted_tokens(seq.seq_id) - seq.num_computed_tokens)
                 if done == todo:
                     continue
                 if config.enable_chunked_prefill or todo == 1:
@@ -216,17 +220,20 @@ class StepChecker:
         slots_in_use = sum(len(r.live_seqs) if r.forked else r.params.n for r in scheduler.queues.running)
         slots = len(seqs) if head.forked else head.params.n
         if head in scheduler.queues.swapped:
-            need = bm.num_blocks_to_swap_in([seq.seq_id for seq in seqs])
+            needs = bm.group_blocks_to_swap_in([seq.seq_id for seq in seqs])
         else:
-            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
-                -(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
-        growth = min(slots, max(0, peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots,
-                                               bm.block_size) - need))
+            shared = _shared_blocks(seqs, bm.block_size) if bm.shares_uncomputed_blocks else 0
+            others = sum(-(-seq.num_tokens // bm.block_size) - shared for seq in seqs[1:])
+            needs = [need + others for need in bm.group_blocks_to_allocate(seqs[0].token_ids)]
+        peak = peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots, bm.block_size)
+        # In each layer group's pool: its blocks now, a block per running slot, and its own growth.
+        blocks_fit = all(need + slots_in_use + min(slots, max(0, peak - need)) <= available
+                         for need, available in zip(needs, bm.group_available_blocks, strict=True))
         fits = (slots_in_use + slots <= config.max_num_seqs and (head in scheduler.queues.swapped or left > 0)
-                and need + slots_in_use + growth <= bm.num_available_blocks)
+                and blocks_fit)
         assert not fits, f"{head.label} waits though it fits: {slots_in_use} + {slots} of {config.max_num_seqs} " \
-                         f"slots, {left} tokens of the budget left, needs {need} + {slots_in_use} + {growth} of " \
-                         f"{bm.num_available_blocks} blocks"
+                         f"slots, {left} tokens of the budget left, needs {needs} + {slots_in_use} of " \
+                         f"{bm.group_available_blocks} blocks"
 
     # ---- after the step ----
     def after_step(self) -> None:

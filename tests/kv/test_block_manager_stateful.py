@@ -33,11 +33,14 @@ MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool 
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(data=st.data(), block_size=st.sampled_from([1, 2, 4]),
                 num_cpu_blocks=st.integers(0, 16), enable_prefix_caching=st.booleans(),
-                group_windows=st.sampled_from([(None,), (None, "w"), ("w",), (None, "w", "w")]))
-    def create_manager(self, data, block_size, num_cpu_blocks, enable_prefix_caching, group_windows):
+                group_windows=st.sampled_from([(None,), (None, "w"), ("w",), (None, "w", "w")]),
+                window_chunk_tokens=st.sampled_from([None, 1, 3, 8]))
+    def create_manager(self, data, block_size, num_cpu_blocks, enable_prefix_caching, group_windows,
+                       window_chunk_tokens):
         group_windows = tuple(window and data.draw(st.integers(1, 6)) for window in group_windows)
         pool_sizes = [data.draw(st.integers(4, 40)) for _ in group_windows]
-        self.manager = BlockManager(pool_sizes, block_size, num_cpu_blocks, enable_prefix_caching, group_windows)
+        self.manager = BlockManager(pool_sizes, block_size, num_cpu_blocks, enable_prefix_caching, group_windows,
+                                    window_chunk_tokens)
         self.group_windows = group_windows
         self.num_groups = len(group_windows)
         self.block_size = block_size
@@ -62,11 +65,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def available(self) -> list[int]:
         return [usage.num_blocks - usage.num_used_blocks for usage in self.manager.group_usage()]
 
-    def compute(self, seq_id: int, num_computed: int) -> None:
-        """The forward pass writes KV for positions [computed, num_computed), then the engine says so."""
-        self.write_kv(seq_id, self.num_computed[seq_id], num_computed)
-        self.manager.mark_computed(seq_id, num_computed)
-        self.num_computed[seq_id] = num_computed
+    def compute(self, seq_id: int, num_computed: int) -> bool:
+        """The forward pass writes KV for positions [computed, num_computed) chunk by chunk, each as far as
+        the window groups give slots, then the engine says so; False when they run out of slots first."""
+        while self.num_computed[seq_id] < num_computed:
+            end = min(num_computed, self.manager.make_slots(seq_id))
+            if end <= self.num_computed[seq_id]:
+                return False
+            self.write_kv(seq_id, self.num_computed[seq_id], end)
+            self.manager.mark_computed(seq_id, end)
+            self.num_computed[seq_id] = end
+        return True
 
     def write_kv(self, seq_id: int, start: int, end: int) -> None:
         """The forward pass writes the KV of positions [start, end) in every group, marking nothing computed."""
@@ -160,8 +169,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_ids = data.draw(st.lists(st.sampled_from(self.requests[request_id]), min_size=1, unique=True))
         for _ in range(num_steps):
-            for seq_id in seq_ids:
-                self.compute(seq_id, len(self.token_ids[seq_id]))
+            if not all([self.compute(seq_id, len(self.token_ids[seq_id])) for seq_id in seq_ids]):
+                return  # a window group has no slots for the rest of a prompt now
             if not self.append_one_token_each(seq_ids, data):
                 return
 
@@ -173,7 +182,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_id = data.draw(st.sampled_from(self.requests[request_id]))
         manager, tokens = self.manager, self.token_ids[seq_id]
-        self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1))
+        if not self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1)) \
+                or manager.make_slots(seq_id) < len(tokens):
+            return  # not decoding yet: its window groups have no slots for the rest of its prompt now
         num_real = len(tokens)
         drafted = 0
         while drafted < num_drafted and self.append_one_token_each([seq_id], data):
@@ -201,7 +212,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def fork(self, data):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         parent = data.draw(st.sampled_from(self.requests[request_id]))
-        self.compute(parent, len(self.token_ids[parent]))
+        if not self.compute(parent, len(self.token_ids[parent])):
+            return
         child = self.new_id()
         self.manager.fork(parent, child)
         self.requests[request_id].append(child)
@@ -216,8 +228,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         beams = self.requests[request_id]
         parents = data.draw(st.lists(st.sampled_from(beams), min_size=len(beams), max_size=len(beams)))
         new_beams = []
-        for parent in beams:
-            self.compute(parent, len(self.token_ids[parent]))
+        if not all([self.compute(parent, len(self.token_ids[parent])) for parent in beams]):
+            return
         for index, parent in enumerate(parents):
             if parent in parents[:index]:  # a second child of the same parent: fork it
                 child = self.new_id()
@@ -310,7 +322,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.manager.num_computed_tokens(seq_id) == self.num_computed[seq_id]
                 for group, window in enumerate(self.group_windows):
                     table = self.manager.block_table(seq_id, group)
-                    assert len(table) == -(-len(tokens) // self.block_size)
+                    num_blocks = -(-len(tokens) // self.block_size)
+                    # A window group's table may stop short of the tokens (slots a chunk at a time).
+                    assert len(table) == num_blocks if window is None else len(table) <= num_blocks
                     # What the sequence's next query reads: its window's KV (all of it in a full group).
                     for position in range(window_start(self.num_computed[seq_id], window), self.num_computed[seq_id]):
                         slot = kv[group][table[position // self.block_size]][position % self.block_size]
