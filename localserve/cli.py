@@ -61,8 +61,8 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     e.add_argument("--kv-cache-memory",
                    help="size the KV pool to this many bytes, e.g. 6GB (overrides --num-kv-blocks)")
     e.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction,
-                   help="keep a .gguf's quantized weights in their blocks on the device, multiplied by Triton "
-                        "kernels (default: on for a .gguf on CUDA, off on a CPU)")
+                   help="keep a .gguf's quantized weights (and a folder's MXFP4 experts) in their blocks on the "
+                        "device, multiplied by Triton kernels (default: on for those on CUDA, off on a CPU)")
     e.add_argument("--attention-backend", default="auto",
                    help="attention implementation: auto (the fastest that supports the device and KV formats), "
                         "torch, triton")
@@ -391,6 +391,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                         help="count a .gguf's quantized weights at their stored size, as the server keeps them on "
                              "a GPU (default: on)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("-np", "--parallel", type=int, default=16,
+                        help="slots a window layer group's pool is sized for (default 16)")
+    parser.add_argument("-c", "--ctx-size", type=int,
+                        help="longest prompt, for a window layer group's pool without chunked prefill (default: "
+                             "the model's context)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="a step's tokens: the prefill chunk a window layer group's pool holds per slot "
+                             "(default 512; 0: no chunked prefill)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -412,7 +420,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  f"({weight_source}) = KV pool {human_size(budget)}")
     print(f"{config.name}: {config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
           f"{config.head_dim}; {where}; blocks of {args.block_size} tokens")
-    print(format_plan(plan(config, budget, args.block_size)))
+    chunk = args.max_num_batched_tokens or None
+    rows = plan(config, budget, args.block_size, max_num_seqs=args.parallel, max_model_len=args.ctx_size,
+                chunk_tokens=chunk)
+    if rows[0].window_pools:
+        num_full_layers = config.num_layers - sum(len(pool.group.layers) for pool in rows[0].window_pools)
+        rule = (f"(ceil((W + {chunk} - 1) / {args.block_size}) + 1) blocks" if chunk else
+                f"(ceil(W / {args.block_size}) + 1) blocks + one {args.ctx_size or config.context_length:,}-token "
+                f"prompt")
+        print(f"layer groups: full ({num_full_layers} layers) and "
+              + ", ".join(f"{pool.label} ({len(pool.group.layers)} layers)" for pool in rows[0].window_pools)
+              + f"; a window pool holds {args.parallel} slots x {rule}; tokens that fit: the full layers' pool")
+    print(format_plan(rows, block_size=args.block_size))
     if budget == 0:
         print("the weights alone fill the device: no room for a KV pool")
     return 0 if budget else 1

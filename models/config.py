@@ -153,9 +153,8 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """Longest sequence the model serves; a sliding window (not implemented) caps it."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model serves (a sliding window does not cap it: its layers keep only the
+        window's KV, kv/layer_groups.py)."""
         return self.max_position_embeddings
 
     def attention_of(self, layer: int) -> LayerAttention:

@@ -237,6 +237,10 @@ class MonitorApp(App[None]):
         self.query_one("#slots").border_title = (
             f"Slots · {gauges.num_requests_running}{slots} running · {gauges.num_requests_waiting} waiting"
             + (f" · {gauges.num_requests_swapped} swapped" if gauges.num_requests_swapped else ""))
+        if gauges.kv_groups:  # layer groups (window layers): the map holds their pools one after the other
+            block_map = self.query_one(BlockMap)
+            block_map.border_subtitle = " · ".join([*(group.describe() for group in gauges.kv_groups),
+                                                    str(block_map.border_subtitle or "")])
         self.connection = f"live · step {snapshot.num_steps:,}"
         self._show_status()
 

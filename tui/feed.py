@@ -172,6 +172,21 @@ class RequestInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """One layer group's pool now ("full" or "window W"): its blocks used, cached and free."""
+
+    label: str
+    num_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_free_blocks: int
+
+    def describe(self) -> str:
+        return (f"{self.label}: {self.num_used_blocks:,} used, {self.num_cached_blocks:,} cached, "
+                f"{self.num_free_blocks:,} free")
+
+
+@dataclass(frozen=True, slots=True)
 class Gauges:
     """Values now."""
 
@@ -188,6 +203,22 @@ class Gauges:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     step_limit_s: float = 0.0
+    kv_groups: tuple[GroupBlocks, ...] = ()  # a server whose model has layer groups (docs/PROTOCOL.md)
+
+
+def _parse_groups(gauges: Any, where: str) -> tuple[GroupBlocks, ...]:
+    """The optional `kv_groups` of the gauges: each {sliding_window (null: full), num_blocks, num_..._blocks}."""
+    entries = gauges.get("kv_groups", []) if isinstance(gauges, dict) else []
+    if not isinstance(entries, list):
+        raise FeedError(f"{where}.kv_groups must be a list")
+    groups = []
+    for index, entry in enumerate(entries):
+        at = f"{where}.kv_groups[{index}]"
+        window = entry.get("sliding_window") if isinstance(entry, dict) else None
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise FeedError(f"{at}.sliding_window must be null or an int >= 1, got {window!r}")
+        groups.append(_fill(GroupBlocks, entry, at, label="full" if window is None else f"window {window}"))
+    return tuple(groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +390,7 @@ def parse_snapshot(frame: Any, hello: MonitorHello) -> MonitorSnapshot:
         raise FeedError(f"{where}.missed_events must be >= 0, got {missed_events}")
     return MonitorSnapshot(time=_number(frame, "time", where), num_steps=_take(frame, "num_steps", int, where),
                            blocks=blocks, cpu_blocks=cpu_blocks, requests=requests,
-                           gauges=_fill(Gauges, _take(frame, "gauges", dict, where), f"{where}.gauges"),
+                           gauges=_fill(Gauges, gauges := _take(frame, "gauges", dict, where), f"{where}.gauges",
+                                        kv_groups=_parse_groups(gauges, f"{where}.gauges")),
                            counters=_fill(Counters, _take(frame, "counters", dict, where), f"{where}.counters"),
                            events=events, missed_events=missed_events, switch=_parse_switch(frame, where))

@@ -63,12 +63,15 @@ class Admission:
             admitted.append(request)
         return admitted
 
-    def fits(self, request: Request, num_blocks: int, slots_in_use: int) -> bool:
-        """The admission rule: its slots, and the `num_blocks` it takes now plus the decode headroom."""
+    def fits(self, request: Request, group_blocks: list[int], slots_in_use: int) -> bool:
+        """The admission rule: its slots, and in each layer group's pool the blocks it takes now
+        (`group_blocks`) plus the decode headroom."""
         if slots_in_use + request.num_slots > self.max_num_seqs:
             return False
-        own_growth = min(request.num_slots, max(0, self.peak_blocks(request) - num_blocks))
-        return num_blocks + slots_in_use + own_growth <= self.block_manager.num_available_blocks
+        peak = self.peak_blocks(request)
+        return all(num_blocks + slots_in_use + min(request.num_slots, max(0, peak - num_blocks)) <= available
+                   for num_blocks, available in zip(group_blocks, self.block_manager.group_available_blocks,
+                                                    strict=True))
 
     def peak_blocks(self, request: Request) -> int:
         return peak_blocks(len(request.prompt_token_ids), request.params.max_tokens, request.num_slots,
@@ -79,7 +82,7 @@ class Admission:
         bm = self.block_manager
         seqs = request.live_seqs
         seq_ids = [seq.seq_id for seq in seqs]
-        if not self.fits(request, bm.num_blocks_to_swap_in(seq_ids), slots_in_use):
+        if not self.fits(request, bm.group_blocks_to_swap_in(seq_ids), slots_in_use):
             return False
         moves = bm.swap_in(seq_ids)
         for seq in seqs:
@@ -101,10 +104,9 @@ class Admission:
         leader, others = seqs[0], seqs[1:]
         num_shared_blocks = self._num_shared_blocks(seqs)
         use_prefix_cache = request.uses_prefix_cache
-        num_blocks = bm.num_blocks_to_allocate(leader.token_ids, use_prefix_cache=use_prefix_cache)
-        for seq in others:
-            num_blocks += _num_blocks_for(seq.num_tokens, bm.block_size) - num_shared_blocks
-        if not self.fits(request, num_blocks, slots_in_use):
+        group_blocks = bm.group_blocks_to_allocate(leader.token_ids, use_prefix_cache=use_prefix_cache)
+        others_blocks = sum(_num_blocks_for(seq.num_tokens, bm.block_size) - num_shared_blocks for seq in others)
+        if not self.fits(request, [num_blocks + others_blocks for num_blocks in group_blocks], slots_in_use):
             return False
         for seq in seqs:
             seq.decode_row = None  # a readmitted sequence's block table is another list now
@@ -133,7 +135,7 @@ class Admission:
 
     def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
         """Full blocks of the sequences' common prefix, each keeping at least its last token to compute."""
-        if len(seqs) < 2:
+        if len(seqs) < 2 or not self.block_manager.shares_uncomputed_blocks:
             return 0
         first = seqs[0].token_ids
         common = min(seq.num_tokens for seq in seqs) - 1

@@ -138,10 +138,12 @@ class BatchFiller:
         """Give the sequence a row of as many of its uncomputed tokens as the rules allow (module doc)."""
         start = seq.num_computed_tokens
         remaining = len(seq.token_ids) - start
+        # Window layer groups give slots a chunk's worth at a time (kv/block_manager.py): the chunk ends there.
+        slotted = self.block_manager.make_slots(seq.seq_id) - start
         if self.enable_chunked_prefill:
-            num_tokens = min(remaining, batch.budget_left)
+            num_tokens = min(remaining, slotted, batch.budget_left)
         elif remaining <= batch.budget_left or batch.num_prefill_tokens == 0:
-            num_tokens = remaining
+            num_tokens = min(remaining, slotted)
         else:
             num_tokens = 0
         if num_tokens <= 0:
@@ -149,7 +151,8 @@ class BatchFiller:
         pooled = request.pooling is not None  # an embedding prompt: hidden states, never logits
         chunk = SeqChunk(seq.token_ids[start:start + num_tokens], start,
                          self.block_manager.live_block_table(seq.seq_id),
-                         needs_logits=num_tokens == remaining and not pooled, seq_id=seq.seq_id, needs_hidden=pooled)
+                         needs_logits=num_tokens == remaining and not pooled, seq_id=seq.seq_id, needs_hidden=pooled,
+                         group_block_tables=self._group_tables(seq.seq_id))
         batch.add(ScheduledRow(request, seq, num_tokens, chunk))
         self.events.append(EventKind.PREFILL_CHUNK, request.label, num_tokens=num_tokens, num_computed_tokens=start)
 
@@ -157,5 +160,10 @@ class BatchFiller:
         """A decoding sequence's row, rewritten each step. The block manager's table in its chunk stays
         the same list until the sequence is readmitted, which drops the row (engine/admission.py)."""
         chunk = SeqChunk([0], 0, self.block_manager.live_block_table(seq.seq_id), needs_logits=True,
-                         seq_id=seq.seq_id)
+                         seq_id=seq.seq_id, group_block_tables=self._group_tables(seq.seq_id))
         return ScheduledRow(request, seq, 1, chunk)
+
+    def _group_tables(self, seq_id: int) -> list[list[int]]:
+        """Every group's table of the sequence where the pool has layer groups (the manager's own list)."""
+        bm = self.block_manager
+        return bm.live_block_tables(seq_id) if bm.num_groups > 1 else []

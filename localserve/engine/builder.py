@@ -25,7 +25,8 @@ from localserve.kv.block_manager import BlockManager
 from localserve.kv.cache import LayerKVShape, PagedKVCache
 from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
-from localserve.kv.memory_plan import human_size, kv_budget_bytes, kv_bytes_per_token, num_kv_blocks
+from localserve.kv.group_plan import GroupPool, plan_group_pools, window_pool_blocks
+from localserve.kv.memory_plan import human_size, kv_budget_bytes
 from localserve.models.protocol import CausalLM
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,20 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     backend, why = select_backend(config.attention_backend, param.device, key_format, value_format,
                                   model_config.head_dim, model.attention_geometry())
     log.info("attention backend: %s", why)
-    if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
-        config = dataclasses.replace(config, num_kv_blocks=pool_blocks(model, key_format, value_format, config))
+    max_model_len = config.model_len(model_config.context_length)
+    pools = group_pools(model, key_format, value_format, config, max_model_len)
+    config = dataclasses.replace(config, num_kv_blocks=pools[0].num_blocks)
+    if len(pools) > 1:
+        log.info("KV layer groups: %s", "; ".join(f"{pool.label}: {len(pool.group.layers)} layers, "
+                                                  f"{pool.num_blocks} blocks" for pool in pools))
     scheduler_config = config.scheduler_config()
     num_cpu_blocks = config.num_cpu_blocks or (
         config.num_kv_blocks if scheduler_config.preemption_mode == "swap" else 0)
     kv_cache = build_kv_cache(model, tokenizer, key_format, value_format, config.num_kv_blocks, config.block_size,
-                              num_cpu_blocks)
-    max_model_len = config.model_len(model_config.context_length)
-    block_manager = BlockManager(config.num_kv_blocks, config.block_size, num_cpu_blocks,
-                                 config.enable_prefix_caching)
+                              num_cpu_blocks, pools)
+    block_manager = BlockManager([pool.num_blocks for pool in pools], config.block_size, num_cpu_blocks,
+                                 config.enable_prefix_caching, [pool.group.sliding_window for pool in pools],
+                                 window_chunk_tokens(config))
     events = EventLog()
     step_cost = StepCostModel() if config.spec_type or config.max_step_ms is not None else None
     step_budget = None
@@ -96,8 +101,10 @@ def build_draft_drafter(draft_model: CausalLM, config: EngineConfig) -> DraftMod
 
 
 def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_format: KVFormatSpec,
-                   num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> PagedKVCache:
-    """The paged pool for `model`'s K and V in these formats, on the model's device; a format that needs the
+                   num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                   pools: list[GroupPool] | None = None) -> PagedKVCache:
+    """The paged pool for `model`'s K and V in these formats, on the model's device, each layer in its
+    group's pool (`pools`; None: one pool of `num_blocks`) and of its own shape; a format that needs the
     model's calibration gets it (computed once per model and machine) with the model's RoPE."""
     param = next(model.parameters())
     model_config = model.config
@@ -119,25 +126,49 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
                              f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
+    layer_groups = group_numbers = None
+    if pools is not None and len(pools) > 1:
+        group_of = {layer: index for index, pool in enumerate(pools) for layer in pool.group.layers}
+        layer_groups = [group_of[layer] for layer in range(model_config.num_layers)]
+        group_numbers = [pool.num_blocks for pool in pools]
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
-                        calibration, rope, layer_shapes)
+                        calibration, rope, layer_shapes, layer_groups, group_numbers)
 
 
-def pool_blocks(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec,
-                config: EngineConfig) -> int:
-    """KV blocks for a loaded model: from `config`'s byte budget, else from its fraction of the CUDA device,
-    less what is already allocated there (the weights)."""
+def window_chunk_tokens(config: EngineConfig) -> int | None:
+    """The tokens a window group gives a sequence slots for at a time: a step's budget with chunked prefill."""
+    return config.max_num_batched_tokens if config.enable_chunked_prefill else None
+
+
+def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec, config: EngineConfig,
+                max_model_len: int) -> list[GroupPool]:
+    """The KV pool of each layer group (kv/group_plan.py), group 0 first: from `config`'s byte budget, else
+    from its fraction of the CUDA device less what is already allocated there (the weights), else
+    `num_kv_blocks` for the full group (a window group: its rule's blocks, at most that many)."""
     device = next(model.parameters()).device
     budget = config.kv_cache_memory_bytes
-    if budget is None:
+    if budget is None and config.gpu_memory_utilization:
         if device.type != "cuda":
             raise ValueError("--gpu-memory-utilization needs a CUDA device; give a KV budget in bytes instead")
         budget = kv_budget_bytes(torch.cuda.get_device_properties(device).total_memory,
                                  torch.cuda.memory_allocated(device), config.gpu_memory_utilization)
-    per_token = kv_bytes_per_token(model.config, key_format, value_format)
-    blocks = num_kv_blocks(budget, per_token, config.block_size)
-    if blocks == 0:
+    if budget is None:  # --num-kv-blocks: the full group's pool; a window group's by its rule, at most that
+        pools = plan_group_pools(model.config, key_format, value_format, 0, config.block_size,
+                                 config.max_num_seqs, max_model_len, window_chunk_tokens(config))
+        has_full_group = pools[0].group.sliding_window is None
+
+        def num_blocks(window: int | None) -> int:
+            if window is None or not has_full_group:
+                return config.num_kv_blocks
+            return min(config.num_kv_blocks, window_pool_blocks(window, config.block_size, config.max_num_seqs,
+                                                                max_model_len, window_chunk_tokens(config)))
+
+        return [dataclasses.replace(pool, num_blocks=num_blocks(pool.group.sliding_window)) for pool in pools]
+    pools = plan_group_pools(model.config, key_format, value_format, budget, config.block_size,
+                             config.max_num_seqs, max_model_len, window_chunk_tokens(config))
+    if min(pool.num_blocks for pool in pools) == 0:
+        block_bytes = sum(pool.bytes_per_token for pool in pools) * config.block_size
         raise ValueError(f"a KV budget of {human_size(budget)} holds no block of {config.block_size} tokens "
-                         f"({human_size(per_token * config.block_size)} each)")
-    return blocks
+                         f"({human_size(block_bytes)} each over every group)")
+    return pools

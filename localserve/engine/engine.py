@@ -160,10 +160,10 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds the {self.scheduler.config.max_num_seqs} parallel slots")
         # Exactly the tokens written: the last sampled token never is; samples share full prompt blocks.
         blocks = peak_blocks(len(prompt_token_ids), params.max_tokens, params.n, self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
+        if not self.block_manager.can_ever_hold(len(prompt_token_ids), blocks):
             samples = f" for n={params.n}" if params.n > 1 else ""
             raise ValueError(f"the prompt plus max_tokens{samples} needs {blocks} blocks, the pool has "
-                             f"{self.block_manager.num_blocks} (of {self.config.block_size} tokens): it can never run")
+                             f"{self.config.num_kv_blocks} (of {self.config.block_size} tokens): it can never run")
 
     def _validate_embedding(self, prompt_token_ids: list[int], params: EmbeddingParams) -> None:
         pooling, hidden_size = self.model_config.pooling, self.model_config.hidden_size
@@ -180,8 +180,8 @@ class LLMEngine:
             if params.dimensions > hidden_size:
                 raise ValueError(f"dimensions: at most the model's {hidden_size}, got {params.dimensions}")
         blocks = peak_blocks(len(prompt_token_ids), PROMPT_ONLY.max_tokens, 1, self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"the input needs {blocks} blocks, the pool has {self.block_manager.num_blocks} "
+        if not self.block_manager.can_ever_hold(len(prompt_token_ids), blocks):
+            raise ValueError(f"the input needs {blocks} blocks, the pool has {self.config.num_kv_blocks} "
                              f"(of {self.config.block_size} tokens): it can never run")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -31,6 +31,16 @@ class KvCapacity:
 
 
 @dataclass(frozen=True)
+class KvGroupFacts:
+    """One layer group's pool (kv/layer_groups.py): "full" or "window W", its layers and blocks."""
+
+    label: str
+    num_layers: int
+    num_blocks: int
+    bytes_per_token: int  # K and V of its layers, in the pool's formats
+
+
+@dataclass(frozen=True)
 class EmbeddingFacts:
     """What an embedding model's vectors are: its pooling ("last", "mean", "cls"), whether they are
     L2-normalised, their size, and whether a client may ask for fewer `dimensions` (Matryoshka)."""
@@ -48,7 +58,7 @@ class EngineFacts:
     max_model_len: int  # tokens of prompt plus output one request may hold
     vocab_size: int
     block_size: int  # tokens per KV block
-    num_gpu_blocks: int
+    num_gpu_blocks: int  # every layer group's pool, group after group
     num_cpu_blocks: int  # the swap pool (0: none)
     max_num_seqs: int  # sequences running at once: the parallel slots
     max_num_batched_tokens: int  # tokens one step computes at most
@@ -57,10 +67,13 @@ class EngineFacts:
     kv_bytes_per_token: int  # K and V of every layer, in the pool's formats
     capacity: tuple[KvCapacity, ...]  # per format of CAPACITY_FORMATS that fits the model's head size
     embedding: EmbeddingFacts | None = None  # an embedding model's (None: a generation model)
+    kv_groups: tuple[KvGroupFacts, ...] = ()  # with layer groups, their pools, group 0 first (empty: one pool)
 
     @property
     def kv_cache_bytes(self) -> int:
-        """The GPU pool's size in bytes."""
+        """The GPU pool's size in bytes (every group's)."""
+        if self.kv_groups:
+            return sum(group.num_blocks * self.block_size * group.bytes_per_token for group in self.kv_groups)
         return self.num_gpu_blocks * self.block_size * self.kv_bytes_per_token
 
 
@@ -69,7 +82,9 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
     config, kv_cache, model_config = engine.config, engine.runner.kv_cache, engine.model_config
     scheduler_config = engine.scheduler.config
     bytes_per_token = kv_cache.bytes_per_token()
-    pool_bytes = config.num_kv_blocks * config.block_size * bytes_per_token
+    group_bytes = kv_cache.group_bytes_per_token()
+    pool_bytes = config.block_size * sum(num_blocks * per_token for num_blocks, per_token in zip(
+        kv_cache.group_num_blocks, group_bytes, strict=True))
     capacity = []
     for spec in CAPACITY_FORMATS:
         try:
@@ -82,7 +97,11 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
                                                             model_config.hidden_size, pooling.truncatable)
     return EngineFacts(
         max_model_len=engine.max_model_len, vocab_size=model_config.vocab_size, block_size=config.block_size,
-        num_gpu_blocks=config.num_kv_blocks, num_cpu_blocks=engine.block_manager.num_cpu_blocks,
+        num_gpu_blocks=engine.block_manager.num_blocks, num_cpu_blocks=engine.block_manager.num_cpu_blocks,
         max_num_seqs=scheduler_config.max_num_seqs, max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         cache_type_k=str(kv_cache.key_format), cache_type_v=str(kv_cache.value_format),
-        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding)
+        kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding,
+        kv_groups=tuple(KvGroupFacts(usage.label, kv_cache.layer_groups.count(group), usage.num_blocks,
+                                     group_bytes[group])
+                        for group, usage in enumerate(engine.block_manager.group_usage())) if len(group_bytes) > 1
+        else ())

@@ -8,7 +8,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from localserve.attention.base import AttentionBackend, AttentionInputs
+from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.step import StepInput
 from localserve.kv.cache import PagedKVCache
@@ -31,9 +31,12 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = next(model.parameters()).device
-        self.block_tables = BlockTableRows()
+        self.num_groups = len(kv_cache.group_num_blocks)
+        self.block_tables = [BlockTableRows() for _ in range(self.num_groups)]  # a mirror per layer group
         self.decode_graphs = None
-        if self.device.type == "cuda" and backend.name == "triton" and max_model_len and model.supports_cuda_graphs:
+        # The captured graphs carry one group's tables: a pool with layer groups decodes eagerly.
+        if (self.device.type == "cuda" and backend.name == "triton" and max_model_len and model.supports_cuda_graphs
+                and self.num_groups == 1):
             from localserve.engine.cuda_graphs import DecodeGraphs  # imports triton: only where it runs
 
             self.decode_graphs = DecodeGraphs(model, kv_cache, backend, max_model_len)
@@ -88,7 +91,10 @@ class ModelRunner:
         query_lens = [len(chunk.token_ids) for chunk in chunks]
         num_tokens = sum(query_lens)
         starts = np.fromiter(map(_start_pos, chunks), np.int64, num_seqs)
-        block_tables = self.block_tables.gather(list(map(_seq_id, chunks)), list(map(_block_table, chunks)))
+        seq_ids = list(map(_seq_id, chunks))
+        group_block_tables = [self.block_tables[0].gather(seq_ids, list(map(_block_table, chunks)))]
+        group_block_tables += [rows.gather(seq_ids, [chunk.group_block_tables[group] for chunk in chunks])
+                               for group, rows in enumerate(self.block_tables[1:], start=1)]
         input_ids = np.fromiter(chain.from_iterable(map(_token_ids, chunks)), np.int64, num_tokens)
         if num_tokens == num_seqs:  # one token each, at its start position: decodes (and one-token chunks)
             seq_of_token, positions = np.arange(num_seqs), starts
@@ -102,12 +108,15 @@ class ModelRunner:
             context_lens = starts + lens
             logit_rows = [row for end, chunk in zip(accumulate(query_lens), chunks) if chunk.needs_logits
                           for row in range(end - 1 - chunk.num_draft_tokens, end)]
-        slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         device = self.device
+        logical_blocks, offsets = positions // block_size, positions % block_size
+        groups = [GroupTables(torch.from_numpy(tables[seq_of_token, logical_blocks] * block_size + offsets).to(device),
+                              torch.from_numpy(tables).to(device)) for tables in group_block_tables]
         inputs = AttentionInputs(
-            slot_mapping=torch.from_numpy(slots).to(device), positions=torch.from_numpy(positions).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device), query_lens=query_lens,
-            context_lens=context_lens.tolist(), block_size=block_size)
+            slot_mapping=groups[0].slot_mapping, positions=torch.from_numpy(positions).to(device),
+            block_tables=groups[0].block_tables, query_lens=query_lens, context_lens=context_lens.tolist(),
+            block_size=block_size, groups=groups if self.num_groups > 1 else [],
+            layer_groups=list(self.kv_cache.layer_groups) if self.num_groups > 1 else [])
         return (inputs, torch.from_numpy(input_ids).to(device),
                 None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64, device=device))
 

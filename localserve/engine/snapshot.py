@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from localserve.engine.speculation import SpecTotals, spec_totals
+from localserve.kv.block_books import GroupUsage
 
 if TYPE_CHECKING:
     from localserve.engine.events import EventLog
@@ -66,6 +67,9 @@ class Gauges:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     step_limit_s: float = 0.0  # the time budget (--max-step-ms) of the last step that had one; 0: none yet
+    # With layer groups (kv/layer_groups.py), each group's pool, group 0 first (the block counts above are their
+    # sums); empty: one pool.
+    kv_groups: tuple[GroupUsage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ def read_stats(engine: EngineState) -> EngineStats:
                     bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks, bm.num_free_cpu_blocks,
                     last.duration_s if last else 0.0, last.num_tokens if last else 0, spec.acceptance_rate,
                     spec.mean_accepted_length,
-                    scheduler.step_budget.last_limit_s if scheduler.step_budget is not None else 0.0)
+                    scheduler.step_budget.last_limit_s if scheduler.step_budget is not None else 0.0,
+                    tuple(bm.group_usage()) if bm.num_groups > 1 else ())
     by_mode = preemption.num_preemptions_by_mode
     counters = Counters(engine.num_steps, preemption.num_preemptions, by_mode["recompute"], by_mode["swap"],
                         preemption.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
@@ -162,7 +167,9 @@ def _request_snapshot(engine: EngineState, request: Request, queue: str, now: fl
     num_output = max((len(seq.output_token_ids) for seq in request.seqs), default=0)
     elapsed = now - request.first_token_time if request.first_token_time is not None else 0.0
     # A request preempted by recompute holds no blocks (and has nothing computed); one swapped out holds CPU blocks.
-    tables = [engine.block_manager.block_table(seq.seq_id) for seq in live] if queue != "waiting" else []
+    # Group 0's tables (the first blocks of the map); a window group's given-back entries are left out.
+    tables = [[block_id for block_id in engine.block_manager.block_table(seq.seq_id) if block_id >= 0]
+              for seq in live] if queue != "waiting" else []
     spec = spec_totals(seq.speculation for seq in request.seqs)
     return RequestSnapshot(request.label, state, prompt_len, computed, num_output, len(live),
                            request.num_preemptions, request.num_cached_tokens,

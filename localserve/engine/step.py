@@ -6,6 +6,7 @@ backend builds its own metadata from those (localserve.attention.base.AttentionI
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,9 @@ class SeqChunk:
     num_draft_tokens: int = 0
     # An embedding prompt's chunk: the runner returns its tokens' final hidden states (ModelRunner.execute_pooled).
     needs_hidden: bool = False
+    # With layer groups (kv/layer_groups.py): the block manager's list of the sequence's tables, one per group
+    # (group 0's is `block_table`), read like it; empty: one group.
+    group_block_tables: Sequence[list[int]] = ()
 
     @property
     def context_len(self) -> int:
@@ -49,9 +53,10 @@ class StepInput:
     """
 
     chunks: list[SeqChunk] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    # Each move names its layer group (kv/block_pool.py, BlockMove).
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)  # copy-on-write (source, destination, group)
+    swap_out: list[tuple[int, int, int]] = field(default_factory=list)  # (gpu_block, cpu_block, group)
+    swap_in: list[tuple[int, int, int]] = field(default_factory=list)  # (cpu_block, gpu_block, group)
 
     @property
     def num_tokens(self) -> int:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 from localserve.kv.block_hash import BlockContent
+from localserve.kv.block_pool import BlockPool
 from localserve.kv.followers import FollowerLink
+from localserve.kv.layer_groups import group_label
 
 
 class SequenceView(Protocol):
@@ -32,8 +35,8 @@ class SequenceView(Protocol):
     def shares_token_ids(self) -> bool: ...
 
     @property
-    def block_table(self) -> Sequence[int]:
-        """GPU block ids, or CPU block ids while swapped out."""
+    def block_tables(self) -> Sequence[Sequence[int]]:
+        """Per group: GPU block ids (NO_BLOCK where a window group gave one back), or CPU ids while swapped out."""
         ...
 
     @property
@@ -61,41 +64,76 @@ class SequenceView(Protocol):
 
 
 @dataclass(frozen=True)
-class BlockBooks:
-    """The block manager's books as they are now (see the module doc)."""
+class PoolBooks:
+    """One group's pool as it is now: its window and the books of its GPU and CPU blocks."""
 
+    sliding_window: int | None  # None: full attention
     num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool
     ref_counts: Sequence[int]  # per GPU block: the block tables pointing at it
     block_hashes: Sequence[bytes | None]  # per GPU block: its prefix-cache key, while it has one
     block_contents: Sequence[BlockContent | None]  # per GPU block: what that key is the hash of
     hash_to_block: Mapping[bytes, int]  # the prefix cache: key -> GPU block
     free_queue: Collection[int]  # GPU blocks no table points at (free or cached)
     num_cached_blocks: int  # of those, the ones with a key
+    swap_holder_counts: Sequence[int]  # per CPU swap-pool block: the swapped-out tables pointing at it
+
+    @classmethod
+    def of(cls, pool: BlockPool, sliding_window: int | None, swap_holder_counts: Sequence[int]) -> PoolBooks:
+        return cls(sliding_window, pool.num_blocks, pool.ref_counts, pool.block_hashes, pool.block_contents,
+                   MappingProxyType(pool.hash_to_block), pool.free_queue, pool.num_cached_blocks, swap_holder_counts)
+
+
+@dataclass(frozen=True)
+class BlockBooks:
+    """The block manager's books as they are now (see the module doc)."""
+
+    block_size: int
+    enable_prefix_caching: bool
+    pools: tuple[PoolBooks, ...]  # per layer group, group 0 first
     sequences: Mapping[int, SequenceView]  # by sequence id
     followers: Mapping[int, FollowerLink]  # follower id -> its leader and the blocks they share
-    swap_holder_counts: Sequence[int]  # per CPU swap-pool block: the swapped-out tables pointing at it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sequences", MappingProxyType(self.sequences))
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    """One group's pool in numbers, for the monitor and /metrics."""
+
+    sliding_window: int | None  # None: full attention
+    num_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_free_blocks: int
+
+    @property
+    def label(self) -> str:
+        return group_label(self.sliding_window)
 
 
 @dataclass(frozen=True)
 class BlockPoolSnapshot:
     """State of every block, for the monitor.
 
-    `block_states` has one character per GPU block, indexed by block id: '.' free, 'c' cached (free,
+    `block_states` has one character per GPU block, the pools of the groups one after the other (group 0
+    first, `group_num_blocks` long each), indexed by block id within its group: '.' free, 'c' cached (free,
     contents kept for the prefix cache), 'u' used by one block table, 's' shared by several.
-    `ref_counts[i]` is the number of block tables pointing at GPU block i. `cpu_block_states` maps the
-    CPU swap pool the same way ('.', 'u' or 's').
+    `ref_counts[i]` is the number of block tables pointing at that block. `cpu_block_states` maps the
+    groups' CPU swap pools the same way ('.', 'u' or 's').
     """
 
     block_states: str
     ref_counts: tuple[int, ...]
     cpu_block_states: str
+    group_num_blocks: tuple[int, ...] = ()
 
 
 def pool_snapshot(books: BlockBooks) -> BlockPoolSnapshot:
     """The state of every GPU and CPU block, read from the books."""
     states = "".join(".us"[min(count, 2)] if count or block_hash is None else "c"
-                     for count, block_hash in zip(books.ref_counts, books.block_hashes, strict=True))
-    cpu_states = "".join(".us"[min(count, 2)] for count in books.swap_holder_counts)
-    return BlockPoolSnapshot(states, tuple(books.ref_counts), cpu_states)
+                     for pool in books.pools
+                     for count, block_hash in zip(pool.ref_counts, pool.block_hashes, strict=True))
+    cpu_states = "".join(".us"[min(count, 2)] for pool in books.pools for count in pool.swap_holder_counts)
+    ref_counts = tuple(count for pool in books.pools for count in pool.ref_counts)
+    return BlockPoolSnapshot(states, ref_counts, cpu_states, tuple(pool.num_blocks for pool in books.pools))

@@ -1,10 +1,26 @@
 """The KV block manager: which physical blocks of the KV pool hold which sequence's tokens.
 
-Pure Python bookkeeping, no tensors (DESIGN.md section 3). Each of the `num_blocks` GPU blocks is
-either free (in the free queue, nothing worth keeping), cached (in the free queue with ref count 0,
-its contents still registered in the prefix cache) or used (ref count >= 1: that many block tables
-point at it; shared when > 1). Blocks whose count drops to 0 join the free queue's tail and new
-blocks come from its head, so the least recently freed cached block is overwritten first.
+Pure Python bookkeeping, no tensors (DESIGN.md section 3). The layers of a model are grouped by how they
+keep KV (kv/layer_groups.py: full attention, or a sliding window of W tokens); each group has its own
+pool of GPU blocks (kv/block_pool.py), its own block id space, and each sequence has one block table per
+group, all covering the same tokens. A block of a pool is free (in the free queue, nothing worth
+keeping), cached (in the free queue with ref count 0, its contents still registered in the prefix cache)
+or used (ref count >= 1: that many block tables point at it; shared when > 1). Blocks whose count drops
+to 0 join the free queue's tail and new blocks come from its head, so the least recently freed cached
+block is overwritten first.
+
+A window group gives back the blocks that fall wholly before the window of the sequence's next query
+(positions < num_computed_tokens - W + 1) as soon as they do: their entries become `NO_BLOCK`, always a
+prefix of the table, and the blocks join the free queue still cached, so a later prompt with the same
+tokens finds them. A prefix hit of L tokens is one every group accepts: a full group needs every block
+before L, a window group only those its window at L covers. Block moves (copy-on-write, swap) name
+their group: (source, destination, group).
+
+With `window_chunk_tokens` (the step's token budget), a window group gives a sequence blocks for at most
+that many tokens past its computed ones at a time: at admission for its first prefill chunk, then as
+`mark_computed` moves on (as many as its pool has then), and for each appended token once its prompt is
+computed. The tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk, and a
+window pool of max_num_seqs x (ceil((W + chunk) / block_size) + 1) blocks always has room for them.
 
 The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
@@ -27,14 +43,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
-from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, pool_snapshot
-from localserve.kv.block_hash import ROOT_HASH, BlockContent, PrefixHit, block_payload, hash_block, hash_payload
+from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, GroupUsage, PoolBooks, pool_snapshot
+from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_payload, hash_block, hash_payload
+from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
 from localserve.kv.block_tier import BlockTier
 from localserve.kv.followers import Followers
-from localserve.kv.free_queue import FreeBlockQueue
 from localserve.kv.integrity import check_integrity
+from localserve.kv.layer_groups import num_blocks_out_of_window
 from localserve.kv.out_of_blocks import OutOfBlocksError
 from localserve.kv.swap_pool import CpuSwapPool
 
@@ -45,7 +61,9 @@ class SequenceBlocks:
 
     # Its own copy, or (`share_token_ids`) the caller's list, which may run a pending token ahead of `num_tokens`.
     token_ids: list[int]
-    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
+    # Per group: GPU block ids (NO_BLOCK where a window group gave the block back), or CPU block ids while
+    # swapped out. The outer list stays the sequence's for its life; an inner one may be replaced.
+    block_tables: list[list[int]]
     num_computed_tokens: int
     block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
     extra_key: bytes
@@ -62,88 +80,143 @@ class SequenceBlocks:
         return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size], self.extra_key)
 
 
-class BlockManager:
-    """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping.
+@dataclass(slots=True)
+class _AllocationPlan:
+    """A prompt's prefix hits as every group accepts them, and what each group takes from its free queue."""
 
-    Sequences are named by an int `seq_id` chosen by the caller. For each the manager keeps its block
-    table (logical block i -> physical block id) and its token ids, which key its full blocks. An
-    operation that runs out of blocks raises `OutOfBlocksError` and changes nothing; the `can_...`
-    questions are exact.
+    hit_hashes: list[bytes]  # keys of the hit blocks, one per block before the hit point
+    group_hits: list[list[int]]  # per group: the hit blocks it holds (a window group: those in its window)
+    num_blocks_to_take: list[int]  # per group
+
+
+class BlockManager:
+    """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping,
+    per layer group (module doc).
+
+    Sequences are named by an int `seq_id` chosen by the caller. For each the manager keeps one block
+    table per group (logical block i -> physical block id) and its token ids, which key its full blocks.
+    An operation that runs out of blocks in any group raises `OutOfBlocksError` and changes nothing;
+    the `can_...` questions are exact. The counts the scheduler budgets with (`num_available_blocks`,
+    `num_blocks_to_...`) are the tightest group's: the fewest blocks any group can hand out, the most
+    any group takes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int | Sequence[int], block_size: int = 16, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True, group_windows: Sequence[int | None] = (None,),
+                 window_chunk_tokens: int | None = None) -> None:
+        """`group_windows`: each group's sliding window (None: full attention); `num_blocks`: the pool size
+        of each group, or one size for all; `window_chunk_tokens`: see the module doc (None: a window group
+        takes blocks for a whole prompt at admission, as a full group does)."""
+        if window_chunk_tokens is not None and window_chunk_tokens < 1:
+            raise ValueError(f"window_chunk_tokens must be >= 1, got {window_chunk_tokens}")
+        self.window_chunk_tokens = window_chunk_tokens
+        pool_sizes = [num_blocks] * len(group_windows) if isinstance(num_blocks, int) else list(num_blocks)
+        if not group_windows or len(pool_sizes) != len(group_windows):
+            raise ValueError(f"need one pool size per group: {len(group_windows)} groups, sizes {pool_sizes}")
+        if min(pool_sizes) < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {pool_sizes}, {block_size}")
+        for window in group_windows:
+            if window is not None and window < 1:
+                raise ValueError(f"a group's sliding window must be >= 1, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref_counts = [0] * num_blocks
-        self._block_hashes: list[bytes | None] = [None] * num_blocks  # set while in the prefix cache
-        self._block_contents: list[BlockContent | None] = [None] * num_blocks  # behind each key
-        self._free_queue = FreeBlockQueue(num_blocks)  # head first
-        self._hash_to_block: dict[bytes, int] = {}
-        self._num_cached_blocks = 0  # blocks in the free queue with a key
-        self._swap_tier: BlockTier = CpuSwapPool(num_cpu_blocks)
+        self.group_windows = tuple(group_windows)
+        self._pools = [BlockPool(size) for size in pool_sizes]
+        self._window_groups = [g for g, window in enumerate(self.group_windows) if window is not None]
+        self._full_groups = [g for g, window in enumerate(self.group_windows) if window is None]
+        self._swap_tiers: list[BlockTier] = [CpuSwapPool(num_cpu_blocks) for _ in pool_sizes]
         self._followers = Followers()
         self._seqs: dict[int, SequenceBlocks] = {}
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
         self.cow_copies = 0
-        self.cached_block_evictions = 0  # cached blocks overwritten by an allocation
 
     # ---- observability ----
     @property
+    def num_groups(self) -> int:
+        return len(self._pools)
+
+    @property
+    def group_num_blocks(self) -> tuple[int, ...]:
+        """Each group's pool size."""
+        return tuple(pool.num_blocks for pool in self._pools)
+
+    @property
+    def num_blocks(self) -> int:
+        """GPU blocks of all groups' pools."""
+        return sum(pool.num_blocks for pool in self._pools)
+
+    @property
     def num_free_blocks(self) -> int:
-        """GPU blocks in the free queue holding nothing reusable."""
-        return len(self._free_queue) - self._num_cached_blocks
+        """GPU blocks in the free queues holding nothing reusable (all groups)."""
+        return sum(pool.num_free_blocks for pool in self._pools)
 
     @property
     def num_cached_blocks(self) -> int:
-        """GPU blocks in the free queue whose contents the prefix cache can still hand out."""
-        return self._num_cached_blocks
+        """GPU blocks in the free queues whose contents the prefix cache can still hand out (all groups)."""
+        return sum(pool.num_cached_blocks for pool in self._pools)
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks allocations can take: free + cached (taking a cached one evicts its contents)."""
-        return len(self._free_queue)
+        """Blocks allocations can take, free + cached (taking a cached one evicts its contents), in the group
+        that has the fewest."""
+        return min(pool.num_available_blocks for pool in self._pools)
+
+    @property
+    def group_available_blocks(self) -> list[int]:
+        """`num_available_blocks` of each group, group 0 first."""
+        return [pool.num_available_blocks for pool in self._pools]
 
     @property
     def num_used_blocks(self) -> int:
-        """GPU blocks pointed at by at least one block table."""
-        return self.num_blocks - len(self._free_queue)
+        """GPU blocks pointed at by at least one block table (all groups)."""
+        return sum(pool.num_used_blocks for pool in self._pools)
 
     @property
     def usage_ratio(self) -> float:
-        """Used GPU blocks over all GPU blocks, 0..1 (cached blocks count as not used)."""
-        return self.num_used_blocks / self.num_blocks
+        """Used over all GPU blocks of the fullest group, 0..1 (cached blocks count as not used)."""
+        return max(pool.num_used_blocks / pool.num_blocks for pool in self._pools)
+
+    @property
+    def cached_block_evictions(self) -> int:
+        """Cached blocks overwritten by an allocation (all groups)."""
+        return sum(pool.cached_block_evictions for pool in self._pools)
 
     @property
     def num_cpu_blocks(self) -> int:
-        """Blocks of the CPU swap pool."""
-        return self._swap_tier.capacity
+        """Blocks of the CPU swap pools (one per group, each as large)."""
+        return sum(tier.capacity for tier in self._swap_tiers)
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        """CPU blocks not holding a swapped-out sequence."""
-        return self._swap_tier.num_free_blocks
+        """CPU blocks not holding a swapped-out sequence (all groups)."""
+        return sum(tier.num_free_blocks for tier in self._swap_tiers)
 
-    def free_queue_block_ids(self) -> list[int]:
-        """GPU block ids in the free queue, head (next to be handed out) first."""
-        return list(self._free_queue)
+    def group_usage(self) -> list[GroupUsage]:
+        """Blocks used, cached and free in each group's pool."""
+        return [GroupUsage(window, pool.num_blocks, pool.num_used_blocks, pool.num_cached_blocks,
+                           pool.num_free_blocks) for window, pool in zip(self.group_windows, self._pools, strict=True)]
 
-    def ref_count(self, block_id: int) -> int:
-        """Number of block tables pointing at GPU block `block_id`."""
-        return self._ref_counts[block_id]
+    def free_queue_block_ids(self, group: int = 0) -> list[int]:
+        """GPU block ids in the group's free queue, head (next to be handed out) first."""
+        return list(self._pools[group].free_queue)
 
-    def block_table(self, seq_id: int) -> list[int]:
-        """A copy of the sequence's block table (CPU block ids while it is swapped out)."""
-        return list(self._seqs[seq_id].block_table)
+    def ref_count(self, block_id: int, group: int = 0) -> int:
+        """Number of block tables pointing at GPU block `block_id` of the group."""
+        return self._pools[group].ref_counts[block_id]
 
-    def live_block_table(self, seq_id: int) -> list[int]:
-        """The sequence's block table itself, not a copy: read-only, and true only until the sequence's
-        next operation (the step contract carries tables this way, sparing a copy per sequence a step)."""
-        return self._seqs[seq_id].block_table
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """A copy of the sequence's block table in the group (CPU block ids while it is swapped out)."""
+        return list(self._seqs[seq_id].block_tables[group])
+
+    def live_block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """The sequence's block table in the group itself, not a copy: read-only, and true only until the
+        sequence's next operation (the step contract carries tables this way, sparing a copy per sequence a step)."""
+        return self._seqs[seq_id].block_tables[group]
+
+    def live_block_tables(self, seq_id: int) -> list[list[int]]:
+        """Every group's `live_block_table` of the sequence, in group order (the list itself, read-only)."""
+        return self._seqs[seq_id].block_tables
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence, including appended ones whose KV is not written yet."""
@@ -163,63 +236,94 @@ class BlockManager:
 
     def books(self) -> BlockBooks:
         """A read-only view of every book the manager keeps, true until its next operation (no copies)."""
-        return BlockBooks(num_blocks=self.num_blocks, block_size=self.block_size,
-                          enable_prefix_caching=self.enable_prefix_caching, ref_counts=self._ref_counts,
-                          block_hashes=self._block_hashes, block_contents=self._block_contents,
-                          hash_to_block=MappingProxyType(self._hash_to_block), free_queue=self._free_queue,
-                          num_cached_blocks=self._num_cached_blocks, sequences=MappingProxyType(self._seqs),
-                          followers=self._followers.links, swap_holder_counts=self._swap_tier.holder_counts)
+        pools = tuple(PoolBooks.of(pool, window, tier.holder_counts)
+                      for pool, window, tier in zip(self._pools, self.group_windows, self._swap_tiers, strict=True))
+        return BlockBooks(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching, pools=pools,
+                          sequences=self._seqs, followers=self._followers.links)
 
     def snapshot(self) -> BlockPoolSnapshot:
-        """The state of every GPU and CPU block (see `BlockPoolSnapshot`)."""
+        """The state of every GPU and CPU block, group after group (see `BlockPoolSnapshot`)."""
         return pool_snapshot(self.books())
+
+    def can_ever_hold(self, num_prompt_tokens: int, num_peak_blocks: int) -> bool:
+        """True when a sequence of this prompt, growing to `num_peak_blocks` blocks, fits the pools when
+        alone: a full group holds all its blocks, a window group its first chunk's (module doc)."""
+        num_first_blocks = self._num_blocks_for(self._slot_target(num_prompt_tokens, 0))
+        return all(pool.num_blocks >= (num_peak_blocks if window is None else min(num_first_blocks, num_peak_blocks))
+                   for pool, window in zip(self._pools, self.group_windows, strict=True))
+
+    @property
+    def shares_uncomputed_blocks(self) -> bool:
+        """Whether `allocate_sharing` shares a leader's blocks: not where window groups give slots a chunk at a
+        time (a leader's window table does not reach the blocks it has not computed yet)."""
+        return not (self._window_groups and self.window_chunk_tokens is not None)
+
+    def make_slots(self, seq_id: int) -> int:
+        """Give the sequence's window groups blocks up to `window_chunk_tokens` past its computed tokens, as
+        far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
+        self._extend_windows(self._gpu_seq(seq_id))
+        return self.num_slotted_tokens(seq_id)
+
+    def num_slotted_tokens(self, seq_id: int) -> int:
+        """Leading tokens of the sequence with a KV slot in every group: a prefill chunk ends there at most."""
+        seq = self._seqs[seq_id]
+        if not self._window_groups:
+            return seq.num_tokens
+        return min(seq.num_tokens, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
                                use_prefix_cache: bool = True) -> int:
-        """Blocks that admitting this prompt now would take out of the free queue: every block of the
-        prompt except prefix hits on blocks in use (a hit on a cached block counts, as it leaves the free
-        queue too). So `can_allocate` is exactly this <= num_available_blocks."""
-        return self._plan_allocation(token_ids, extra_key, use_prefix_cache)[1]
+        """Blocks that admitting this prompt now would take out of the free queue of the group taking most:
+        every block of the prompt except prefix hits on blocks in use and blocks a window group drops (a hit
+        on a cached block counts, as it leaves the free queue too)."""
+        return max(self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take)
+
+    def group_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
+                                 use_prefix_cache: bool = True) -> list[int]:
+        """`num_blocks_to_allocate` of each group, group 0 first."""
+        return self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take
 
     def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
         """True when `allocate` of this prompt would succeed now."""
-        return self.num_blocks_to_allocate(token_ids, extra_key) <= len(self._free_queue)
+        plan = self._plan_allocation(token_ids, extra_key, True)
+        return self._has_room(plan.num_blocks_to_take)
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes = b"",
                  share_token_ids: bool = False, use_prefix_cache: bool = True) -> int:
-        """Give a new sequence blocks for its whole prompt; returns its number of cached tokens.
+        """Give a new sequence blocks for its whole prompt in every group; returns its number of cached tokens.
 
         Leading full blocks found in the prefix cache are shared (ref count + 1, taken out of the free
         queue if they sat there), at most (len(token_ids) - 1) // block_size of them so that the last
-        prompt token is always computed. The return value, a multiple of block_size, is where the
-        prefill starts. `extra_key` is mixed into every block's key. With `share_token_ids` the manager
-        keeps the list `token_ids` itself, not a copy: the caller appends each token to it, then names it
-        to `append_token` (one token list per sequence, not two), and never changes the tokens before.
-        `use_prefix_cache` False: no hits are looked up (every token is computed; an embedding prompt whose
-        pooling reads them all); its full blocks still enter the prefix cache once computed.
+        prompt token is always computed, and only as many as every group accepts (module doc). The return
+        value, a multiple of block_size, is where the prefill starts. `extra_key` is mixed into every
+        block's key. With `share_token_ids` the manager keeps the list `token_ids` itself, not a copy: the
+        caller appends each token to it, then names it to `append_token` (one token list per sequence, not
+        two), and never changes the tokens before. `use_prefix_cache` False: no hits are looked up (every
+        token is computed; an embedding prompt whose pooling reads them all); its full blocks still enter
+        the prefix cache once computed.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        hits, num_blocks_to_take = self._plan_allocation(token_ids, extra_key, use_prefix_cache)
-        if num_blocks_to_take > len(self._free_queue):
-            raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {num_blocks_to_take} blocks, "
-                                   f"{len(self._free_queue)} available")
-        # Hits leave the free queue before new blocks are taken from its head, which could evict them.
-        for _, block_id in hits:
-            if self._ref_counts[block_id] == 0:
-                del self._free_queue[block_id]
-                self._num_cached_blocks -= 1
-            self._ref_counts[block_id] += 1
-        block_table = [block_id for _, block_id in hits]
-        num_new_blocks = self._num_blocks_for(len(token_ids)) - len(hits)
-        block_table += [self._take_free_block() for _ in range(num_new_blocks)]
-        num_cached_tokens = len(hits) * self.block_size
+        plan = self._plan_allocation(token_ids, extra_key, use_prefix_cache)
+        if not self._has_room(plan.num_blocks_to_take):
+            raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {plan.num_blocks_to_take} blocks "
+                                   f"per group, {[pool.num_available_blocks for pool in self._pools]} available")
+        num_cached_tokens = len(plan.hit_hashes) * self.block_size
+        block_tables = []
+        for pool, window, hits in zip(self._pools, self.group_windows, plan.group_hits, strict=True):
+            # Hits leave the free queue before new blocks are taken from its head, which could evict them.
+            for block_id in hits:
+                pool.hold(block_id)
+            num_dropped = num_blocks_out_of_window(num_cached_tokens, window, self.block_size)
+            num_new_blocks = self._num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
+            block_tables.append([NO_BLOCK] * num_dropped + hits
+                                + [pool.take_free_block() for _ in range(num_new_blocks)])
         self._seqs[seq_id] = SequenceBlocks(
-            token_ids=token_ids if share_token_ids else list(token_ids), block_table=block_table,
-            num_computed_tokens=num_cached_tokens, block_hashes=[block_hash for block_hash, _ in hits],
+            token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
+            num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes,
             extra_key=extra_key, num_tokens=len(token_ids), shares_token_ids=share_token_ids)
         if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_query_tokens += len(token_ids)
@@ -235,6 +339,10 @@ class BlockManager:
         leader computes them (`mark_computed` on the leader carries it along); until then it must not
         be scheduled (`awaits_leader`). Takes `len(token_ids)` blocks minus the shared ones; returns its
         number of computed tokens now. `share_token_ids` as for `allocate`.
+
+        Where a window group of the leader has already given back blocks the sequence's window would
+        need (the leader's prefix hit reaches past the shared blocks), the sequence shares nothing and is
+        allocated alone (`allocate`, prefix hits included) instead.
         """
         leader = self._gpu_seq(leader_id)
         num_shared_tokens = num_shared_blocks * self.block_size
@@ -245,18 +353,28 @@ class BlockManager:
                      and list(token_ids[:num_shared_tokens]) == leader.token_ids[:num_shared_tokens])
         if not can_share:
             raise ValueError(f"sequence {seq_id} cannot share {num_shared_blocks} blocks of sequence {leader_id}")
+        num_computed_blocks = min(leader.num_computed_tokens // self.block_size, num_shared_blocks)
+        for group in self._window_groups:
+            first_needed = num_blocks_out_of_window(num_computed_blocks * self.block_size, self.group_windows[group],
+                                                    self.block_size)
+            leader_table = leader.block_tables[group]
+            if len(leader_table) < num_shared_blocks or NO_BLOCK in leader_table[first_needed:num_shared_blocks]:
+                return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids)
         num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
-        if num_new_blocks > len(self._free_queue):
-            raise OutOfBlocksError(f"{num_new_blocks} blocks needed, {len(self._free_queue)} available")
-        block_table = leader.block_table[:num_shared_blocks]
-        for block_id in block_table:
-            self._ref_counts[block_id] += 1
-        block_table += [self._take_free_block() for _ in range(num_new_blocks)]
-        seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_table=block_table,
+        if not self._has_room([num_new_blocks] * self.num_groups):
+            raise OutOfBlocksError(f"{num_new_blocks} blocks needed per group, "
+                                   f"{self.num_available_blocks} available")
+        block_tables = []
+        for pool, leader_table in zip(self._pools, leader.block_tables, strict=True):
+            table = leader_table[:num_shared_blocks]
+            for block_id in table:
+                if block_id != NO_BLOCK:
+                    pool.ref_counts[block_id] += 1
+            block_tables.append(table + [pool.take_free_block() for _ in range(num_new_blocks)])
+        seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
                              num_computed_tokens=0, block_hashes=[], extra_key=leader.extra_key,
                              num_tokens=len(token_ids), shares_token_ids=share_token_ids)
         self._seqs[seq_id] = seq
-        num_computed_blocks = min(leader.num_computed_tokens // self.block_size, num_shared_blocks)
         self._take_computed_blocks(seq, leader, num_computed_blocks)
         if num_computed_blocks < num_shared_blocks:
             self._followers.add(seq_id, leader_id, num_shared_blocks)
@@ -264,34 +382,20 @@ class BlockManager:
 
     # ---- decoding ----
     def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
-        """Blocks taken from the free queue if each of these sequences appends one token, in any order:
-        one per full last block; writers into a shared, partly filled last block need a copy each, except
-        that when all its holders write, the last one finds itself sole owner and writes in place."""
-        num_blocks = 0
-        writers_per_shared_block: dict[int, int] = {}
-        ref_counts = self._ref_counts
-        for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            if seq.is_swapped:
-                self._gpu_seq(seq_id)  # raises
-            if seq.num_tokens % self.block_size == 0:
-                num_blocks += 1
-            elif seq.may_share_last_block:
-                last_block_id = seq.block_table[-1]
-                if ref_counts[last_block_id] > 1:
-                    writers_per_shared_block[last_block_id] = writers_per_shared_block.get(last_block_id, 0) + 1
-        for block_id, num_writers in writers_per_shared_block.items():
-            num_blocks += num_writers if num_writers < ref_counts[block_id] else num_writers - 1
-        return num_blocks
+        """Blocks taken from the free queue of the group taking most if each of these sequences appends one
+        token, in any order: one per full last block; writers into a shared, partly filled last block need a
+        copy each, except that when all its holders write, the last one finds itself sole owner and writes in
+        place."""
+        return max(self._num_blocks_to_append(seq_ids))
 
     def can_append(self, seq_ids: Iterable[int]) -> bool:
         """True when each of these sequences can append one token now."""
-        return self.num_blocks_to_append(seq_ids) <= len(self._free_queue)
+        return self._has_room(self._num_blocks_to_append(seq_ids))
 
-    def append_token(self, seq_id: int, token_id: int) -> list[tuple[int, int]]:
-        """Grow the sequence by one token, whose KV the next forward pass writes: a new block when the
-        last one is full; a copy of a shared, partly filled last block (copy-on-write; the others keep
-        the original). Returns the (source, destination) block copies to make first: [] or one pair."""
+    def append_token(self, seq_id: int, token_id: int) -> list[BlockMove]:
+        """Grow the sequence by one token, whose KV the next forward pass writes: in each group a new block
+        when the last one is full; a copy of a shared, partly filled last block (copy-on-write; the others
+        keep the original). Returns the (source, destination, group) block copies to make first."""
         seq = self._seqs[seq_id]
         if seq.is_swapped:
             self._gpu_seq(seq_id)  # raises
@@ -301,39 +405,50 @@ class BlockManager:
         elif len(seq.token_ids) <= num_tokens:
             raise ValueError(f"sequence {seq_id}: append token {num_tokens} to the shared token list first")
         needs_new_block = num_tokens % self.block_size == 0
-        if not needs_new_block and (not seq.may_share_last_block or self._ref_counts[seq.block_table[-1]] == 1):
+        pools = self._pools
+        # A window group whose table stops short of the tokens (a prompt not yet computed) gives no slot here.
+        covers = [len(table) * self.block_size >= num_tokens for table in seq.block_tables]
+        if not needs_new_block and (not seq.may_share_last_block or all(
+                pool.ref_counts[table[-1]] == 1 for pool, table, covered in zip(pools, seq.block_tables, covers,
+                                                                                strict=True) if covered)):
             seq.num_tokens = num_tokens + 1  # the common case: room in its own last block
             seq.may_share_last_block = False  # its other holders, if any, have left
             return []
-        if not self._free_queue:
+        writes_copy = [covered and (needs_new_block or pool.ref_counts[table[-1]] > 1)
+                       for pool, table, covered in zip(pools, seq.block_tables, covers, strict=True)]
+        if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)):
             if not seq.shares_token_ids:
                 seq.token_ids.pop()  # changes nothing
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
-        block_id = self._take_free_block()
         seq.num_tokens = num_tokens + 1
         seq.may_share_last_block = False  # a new block, or a copy of its last: its own
-        block_table = seq.block_table
-        if needs_new_block:
-            block_table.append(block_id)
-            return []
-        self._ref_counts[block_table[-1]] -= 1  # stays >= 1: the other holders keep it
-        copies = [(block_table[-1], block_id)]
-        block_table[-1] = block_id
-        self.cow_copies += 1
+        copies = []
+        for group, (pool, block_table) in enumerate(zip(pools, seq.block_tables, strict=True)):
+            if not writes_copy[group]:
+                continue
+            block_id = pool.take_free_block()
+            if needs_new_block:
+                block_table.append(block_id)
+                continue
+            pool.ref_counts[block_table[-1]] -= 1  # stays >= 1: the other holders keep it
+            copies.append((block_table[-1], block_id, group))
+            block_table[-1] = block_id
+            self.cow_copies += 1
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
         """Record that the KV of the sequence's first `num_computed_tokens` tokens is written.
 
-        Each block this makes full and computed is registered in the prefix cache, unless its key is
-        already registered to another block (that mapping is kept). The count never decreases.
+        Each block this makes full and computed is registered in the prefix cache of every group, unless
+        its key is already registered to another block (that mapping is kept); then window groups give back
+        the blocks now wholly before the window. The count never decreases.
         """
         seq = self._seqs[seq_id]
         num_before = seq.num_computed_tokens
-        if seq.is_swapped or not num_before <= num_computed_tokens <= seq.num_tokens:
+        if seq.is_swapped or not num_before <= num_computed_tokens <= self.num_slotted_tokens(seq_id):
             self._gpu_seq(seq_id)  # raises if swapped
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{num_before}, "
-                             f"{seq.num_tokens}], got {num_computed_tokens}")
+                             f"{self.num_slotted_tokens(seq_id)}] (its tokens with slots), got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
         # A sequence holds the key of each of its full computed blocks (check_integrity: one key per
         # block_size computed tokens), and followers share full blocks only, so both are due only when
@@ -344,16 +459,19 @@ class BlockManager:
                 for index in range(len(seq.block_hashes), num_full_blocks):
                     content = seq.block_payload(index, self.block_size)
                     seq.block_hashes.append(hash_payload(content))
-                    self._register(seq.block_table[index], seq.block_hashes[index], content)
+                    for pool, table in zip(self._pools, seq.block_tables, strict=True):
+                        pool.register(table[index], seq.block_hashes[index], content)
             if self._followers.leads(seq_id):
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
+        self._slide_windows(seq, num_before)
+        self._extend_windows(seq)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
 
         The blocks past the kept tokens lose one count each (last first) and join the free queue's tail.
-        When blocks go, the sequence's table becomes a new list (see `live_block_table`).
+        When blocks go, the sequence's tables become new lists (see `live_block_table`).
         Only uncomputed tokens can go (`num_computed_tokens <= num_tokens`): a block enters the prefix cache
         only once full of computed tokens, so none that held a dropped token is registered under any key,
         and the kept last block is written again only past the kept tokens. A shared token list
@@ -364,12 +482,14 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
                              f"{seq.num_tokens}] tokens, got {num_tokens}")
         num_blocks = self._num_blocks_for(num_tokens)
-        dropped = seq.block_table[num_blocks:]
-        if dropped:
-            # A new list: a table that shrank is never the same list grown back (whoever mirrors tables by
-            # list, as the model runner does, sees another list and reads it whole).
-            seq.block_table = seq.block_table[:num_blocks]
-            self._release_blocks(dropped)
+        for group, pool in enumerate(self._pools):
+            table = seq.block_tables[group]
+            dropped = table[num_blocks:]
+            if dropped:
+                # A new list: a table that shrank is never the same list grown back (whoever mirrors tables by
+                # list, as the model runner does, sees another list and reads it whole).
+                seq.block_tables[group] = table[:num_blocks]
+                pool.release(reversed(dropped))
         if not seq.shares_token_ids:
             del seq.token_ids[num_tokens:]
         seq.num_tokens = num_tokens
@@ -388,10 +508,13 @@ class BlockManager:
         tokens = parent.token_ids[:parent.num_tokens]
         if child_token_ids is not None and child_token_ids[:parent.num_tokens] != tokens:
             raise ValueError(f"sequence {child_seq_id}: its token list is not sequence {parent_seq_id}'s")
-        for block_id in parent.block_table:
-            self._ref_counts[block_id] += 1
+        for pool, table in zip(self._pools, parent.block_tables, strict=True):
+            for block_id in table:
+                if block_id != NO_BLOCK:
+                    pool.ref_counts[block_id] += 1
         self._seqs[child_seq_id] = SequenceBlocks(
-            token_ids=tokens if child_token_ids is None else child_token_ids, block_table=list(parent.block_table),
+            token_ids=tokens if child_token_ids is None else child_token_ids,
+            block_tables=[list(table) for table in parent.block_tables],
             num_computed_tokens=parent.num_computed_tokens, block_hashes=list(parent.block_hashes),
             extra_key=parent.extra_key, num_tokens=parent.num_tokens, shares_token_ids=child_token_ids is not None,
             may_share_last_block=True)
@@ -404,66 +527,89 @@ class BlockManager:
         """
         seq = self._seqs.pop(seq_id)
         self._followers.forget(seq_id)  # the scheduler frees its followers with it; alone, each computes itself
-        if seq.is_swapped:
-            self._swap_tier.release(seq.block_table)
-        else:
-            self._release_blocks(seq.block_table)
+        for pool, tier, table in zip(self._pools, self._swap_tiers, seq.block_tables, strict=True):
+            if seq.is_swapped:
+                tier.release(table)
+            else:
+                pool.release(reversed(table))
 
     # ---- preemption by swap ----
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-        """True when the CPU pool has room for the distinct blocks of these GPU sequences."""
-        return len(self._distinct_blocks(seq_ids, swapped=False)) <= self._swap_tier.num_free_blocks
+        """True when every group's CPU pool has room for the distinct blocks of these GPU sequences."""
+        return all(len(self._distinct_blocks(seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
+                   for group, tier in enumerate(self._swap_tiers))
 
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Move these sequences (all of one request's samples or beams) to the CPU pool.
+    def swap_out(self, seq_ids: Sequence[int]) -> list[BlockMove]:
+        """Move these sequences (all of one request's samples or beams) to the CPU pools.
 
-        Returns the (gpu_block, cpu_block) copies to make, one per distinct block, so shared blocks are
-        copied once and stay shared. The GPU blocks are released as by `free`.
+        Returns the (gpu_block, cpu_block, group) copies to make, one per distinct block, so shared blocks
+        are copied once and stay shared. The GPU blocks are released as by `free`.
         """
-        self._distinct_blocks(seq_ids, swapped=False)  # raises on a repeated or swapped sequence
+        if not self.can_swap_out(seq_ids):  # raises on a repeated or swapped sequence
+            raise OutOfBlocksError(f"swapping out sequences {list(seq_ids)}: a CPU pool is too small")
         seqs = [self._seqs[seq_id] for seq_id in seq_ids]
-        cpu_tables, copies = self._swap_tier.store([seq.block_table for seq in seqs])
-        for seq, cpu_table in zip(seqs, cpu_tables, strict=True):
-            self._release_blocks(seq.block_table)
-            seq.block_table = cpu_table
+        moves = []
+        for group, (pool, tier) in enumerate(zip(self._pools, self._swap_tiers, strict=True)):
+            cpu_tables, copies = tier.store([seq.block_tables[group] for seq in seqs])
+            moves += [(gpu_block, cpu_block, group) for gpu_block, cpu_block in copies]
+            for seq, cpu_table in zip(seqs, cpu_tables, strict=True):
+                pool.release(reversed(seq.block_tables[group]))
+                seq.block_tables[group] = cpu_table
+        for seq in seqs:
             seq.is_swapped = True
-        return copies
+        return moves
+
+    def group_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> list[int]:
+        """`num_blocks_to_swap_in` of each group, group 0 first."""
+        return [len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups)]
 
     def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
-        """GPU blocks that swapping these sequences back in would take (shared blocks count once)."""
-        return len(self._distinct_blocks(seq_ids, swapped=True))
+        """GPU blocks that swapping these sequences back in would take in the group taking most (shared
+        blocks count once)."""
+        return max(len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups))
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        """True when the free queue has room for the distinct blocks of these swapped sequences."""
-        return self.num_blocks_to_swap_in(seq_ids) <= len(self._free_queue)
+        """True when every group's free queue has room for the distinct blocks of these swapped sequences."""
+        return self._has_room([len(self._distinct_blocks(seq_ids, swapped=True, group=group))
+                               for group in range(self.num_groups)])
 
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block) copies to make.
+    def swap_in(self, seq_ids: Sequence[int]) -> list[BlockMove]:
+        """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block, group) copies to make.
 
         Their full computed blocks are registered in the prefix cache again where their keys are free.
         """
-        cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True)
-        if len(cpu_block_ids) > len(self._free_queue):
-            raise OutOfBlocksError(f"swap in needs {len(cpu_block_ids)} blocks, {len(self._free_queue)} free")
-        cpu_to_gpu = {cpu_block_id: self._take_free_block() for cpu_block_id in cpu_block_ids}
-        for block_id in cpu_to_gpu.values():
-            self._ref_counts[block_id] = 0  # counted below, once per table pointing at it
+        if not self.can_swap_in(seq_ids):
+            raise OutOfBlocksError(f"swapping in sequences {list(seq_ids)}: a pool has too few blocks")
+        moves = []
+        for group, (pool, tier) in enumerate(zip(self._pools, self._swap_tiers, strict=True)):
+            cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True, group=group)
+            cpu_to_gpu = {cpu_block_id: pool.take_free_block() for cpu_block_id in cpu_block_ids}
+            cpu_to_gpu[NO_BLOCK] = NO_BLOCK
+            for block_id in cpu_block_ids:
+                pool.ref_counts[cpu_to_gpu[block_id]] = 0  # counted below, once per table pointing at it
+            for seq_id in seq_ids:
+                seq = self._seqs[seq_id]
+                tier.release(seq.block_tables[group])
+                table = seq.block_tables[group] = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_tables[group]]
+                for block_id in table:
+                    if block_id != NO_BLOCK:
+                        pool.ref_counts[block_id] += 1
+                for index, block_hash in enumerate(seq.block_hashes):
+                    if table[index] != NO_BLOCK:
+                        pool.register(table[index], block_hash, seq.block_payload(index, self.block_size))
+            moves += [(cpu_block, gpu_block, group) for cpu_block, gpu_block in cpu_to_gpu.items()
+                      if cpu_block != NO_BLOCK]
         for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            self._swap_tier.release(seq.block_table)
-            seq.block_table = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_table]
-            for block_id in seq.block_table:
-                self._ref_counts[block_id] += 1
-            seq.is_swapped = False
-            for index, block_hash in enumerate(seq.block_hashes):
-                self._register(seq.block_table[index], block_hash, seq.block_payload(index, self.block_size))
-        return list(cpu_to_gpu.items())
+            self._seqs[seq_id].is_swapped = False
+        return moves
 
     # ---- integrity ----
     def check_integrity(self) -> None:
         """Raise AssertionError, saying what is wrong, unless every invariant of the pools holds: the
-        manager's books (kv/integrity.py, read through `books()`) and each part's own."""
-        self._swap_tier.check_integrity()
+        manager's books (kv/integrity.py, read through `books()`, the window bound included) and each part's
+        own."""
+        for tier in self._swap_tiers:
+            tier.check_integrity()
         self._followers.check_integrity()
         check_integrity(self.books())
 
@@ -471,77 +617,128 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _has_room(self, num_blocks_per_group: Sequence[int]) -> bool:
+        return all(num_blocks <= pool.num_available_blocks
+                   for num_blocks, pool in zip(num_blocks_per_group, self._pools, strict=True))
+
     def _gpu_seq(self, seq_id: int) -> SequenceBlocks:
         seq = self._seqs[seq_id]
         if seq.is_swapped:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return seq
 
-    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes,
-                         use_prefix_cache: bool) -> tuple[list[PrefixHit], int]:
-        """The prefix hits as (key, block id), capped, and the blocks the prompt takes from the free queue."""
-        hits: list[PrefixHit] = []
-        block_hash = ROOT_HASH
+    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool) -> _AllocationPlan:
+        """The prefix hits every group accepts, and the blocks the prompt takes from each free queue.
+
+        A hit of k blocks needs, in a full group, each of the k blocks in its prefix cache and, in a window
+        group, those the window of the query at position k * block_size covers: so the full groups bound k
+        by their first miss, and the window groups may then lower it.
+        """
         block_size = self.block_size
-        lookup = self.enable_prefix_caching and use_prefix_cache
-        for index in range((len(token_ids) - 1) // block_size if lookup else 0):
-            # Chained: the previous block's key is this one's parent.
-            block_tokens = token_ids[index * block_size:(index + 1) * block_size]
-            block_hash = hash_block(block_hash, block_tokens, extra_key)
-            if (block_id := self._hash_to_block.get(block_hash)) is None:
-                break
-            hits.append((block_hash, block_id))
-        num_hits_in_use = sum(1 for _, block_id in hits if self._ref_counts[block_id] > 0)
-        return hits, self._num_blocks_for(len(token_ids)) - num_hits_in_use
+        hashes: list[bytes] = []
+        found: list[list[int | None]] = []  # per hashed block: its block id in each group, None: not cached
+        if self.enable_prefix_caching and use_prefix_cache:
+            block_hash = ROOT_HASH
+            for index in range((len(token_ids) - 1) // block_size):
+                # Chained: the previous block's key is this one's parent.
+                block_hash = hash_block(block_hash, token_ids[index * block_size:(index + 1) * block_size], extra_key)
+                block_ids = [pool.hash_to_block.get(block_hash) for pool in self._pools]
+                if any(block_ids[group] is None for group in self._full_groups):
+                    break
+                # Without a full group, a miss does not end the search: a later window may still be cached.
+                hashes.append(block_hash)
+                found.append(block_ids)
+        num_hits = len(hashes)
+        while num_hits and not all(
+                None not in [found[index][group] for index in range(
+                    num_blocks_out_of_window(num_hits * block_size, self.group_windows[group], block_size), num_hits)]
+                for group in self._window_groups):
+            num_hits -= 1
+        group_hits = []
+        num_blocks_to_take = []
+        for group, (pool, window) in enumerate(zip(self._pools, self.group_windows, strict=True)):
+            num_dropped = num_blocks_out_of_window(num_hits * block_size, window, block_size)
+            hits = [found[index][group] for index in range(num_dropped, num_hits)]
+            group_hits.append(hits)
+            num_hits_in_use = sum(1 for block_id in hits if pool.ref_counts[block_id] > 0)
+            num_table_blocks = self._num_table_blocks(window, len(token_ids), num_hits * block_size)
+            num_blocks_to_take.append(num_table_blocks - num_dropped - num_hits_in_use)
+        return _AllocationPlan(hashes[:num_hits], group_hits, num_blocks_to_take)
 
-    def _take_free_block(self) -> int:
-        """Pop the free-queue head with ref count 1, evicting its contents from the prefix cache."""
-        block_id = self._free_queue.popleft()
-        block_hash = self._block_hashes[block_id]
-        if block_hash is not None:
-            del self._hash_to_block[block_hash]
-            self._block_hashes[block_id] = None
-            self._block_contents[block_id] = None
-            self._num_cached_blocks -= 1
-            self.cached_block_evictions += 1
-        self._ref_counts[block_id] = 1
-        return block_id
+    def _num_blocks_to_append(self, seq_ids: Iterable[int]) -> list[int]:
+        """Per group, what `num_blocks_to_append` counts."""
+        num_blocks = [0] * self.num_groups
+        writers_per_shared_block: dict[tuple[int, int], int] = {}  # (group, block) -> writers
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            if seq.is_swapped:
+                self._gpu_seq(seq_id)  # raises
+            covers = [len(table) * self.block_size >= seq.num_tokens for table in seq.block_tables]
+            if seq.num_tokens % self.block_size == 0:
+                num_blocks = [count + covered for count, covered in zip(num_blocks, covers, strict=True)]
+            elif seq.may_share_last_block:
+                for group, (pool, table) in enumerate(zip(self._pools, seq.block_tables, strict=True)):
+                    if covers[group] and pool.ref_counts[table[-1]] > 1:
+                        key = (group, table[-1])
+                        writers_per_shared_block[key] = writers_per_shared_block.get(key, 0) + 1
+        for (group, block_id), num_writers in writers_per_shared_block.items():
+            holders = self._pools[group].ref_counts[block_id]
+            num_blocks[group] += num_writers if num_writers < holders else num_writers - 1
+        return num_blocks
 
-    def _release_blocks(self, block_ids: list[int]) -> None:
-        """Each block loses one count, the table's last block first (see `free`); a block reaching 0 joins
-        the free-queue tail, still cached if it has a key."""
-        ref_counts = self._ref_counts
-        block_hashes = self._block_hashes
-        freed = []
-        num_cached = 0
-        for block_id in reversed(block_ids):
-            ref_counts[block_id] -= 1
-            if ref_counts[block_id] == 0:
-                freed.append(block_id)
-                if block_hashes[block_id] is not None:
-                    num_cached += 1
-        self._free_queue.extend(freed)
-        self._num_cached_blocks += num_cached
+    def _slot_target(self, num_tokens: int, num_computed_tokens: int) -> int:
+        """Tokens a window group gives slots to: up to `window_chunk_tokens` past the computed ones."""
+        if self.window_chunk_tokens is None:
+            return num_tokens
+        return min(num_tokens, num_computed_tokens + self.window_chunk_tokens)
 
-    def _register(self, block_id: int, block_hash: bytes, content: BlockContent) -> None:
-        if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
-            self._hash_to_block[block_hash] = block_id
-            self._block_hashes[block_id] = block_hash
-            self._block_contents[block_id] = content
+    def _num_table_blocks(self, window: int | None, num_tokens: int, num_computed_tokens: int) -> int:
+        """Entries of a new table in a group of this window: every token's, or a window group's slotted ones."""
+        if window is None:
+            return self._num_blocks_for(num_tokens)
+        return self._num_blocks_for(self._slot_target(num_tokens, num_computed_tokens))
+
+    def _extend_windows(self, seq: SequenceBlocks) -> None:
+        """Window groups give the sequence slots up to `window_chunk_tokens` past its computed tokens, as many
+        blocks as every window pool has now (the same number in each)."""
+        if not self._window_groups:
+            return
+        tables = [seq.block_tables[group] for group in self._window_groups]
+        wanted = self._num_blocks_for(self._slot_target(seq.num_tokens, seq.num_computed_tokens)) - len(tables[0])
+        num_new_blocks = min(wanted, *(self._pools[group].num_available_blocks for group in self._window_groups))
+        for group, table in zip(self._window_groups, tables, strict=True):
+            pool = self._pools[group]
+            table += [pool.take_free_block() for _ in range(num_new_blocks)]
+
+    def _slide_windows(self, seq: SequenceBlocks, num_computed_before: int) -> None:
+        """Window groups give back the sequence's blocks that its computed tokens moved out of the window,
+        oldest first, still cached where they have a key."""
+        for group in self._window_groups:
+            window = self.group_windows[group]
+            start = num_blocks_out_of_window(num_computed_before, window, self.block_size)
+            end = num_blocks_out_of_window(seq.num_computed_tokens, window, self.block_size)
+            if end > start:
+                table = seq.block_tables[group]
+                self._pools[group].release(table[start:end])
+                table[start:end] = [NO_BLOCK] * (end - start)
 
     def _take_computed_blocks(self, follower: SequenceBlocks, leader: SequenceBlocks, num_blocks: int) -> None:
         """The follower counts the leader's first `num_blocks` blocks, which it shares, as computed."""
-        if num_blocks * self.block_size > follower.num_computed_tokens:
+        num_before = follower.num_computed_tokens
+        if num_blocks * self.block_size > num_before:
             follower.num_computed_tokens = num_blocks * self.block_size
             follower.block_hashes = leader.block_hashes[:num_blocks]
+            self._slide_windows(follower, num_before)
 
-    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool) -> list[int]:
-        """Block ids of these sequences' tables, each once; all must be in the pool named by `swapped`."""
+    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool, group: int) -> list[int]:
+        """Block ids of these sequences' tables in the group, each once, NO_BLOCK left out; all sequences
+        must be in the pool named by `swapped`."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"sequence ids repeated: {list(seq_ids)}")
         block_ids: dict[int, None] = {}
         for seq_id in seq_ids:
             if self._seqs[seq_id].is_swapped != swapped:
                 raise ValueError(f"sequence {seq_id} is {'not ' if swapped else ''}swapped out")
-            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_table))
+            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_tables[group]))
+        block_ids.pop(NO_BLOCK, None)
         return list(block_ids)

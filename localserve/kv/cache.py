@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from localserve.kv.block_pool import BlockMove
 from localserve.kv.calibration import KVCalibration
 from localserve.kv.codecs import KVCodec, RopeFn, dtype_format, make_codec
 from localserve.kv.formats import KVFormatSpec
@@ -76,6 +77,9 @@ class PagedKVCache:
     and swaps move the stored bytes. Quantized 4-bit formats may use the model's `calibration` and its
     rotary embedding (`rope`: positions -> (cos, sin)) for the key mean.
 
+    Layer groups (kv/layer_groups.py): layer i belongs to group `layer_groups[i]`, whose pool has
+    `group_num_blocks[group]` blocks (each group is its own block id space); default: one group of
+    `num_blocks`. Block moves name their group: (source, destination, group), and touch only its layers.
     `layer_shapes`: one `LayerKVShape` per layer where layers differ (KV heads, head size, keys as
     values); None: every layer `num_kv_heads` x `head_dim` with its own values.
     """
@@ -84,8 +88,14 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu", num_cpu_blocks: int = 0,
                  key_format: KVFormatSpec | None = None, value_format: KVFormatSpec | None = None,
                  calibration: KVCalibration | None = None, rope: RopeFn | None = None,
-                 layer_shapes: Sequence[LayerKVShape] | None = None) -> None:
-        self.num_blocks = num_blocks
+                 layer_shapes: Sequence[LayerKVShape] | None = None, layer_groups: Sequence[int] | None = None,
+                 group_num_blocks: Sequence[int] | None = None) -> None:
+        self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
+        self.group_num_blocks = list(group_num_blocks) if group_num_blocks is not None else [num_blocks]
+        if len(self.layer_groups) != num_layers or not set(self.layer_groups) <= set(range(len(self.group_num_blocks))):
+            raise ValueError(f"layer groups {self.layer_groups} do not match {num_layers} layers and "
+                             f"{len(self.group_num_blocks)} groups")
+        self.num_blocks = self.group_num_blocks[0]
         self.block_size = block_size
         self.key_format = key_format or dtype_format(dtype)
         self.value_format = value_format or dtype_format(dtype)
@@ -108,26 +118,38 @@ class PagedKVCache:
         self.needs_positions = any(c.needs_positions for c in self.key_codecs + self.value_codecs)
         self.transfers = HostTransfers(device)
         pin = self.transfers.pinned
-        self.key_stores = [self._allocate(c, num_blocks, device) for c in self.key_codecs]
-        self.value_stores = self._value_stores(self.key_stores, num_blocks, device)
+        layer_blocks = [self.group_num_blocks[group] for group in self.layer_groups]
+        self.key_stores = [self._allocate(c, n, device) for c, n in zip(self.key_codecs, layer_blocks, strict=True)]
+        self.value_stores = self._value_stores(self.key_stores, layer_blocks, device)
         # The swap space: the same layout in CPU memory (pinned when the pool is on a GPU).
         self.cpu_key_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.key_codecs]
-        self.cpu_value_stores = self._value_stores(self.cpu_key_stores, num_cpu_blocks, "cpu", pin)
+        self.cpu_value_stores = self._value_stores(self.cpu_key_stores, [num_cpu_blocks] * num_layers, "cpu", pin)
 
     def keys_are_values(self, layer: int) -> bool:
         """Whether `layer` keeps no value store (its value store is its key store)."""
         return self.layer_shapes[layer].keys_are_values
 
-    def _value_stores(self, key_stores: list[dict[str, torch.Tensor]], num_blocks: int, device,
+    def _value_stores(self, key_stores: list[dict[str, torch.Tensor]], layer_blocks: Sequence[int], device,
                       pin: bool = False) -> list[dict[str, torch.Tensor]]:
-        """Each layer's value store: its key store itself where its keys are its values."""
+        """Each layer's value store of `layer_blocks[layer]` blocks: its key store itself where its keys are its
+        values."""
         return [key_store if shape.keys_are_values else self._allocate(codec, num_blocks, device, pin)
-                for shape, codec, key_store in zip(self.layer_shapes, self.value_codecs, key_stores, strict=True)]
+                for shape, codec, key_store, num_blocks in zip(self.layer_shapes, self.value_codecs, key_stores,
+                                                               layer_blocks, strict=True)]
 
     def _allocate(self, codec: KVCodec, num_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
         return {name: torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=device,
                                   pin_memory=pin)
                 for name, (shape, dtype) in codec.storage().items()}
+
+    def group_bytes_per_token(self) -> list[int]:
+        """Bytes one token occupies in each layer group's layers, K and V (K only where keys are values)."""
+        per_group = [0] * len(self.group_num_blocks)
+        for layer, (key_codec, value_codec, shape) in enumerate(
+                zip(self.key_codecs, self.value_codecs, self.layer_shapes, strict=True)):
+            per_group[self.layer_groups[layer]] += key_codec.bytes_per_token() + (
+                0 if shape.keys_are_values else value_codec.bytes_per_token())
+        return per_group
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies in the pool, K and V of every layer (K only where keys are values)."""
@@ -206,53 +228,70 @@ class PagedKVCache:
         """Attention output [T, H, D] over gathered values back to true values (identity unless rotated)."""
         return self.value_codecs[layer].restore_output(output)
 
-    def _all_tensors(self, key_stores, value_stores) -> list[torch.Tensor]:
-        """Every stored tensor once (a keys-as-values layer's value store is its key store)."""
-        stores = [*key_stores, *(v for v, k in zip(value_stores, key_stores, strict=True) if v is not k)]
+    def _group_tensors(self, key_stores, value_stores, group: int) -> list[torch.Tensor]:
+        """Every stored tensor of the group's layers once, K then V (a keys-as-values layer's value store is
+        its key store)."""
+        layers = [layer for layer, layer_group in enumerate(self.layer_groups) if layer_group == group]
+        stores = [key_stores[layer] for layer in layers]
+        stores += [value_stores[layer] for layer in layers if value_stores[layer] is not key_stores[layer]]
         return [t for store in stores for t in store.values()]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (copy-on-write) in every layer: each (source, destination)."""
-        if not pairs:
-            return
-        device = next(iter(self.key_stores[0].values())).device
-        src = torch.tensor([s for s, _ in pairs], device=device)
-        dst = torch.tensor([d for _, d in pairs], device=device)
-        for cache in self._all_tensors(self.key_stores, self.value_stores):
-            cache[dst] = cache[src]
+    def _by_group(self, moves: Sequence[BlockMove]) -> dict[int, tuple[list[int], list[int]]]:
+        """The moves' sources and destinations, by group."""
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for source, destination, group in moves:
+            sources, destinations = by_group.setdefault(group, ([], []))
+            sources.append(source)
+            destinations.append(destination)
+        return by_group
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks in their stored format to the CPU pool: each (gpu_block, cpu_block), every layer.
+    def copy_blocks(self, moves: Sequence[BlockMove]) -> None:
+        """Copy whole blocks (copy-on-write) in every layer of their group: each (source, destination, group)."""
+        device = next(iter(self.key_stores[0].values())).device
+        for group, (sources, destinations) in self._by_group(moves).items():
+            src = torch.tensor(sources, device=device)
+            dst = torch.tensor(destinations, device=device)
+            for cache in self._group_tensors(self.key_stores, self.value_stores, group):
+                cache[dst] = cache[src]
+
+    def swap_out(self, moves: Sequence[BlockMove]) -> None:
+        """Copy blocks in their stored format to the CPU pool: each (gpu_block, cpu_block, group), every layer
+        of the group.
 
         Gathered on the device, copied into host staging buffers, and only once those copies have
         completed scattered into the CPU pool.
         """
-        if not pairs:
+        by_group = self._by_group(moves)
+        staged = {}
+        for group, (sources, _) in by_group.items():
+            stores = self._group_tensors(self.key_stores, self.value_stores, group)
+            src = torch.tensor(sources, device=stores[0].device)
+            staged[group] = []
+            for store in stores:
+                host = self.transfers.host_buffer(store, len(sources))
+                self.transfers.to_host(host, store.index_select(0, src))
+                staged[group].append(host)
+        if not staged:
             return
-        stores = self._all_tensors(self.key_stores, self.value_stores)
-        src = torch.tensor([gpu for gpu, _ in pairs], device=stores[0].device)
-        staged = []
-        for store in stores:
-            host = self.transfers.host_buffer(store, len(pairs))
-            self.transfers.to_host(host, store.index_select(0, src))
-            staged.append(host)
         self.transfers.wait()  # the staged bytes are read below: they must have landed
-        dst = torch.tensor([cpu for _, cpu in pairs])
-        for cpu_store, host in zip(self._all_tensors(self.cpu_key_stores, self.cpu_value_stores), staged, strict=True):
-            cpu_store.index_copy_(0, dst, host)
+        for group, (_, destinations) in by_group.items():
+            dst = torch.tensor(destinations)
+            cpu_stores = self._group_tensors(self.cpu_key_stores, self.cpu_value_stores, group)
+            for cpu_store, host in zip(cpu_stores, staged[group], strict=True):
+                cpu_store.index_copy_(0, dst, host)
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy blocks back from the CPU pool: each (cpu_block, gpu_block), in every layer.
+    def swap_in(self, moves: Sequence[BlockMove]) -> None:
+        """Copy blocks back from the CPU pool: each (cpu_block, gpu_block, group), in every layer of the group.
 
         Gathered on the host into staging buffers, copied to the device and scattered there, all in
         order with the compute stream; the host does not wait.
         """
-        if not pairs:
-            return
-        stores = self._all_tensors(self.key_stores, self.value_stores)
-        src = torch.tensor([cpu for cpu, _ in pairs])
-        dst = torch.tensor([gpu for _, gpu in pairs], device=stores[0].device)
-        for store, cpu_store in zip(stores, self._all_tensors(self.cpu_key_stores, self.cpu_value_stores), strict=True):
-            host = self.transfers.host_buffer(cpu_store, len(pairs))
-            torch.index_select(cpu_store, 0, src, out=host)
-            store.index_copy_(0, dst, self.transfers.to_device(host))
+        for group, (sources, destinations) in self._by_group(moves).items():
+            stores = self._group_tensors(self.key_stores, self.value_stores, group)
+            cpu_stores = self._group_tensors(self.cpu_key_stores, self.cpu_value_stores, group)
+            src = torch.tensor(sources)
+            dst = torch.tensor(destinations, device=stores[0].device)
+            for store, cpu_store in zip(stores, cpu_stores, strict=True):
+                host = self.transfers.host_buffer(cpu_store, len(sources))
+                torch.index_select(cpu_store, 0, src, out=host)
+                store.index_copy_(0, dst, self.transfers.to_device(host))

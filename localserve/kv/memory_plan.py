@@ -1,18 +1,21 @@
 """Memory planning: KV bytes per token per format, blocks that fit a budget, and `localserve plan`'s table.
 No torch here.
 
-Everything is computed from the model's real shapes (layers, KV heads, head_dim) and each format's
-exact storage layout, so the plan and the pool the engine allocates agree byte for byte. Sizes such as
-`24GB` are read as binary units (GiB): that is what a "24 GB" card has.
+Everything is computed from the model's real shapes (each layer's KV heads and head size, whether its
+keys are its values, its sliding window) and each format's exact storage layout, so the plan and the
+pool the engine allocates agree byte for byte. Where layers have sliding windows, each layer group gets
+its own pool (kv/group_plan.py): the window pools are bounded, and "tokens that fit" counts the full
+group's pool, what the rest of the budget holds. Sizes such as `24GB` are read as binary units (GiB):
+that is what a "24 GB" card has.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
 
 from localserve.kv.formats import KVFormatSpec
+from localserve.kv.group_plan import GroupPool, LayeredShape, layer_bytes_per_token, plan_group_pools
 
 DEFAULT_UTILIZATION = 0.9
 PLAN_FORMATS = tuple((KVFormatSpec.parse(k), KVFormatSpec.parse(v))
@@ -29,19 +32,17 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-class KVShape(Protocol):
+class KVShape(LayeredShape):
     """The shape numbers of a model that size its KV pool (a ModelConfig has them)."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    context_length: int
 
 
-def kv_bytes_per_token(shape: KVShape, key_format: KVFormatSpec, value_format: KVFormatSpec) -> int:
+def kv_bytes_per_token(shape: LayeredShape, key_format: KVFormatSpec, value_format: KVFormatSpec) -> int:
     """Bytes one token's K and V take in the pool, all layers; raises ValueError when a format cannot
     store the model's head vectors."""
-    per_head = key_format.bytes_per_vector(shape.head_dim) + value_format.bytes_per_vector(shape.head_dim)
-    return shape.num_layers * shape.num_kv_heads * per_head
+    return sum(layer_bytes_per_token(shape.attention_of(layer), key_format, value_format)
+               for layer in range(shape.num_layers))
 
 
 def num_kv_blocks(kv_budget_bytes: int, bytes_per_token: int, block_size: int = 16) -> int:
@@ -77,9 +78,11 @@ class PlanRow:
     value_format: KVFormatSpec
     bits_k: float
     bits_v: float
-    bytes_per_token: int
-    tokens: int  # whole blocks' worth
+    bytes_per_token: int  # every layer's
+    tokens: int  # whole blocks' worth (with window groups: the full group's pool)
     sequences: dict[int, int]  # context length -> sequences that fit at that length
+    window_pools: tuple[GroupPool, ...] = ()  # with a full group beside window groups: theirs
+    tokens_without_windows: int = 0  # what would fit if every layer kept every token
 
     @property
     def label(self) -> str:
@@ -90,15 +93,23 @@ class PlanRow:
 
 def plan(shape: KVShape, kv_budget: int, block_size: int = 16,
          formats: tuple[tuple[KVFormatSpec, KVFormatSpec], ...] = PLAN_FORMATS,
-         contexts: tuple[int, ...] = CONTEXTS) -> list[PlanRow]:
-    """What fits in `kv_budget` bytes of KV pool for each (K format, V format)."""
+         contexts: tuple[int, ...] = CONTEXTS, max_num_seqs: int = 16, max_model_len: int | None = None,
+         chunk_tokens: int | None = 512) -> list[PlanRow]:
+    """What fits in `kv_budget` bytes of KV pool for each (K format, V format). Window groups' pools are
+    sized for `max_num_seqs` slots, prefill chunks of `chunk_tokens` (None: no chunked prefill) and prompts of
+    `max_model_len` tokens (None: the model's context): kv/group_plan.py."""
     rows = []
     for key_format, value_format in formats:
         per_token = kv_bytes_per_token(shape, key_format, value_format)
-        tokens = num_kv_blocks(kv_budget, per_token, block_size) * block_size
+        tokens_without_windows = num_kv_blocks(kv_budget, per_token, block_size) * block_size
+        pools = plan_group_pools(shape, key_format, value_format, kv_budget, block_size, max_num_seqs,
+                                 max_model_len or shape.context_length, chunk_tokens)
+        has_window_pools = pools[0].group.sliding_window is None and len(pools) > 1
+        tokens = pools[0].num_blocks * block_size if has_window_pools else tokens_without_windows
         seqs = {ctx: tokens // ctx for ctx in contexts}
         rows.append(PlanRow(key_format, value_format, key_format.bits_per_value(shape.head_dim),
-                            value_format.bits_per_value(shape.head_dim), per_token, tokens, seqs))
+                            value_format.bits_per_value(shape.head_dim), per_token, tokens, seqs,
+                            tuple(pools[1:]) if has_window_pools else (), tokens_without_windows))
     return rows
 
 
@@ -111,16 +122,23 @@ def human_size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def format_plan(rows: list[PlanRow], contexts: tuple[int, ...] = CONTEXTS) -> str:
-    """The plan as a Markdown table (like DESIGN.md section 3)."""
+def format_plan(rows: list[PlanRow], contexts: tuple[int, ...] = CONTEXTS, block_size: int = 16) -> str:
+    """The plan as a Markdown table (like DESIGN.md section 3); with window groups, what fits without
+    them and each window pool (blocks and bytes) besides."""
     base = rows[0].tokens or 1
+    windows = any(row.window_pools for row in rows)
     header = ["format", "bits/value (K, V)", "bytes/token", "tokens that fit", "vs first row"]
     header += [f"seqs @ {c // 1024}K" for c in contexts]
+    header += ["without windows", "window pools"] if windows else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [row.label, f"{row.bits_k:g}, {row.bits_v:g}",
                  f"{row.bytes_per_token:,} ({human_size(row.bytes_per_token)})", f"{row.tokens:,}",
                  f"{row.tokens / base:.2f}x"]
         cells += [str(row.sequences[c]) for c in contexts]
+        if windows:
+            cells += [f"{row.tokens_without_windows:,}", "; ".join(
+                f"{pool.label} ({len(pool.group.layers)} layers): {pool.num_blocks:,} blocks, "
+                f"{human_size(pool.num_blocks * block_size * pool.bytes_per_token)}" for pool in row.window_pools)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from localserve.kv.block_pool import NO_BLOCK
 from localserve.kv.out_of_blocks import OutOfBlocksError
 
 
 class CpuSwapPool:
     """A `BlockTier` (kv/block_tier.py) of `capacity` CPU blocks, with no prefix cache: a block is free
-    exactly when no swapped-out block table points at it. Free blocks are handed out low ids first, the
+    exactly when no swapped-out block table points at it. A table's `NO_BLOCK` entries (a window group's
+    given-back blocks) stay `NO_BLOCK`. Free blocks are handed out low ids first, the
     most recently freed first after that."""
 
     __slots__ = ("_capacity", "_holder_counts", "_free_block_ids")
@@ -34,23 +36,28 @@ class CpuSwapPool:
         return self._holder_counts
 
     def store(self, tables: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[tuple[int, int]]]:
-        gpu_block_ids = list(dict.fromkeys(block_id for table in tables for block_id in table))
+        gpu_block_ids = list(dict.fromkeys(block_id for table in tables for block_id in table if block_id >= 0))
         if len(gpu_block_ids) > len(self._free_block_ids):
             raise OutOfBlocksError(f"storing {len(gpu_block_ids)} blocks in the swap pool, "
                                    f"{len(self._free_block_ids)} free")
         free_block_ids, holder_counts = self._free_block_ids, self._holder_counts
         to_tier = {block_id: free_block_ids.pop() for block_id in gpu_block_ids}
+        copies = list(to_tier.items())
+        to_tier[NO_BLOCK] = NO_BLOCK
         tier_tables = []
         for table in tables:
             tier_table = [to_tier[block_id] for block_id in table]
             for block_id in tier_table:
-                holder_counts[block_id] += 1
+                if block_id != NO_BLOCK:
+                    holder_counts[block_id] += 1
             tier_tables.append(tier_table)
-        return tier_tables, list(to_tier.items())
+        return tier_tables, copies
 
     def release(self, table: Sequence[int]) -> None:
         holder_counts = self._holder_counts
         for block_id in reversed(table):
+            if block_id == NO_BLOCK:
+                continue
             holder_counts[block_id] -= 1
             if holder_counts[block_id] == 0:
                 self._free_block_ids.append(block_id)

@@ -48,6 +48,15 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(f"{PREFIX}_{name}", documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if gauges.kv_groups:  # layer groups (kv/layer_groups.py): each pool's blocks by state
+            blocks = GaugeMetricFamily(f"{PREFIX}_kv_group_blocks", "KV blocks of each layer group's pool by state "
+                                       "(used, cached, free); group: full or window W.",
+                                       labels=["model_name", "group", "state"])
+            for usage in gauges.kv_groups:
+                for state, count in (("used", usage.num_used_blocks), ("cached", usage.num_cached_blocks),
+                                     ("free", usage.num_free_blocks)):
+                    blocks.add_metric([self.model_name, usage.label, state], count)
+            yield blocks
         preemptions = CounterMetricFamily(f"{PREFIX}_num_preemptions", "Requests preempted because the KV "
                                           "pool was full, by how they come back (swap falls back to "
                                           "recompute when the swap pool is full).", labels=["model_name", "mode"])

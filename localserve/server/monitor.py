@@ -56,7 +56,8 @@ def monitor_hello(facts: EngineFacts, model_name: str) -> dict[str, Any]:
             "num_cpu_blocks": facts.num_cpu_blocks, "max_num_seqs": facts.max_num_seqs,
             "max_num_batched_tokens": facts.max_num_batched_tokens, "max_model_len": facts.max_model_len,
             "cache_type_k": facts.cache_type_k, "cache_type_v": facts.cache_type_v,
-            "kv_cache_bytes": facts.kv_cache_bytes, "capacity": [asdict(row) for row in facts.capacity]}
+            "kv_cache_bytes": facts.kv_cache_bytes, "capacity": [asdict(row) for row in facts.capacity]} | (
+        {"kv_groups": [asdict(group) for group in facts.kv_groups]} if facts.kv_groups else {})
 
 
 class MonitorHub:

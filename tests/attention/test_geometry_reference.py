@@ -120,12 +120,12 @@ def test_per_layer_pools_copy_and_swap_every_store_once():
     for layer, shape in enumerate(shapes):
         key = torch.randn(BLOCK, shape.num_kv_heads, shape.head_dim)
         cache.write(layer, key, None if shape.keys_are_values else key + 1, torch.arange(BLOCK) + BLOCK, None)
-    before = [t.clone() for t in cache._all_tensors(cache.key_stores, cache.value_stores)]
+    before = [t.clone() for t in cache._group_tensors(cache.key_stores, cache.value_stores, 0)]
     assert len(before) == 3  # K and V of layer 0, K (= V) of layer 1
-    cache.copy_blocks([(1, 3)])
-    cache.swap_out([(3, 0)])
-    cache.swap_in([(0, 2)])
-    for tensor, original in zip(cache._all_tensors(cache.key_stores, cache.value_stores), before, strict=True):
+    cache.copy_blocks([(1, 3, 0)])
+    cache.swap_out([(3, 0, 0)])
+    cache.swap_in([(0, 2, 0)])
+    for tensor, original in zip(cache._group_tensors(cache.key_stores, cache.value_stores, 0), before, strict=True):
         assert torch.equal(tensor[2], original[1]) and torch.equal(tensor[3], original[1])
     keys, values = cache.gather_blocks(1, torch.tensor([[2]]))
     assert keys is values and torch.equal(keys[0], before[1][1])  # layer 1 keys: the second key store

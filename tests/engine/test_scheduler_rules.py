@@ -91,12 +91,12 @@ def test_a_victim_leaves_no_block_move_in_the_step(mode):
     batch = scheduler.schedule()
     step = batch.step_input
     scheduled = {seq.seq_id for seq in row_seqs(batch)}
-    for source, destination in step.block_copies:  # a sample running now copies what a sibling keeps
+    for source, destination, _ in step.block_copies:  # a sample running now copies what a sibling keeps
         assert any(seq.seq_id in scheduled and bm.block_table(seq.seq_id)[-1] == destination
                    and any(bm.block_table(sibling.seq_id)[-1] == source for sibling in request.live_seqs)
                    for request in scheduler.queues.running for seq in request.live_seqs), \
             f"copy {source}->{destination} is not the copy-on-write of a sequence that runs in this step"
-        assert destination not in {gpu for gpu, _ in step.swap_out} | {gpu for _, gpu in step.swap_in}
+        assert destination not in {gpu for gpu, _, _ in step.swap_out} | {gpu for _, gpu, _ in step.swap_in}
     # The request that needed the block yields itself rather than evict the older one.
     assert batch.preempted == [readmitted] and older.state is RequestState.RUNNING
     assert not step.swap_in  # nothing comes back in a step that preempted

@@ -13,7 +13,8 @@ after each `engine.step()`. Every step is then checked for:
   that another move of the step freed or handed out shows up as a wrong read. Besides, each
   copy-on-write pair belongs to a sequence that runs in the step, no copy touches a block a swap of
   the step moves, and a preempted request has nothing left in the step and was not readmitted
-  without sampling since;
+  without sampling since (with layer groups: group 0's moves on its model; every group's books by the
+  integrity check);
 - progress: a step taken while there is work computes at least one token, swaps a request in, or
   fails a request;
 - order (docs/ARCHITECTURE.md, "Scheduling rules"): requests are admitted or readmitted (new,
@@ -38,6 +39,7 @@ from localserve.engine.batch import Batch
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventKind
 from localserve.engine.sequence import Request, Sequence
+from localserve.kv.layer_groups import num_blocks_out_of_window
 
 CORRUPT = (-1,)  # a block written mid-way over contents that were not this sequence's prefix
 
@@ -111,9 +113,9 @@ class StepChecker:
 
     def check_moves(self, batch: Batch) -> None:
         step, bm = batch.step_input, self.engine.block_manager
-        swapped_out = {gpu for gpu, _ in step.swap_out}
-        swapped_in = {gpu for _, gpu in step.swap_in}
-        assert not {cpu for _, cpu in step.swap_out} & {cpu for cpu, _ in step.swap_in}, \
+        swapped_out = {gpu for gpu, _, group in step.swap_out if group == 0}
+        swapped_in = {gpu for _, gpu, group in step.swap_in if group == 0}
+        assert not {(cpu, g) for _, cpu, g in step.swap_out} & {(cpu, g) for cpu, _, g in step.swap_in}, \
             f"a CPU block is swapped out to and in from in one step: {step.swap_out} {step.swap_in}"
         # A copy-on-write pair: the block a sample of the step starts writing into, and the original a
         # sibling still holds at the same place.
@@ -125,7 +127,7 @@ class StepChecker:
                 table = bm.block_table(sibling.seq_id)
                 if sibling is not seq and index < len(table):
                     legit.add((table[index], bm.block_table(seq.seq_id)[index]))
-        for source, destination in step.block_copies:
+        for source, destination, _ in [move for move in step.block_copies if move[2] == 0]:
             assert (source, destination) in legit, \
                 f"copy {source}->{destination} is no copy-on-write of a sequence in the step (a withdrawn append?)"
             assert bm.ref_count(destination) == 1, f"copy-on-write destination {destination} is shared"
@@ -140,20 +142,21 @@ class StepChecker:
         """Make the step's moves and writes on the pool model, checking every read first."""
         step, size = batch.step_input, self.block_size
         # Each kind of move reads all its sources before writing, as the pool's indexed copies do.
-        out = [(cpu, self.gpu_kv[gpu]) for gpu, cpu in step.swap_out]
+        out = [(cpu, self.gpu_kv[gpu]) for gpu, cpu, group in step.swap_out if group == 0]
         for cpu, kv in out:
             self.cpu_kv[cpu] = kv
-        back = [(gpu, self.cpu_kv[cpu]) for cpu, gpu in step.swap_in]
+        back = [(gpu, self.cpu_kv[cpu]) for cpu, gpu, group in step.swap_in if group == 0]
         for gpu, kv in back:
             self.gpu_kv[gpu] = kv
-        copies = [(destination, self.gpu_kv[source]) for source, destination in step.block_copies]
+        copies = [(destination, self.gpu_kv[source]) for source, destination, group in step.block_copies if group == 0]
         for destination, kv in copies:
             self.gpu_kv[destination] = kv
         prefixes = [tuple(row.seq.token_ids) for row in batch.rows]
+        window = self.engine.block_manager.group_windows[0]  # group 0 of a model whose every layer has a window
         for row, chunk, tokens in zip(batch.rows, step.chunks, prefixes):
             seq = row.seq
             assert tokens[chunk.start_pos:chunk.context_len] == tuple(chunk.token_ids), f"seq {seq.seq_id}"
-            for index in range(-(-chunk.start_pos // size)):
+            for index in range(num_blocks_out_of_window(chunk.start_pos, window, size), -(-chunk.start_pos // size)):
                 end = min(chunk.start_pos, (index + 1) * size)
                 held = self.gpu_kv[chunk.block_table[index]]
                 assert held is not None and held[:end] == tokens[:end] and len(held) >= end, \
@@ -210,6 +213,8 @@ class StepChecker:
                 if seq.pending_append or seq in request.followers:
                     continue  # swapped in by this step (decodes from the next), or waiting for its leader
                 todo, done = seq.num_uncomputed_tokens, scheduled.get(id(seq), 0)
+                # A window layer group gives a prompt slots a chunk at a time: a chunk ends there at most.
+                todo = min(todo, bm.num_slotted_tokens(seq.seq_id) - seq.num_computed_tokens)
                 if done == todo:
                     continue
                 if config.enable_chunked_prefill or todo == 1:
@@ -226,17 +231,20 @@ class StepChecker:
         slots_in_use = sum(len(r.live_seqs) if r.forked else r.params.n for r in scheduler.queues.running)
         slots = len(seqs) if head.forked else head.params.n
         if head in scheduler.queues.swapped:
-            need = bm.num_blocks_to_swap_in([seq.seq_id for seq in seqs])
+            needs = bm.group_blocks_to_swap_in([seq.seq_id for seq in seqs])
         else:
-            need = bm.num_blocks_to_allocate(seqs[0].token_ids) + sum(
-                -(-seq.num_tokens // bm.block_size) - _shared_blocks(seqs, bm.block_size) for seq in seqs[1:])
-        growth = min(slots, max(0, peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots,
-                                               bm.block_size) - need))
+            shared = _shared_blocks(seqs, bm.block_size) if bm.shares_uncomputed_blocks else 0
+            others = sum(-(-seq.num_tokens // bm.block_size) - shared for seq in seqs[1:])
+            needs = [need + others for need in bm.group_blocks_to_allocate(seqs[0].token_ids)]
+        peak = peak_blocks(len(head.prompt_token_ids), head.params.max_tokens, slots, bm.block_size)
+        # In each layer group's pool: its blocks now, a block per running slot, and its own growth.
+        blocks_fit = all(need + slots_in_use + min(slots, max(0, peak - need)) <= available
+                         for need, available in zip(needs, bm.group_available_blocks, strict=True))
         fits = (slots_in_use + slots <= config.max_num_seqs and (head in scheduler.queues.swapped or left > 0)
-                and need + slots_in_use + growth <= bm.num_available_blocks)
+                and blocks_fit)
         assert not fits, f"{head.label} waits though it fits: {slots_in_use} + {slots} of {config.max_num_seqs} " \
-                         f"slots, {left} tokens of the budget left, needs {need} + {slots_in_use} + {growth} of " \
-                         f"{bm.num_available_blocks} blocks"
+                         f"slots, {left} tokens of the budget left, needs {needs} + {slots_in_use} of " \
+                         f"{bm.group_available_blocks} blocks"
 
     # ---- after the step ----
     def after_step(self) -> None:

@@ -56,7 +56,7 @@ def test_two_samples_share_the_prompt_and_only_the_first_writer_copies_the_parti
     assert manager.block_table(2) == [0, 1, 2]
     assert [manager.ref_count(block_id) for block_id in range(4)] == [2, 2, 2, 0]
     assert manager.num_blocks_to_append([1, 2]) == 1  # one copy: the second writer owns the original by then
-    assert manager.append_token(1, 500) == [(2, 3)]  # sample 1 copies block 2 (its 3rd) into block 3
+    assert manager.append_token(1, 500) == [(2, 3, 0)]  # sample 1 copies block 2 (its 3rd) into block 3
     assert manager.block_table(1) == [0, 1, 3]
     assert manager.append_token(2, 600) == []  # sample 2 writes in place into the original
     assert manager.block_table(2) == [0, 1, 2]
@@ -91,7 +91,7 @@ def test_num_blocks_to_append_counts_new_blocks_and_copies_exactly():
     assert manager.num_blocks_to_append([1, 2, 3, 4, 5]) == 4
     available = manager.num_available_blocks
     copies = [pair for seq_id in (1, 2, 3, 4, 5) for pair in manager.append_token(seq_id, 700)]
-    assert copies == [(2, 4), (2, 5), (2, 6)]  # seq 5 took block 3 at allocation, its new block is 7
+    assert copies == [(2, 4, 0), (2, 5, 0), (2, 6, 0)]  # seq 5 took block 3 at allocation, its new block is 7
     assert available - manager.num_available_blocks == 4
     assert manager.block_table(4) == [0, 1, 2] and manager.block_table(5) == [3, 7]
     manager.check_integrity()
@@ -251,12 +251,12 @@ def test_beam_search_shares_blocks_near_the_root_and_dropping_a_beam_frees_its_o
     decode(manager, 1, [13])  # beam 1: 10 tokens
     manager.mark_computed(1, 10)
     manager.fork(1, 3)  # beam 3 branches off beam 1 in the middle of block 2
-    assert manager.append_token(3, 33) == [(2, 4)]
+    assert manager.append_token(3, 33) == [(2, 4, 0)]
     assert manager.append_token(1, 14) == []
     decode(manager, 2, [23])
     manager.mark_computed(2, 10)
     manager.fork(2, 4)  # beam 4 branches off beam 2 in the middle of block 3
-    assert manager.append_token(4, 44) == [(3, 5)]
+    assert manager.append_token(4, 44) == [(3, 5, 0)]
     manager.check_integrity()
     tables = {beam: manager.block_table(beam) for beam in (1, 2, 3, 4)}
     assert tables == {1: [0, 1, 2], 2: [0, 1, 3], 3: [0, 1, 4], 4: [0, 1, 5]}
@@ -281,7 +281,7 @@ def test_swap_out_copies_shared_blocks_once_and_swap_in_restores_the_sharing():
     manager.fork(1, 2)
     manager.append_token(1, 500)  # seq 1: [0, 1, 3], seq 2: [0, 1, 2]
     assert manager.can_swap_out([1, 2])
-    assert manager.swap_out([1, 2]) == [(0, 0), (1, 1), (3, 2), (2, 3)]
+    assert manager.swap_out([1, 2]) == [(0, 0, 0), (1, 1, 0), (3, 2, 0), (2, 3, 0)]
     assert (manager.block_table(1), manager.block_table(2)) == ([0, 1, 2], [0, 1, 3])
     assert manager.is_swapped(1) and manager.num_used_blocks == 0
     assert manager.snapshot().cpu_block_states == "ssuu"
@@ -293,8 +293,8 @@ def test_swap_out_copies_shared_blocks_once_and_swap_in_restores_the_sharing():
     manager.free(3)
     assert manager.can_swap_in([1, 2])
     copies = manager.swap_in([1, 2])
-    assert [cpu for cpu, _ in copies] == [0, 1, 2, 3]
-    gpu_of = dict(copies)
+    assert [cpu for cpu, _, _ in copies] == [0, 1, 2, 3]
+    gpu_of = {cpu: gpu for cpu, gpu, _ in copies}
     assert manager.block_table(1) == [gpu_of[0], gpu_of[1], gpu_of[2]]
     assert manager.block_table(2) == [gpu_of[0], gpu_of[1], gpu_of[3]]
     assert [manager.ref_count(gpu_of[cpu]) for cpu in range(4)] == [2, 2, 1, 1]
@@ -351,11 +351,12 @@ def test_misuse_is_rejected():
 def test_check_integrity_reports_a_wrong_ref_count_and_a_leaked_block():
     manager = BlockManager(num_blocks=4)
     manager.allocate(1, prompt(20))
-    manager._ref_counts[0] += 1  # as if a table had been forgotten without releasing its blocks
+    pool = manager._pools[0]
+    pool.ref_counts[0] += 1  # as if a table had been forgotten without releasing its blocks
     with pytest.raises(AssertionError, match="block 0: ref count 2, 1 tables"):
         manager.check_integrity()
-    manager._ref_counts[0] -= 1
-    del manager._free_queue[3]  # a block that is nowhere
+    pool.ref_counts[0] -= 1
+    del pool.free_queue[3]  # a block that is nowhere
     with pytest.raises(AssertionError, match="block 3"):
         manager.check_integrity()
 

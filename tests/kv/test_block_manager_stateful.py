@@ -6,6 +6,10 @@ copies the manager returns (copy-on-write, swap out, swap in) and reading a pref
 end to end that no sequence ever reads KV other than its own, and that no shared block is written.
 Speculative drafts are appended, their KV written, and truncated back to the accepted tokens; a block
 in the prefix cache must then hold the KV of exactly the tokens its key names.
+
+The pool has one to three layer groups (full attention and sliding windows of 1-6 tokens): each group
+has its own pool and its own KV model; a sequence reads, in a window group, only the KV of its window,
+and the integrity check holds each window group to the blocks of its window at every step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from localserve.kv.block_manager import BlockManager
+from localserve.kv.block_pool import NO_BLOCK
+from localserve.kv.layer_groups import window_start
 from localserve.kv.out_of_blocks import OutOfBlocksError
 
 SMALL_VOCAB = st.integers(0, 2)  # few distinct tokens, so prompts often share prefixes by chance
@@ -25,18 +31,27 @@ MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool 
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4]),
-                num_cpu_blocks=st.integers(0, 16), enable_prefix_caching=st.booleans())
-    def create_manager(self, num_blocks, block_size, num_cpu_blocks, enable_prefix_caching):
-        self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+    @initialize(data=st.data(), block_size=st.sampled_from([1, 2, 4]),
+                num_cpu_blocks=st.integers(0, 16), enable_prefix_caching=st.booleans(),
+                group_windows=st.sampled_from([(None,), (None, "w"), ("w",), (None, "w", "w")]),
+                window_chunk_tokens=st.sampled_from([None, 1, 3, 8]))
+    def create_manager(self, data, block_size, num_cpu_blocks, enable_prefix_caching, group_windows,
+                       window_chunk_tokens):
+        group_windows = tuple(window and data.draw(st.integers(1, 6)) for window in group_windows)
+        pool_sizes = [data.draw(st.integers(4, 40)) for _ in group_windows]
+        self.manager = BlockManager(pool_sizes, block_size, num_cpu_blocks, enable_prefix_caching, group_windows,
+                                    window_chunk_tokens)
+        self.group_windows = group_windows
+        self.num_groups = len(group_windows)
         self.block_size = block_size
         self.requests: dict[int, list[int]] = {}  # request id -> its live sequence ids
         self.swapped_requests: set[int] = set()
         self.token_ids: dict[int, list[int]] = {}  # sequence id -> its tokens
         self.num_computed: dict[int, int] = {}
         self.past_prompts: list[list[int]] = [[0] * 8]
-        self.gpu_kv: list[list[tuple | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.cpu_kv: list[list[tuple | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        # Per group, per block, per slot: the tokens whose KV it holds.
+        self.gpu_kv = [[[None] * block_size for _ in range(num_blocks)] for num_blocks in pool_sizes]
+        self.cpu_kv = [[[None] * block_size for _ in range(num_cpu_blocks)] for _ in pool_sizes]
         self.next_id = 0
 
     # ---- helpers ----
@@ -47,30 +62,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def gpu_requests(self) -> list[int]:
         return sorted(set(self.requests) - self.swapped_requests)
 
-    def compute(self, seq_id: int, num_computed: int) -> None:
-        """The forward pass writes KV for positions [computed, num_computed), then the engine says so."""
-        table = self.manager.block_table(seq_id)
-        tokens = self.token_ids[seq_id]
-        for position in range(self.num_computed[seq_id], num_computed):
-            block_id = table[position // self.block_size]
-            assert self.manager.ref_count(block_id) == 1, f"KV written into shared block {block_id}"
-            self.gpu_kv[block_id][position % self.block_size] = tuple(tokens[:position + 1])
-        self.manager.mark_computed(seq_id, num_computed)
-        self.num_computed[seq_id] = num_computed
+    def available(self) -> list[int]:
+        return [usage.num_blocks - usage.num_used_blocks for usage in self.manager.group_usage()]
+
+    def compute(self, seq_id: int, num_computed: int) -> bool:
+        """The forward pass writes KV for positions [computed, num_computed) chunk by chunk, each as far as
+        the window groups give slots, then the engine says so; False when they run out of slots first."""
+        while self.num_computed[seq_id] < num_computed:
+            end = min(num_computed, self.manager.make_slots(seq_id))
+            if end <= self.num_computed[seq_id]:
+                return False
+            self.write_kv(seq_id, self.num_computed[seq_id], end)
+            self.manager.mark_computed(seq_id, end)
+            self.num_computed[seq_id] = end
+        return True
 
     def write_kv(self, seq_id: int, start: int, end: int) -> None:
-        """The forward pass writes the KV of positions [start, end), marking nothing computed."""
-        table = self.manager.block_table(seq_id)
+        """The forward pass writes the KV of positions [start, end) in every group, marking nothing computed."""
         tokens = self.token_ids[seq_id]
-        for position in range(start, end):
-            block_id = table[position // self.block_size]
-            assert self.manager.ref_count(block_id) == 1, f"KV written into shared block {block_id}"
-            self.gpu_kv[block_id][position % self.block_size] = tuple(tokens[:position + 1])
+        for group in range(self.num_groups):
+            table = self.manager.block_table(seq_id, group)
+            for position in range(start, end):
+                block_id = table[position // self.block_size]
+                assert block_id != NO_BLOCK, f"group {group}: no block for new token {position}"
+                assert self.manager.ref_count(block_id, group) == 1, f"KV written into shared block {block_id}"
+                self.gpu_kv[group][block_id][position % self.block_size] = tuple(tokens[:position + 1])
 
     def admit(self, token_ids: list[int]) -> None:
         manager = self.manager
         num_blocks = manager.num_blocks_to_allocate(token_ids)
-        assert manager.can_allocate(token_ids) == (num_blocks <= manager.num_available_blocks)
+        assert manager.can_allocate(token_ids) or num_blocks > manager.num_available_blocks
         seq_id = self.new_id()
         if not manager.can_allocate(token_ids):
             before = manager.snapshot()
@@ -78,9 +99,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 manager.allocate(seq_id, token_ids)
             assert manager.snapshot() == before
             return
-        available, hits = manager.num_available_blocks, manager.prefix_hit_tokens
+        available, hits = self.available(), manager.prefix_hit_tokens
         num_cached_tokens = manager.allocate(seq_id, token_ids)
-        assert available - manager.num_available_blocks == num_blocks
+        assert max(map(int.__sub__, available, self.available())) == num_blocks
         assert num_cached_tokens % self.block_size == 0
         assert num_cached_tokens <= (len(token_ids) - 1) // self.block_size * self.block_size
         assert manager.prefix_hit_tokens - hits == num_cached_tokens
@@ -103,21 +124,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """One decode step's appends, if the pool allows; checks the exact block and copy counts."""
         manager = self.manager
         num_blocks = manager.num_blocks_to_append(seq_ids)
-        assert manager.can_append(seq_ids) == (num_blocks <= manager.num_available_blocks)
+        assert manager.can_append(seq_ids) or num_blocks > manager.num_available_blocks
         if not manager.can_append(seq_ids):
             return False
-        available, cow_copies = manager.num_available_blocks, manager.cow_copies
+        available, cow_copies = self.available(), manager.cow_copies
         copies = []
         for seq_id in seq_ids:
             token_id = data.draw(SMALL_VOCAB)
             new_copies = manager.append_token(seq_id, token_id)
-            assert len(new_copies) <= 1
+            assert len(new_copies) <= self.num_groups
             copies += new_copies
             self.token_ids[seq_id].append(token_id)
-        assert available - manager.num_available_blocks == num_blocks
+        assert max(map(int.__sub__, available, self.available())) == num_blocks
         assert manager.cow_copies - cow_copies == len(copies)
-        for source, destination in copies:  # the model runner's copy-on-write
-            self.gpu_kv[destination] = list(self.gpu_kv[source])
+        for source, destination, group in copies:  # the model runner's copy-on-write
+            self.gpu_kv[group][destination] = list(self.gpu_kv[group][source])
         return True
 
     # ---- rules ----
@@ -148,8 +169,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_ids = data.draw(st.lists(st.sampled_from(self.requests[request_id]), min_size=1, unique=True))
         for _ in range(num_steps):
-            for seq_id in seq_ids:
-                self.compute(seq_id, len(self.token_ids[seq_id]))
+            if not all([self.compute(seq_id, len(self.token_ids[seq_id])) for seq_id in seq_ids]):
+                return  # a window group has no slots for the rest of a prompt now
             if not self.append_one_token_each(seq_ids, data):
                 return
 
@@ -161,7 +182,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_id = data.draw(st.sampled_from(self.requests[request_id]))
         manager, tokens = self.manager, self.token_ids[seq_id]
-        self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1))
+        if not self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1)) \
+                or manager.make_slots(seq_id) < len(tokens):
+            return  # not decoding yet: its window groups have no slots for the rest of its prompt now
         num_real = len(tokens)
         drafted = 0
         while drafted < num_drafted and self.append_one_token_each([seq_id], data):
@@ -170,13 +193,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         manager.mark_computed(seq_id, num_real)
         self.num_computed[seq_id] = num_real
         num_kept = num_real + data.draw(st.integers(0, drafted))
-        available, table = manager.num_available_blocks, manager.block_table(seq_id)
+        available = self.available()
+        tables = [manager.block_table(seq_id, group) for group in range(self.num_groups)]
         manager.truncate(seq_id, num_kept)
         num_blocks_kept = -(-num_kept // self.block_size)
-        assert manager.block_table(seq_id) == table[:num_blocks_kept]
-        dropped = table[num_blocks_kept:]
-        assert manager.num_available_blocks - available == len(dropped)
-        assert manager.free_queue_block_ids()[len(manager.free_queue_block_ids()) - len(dropped):] == dropped[::-1]
+        for group, table in enumerate(tables):
+            assert manager.block_table(seq_id, group) == table[:num_blocks_kept]
+            dropped = table[num_blocks_kept:]
+            assert NO_BLOCK not in dropped
+            assert self.available()[group] - available[group] == len(dropped)
+            free_queue = manager.free_queue_block_ids(group)
+            assert free_queue[len(free_queue) - len(dropped):] == dropped[::-1]
         del tokens[num_kept:]
         self.compute(seq_id, data.draw(st.integers(num_real, num_kept)))  # the accepted tokens' KV is theirs
 
@@ -185,7 +212,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def fork(self, data):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         parent = data.draw(st.sampled_from(self.requests[request_id]))
-        self.compute(parent, len(self.token_ids[parent]))
+        if not self.compute(parent, len(self.token_ids[parent])):
+            return
         child = self.new_id()
         self.manager.fork(parent, child)
         self.requests[request_id].append(child)
@@ -200,8 +228,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         beams = self.requests[request_id]
         parents = data.draw(st.lists(st.sampled_from(beams), min_size=len(beams), max_size=len(beams)))
         new_beams = []
-        for parent in beams:
-            self.compute(parent, len(self.token_ids[parent]))
+        if not all([self.compute(parent, len(self.token_ids[parent])) for parent in beams]):
+            return
         for index, parent in enumerate(parents):
             if parent in parents[:index]:  # a second child of the same parent: fork it
                 child = self.new_id()
@@ -247,12 +275,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.manager.swap_out(seq_ids)
             return
-        distinct_blocks = {block_id for seq_id in seq_ids for block_id in self.manager.block_table(seq_id)}
+        distinct_blocks = {(block_id, group) for seq_id in seq_ids for group in range(self.num_groups)
+                           for block_id in self.manager.block_table(seq_id, group) if block_id != NO_BLOCK}
         copies = self.manager.swap_out(seq_ids)
-        assert {gpu_block_id for gpu_block_id, _ in copies} == distinct_blocks  # shared ones copied once
+        assert {(gpu_block_id, group) for gpu_block_id, _, group in copies} == distinct_blocks  # shared: once
         assert len(copies) == len(distinct_blocks)
-        for gpu_block_id, cpu_block_id in copies:
-            self.cpu_kv[cpu_block_id] = list(self.gpu_kv[gpu_block_id])
+        for gpu_block_id, cpu_block_id, group in copies:
+            self.cpu_kv[group][cpu_block_id] = list(self.gpu_kv[group][gpu_block_id])
         self.swapped_requests.add(request_id)
 
     @precondition(lambda self: self.swapped_requests)
@@ -264,8 +293,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.manager.swap_in(seq_ids)
             return
-        for cpu_block_id, gpu_block_id in self.manager.swap_in(seq_ids):
-            self.gpu_kv[gpu_block_id] = list(self.cpu_kv[cpu_block_id])
+        for cpu_block_id, gpu_block_id, group in self.manager.swap_in(seq_ids):
+            self.gpu_kv[group][gpu_block_id] = list(self.cpu_kv[group][cpu_block_id])
         self.swapped_requests.remove(request_id)
 
     # ---- invariants, after every step ----
@@ -275,12 +304,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def a_cached_block_holds_the_kv_of_the_tokens_its_key_names(self):
-        books = self.manager.books()
-        for block_id, content in enumerate(books.block_contents):
-            if content is not None:
-                tokens = struct.unpack(f"<{self.block_size}q", content[-8 * self.block_size:])
-                held = [slot[-1] if slot else None for slot in self.gpu_kv[block_id]]
-                assert held == list(tokens), f"block {block_id} holds the KV of {held}, its key names {tokens}"
+        for group, pool in enumerate(self.manager.books().pools):
+            for block_id, content in enumerate(pool.block_contents):
+                if content is not None:
+                    tokens = struct.unpack(f"<{self.block_size}q", content[-8 * self.block_size:])
+                    held = [slot[-1] if slot else None for slot in self.gpu_kv[group][block_id]]
+                    assert held == list(tokens), (f"group {group}: block {block_id} holds the KV of {held}, "
+                                                  f"its key names {tokens}")
 
     @invariant()
     def each_sequence_holds_exactly_its_tokens_and_reads_its_own_kv(self):
@@ -288,13 +318,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             kv = self.cpu_kv if request_id in self.swapped_requests else self.gpu_kv
             for seq_id in seq_ids:
                 tokens = self.token_ids[seq_id]
-                table = self.manager.block_table(seq_id)
                 assert self.manager.num_tokens(seq_id) == len(tokens)
-                assert len(table) == -(-len(tokens) // self.block_size)
                 assert self.manager.num_computed_tokens(seq_id) == self.num_computed[seq_id]
-                for position in range(self.num_computed[seq_id]):
-                    slot = kv[table[position // self.block_size]][position % self.block_size]
-                    assert slot == tuple(tokens[:position + 1]), f"seq {seq_id} reads wrong KV at {position}"
+                for group, window in enumerate(self.group_windows):
+                    table = self.manager.block_table(seq_id, group)
+                    num_blocks = -(-len(tokens) // self.block_size)
+                    # A window group's table may stop short of the tokens (slots a chunk at a time).
+                    assert len(table) == num_blocks if window is None else len(table) <= num_blocks
+                    # What the sequence's next query reads: its window's KV (all of it in a full group).
+                    for position in range(window_start(self.num_computed[seq_id], window), self.num_computed[seq_id]):
+                        slot = kv[group][table[position // self.block_size]][position % self.block_size]
+                        assert slot == tuple(tokens[:position + 1]), (f"seq {seq_id}, group {group}: reads wrong "
+                                                                      f"KV at {position}")
 
 
 BlockManagerMachine.TestCase.settings = settings(

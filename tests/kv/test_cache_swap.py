@@ -57,13 +57,13 @@ def swap_round_trip(cache: PagedKVCache, before_swap_out=lambda: None) -> None:
     gpu_blocks, cpu_blocks, back_to = [5, 1, 6], [2, 0, 4], [3, 7, 0]
     before = stored(cache.key_stores + cache.value_stores, gpu_blocks)
     before_swap_out()
-    cache.swap_out(list(zip(gpu_blocks, cpu_blocks)))
+    cache.swap_out([(gpu, cpu, 0) for gpu, cpu in zip(gpu_blocks, cpu_blocks)])
     for got, want in zip(stored(cache.cpu_key_stores + cache.cpu_value_stores, cpu_blocks), before, strict=True):
         assert torch.equal(got, want)
     for store in cache.key_stores + cache.value_stores:  # overwrite the blocks they come back into
         for tensor in store.values():
             tensor[back_to] = 0
-    cache.swap_in(list(zip(cpu_blocks, back_to)))
+    cache.swap_in([(cpu, gpu, 0) for cpu, gpu in zip(cpu_blocks, back_to)])
     for got, want in zip(stored(cache.key_stores + cache.value_stores, back_to), before, strict=True):
         assert torch.equal(got, want)
 

@@ -326,12 +326,12 @@ def test_copy_and_swap_move_stored_bytes():
     cache.write(0, key, gaussian(8, HKV, D, seed=61), torch.arange(8) + 4, pos)  # blocks 1 and 2
     snapshot = {k: [t.clone() for t in store.values()] for k, store in
                 (("k", cache.key_stores[0]), ("v", cache.value_stores[0]))}
-    cache.swap_out([(1, 0), (2, 2)])
+    cache.swap_out([(1, 0, 0), (2, 2, 0)])
     for store in (cache.key_stores[0], cache.value_stores[0]):
         for tensor in store.values():
             tensor.zero_()
-    cache.swap_in([(0, 4), (2, 5)])
-    cache.copy_blocks([(4, 1), (5, 2)])
+    cache.swap_in([(0, 4, 0), (2, 5, 0)])
+    cache.copy_blocks([(4, 1, 0), (5, 2, 0)])
     for name, store in (("k", cache.key_stores[0]), ("v", cache.value_stores[0])):
         for before, after in zip(snapshot[name], store.values(), strict=True):
             assert torch.equal(before[1:3], after[1:3]) and torch.equal(before[1:3], after[4:6])

@@ -217,3 +217,43 @@ LIMITS = {
 def test_at_the_limits(case, tmp_path):
     changes, sinks = LIMITS[case]
     check_generated(tmp_path, tiny_config(**changes), prompt_length=40, seed=len(case), **sinks)
+
+
+def resharded(folder, out, shard_of) -> None:
+    """`folder`'s model.safetensors split into shards by `shard_of(name)` (a file name), with an index."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    shards: dict[str, dict] = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        shards.setdefault(shard_of(name), {})[name] = tensor
+    for file, tensors in shards.items():
+        save_file(tensors, out / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, tensors in shards.items() for name in tensors}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text((folder / "config.json").read_text())
+
+
+def test_mxfp4_halves_in_different_shards_are_one_tensor(mxfp4, tmp_path):
+    folder, _ = mxfp4
+    resharded(folder, tmp_path / "split", lambda name: "b.safetensors" if name.endswith("_scales") else
+              "a.safetensors")
+    _, runner = make_runner(tmp_path / "split")
+    _, reference = make_runner(folder)
+    assert torch.equal(runner.prompt_logits(PROMPT[:20], TABLE), reference.prompt_logits(PROMPT[:20], TABLE))
+
+
+def test_a_broken_mxfp4_pair_is_refused_naming_the_tensor(mxfp4, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = mxfp4
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj_blocks"
+    tensors[name] = tensors[name][..., :8].contiguous()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ModelLoadError) as info:
+        load_model(broken)
+    assert name in str(info.value) and "model.safetensors" in str(info.value) and "\n" not in str(info.value)

@@ -75,7 +75,10 @@ def test_alone_gives_transformers_greedy_tokens(saved, alone):
 
 
 def test_batched_with_prefix_caching_equals_alone(model64, alone):
+    """The window layers keep their KV in a pool of their own (kv/layer_groups.py), which the integrity
+    check, run after every step, holds to the window's blocks per sequence."""
     outputs, engine = run(model64, workload(), enable_prefix_caching=True)
+    assert [usage.sliding_window for usage in engine.block_manager.group_usage()] == [None, WINDOW]
     assert outputs == alone
     assert engine.block_manager.prefix_hit_tokens > 0
     assert max(step.num_seqs for step in engine.step_history) > 4
@@ -106,3 +109,22 @@ def test_speculative_decoding_is_token_identical(model64, alone, drafter):
     assert totals.num_drafts > 0
     if drafter == "draft":  # the model drafting for itself: every drafted token kept
         assert totals.num_accepted_tokens == totals.num_draft_tokens > 0
+
+
+def test_triton_attention_gives_the_torch_backends_tokens(saved):
+    """The Triton kernels (in Triton's interpreter here) with windows and sinks: three requests several
+    windows long, chunked (budget 24), the same greedy tokens as the torch backend (float32)."""
+    from localserve.attention.triton_backend import TritonAttentionBackend
+
+    model = load_model(saved, dtype=torch.float32).model
+    work = [(prompt[:3 * WINDOW], SamplingParams(temperature=0, max_tokens=WINDOW + 4, ignore_eos=True))
+            for prompt, _ in workload(seed=1)[:3]]
+
+    def tokens(backend):
+        engine = build_engine(model, None, EngineConfig(num_kv_blocks=32, max_num_seqs=3, max_num_batched_tokens=24,
+                                                        attention_backend="torch", check_integrity=True))
+        if backend is not None:
+            engine.runner.backend = backend  # the interpreter's kernels, which "auto" never picks
+        return [output.outputs[0].token_ids for output in run_requests(engine, work, check=False)]
+
+    assert tokens(TritonAttentionBackend()) == tokens(None)

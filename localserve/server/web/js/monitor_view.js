@@ -132,7 +132,12 @@ export class MonitorView {
     Object.assign(this.map.canvas.dataset, { time: frame.time, numSteps: frame.num_steps });
     Object.assign(this.root.dataset, { frameMs: frameMs.toFixed(3), mapMs: mapMs.toFixed(3) });
     const switching = frame.loading ? ` · ⇄ ${describeSwitch(frame.loading)}` : "";
-    this.showStatus(`step ${formatCount(frame.num_steps)} · frame ${frameMs.toFixed(1)} ms${switching}`);
+    // Layer groups (a model with window layers): the map holds their pools one after the other.
+    const groups = (frame.gauges.kv_groups ?? []).map((group) =>
+      ` · ${group.sliding_window === null ? "full" : `window ${group.sliding_window}`}: ` +
+      `${formatCount(group.num_used_blocks)} used, ${formatCount(group.num_cached_blocks)} cached, ` +
+      `${formatCount(group.num_free_blocks)} free`).join("");
+    this.showStatus(`step ${formatCount(frame.num_steps)} · frame ${frameMs.toFixed(1)} ms${groups}${switching}`);
   }
 
   /** No model is loaded (a `monitor.no_model` frame): say so, and which model is on its way. */
