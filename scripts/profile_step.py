@@ -35,10 +35,10 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
-from localserve.server.request_fields import parse_request
-from localserve.server.request_model import RequestLimits
-from localserve.server.response_events import ResponseStream
-from localserve.server.responses_format import RESPONSES_WEBSOCKET
+from localserve.server.generation.stream import ResponseStream
+from localserve.server.openai.responses_format import RESPONSES_WEBSOCKET
+from localserve.server.request.fields import parse_request
+from localserve.server.request.generation_request import RequestLimits
 from localserve.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 LICENSE_TEXT = Path("/usr/share/common-licenses/GPL-3").read_text()

@@ -177,7 +177,7 @@ def test_bookkeeping_modules_import_no_torch(runtime_graph, module):
 
 def test_cli_imports_no_torch_for_the_chat_client():
     code = ("import sys; from localserve.cli import build_parser; build_parser(); "
-            "import localserve.server.chat_client; assert 'torch' not in sys.modules, 'torch was imported'")
+            "import localserve.chat.client; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

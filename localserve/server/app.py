@@ -2,16 +2,16 @@
 
 One asyncio loop serves every connection; each loaded model's engine runs on its own thread behind
 `EngineThread`, and the server reads it only through `EngineAccess` (its facts, submit and abort,
-statistics, snapshots and events), lent per request by the `ModelRegistry` (server/models.py), which
+statistics, snapshots and events), lent per request by the `ModelRegistry` (server/registry/registry.py), which
 loads and unloads the models requests ask for. `LocalServer` builds the parts and hands each what it
 uses: the configuration, the models, the conversation store, the metrics, the response service. Each
 connection starts as HTTP/1.1
-(uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
+(uvicorn's h11 protocol, server/wire/transport.py): requests go to the ASGI app of server/http_app.py;
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
 duplicate headers, the Host header, a browser Origin, the API key, or for `/v1/monitor` a single-use
 ticket from `POST /v1/monitor/ticket` instead, since a browser cannot send the key on a websocket; the
 path; the connection limit) before `/v1/responses` or `/v1/monitor` is served. Every connection has
-its place in the `ConnectionBook` (server/connection_phases.py) from its first byte to its last,
+its place in the `ConnectionBook` (server/wire/connection_phases.py) from its first byte to its last,
 across the upgrade: the transport moves it through the HTTP phases and the handshake, the handler on
 from there (a monitor is served at once, a `/v1/responses` websocket once its first event comes).
 `shutdown()` ends every response in flight, on either transport, with a final event before closing
@@ -31,18 +31,19 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
-from localserve.server.access import AccessPolicy, MonitorTickets, check_access
-from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
-from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, check_bind_safety, close_within
-from localserve.server.conversations import ConversationStore
-from localserve.server.embeddings_api import EmbeddingRoutes
-from localserve.server.http_api import HttpApi
-from localserve.server.metrics import ServerMetrics
-from localserve.server.models import ModelRegistry
-from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, serve_monitor
-from localserve.server.responses import ResponseService
-from localserve.server.session import ResponsesSession
-from localserve.server.transport import SharedPort
+from localserve.server.config import ServerConfig
+from localserve.server.embeddings.api import EmbeddingRoutes
+from localserve.server.generation.conversations import ConversationStore
+from localserve.server.generation.service import ResponseService
+from localserve.server.http_app import HttpApi
+from localserve.server.monitor.metrics import ServerMetrics
+from localserve.server.monitor.monitor import MIN_MONITOR_INTERVAL_S, serve_monitor
+from localserve.server.openai.responses_socket import ResponsesSession
+from localserve.server.registry.registry import ModelRegistry
+from localserve.server.wire.access import AccessPolicy, MonitorTickets, check_access, check_bind_safety
+from localserve.server.wire.closing import CLOSE_TIMEOUT_S, close_within
+from localserve.server.wire.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
+from localserve.server.wire.transport import SharedPort
 
 log = logging.getLogger(__name__)
 

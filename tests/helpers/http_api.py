@@ -1,4 +1,4 @@
-"""An HttpApi (server/http_api.py) as an ASGI app with the parts it is handed: a real ResponseService on a
+"""An HttpApi (server/http_app.py) as an ASGI app with the parts it is handed: a real ResponseService on a
 recorded engine thread (tests/helpers/engine_access.py), driven through the ASGI pair (tests/helpers/asgi.py)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import json
 from typing import Any
 
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
-from localserve.server.access import AccessPolicy, MonitorTickets
-from localserve.server.context import ServerConfig
-from localserve.server.conversations import ConversationStore
-from localserve.server.embeddings_api import EmbeddingRoutes
-from localserve.server.http_api import HttpApi
-from localserve.server.metrics import ServerMetrics
-from localserve.server.models import serving_loaded
-from localserve.server.responses import ResponseService
+from localserve.server.config import ServerConfig
+from localserve.server.embeddings.api import EmbeddingRoutes
+from localserve.server.generation.conversations import ConversationStore
+from localserve.server.generation.service import ResponseService
+from localserve.server.http_app import HttpApi
+from localserve.server.monitor.metrics import ServerMetrics
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.wire.access import AccessPolicy, MonitorTickets
 from tests.helpers.asgi import AsgiPeer, body_messages
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 

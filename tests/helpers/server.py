@@ -71,8 +71,8 @@ def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defa
     from localserve.loading.model_card import ModelCard
     from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
     from localserve.server.app import BackgroundServer, LocalServer
-    from localserve.server.context import ServerConfig
-    from localserve.server.models import serving_loaded
+    from localserve.server.config import ServerConfig
+    from localserve.server.registry.registry import serving_loaded
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -166,8 +166,8 @@ def running_models_server(models_dir: Path, load=None, policy=None, load_default
     from localserve.engine.config import EngineConfig
     from localserve.model_loader import EngineLoader, find_models
     from localserve.server.app import BackgroundServer, LocalServer
-    from localserve.server.context import ServerConfig
-    from localserve.server.models import ModelPolicy, ModelRegistry
+    from localserve.server.config import ServerConfig
+    from localserve.server.registry.registry import ModelPolicy, ModelRegistry
 
     found = find_models([], models_dir)
     load = load or EngineLoader(EngineConfig(num_kv_blocks=256, max_model_len=512, max_num_seqs=16,

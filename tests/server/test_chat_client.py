@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from websockets.sync.server import serve
 
-from localserve.server.chat_client import run_chat
+from localserve.chat.client import run_chat
 from tests.helpers.terminal import Terminal
 
 REPLY_WORDS = ["Paris ", "is ", "the ", "capital ", "of ", "France."]

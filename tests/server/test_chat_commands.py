@@ -1,4 +1,4 @@
-"""The slash commands of `localserve chat` (server/chat_commands.py) on their own: each command parsed into
+"""The slash commands of `localserve chat` (chat/commands.py) on their own: each command parsed into
 the settings the next `response.create` carries, each bound at its limit (accepted) and past it (refused
 with a message that says why), a refused command changing nothing. (tests/server/test_chat_client.py
 runs them through the client against a scripted server.)"""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.server.chat_commands import HELP, ChatSettings, QuitChat
+from localserve.chat.commands import HELP, ChatSettings, QuitChat
 
 
 def test_help_and_quit():

@@ -8,8 +8,8 @@ import io
 import re
 import time
 
-from localserve.server.chat_client import run_chat
-from localserve.server.connection_phases import PhaseBounds
+from localserve.chat.client import run_chat
+from localserve.server.wire.connection_phases import PhaseBounds
 from tests.helpers.server import running_server
 
 FIRST_EVENT_S = 0.3

@@ -1,4 +1,4 @@
-"""`CompletionView` (server/completion_events.py) on its own: a `ResponseStream` fed fixed engine outputs,
+"""`CompletionView` (server/openai/completion_events.py) on its own: a `ResponseStream` fed fixed engine outputs,
 read as chat completions and text completions, whole and as stream chunks. Every object must validate
 as the `openai` SDK's own type (`ChatCompletion`, `ChatCompletionChunk`, `Completion`) with no field the
 type does not know; text, finish reasons, usage and log-probabilities are compared with the script."""
@@ -15,8 +15,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.engine.sampling_params import SamplingParams
-from localserve.server.completion_events import CompletionView
-from localserve.server.response_events import ResponseStream
+from localserve.server.generation.stream import ResponseStream
+from localserve.server.openai.completion_events import CompletionView
 
 RESPONSE_ID = "resp_0123456789abcdef"
 MODEL = "tiny-chat"

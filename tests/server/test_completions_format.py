@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
-from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS, COMPLETIONS_DEFAULT_MAX_TOKENS
-from localserve.server.request_fields import parse_request
-from localserve.server.request_model import UNFINISHED_CALL_IDS, RequestLimits
-from localserve.server.validation import ProtocolError
+from localserve.server.openai.completions_format import CHAT_COMPLETIONS, COMPLETIONS, COMPLETIONS_DEFAULT_MAX_TOKENS
+from localserve.server.request.fields import parse_request
+from localserve.server.request.generation_request import UNFINISHED_CALL_IDS, RequestLimits
+from localserve.server.request.validation import ProtocolError
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -1,4 +1,4 @@
-"""The connection figures of /metrics (server/metrics.py's `watch_connections`), read from a connection book
+"""The connection figures of /metrics (server/monitor/metrics.py's `watch_connections`), read from a connection book
 at scrape time and parsed with `prometheus_client`'s own parser: open and served connections, unfinished
 ones by phase, and those closed unfinished by phase and reason, under the `localserve_` prefix with the
 `model_name` label and no other label than `phase` and `reason` (a handful of values each)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from localserve.engine.snapshot import Counters, EngineStats, Gauges
-from localserve.server.connection_phases import CloseReason, ConnectionBook, Phase
-from localserve.server.metrics import ServerMetrics
+from localserve.server.monitor.metrics import ServerMetrics
+from localserve.server.wire.connection_phases import CloseReason, ConnectionBook, Phase
 
 STATS = EngineStats(Gauges(0, 0, 0, 0.0, 64, 0, 0, 0, 0.0, 0), Counters(*[0] * 13))
 

@@ -1,4 +1,4 @@
-"""The connection book (server/connection_phases.py) on its own: served and unfinished connections capped
+"""The connection book (server/wire/connection_phases.py) on its own: served and unfinished connections capped
 apart, the oldest unfinished evicted first, a whole request beyond the served limit refused, the counts by
 phase, the body's deadline; and, generated, that its counts always agree with the phases of its slots."""
 
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localserve.server.connection_phases import (
+from localserve.server.request.validation import ProtocolError
+from localserve.server.wire.connection_phases import (
     SERVED_PHASES,
     UNFINISHED_PHASES,
     CloseReason,
@@ -20,7 +21,6 @@ from localserve.server.connection_phases import (
     PhaseBounds,
     Slot,
 )
-from localserve.server.validation import ProtocolError
 
 
 class Evictions:

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from localserve.server.connection_phases import PhaseBounds
-from localserve.server.transport import MAX_HEAD_BYTES
+from localserve.server.wire.connection_phases import PhaseBounds
+from localserve.server.wire.transport import MAX_HEAD_BYTES
 from tests.helpers.raw_client import RawClient
 from tests.helpers.raw_http import WEBSOCKET_UPGRADE, RawReply, exchange, open_socket, read_reply, request_bytes
 from tests.helpers.server import CLOSING_EVENTS, collect_response, running_server, wait_until_idle

@@ -1,4 +1,4 @@
-"""What the server's parts share (server/context.py), on its own: which hosts count as this machine alone
+"""What the server's parts share (server/registry/engine_access.py), on its own: which hosts count as this machine alone
 (near misses included) and the refusal to listen beyond it without a key; closing a websocket within a
 bound; reading an engine-thread future. (The names a model answers to: tests/server/test_model_registry.py.)"""
 
@@ -12,16 +12,12 @@ import pytest
 
 from localserve.engine.outputs import RequestOutput
 from localserve.loading.sampling_defaults import SamplingDefaults
-from localserve.server.context import (
-    ServedModel,
-    ServerConfig,
-    check_bind_safety,
-    close_within,
-    engine_result,
-    is_loopback,
-    on_event_loop,
-)
-from localserve.server.validation import ProtocolError
+from localserve.server.config import ServerConfig
+from localserve.server.registry.engine_access import engine_result, on_event_loop
+from localserve.server.registry.served_model import ServedModel
+from localserve.server.request.validation import ProtocolError
+from localserve.server.wire.access import check_bind_safety, is_loopback
+from localserve.server.wire.closing import close_within
 
 LOOPBACK = ["localhost", "127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "0:0:0:0:0:0:0:1"]
 NOT_LOOPBACK = [

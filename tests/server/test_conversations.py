@@ -1,11 +1,11 @@
-"""The conversations `previous_response_id` continues (server/conversations.py) on their own: one LRU bounded
+"""The conversations `previous_response_id` continues (server/generation/conversations.py) on their own: one LRU bounded
 in conversations and in characters, each bound at its limit (all kept) and one past it (the least recently
 used goes), a conversation larger than the whole budget not kept at all; `store: false` conversations
 visible to their connection alone and dropped with it."""
 
 from __future__ import annotations
 
-from localserve.server.conversations import ConversationStore
+from localserve.server.generation.conversations import ConversationStore
 
 
 def said(text: str, reply: str | None = None) -> list[dict[str, str]]:

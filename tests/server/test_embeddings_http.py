@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from localserve.engine.config import EngineConfig
 from localserve.llm import LLM
-from localserve.server.request_model import RequestLimits
+from localserve.server.request.generation_request import RequestLimits
 from tests.helpers.embedding_models import cosine, reference_embedding, write_tiny_embedding_model
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import openai_client, running_server

@@ -1,4 +1,4 @@
-"""A `/v1/responses` websocket before its first event (server/session.py's first-event wait, on a played
+"""A `/v1/responses` websocket before its first event (server/openai/responses_socket.py's first-event wait, on a played
 engine thread and real sockets, no model): it is unfinished until it speaks, so it is cut at its bound
 (1008), or evicted for a newer connection (1013, after the linger); its first event takes a place among
 max_connections, or is refused (`too_many_connections`, then 1013). A monitor is served from its opening.
@@ -15,9 +15,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from localserve.server.app import LocalServer
-from localserve.server.connection_phases import EVICTED_REASON, CloseReason, Phase, PhaseBounds
-from localserve.server.context import ServerConfig
-from localserve.server.models import serving_loaded
+from localserve.server.config import ServerConfig
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.wire.connection_phases import EVICTED_REASON, CloseReason, Phase, PhaseBounds
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 
 BOUNDS = PhaseBounds(first_event_s=0.5, evicted_linger_s=0.2)

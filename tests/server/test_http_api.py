@@ -1,4 +1,4 @@
-"""The HTTP API (server/http_api.py) as an ASGI app on its own: driven through a minimal ASGI pair
+"""The HTTP API (server/http_app.py) as an ASGI app on its own: driven through a minimal ASGI pair
 (tests/helpers/asgi.py), its responses run by a real ResponseService on a recorded engine thread
 (tests/helpers/engine_access.py); no socket, no model. The order of the checks (the health probe before
 access, access before anything else, the connection limit, the shutdown), the routes and their

@@ -1,4 +1,4 @@
-"""One HTTP exchange over ASGI (server/http_exchange.py) on its own, driven by a minimal ASGI receive/send
+"""One HTTP exchange over ASGI (server/wire/http_exchange.py) on its own, driven by a minimal ASGI receive/send
 pair (tests/helpers/asgi.py; no socket, no server): the body bound at exactly `max_bytes` (read) and one
 byte more (413), by Content-Length before anything is read and by counting a chunked body; the body's
 deadline (408) for the whole body, not each piece; a client that disconnects; OpenAI's error body, and
@@ -14,8 +14,15 @@ from typing import Any
 import pytest
 from openai.types.shared import ErrorObject
 
-from localserve.server.http_exchange import CLOSING_ERRORS, MAX_CORS_HEADERS, ClientGone, HttpExchange, error_body, sse
-from localserve.server.validation import ProtocolError
+from localserve.server.request.validation import ProtocolError
+from localserve.server.wire.http_exchange import (
+    CLOSING_ERRORS,
+    MAX_CORS_HEADERS,
+    ClientGone,
+    HttpExchange,
+    error_body,
+    sse,
+)
 from tests.helpers.asgi import AsgiPeer, body_messages
 
 MAX_BYTES = 64

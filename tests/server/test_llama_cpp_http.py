@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from localserve.server.llama_cpp_api import token_piece
-from localserve.server.request_model import RequestLimits
+from localserve.server.llama_cpp.api import token_piece
+from localserve.server.request.generation_request import RequestLimits
 from localserve.tokenizer.tokenizer import Tokenizer
 from tests.helpers.http_api import Api, response, run
 from tests.helpers.server import running_server

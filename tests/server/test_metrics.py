@@ -1,4 +1,4 @@
-"""The Prometheus text of server/metrics.py on its own, rendered from a fixed EngineStats and parsed with
+"""The Prometheus text of server/monitor/metrics.py on its own, rendered from a fixed EngineStats and parsed with
 `prometheus_client`'s own parser: every metric of DESIGN.md section 9 under the `localserve_` prefix with
 its `model_name` label and type, the engine's gauges and counters as the stats hold them, the latency
 histograms as observed, the connection gauge as the server counts; each server's registry its own."""
@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from localserve.engine.snapshot import Counters, EngineStats, Gauges
-from localserve.server.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, ServerMetrics
+from localserve.server.monitor.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, ServerMetrics
 
 MODEL = "tiny-chat"
 GAUGES = Gauges(num_requests_running=3, num_requests_waiting=5, num_requests_swapped=2, kv_cache_usage_ratio=0.375,

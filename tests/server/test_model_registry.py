@@ -1,4 +1,4 @@
-"""The models a server serves (server/models.py's ModelRegistry), on its own: the names a model answers to
+"""The models a server serves (server/registry/registry.py's ModelRegistry), on its own: the names a model answers to
 and the 404 naming what is served; leases, loads and unloads in arrival order, played with fake loads."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelEntry
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.model_loader import FoundModels, find_models
-from localserve.server.connection_phases import ConnectionBook
-from localserve.server.models import ModelLease, ModelPolicy, ModelRegistry, ModelStatus, serving_loaded
-from localserve.server.monitor import serve_monitor
-from localserve.server.validation import ProtocolError
+from localserve.server.monitor.monitor import serve_monitor
+from localserve.server.registry.registry import ModelLease, ModelPolicy, ModelRegistry, ModelStatus, serving_loaded
+from localserve.server.request.validation import ProtocolError
+from localserve.server.wire.connection_phases import ConnectionBook
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 from tests.helpers.gguf import write_gguf_header, write_hf_folder
 from tests.helpers.server import SlowConnection

@@ -14,8 +14,8 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
-from localserve.server.connection_phases import ConnectionBook
-from localserve.server.monitor import MonitorHub, serve_monitor
+from localserve.server.monitor.monitor import MonitorHub, serve_monitor
+from localserve.server.wire.connection_phases import ConnectionBook
 from tests.helpers.monitor_source import OneModelSource
 from tests.helpers.server import CLOSING_EVENTS, SlowConnection, collect_response, running_server
 

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from localserve.server.app import BackgroundServer, LocalServer
-from localserve.server.context import ServerConfig
-from localserve.server.models import serving_loaded
+from localserve.server.config import ServerConfig
+from localserve.server.registry.registry import serving_loaded
 from tests.helpers.chat_families import family_tokenizer, reference_tokenizer
 from tests.helpers.request_wire import CHAT, RESPONSES_HTTP, RecordingEngineThread, WireClient
 

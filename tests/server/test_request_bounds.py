@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from localserve.server.request_model import RequestLimits
+from localserve.server.request.generation_request import RequestLimits
 from tests.helpers.request_wire import (
     RESPONSES_HTTP,
     RESPONSES_WS,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from localserve.loading.sampling_defaults import SamplingDefaults
-from localserve.server import request_fields as fields
-from localserve.server.request_messages import MessageFormat
-from localserve.server.request_model import RequestLimits
-from localserve.server.validation import ProtocolError
+from localserve.server.request import fields as fields
+from localserve.server.request.generation_request import RequestLimits
+from localserve.server.request.messages import MessageFormat
+from localserve.server.request.validation import ProtocolError
 
 LIMITS = RequestLimits(max_input_chars=20, max_input_items=2, max_stop_strings=2, max_stop_chars=3,
                        max_parallel_samples=4, max_id_chars=8)

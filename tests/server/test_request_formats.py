@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from localserve.engine.grammar import GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
-from localserve.server.request_model import OutputFormat
+from localserve.server.request.generation_request import OutputFormat
 from localserve.tokenizer.chat_format import detect_chat_format
 from localserve.tokenizer.tools import ToolChoice, ToolSpec
 from tests.helpers.request_wire import (

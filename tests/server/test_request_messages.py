@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.server.request_messages import MessageFormat, parse_messages
-from localserve.server.request_model import RequestLimits
-from localserve.server.validation import ProtocolError
+from localserve.server.request.generation_request import RequestLimits
+from localserve.server.request.messages import MessageFormat, parse_messages
+from localserve.server.request.validation import ProtocolError
 
 LIMITS = RequestLimits(max_input_items=2)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
-from localserve.server.request_model import GenerationRequest, SamplingChoice
+from localserve.server.request.generation_request import GenerationRequest, SamplingChoice
 
 DEFAULTS = SamplingDefaults(0.6, top_k=20, top_p=0.85, min_p=0.03, source="test")
 

@@ -1,4 +1,4 @@
-"""`ResponseStream` (server/response_events.py) without a server: the events it builds from engine outputs
+"""`ResponseStream` (server/generation/stream.py) without a server: the events it builds from engine outputs
 (order, numbering, coalesced deltas, closing status), each validated as the `openai` SDK's server event."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from openai.types.responses import ResponsesServerEvent
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
-from localserve.server.request_fields import parse_request
-from localserve.server.request_model import RequestLimits
-from localserve.server.response_events import ResponseStream
-from localserve.server.responses_format import RESPONSES_WEBSOCKET
+from localserve.server.generation.stream import ResponseStream
+from localserve.server.openai.responses_format import RESPONSES_WEBSOCKET
+from localserve.server.request.fields import parse_request
+from localserve.server.request.generation_request import RequestLimits
 
 SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
 

@@ -1,4 +1,4 @@
-"""`ResponseService` (server/responses.py) on a played engine thread that records what it is given
+"""`ResponseService` (server/generation/service.py) on a played engine thread that records what it is given
 (tests/helpers/engine_access.py) and a tokenizer that makes one token per character: previous_response_id
 found, not found, or another connection's `store: false` one; the conversation's size, the context, the
 output tokens cut to the room left and the log-probabilities' size, each at its bound and one past it; the
@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from localserve.server.completions_format import CHAT_COMPLETIONS, COMPLETIONS
-from localserve.server.context import ServerConfig
-from localserve.server.conversations import ConversationStore
-from localserve.server.metrics import ServerMetrics
-from localserve.server.models import serving_loaded
-from localserve.server.request_fields import WireFormat, parse_request
-from localserve.server.request_model import RequestLimits
-from localserve.server.response_events import ResponseStream
-from localserve.server.responses import ResponseService
-from localserve.server.responses_format import RESPONSES_HTTP, RESPONSES_WEBSOCKET
-from localserve.server.validation import ProtocolError
+from localserve.server.config import ServerConfig
+from localserve.server.generation.conversations import ConversationStore
+from localserve.server.generation.service import ResponseService
+from localserve.server.generation.stream import ResponseStream
+from localserve.server.monitor.metrics import ServerMetrics
+from localserve.server.openai.completions_format import CHAT_COMPLETIONS, COMPLETIONS
+from localserve.server.openai.responses_format import RESPONSES_HTTP, RESPONSES_WEBSOCKET
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.request.fields import WireFormat, parse_request
+from localserve.server.request.generation_request import RequestLimits
+from localserve.server.request.validation import ProtocolError
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 
 LIMITS = RequestLimits(max_conversation_chars=20, max_logprob_entries=12)

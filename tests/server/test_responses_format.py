@@ -10,9 +10,7 @@ import pytest
 from openai.types.responses import ResponsesServerEvent
 
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
-from localserve.server.request_fields import parse_request
-from localserve.server.request_model import RequestLimits
-from localserve.server.responses_format import (
+from localserve.server.openai.responses_format import (
     ECHOED,
     LOGPROBS_INCLUDE,
     RESPONSES_HTTP,
@@ -21,7 +19,9 @@ from localserve.server.responses_format import (
     event_stream_id,
     parse_client_event,
 )
-from localserve.server.validation import ProtocolError, error_event
+from localserve.server.request.fields import parse_request
+from localserve.server.request.generation_request import RequestLimits
+from localserve.server.request.validation import ProtocolError, error_event
 
 SERVER_EVENT = pydantic.TypeAdapter(ResponsesServerEvent)
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from localserve.server.request_model import RequestLimits
-from localserve.server.sampling_rules import INT64_MAX, SAMPLING_RULES
-from localserve.server.validation import ProtocolError
+from localserve.server.request.generation_request import RequestLimits
+from localserve.server.request.sampling_rules import INT64_MAX, SAMPLING_RULES
+from localserve.server.request.validation import ProtocolError
 
 LIMITS = RequestLimits(max_stop_strings=2, max_stop_chars=3, max_parallel_samples=4)
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
 from localserve.server.app import LocalServer
-from localserve.server.context import ServedModel, ServerConfig, engine_result
-from localserve.server.models import serving_loaded
+from localserve.server.config import ServerConfig
+from localserve.server.registry.engine_access import engine_result
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.registry.served_model import ServedModel
 from tests.helpers.server import engine_facts
 
 SERVER = Path(__file__).resolve().parents[2] / "localserve" / "server"

@@ -9,10 +9,10 @@ import threading
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.server.app import LocalServer
-from localserve.server.connection_phases import FirstEventWait
-from localserve.server.context import ServerConfig
-from localserve.server.models import serving_loaded
-from localserve.server.session import ResponsesSession
+from localserve.server.config import ServerConfig
+from localserve.server.openai.responses_socket import ResponsesSession
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.wire.connection_phases import FirstEventWait
 from tests.helpers.server import SlowConnection, engine_facts
 
 NUM_TOKENS = 60

@@ -19,7 +19,7 @@ from localserve.tui.feed import parse_hello, parse_snapshot
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from localserve.server.connection_phases import PhaseBounds
+from localserve.server.wire.connection_phases import PhaseBounds
 from tests.helpers.flood import BODY_LENGTH, EVICTED_ENDINGS, KINDS, Flood
 from tests.helpers.server import running_server
 from tests.helpers.steady_clients import SteadyClients

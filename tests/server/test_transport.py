@@ -1,4 +1,4 @@
-"""The shared port (server/transport.py) on its own, no model: a small ASGI app and websocket handler
+"""The shared port (server/wire/transport.py) on its own, no model: a small ASGI app and websocket handler
 behind it, raw sockets in front. Keep-alive and pipelining, the deadline on request heads, the count of
 connections, requests the parser refuses (answered in OpenAI's error shape), the hand-off of an upgrade
 to `websockets`, and the bounds it carries (head size, websocket message size)."""
@@ -19,8 +19,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
-from localserve.server.connection_phases import CloseReason, ConnectionBook, Phase, PhaseBounds, Slot
-from localserve.server.transport import MAX_HEAD_BYTES, SharedPort, head_size
+from localserve.server.wire.connection_phases import CloseReason, ConnectionBook, Phase, PhaseBounds, Slot
+from localserve.server.wire.transport import MAX_HEAD_BYTES, SharedPort, head_size
 from tests.helpers.raw_http import WEBSOCKET_UPGRADE, exchange, open_socket, read_reply, request_bytes
 
 HEAD_TIMEOUT_S = 0.4

@@ -2,7 +2,7 @@
 a float, text that is not valid Unicode, and every size a client controls get an `error` event naming
 the parameter (never a 1011 close), and the connection goes on serving. Parameters that would change
 the output and are not supported are refused; the ones accepted are echoed as requested. And the checks
-of server/validation.py on their own: JSON types, finite numbers, ranges and lengths at their bound and
+of server/request/validation.py on their own: JSON types, finite numbers, ranges and lengths at their bound and
 one past it, lone surrogates found by path, values shown short and printable."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from localserve.server.validation import (
+from localserve.server.request.validation import (
     ProtocolError,
     check_length,
     check_range,

@@ -1,0 +1,117 @@
+"""One generation request over HTTP, whatever its API: read and check the body through the API's field
+map, run it on the `ResponseService`, and answer whole or streamed in the API's shape (its `HttpView`).
+
+A streamed answer is written as the engine produces it, coalesced while the client reads slower; a
+client that disconnects, or stops reading for `send_timeout_s`, has its response aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from localserve.server.config import ServerConfig
+from localserve.server.generation.service import ResponseService
+from localserve.server.generation.stream import ResponseStream, new_id
+from localserve.server.request.fields import WireFormat, parse_request
+from localserve.server.request.generation_request import GenerationRequest
+from localserve.server.wire.http_exchange import EVENT_STREAM, HttpExchange, sse
+
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class HttpView(Protocol):
+    """How one API answers a running response over HTTP."""
+
+    stream_type: bytes  # the Content-Type of the streamed answer
+
+    def pieces(self, done: bool) -> bytes:
+        """The streamed answer not sent yet; `done`: the response is over, and this is the stream's end."""
+
+    def whole(self) -> dict[str, Any]:
+        """The answer once the response is over; raises ProtocolError for one that did not end normally."""
+
+
+class ResponsesView:
+    """`/v1/responses`: the websocket mode's events as server-sent events, or the Response object."""
+
+    stream_type = EVENT_STREAM
+
+    def __init__(self, stream: ResponseStream) -> None:
+        self.stream = stream
+
+    def pieces(self, done: bool) -> bytes:
+        return b"".join(sse(event, event["type"]) for event in self.stream.drain())
+
+    def whole(self) -> dict[str, Any]:
+        return self.stream.response_object(self.stream.status)  # it tells every outcome itself
+
+
+class HttpGeneration:
+    """Runs the generation requests of the HTTP API; `in_flight` holds those the engine still runs."""
+
+    def __init__(self, config: ServerConfig, responses: ResponseService) -> None:
+        self.config, self.responses = config, responses
+        self.in_flight: set[ResponseStream] = set()
+
+    async def read(self, exchange: HttpExchange, wire: WireFormat) -> GenerationRequest:
+        """The exchange's body, checked by `wire`'s field map."""
+        return parse_request(await self.read_body(exchange), wire, self.config.limits)
+
+    async def read_body(self, exchange: HttpExchange) -> dict[str, Any]:
+        """The exchange's body as a JSON object, within the server's bounds."""
+        return await exchange.read_json(self.config.max_message_bytes, self.config.http_body_timeout_s)
+
+    def shut_down(self) -> None:
+        """The server is stopping: end every response in flight (reason `server_shutdown`)."""
+        for stream in list(self.in_flight):
+            self.responses.shut_down(stream)
+
+    async def run(self, exchange: HttpExchange, request: GenerationRequest,
+                  make_view: Callable[[ResponseStream], HttpView]) -> ResponseStream:
+        """Run one response for this exchange and answer it in `make_view`'s shape; returns its stream."""
+        responses = self.responses
+        owner = new_id("http")  # a store: false response belongs to this request alone
+        wake = asyncio.Event()
+        stream = await responses.start(request, owner, lambda _: wake.set())
+        self.in_flight.add(stream)
+
+        async def watch_disconnect() -> None:
+            await exchange.wait_disconnect()
+            wake.set()
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            view = make_view(stream)
+            if request.stream:
+                await self._stream(exchange, stream, view, wake)
+            else:
+                while not stream.is_done and not exchange.disconnected:
+                    await wake.wait()
+                    wake.clear()
+                if not exchange.disconnected:
+                    await exchange.respond_json(200, view.whole())
+        finally:
+            watcher.cancel()
+            num_output_tokens = sum(sample.num_output_tokens for sample in stream.samples)
+            exchange.model, exchange.tokens = stream.model, (stream.num_prompt_tokens, num_output_tokens)
+            self.in_flight.discard(stream)
+            if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
+                responses.abandon(stream)
+            responses.end_owner(owner)
+        return stream
+
+    async def _stream(self, exchange: HttpExchange, stream: ResponseStream, view: HttpView,
+                      wake: asyncio.Event) -> None:
+        """The answer as the engine produces it, coalesced while the client reads slower."""
+        await exchange.start(200, view.stream_type, SSE_HEADERS)
+        while not exchange.disconnected:
+            done = stream.is_done  # read once: the stream may end while a write below awaits the client
+            data = view.pieces(done)
+            if data or done:
+                await exchange.write(data, more=not done)
+            if done:
+                return
+            await wake.wait()
+            wake.clear()
