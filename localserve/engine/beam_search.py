@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from localserve.engine.sequence import Request, Sequence
+from localserve.engine.stop_reason import LENGTH, StopReason
 from localserve.kv.block_manager import BlockManager
 
 
@@ -53,6 +54,7 @@ def beam_search_step(engine: BeamHost, request: Request, entries: list[tuple[Seq
                 done = engine.copy_sequence(parent)
                 _extend(done, token, score, token_logprob)
                 done.finish_reason = "stop"
+                done.stop = StopReason("eos" if token in eos_ids else "stop_token", token)
                 request.finished_beams.append(done)
             continue
         chosen.append((parent, token, score, token_logprob))
@@ -82,7 +84,7 @@ def beam_search_step(engine: BeamHost, request: Request, entries: list[tuple[Seq
     if reached_length or len(request.finished_beams) >= width:
         for beam in request.live_seqs:
             engine.block_manager.free(beam.seq_id)
-            beam.finish_reason = "length"
+            beam.finish_reason, beam.stop = "length", LENGTH
             beam.pending_append = False
             beam.decode_row = None  # the early stop below drops the beams before the scheduler sees them
         if len(request.finished_beams) >= width:  # early stop: the finished hypotheses are the answer

@@ -33,6 +33,7 @@ from localserve.engine.scheduler import Scheduler
 from localserve.engine.sequence import Request, Sequence
 from localserve.engine.snapshot import EngineSnapshot, EngineStats, read_snapshot, read_stats
 from localserve.engine.spec_acceptance import Verification, VerifyRow, verify
+from localserve.engine.stop_reason import ABORT, ERROR, StopReason
 from localserve.engine.stop_rules import append_sampled_token
 from localserve.kv.block_manager import BlockManager
 
@@ -183,17 +184,19 @@ class LLMEngine:
             raise ValueError(f"the input needs {blocks} blocks, the pool has {self.block_manager.num_blocks} "
                              f"(of {self.config.block_size} tokens): it can never run")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request at once; its blocks go back to the pool. Unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once; its blocks go back to the pool. Returns its final output (its unfinished
+        samples stopped by "abort"); unknown or finished ids are ignored (None)."""
         request = self.requests.pop(request_id, None)
         if request is None or request.is_finished:
-            return
+            return None
         live = request.live_seqs
         self.scheduler.finish(request)
         for seq in live:
-            seq.finish_reason = "abort"
+            seq.finish_reason, seq.stop = "abort", ABORT
         self.num_requests_finished += 1
         self.events.append(EventKind.FINISHED, request.label, reason="abort")
+        return make_output(request, True, self.tokenizer)
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """End a request that cannot go on: its blocks go back, `reason` is its error. Unknown ids are ignored."""
@@ -206,7 +209,8 @@ class LLMEngine:
         self.scheduler.finish(request)
         request.error = reason
         for seq in request.seqs:
-            seq.finish_reason = seq.finish_reason or "error"
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.stop = "error", ERROR
         self.events.append(EventKind.FAILED, request.label, reason=reason)
 
     @contextlib.contextmanager
@@ -304,7 +308,7 @@ class LLMEngine:
                 request.pooling.add(hidden[offset:offset + row.query_len], chunk.start_pos)
                 if chunk.context_len == seq.num_tokens:
                     request.embedding = request.pooling.vector()
-                    self._finish_seq(seq, "stop")
+                    self._end_seq(seq, "stop")
             if request.embedding is not None or request.error is not None:  # done, or failed alone
                 moved[request.request_id] = request
             offset += row.query_len
@@ -432,8 +436,12 @@ class LLMEngine:
             except Exception as exc:
                 self._fail_alone(row.request, exc)
 
-    def _finish_seq(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
+    def _finish_seq(self, seq: Sequence, stop: StopReason) -> None:
+        seq.stop = stop
+        self._end_seq(seq, stop.finish_reason)
+
+    def _end_seq(self, seq: Sequence, finish_reason: str) -> None:
+        seq.finish_reason = finish_reason
         seq.pending_append = False
         self.block_manager.free(seq.seq_id)  # a finished sample gives its blocks back at once
 

@@ -1,4 +1,4 @@
-"""What the engine reports about a request: per sequence text, tokens, log-probabilities."""
+"""What the engine reports about a request: per sequence text, tokens, log-probabilities, why it stopped."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from localserve.engine.sequence import TokenSpan
+from localserve.engine.stop_reason import StopReason
+
+__all__ = ["CompletionOutput", "RequestOutput", "StopReason", "make_output"]
 
 if TYPE_CHECKING:
     from localserve.engine.sequence import Request
@@ -29,6 +32,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # Output tokens inside the reasoning block (SamplingParams.reasoning_end), the one that ends it included.
     num_reasoning_tokens: int = 0
+    stop: StopReason | None = None  # why it stopped (engine/stop_reason.py), once it has; None while running
 
 
 @dataclass(slots=True)
@@ -73,7 +77,8 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
         output = CompletionOutput(
             0, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
             seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
-            text[seq.num_emitted_chars:], token_ids[prompt_len + seq.num_emitted_tokens:], seq.num_reasoning_tokens)
+            text[seq.num_emitted_chars:], token_ids[prompt_len + seq.num_emitted_tokens:], seq.num_reasoning_tokens,
+            seq.stop)
         seq.num_emitted_chars, seq.num_emitted_tokens = len(text), num_tokens - prompt_len
         return RequestOutput(request.request_id, request.prompt_token_ids, [output], finished,
                              request.num_cached_tokens, request.error)
@@ -96,7 +101,7 @@ def make_output(request: Request, finished: bool, tokenizer=None) -> RequestOutp
             index, text, token_ids[prompt_len:] if finished else TokenSpan(token_ids, prompt_len, num_tokens),
             seq.cumulative_logprob if seq.logprobs else None, seq.finish_reason, seq.logprobs, seq.top_logprobs,
             text[seq.num_emitted_chars:num_visible], token_ids[prompt_len + seq.num_emitted_tokens:],
-            seq.num_reasoning_tokens))
+            seq.num_reasoning_tokens, seq.stop))
         seq.num_emitted_chars, seq.num_emitted_tokens = num_visible, num_tokens - prompt_len
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
                          request.num_cached_tokens, request.error)

@@ -25,6 +25,7 @@ from localserve.engine.request_queues import RequestQueues
 from localserve.engine.sequence import Request, RequestState
 from localserve.engine.speculation import Speculation
 from localserve.engine.step_budget import StepCostModel, StepTimeBudget
+from localserve.engine.stop_reason import ERROR
 from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ class Scheduler:
         self.finish(request)
         request.error = reason
         for seq in request.seqs:
-            seq.finish_reason = seq.finish_reason or "error"
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.stop = "error", ERROR
         batch.failed.append(request)
         self.events.append(EventKind.FAILED, request.label, reason=reason)
         log.warning("request %s failed: %s", request.request_id, reason)

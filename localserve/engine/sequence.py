@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.spec_state import SpecState
 from localserve.engine.step import SeqChunk
+from localserve.engine.stop_reason import StopReason
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +84,7 @@ class Sequence:
     # beam), so that nothing of a finished request waits for the cyclic garbage collector.
     decode_row: ScheduledRow | None = None
     decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
+    stop: StopReason | None = None  # why it stopped, set with finish_reason (engine/stop_reason.py)
     speculation: SpecState | None = None  # its speculative decoding, from its first draft on
     text: str = ""  # detokenized output so far (stop strings cut off)
     num_emitted_chars: int = 0  # text already reported to a streaming client

@@ -9,9 +9,13 @@ completed (the longest, when two are completed at the same character) begins.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from localserve.engine import engine as engine_module
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
+from localserve.engine.outputs import StopReason
 from localserve.engine.sampling_params import SamplingParams
 from localserve.llm import LLM
 from tests.helpers.scripted import EOS, decoded_prefix, write_scripted_model
@@ -166,6 +170,7 @@ FINISH_CASES = {
 def test_finish_reason(scripted, name):
     options, extra, count, reason = FINISH_CASES[name]
     llm, script = scripted(HELLO, **options)
+    extra = dict(extra)  # the case stays whole for the next test that reads it
     params = SamplingParams(temperature=0, max_tokens=extra.pop("max_tokens", 50), **extra)
     final, steps = run_streaming(llm, script.prompt, params)
     output = final.outputs[0]
@@ -204,3 +209,139 @@ def test_special_tokens_show_in_the_text_when_not_skipped(scripted):
     assert shown.outputs[0].token_ids == skipped.outputs[0].token_ids == [*script.piece_ids, EOS, script.piece_ids[0]]
     assert [output.text for output in shown.outputs] == ["Hello</s>Hel"] * 2  # a parallel sample's own decoder too
     assert skipped.outputs[0].text == "HelloHel"
+
+
+# ------------------------------------------------------------------ stop reasons
+def first_stop_string(text: str, stops: list[str]) -> str | None:
+    """The stop string that ends `text` first, reading it character by character (the longest of those
+    completed at the same character); None if none is in it."""
+    for end in range(1, len(text) + 1):
+        completed = [stop for stop in stops if text.endswith(stop, 0, end)]
+        if completed:
+            return max(completed, key=len)
+    return None
+
+
+@pytest.mark.parametrize("name", STOP_CASES)
+def test_stop_reason_names_the_stop_string_that_cut_the_text(scripted, name):
+    pieces, stops = STOP_CASES[name]
+    llm, script = scripted(pieces)
+    final, _ = run_streaming(llm, script.prompt, SamplingParams(temperature=0, max_tokens=50, stop=stops))
+    output = final.outputs[0]
+    met = first_stop_string(decoded_prefix(pieces, len(pieces)), stops)
+    assert output.stop == StopReason("stop_string", stop_string=met)
+    assert llm.tokenizer.decode(output.token_ids)[len(output.text):].startswith(met)
+
+
+STOP_REASONS = {  # FINISH_CASES' names: the stop reason each reports
+    "EOS": StopReason("eos", EOS),
+    "EOS from generation_config": StopReason("eos", piece(3)),
+    "a stop token id": StopReason("stop_token", piece(2)),
+    "ignore_eos runs to max_tokens": StopReason("length"),
+    "ignore_eos and a generation_config EOS": StopReason("length"),
+    "ignore_eos keeps stop token ids": StopReason("stop_token", piece(1)),
+    "ignore_eos keeps stop strings": StopReason("stop_string", stop_string="Hello w"),
+    "max_tokens": StopReason("length"),
+    "EOS as the last allowed token": StopReason("eos", EOS),
+    "a stop string at the last allowed token": StopReason("stop_string", stop_string=" wor"),
+    "a stop token id at the last allowed token": StopReason("stop_token", piece(2)),
+    "the context end": StopReason("length"),
+}
+
+
+@pytest.mark.parametrize("name", FINISH_CASES)
+def test_stop_reason_of_each_finish(scripted, name):
+    options, extra, _, reason = FINISH_CASES[name]
+    llm, script = scripted(HELLO, **options)
+    extra = dict(extra)  # the case stays whole for the next test that reads it
+    params = SamplingParams(temperature=0, max_tokens=extra.pop("max_tokens", 50), **extra)
+    final, _ = run_streaming(llm, script.prompt, params)
+    output = final.outputs[0]
+    assert output.stop == STOP_REASONS[name]
+    assert output.stop.finish_reason == output.finish_reason == reason
+
+
+@pytest.mark.parametrize(("ignore_eos", "expected"), [(False, StopReason("eos", EOS)),
+                                                      (True, StopReason("stop_token", EOS))])
+def test_an_end_of_sequence_token_asked_for_as_a_stop_token_is_reported_as_eos(scripted, ignore_eos, expected):
+    llm, script = scripted(HELLO)
+    params = SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[piece(4), EOS], ignore_eos=ignore_eos)
+    final, _ = run_streaming(llm, script.prompt, params)
+    assert final.outputs[0].stop == StopReason("stop_token", piece(4))  # the first to come ends it
+    params = SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[EOS], ignore_eos=ignore_eos)
+    final, _ = run_streaming(llm, script.prompt, params)
+    assert final.outputs[0].stop == expected and final.outputs[0].token_ids[-1] == EOS
+
+
+def test_each_parallel_sample_and_beam_reports_its_stop(scripted):
+    llm, script = scripted(HELLO)
+    final, _ = run_streaming(llm, script.prompt, SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=50,
+                                                                stop=["xyz", "o w", "wor"]))
+    assert [output.stop for output in final.outputs] == [StopReason("stop_string", stop_string="o w")] * 3
+    beams, _ = run_streaming(llm, script.prompt, SamplingParams(n=2, beam_search=True, max_tokens=50))
+    assert beams.outputs[0].stop == StopReason("eos", EOS) and beams.outputs[0].token_ids[-1] == EOS
+    for output in beams.outputs:
+        assert output.stop is not None and output.stop.finish_reason == output.finish_reason
+    short, _ = run_streaming(llm, script.prompt, SamplingParams(n=2, beam_search=True, max_tokens=3))
+    assert [output.stop for output in short.outputs] == [StopReason("length")] * 2
+
+
+def test_an_aborted_request_reports_abort(scripted):
+    llm, script = scripted(HELLO)
+    engine = llm.engine
+    request_id = engine.add_request(script.prompt, SamplingParams(temperature=0, max_tokens=50, n=2))
+    engine.step()
+    engine.step()
+    final = engine.abort_request(request_id)
+    assert final.finished and [output.stop for output in final.outputs] == [StopReason("abort")] * 2
+    assert [output.finish_reason for output in final.outputs] == ["abort"] * 2
+    assert engine.abort_request(request_id) is None and engine.is_idle_and_clean()
+
+
+def test_a_request_that_fails_alone_reports_error(scripted, monkeypatch):
+    llm, script = scripted(HELLO)
+    engine = llm.engine
+    real = engine_module.append_sampled_token
+
+    def failing(request, seq, token_id, *rest):
+        if request.request_id == "doomed" and seq.num_output_tokens == 2:
+            raise RuntimeError("bookkeeping broke")
+        return real(request, seq, token_id, *rest)
+
+    monkeypatch.setattr(engine_module, "append_sampled_token", failing)
+    params = SamplingParams(temperature=0, max_tokens=50)
+    engine.add_request(script.prompt, params, "doomed")
+    engine.add_request(script.prompt, params, "fine")
+    final = engine.run_to_completion()
+    assert final["doomed"].error and final["doomed"].outputs[0].stop == StopReason("error")
+    assert final["fine"].outputs[0].stop == StopReason("eos", EOS) and engine.is_idle_and_clean()
+
+
+def test_a_stop_reason_names_a_known_kind():
+    with pytest.raises(ValueError, match="StopReason.kind must be one of eos, stop_token, .*'tool'"):
+        StopReason("tool")
+
+
+# A text full of overlapping repeats, in pieces of every size: "abracadabracadabracadabra", then EOS.
+ABRA = ["ab", "ra", "cad", "a", "bra", "ca", "dab", "r", "aca", "d", "abra"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(stops=st.lists(st.text("abcdr", min_size=1, max_size=6), min_size=1, max_size=4, unique=True),
+       start=st.integers(0, len(ABRA) - 1))
+def test_the_reported_stop_string_is_the_one_that_ends_the_text_where_it_was_cut(scripted, stops, start):
+    """Generated stop strings over a text of overlapping repeats, the generation starting at any piece: the
+    reported stop string is the one completed first (character by character), and the text the engine cut
+    is followed, in the decoded output, by exactly that string."""
+    llm, script = scripted(ABRA)
+    final, _ = run_streaming(llm, script.prompt + script.piece_ids[:start],
+                             SamplingParams(temperature=0, max_tokens=50, stop=stops))
+    output = final.outputs[0]
+    met = first_stop_string("".join(ABRA[start:]), stops)
+    if met is None:
+        assert output.stop == StopReason("eos", EOS) and output.text == "".join(ABRA[start:])
+        return
+    assert output.stop == StopReason("stop_string", stop_string=met)
+    decoded = llm.tokenizer.decode(output.token_ids)
+    assert decoded[len(output.text):].startswith(met)
+    assert first_stop_string(output.text + met, stops) == met  # nothing in the kept text completed one before
