@@ -27,7 +27,7 @@ from typing import Any
 from localserve.server.anthropic.api import AnthropicApi
 from localserve.server.config import ServerConfig
 from localserve.server.embeddings.api import EmbeddingRoutes
-from localserve.server.generation.over_http import HttpGeneration, ResponsesView
+from localserve.server.generation.over_http import HttpGeneration
 from localserve.server.generation.service import ResponseService
 from localserve.server.llama_cpp.api import LlamaCppApi
 from localserve.server.monitor.metrics import ServerMetrics
@@ -35,6 +35,7 @@ from localserve.server.monitor.monitor import MIN_MONITOR_INTERVAL_S, slots_json
 from localserve.server.ollama.api import OllamaApi
 from localserve.server.openai.completion_events import CompletionView
 from localserve.server.openai.completions_format import CHAT_COMPLETIONS, COMPLETIONS
+from localserve.server.openai.responses_events import ResponsesEvents
 from localserve.server.openai.responses_format import RESPONSES_HTTP
 from localserve.server.registry.engine_access import engine_result
 from localserve.server.registry.registry import ModelRegistry
@@ -218,7 +219,7 @@ class HttpApi:
             stream, chat=False, include_usage=request.include_usage))
 
     async def _responses(self, exchange: HttpExchange) -> None:
-        await self.generation.run(exchange, await self.generation.read(exchange, RESPONSES_HTTP), ResponsesView)
+        await self.generation.run(exchange, await self.generation.read(exchange, RESPONSES_HTTP), ResponsesEvents)
 
 
 def log_request(exchange: HttpExchange, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""`CompletionView` (server/openai/completion_events.py) on its own: a `ResponseStream` fed fixed engine outputs,
+"""`CompletionView` (server/openai/completion_events.py) on its own: a `GenerationStream` fed fixed engine outputs,
 read as chat completions and text completions, whole and as stream chunks. Every object must validate
 as the `openai` SDK's own type (`ChatCompletion`, `ChatCompletionChunk`, `Completion`) with no field the
 type does not know; text, finish reasons, usage and log-probabilities are compared with the script."""
@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.engine.sampling_params import SamplingParams
-from localserve.server.generation.stream import ResponseStream
+from localserve.server.generation.stream import GenerationStream
 from localserve.server.openai.completion_events import CompletionView
 
 RESPONSE_ID = "resp_0123456789abcdef"
@@ -28,7 +28,7 @@ TOP = [(20, -1.5), (21, -2.5)]  # the alternatives at every position, for the re
 
 @dataclass
 class ViewedRequest:
-    """What a ResponseStream and a CompletionView read of a request (the request type is the parsers'), and
+    """What a GenerationStream and a CompletionView read of a request (the request type is the parsers'), and
     the two resolved settings they read from its SamplingParams."""
 
     num_samples: int = 1
@@ -75,8 +75,8 @@ def text(tokens: list[int]) -> str:
 
 def make_view(chat: bool, include_usage: bool = False, **request: Any) -> tuple[CompletionView, EngineScript]:
     viewed = ViewedRequest(**request)
-    stream = ResponseStream(viewed, viewed.params(), RESPONSE_ID, MODEL, NUM_PROMPT_TOKENS,
-                            lambda token: TOKEN_TEXTS[token])
+    stream = GenerationStream(viewed, viewed.params(), RESPONSE_ID, MODEL, NUM_PROMPT_TOKENS,
+                              lambda token: TOKEN_TEXTS[token])
     return CompletionView(stream, chat=chat, include_usage=include_usage), EngineScript(viewed)
 
 
@@ -255,7 +255,7 @@ def test_each_choice_opens_with_the_role_and_finishes_once_when_it_ends():
         assert_sdk_type(ChatCompletionChunk, chunk)
 
 
-@pytest.mark.parametrize("end", [ResponseStream.cancel, ResponseStream.shut_down,
+@pytest.mark.parametrize("end", [GenerationStream.cancel, GenerationStream.shut_down,
                                  lambda stream: stream.fail("the engine failed")], ids=["cancel", "shut_down", "fail"])
 def test_a_stream_that_did_not_end_normally_sends_no_finish_and_no_usage(end):
     view, script = make_view(chat=True, include_usage=True)

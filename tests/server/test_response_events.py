@@ -1,5 +1,6 @@
-"""`ResponseStream` (server/generation/stream.py) without a server: the events it builds from engine outputs
-(order, numbering, coalesced deltas, closing status), each validated as the `openai` SDK's server event."""
+"""The Responses events (server/openai/responses_events.py) of a `GenerationStream` (server/generation/stream.py)
+without a server: the events built from engine outputs (order, numbering, coalesced deltas, closing status),
+each validated as the `openai` SDK's server event."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from openai.types.responses import ResponsesServerEvent
 
 from localserve.engine.outputs import CompletionOutput, RequestOutput
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
-from localserve.server.generation.stream import ResponseStream
+from localserve.server.generation.stream import GenerationStream
+from localserve.server.openai.responses_events import ResponsesEvents
 from localserve.server.openai.responses_format import RESPONSES_WEBSOCKET
 from localserve.server.request.fields import parse_request
 from localserve.server.request.generation_request import RequestLimits
@@ -24,11 +26,19 @@ def output(deltas: list[str], token_counts: list[int], finished=False, reasons=N
     return RequestOutput("resp_x", [1, 2, 3], completions, finished, cached, error)
 
 
-def make_stream(**event) -> ResponseStream:
+class StreamWithEvents(ResponsesEvents):
+    """A stream and its Responses events as one object: the engine's side (`absorb`, the endings) goes to
+    the stream, `drain` reads the events."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)  # absorb, cancel, shut_down, fail
+
+
+def make_stream(**event) -> StreamWithEvents:
     request = parse_request({"input": "hi", **event}, RESPONSES_WEBSOCKET, RequestLimits())
     params = request.sampling_params(LLAMA_CPP_DEFAULTS, max_tokens=request.max_output_tokens or 16)
-    return ResponseStream(request, params, "resp_x", "tiny", num_prompt_tokens=3,
-                          token_text=lambda token_id: f"t{token_id}")
+    return StreamWithEvents(GenerationStream(request, params, "resp_x", "tiny", num_prompt_tokens=3,
+                                             token_text=lambda token_id: f"t{token_id}"))
 
 
 def validated(events: list[dict]) -> list:
@@ -125,7 +135,7 @@ def test_a_logprob_entry_carries_the_token_its_bytes_and_its_alternatives():
     stream = make_stream(top_logprobs=2)
     completion = CompletionOutput(0, "", [7], 0.0, "stop", logprobs=[-0.25], top_logprobs=[[(7, -0.25), (9, -1.5)]],
                                   delta_text="é", delta_token_ids=[7])
-    stream.token_text = {7: "é", 9: "e"}.get
+    stream.stream.token_text = {7: "é", 9: "e"}.get
     stream.absorb(RequestOutput("resp_x", [1], [completion], True))
     delta = next(e for e in validated(stream.drain()) if e.type == "response.output_text.delta")
     (entry,) = delta.logprobs

@@ -15,7 +15,7 @@ import pytest
 from localserve.server.config import ServerConfig
 from localserve.server.generation.conversations import ConversationStore
 from localserve.server.generation.service import ResponseService
-from localserve.server.generation.stream import ResponseStream
+from localserve.server.generation.stream import GenerationStream
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.openai.completions_format import CHAT_COMPLETIONS, COMPLETIONS
 from localserve.server.openai.responses_format import RESPONSES_HTTP, RESPONSES_WEBSOCKET
@@ -43,7 +43,7 @@ class Served:
         self.updates: list[str] = []  # the status of each stream the service told about, in order
 
     async def start(self, body: dict[str, Any], owner: str = "conn_1", wire: WireFormat = RESPONSES_WEBSOCKET
-                    ) -> ResponseStream:
+                    ) -> GenerationStream:
         request = parse_request(body, wire, self.config.limits)
         return await self.service.start(request, owner, lambda stream: self.updates.append(stream.status))
 
@@ -55,7 +55,7 @@ class Served:
         assert len(self.engine.submissions) == submitted  # nothing reached the engine
         return raised.value.code, raised.value.param, raised.value.status
 
-    async def finish(self, stream: ResponseStream, text: str, reason: str = "stop") -> None:
+    async def finish(self, stream: GenerationStream, text: str, reason: str = "stop") -> None:
         """The engine ends `stream`'s request with `text` (one token per character)."""
         submission = next(s for s in self.engine.submissions if s.request_id == stream.response_id)
         self.engine.answer(submission, [text], len(text), finished=True, reason=reason)

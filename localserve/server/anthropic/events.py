@@ -1,4 +1,4 @@
-"""Anthropic's answer to `POST /v1/messages`, built from a `ResponseStream` (no I/O here).
+"""Anthropic's answer to `POST /v1/messages`, built from a `GenerationStream` (no I/O here).
 
 Whole: a `message` object whose content blocks come in the order the model wrote them: `thinking` (a
 reasoning model's reasoning, with an empty `signature`: nothing here signs it), `text`, and one `tool_use`
@@ -9,9 +9,8 @@ its deltas (`thinking_delta`, `text_delta`, or `input_json_delta` with the argum
 `message_stop`. A response that fails or is cut by a shutdown ends with an `error` event.
 
 `stop_reason` is `end_turn` for the end-of-sequence token, `tool_use` for a turn that called tools,
-`max_tokens` for the token limit and `stop_sequence` for a stop string, which is named: the engine cuts the
-text where it begins, so the stop string is the shortest one that the whole output's text continues with
-there.
+`max_tokens` for the token limit and `stop_sequence` for a stop string, named as the engine reports it
+(the sample's `StopReason`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from localserve.server.generation.sample_output import SampleOutput, ToolCall
-from localserve.server.generation.stream import ResponseStream
+from localserve.server.generation.stream import GenerationStream
 from localserve.server.wire.api_errors import anthropic_error_body
 from localserve.server.wire.http_exchange import EVENT_STREAM, sse
 from localserve.tokenizer.stream_events import (
@@ -31,7 +30,7 @@ from localserve.tokenizer.stream_events import (
 )
 
 
-def message_id(stream: ResponseStream) -> str:
+def message_id(stream: GenerationStream) -> str:
     return "msg_" + stream.response_id.removeprefix("resp_")
 
 
@@ -40,11 +39,11 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
 
 
 class AnthropicView:
-    """The `/v1/messages` answer of one response (an `HttpView`); the stream's `decode` names the stop string met."""
+    """The `/v1/messages` answer of one response (an `HttpView`)."""
 
     stream_type = EVENT_STREAM
 
-    def __init__(self, stream: ResponseStream) -> None:
+    def __init__(self, stream: GenerationStream) -> None:
         self.stream = stream
         self._started = False
         self._blocks: list[str] = []  # the kind of each block opened so far, in order
@@ -133,18 +132,13 @@ class AnthropicView:
     # ------------------------------------------------------------------ pieces
     def stop(self) -> tuple[str, str | None]:
         """The stop reason and the stop string met (None unless a stop string ended the text)."""
-        stream, sample = self.stream, self.sample
+        sample = self.sample
         if sample.finish_reason == "length":
             return "max_tokens", None
         if sample.calls:
             return "tool_use", None
-        token_ids = stream.final_token_ids[0] if stream.final_token_ids else None
-        if stream.params.stop and token_ids:
-            whole = stream.decode(token_ids)
-            # the engine's text (reasoning, answer and calls alike) ends where the stop string began
-            met = [stop for stop in stream.params.stop if whole.startswith(stop, stream.output_chars[0])]
-            if met:
-                return "stop_sequence", min(met, key=len)
+        if sample.stop is not None and sample.stop.kind == "stop_string":
+            return "stop_sequence", sample.stop.stop_string
         return "end_turn", None
 
     def _message(self, content: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 from localserve.server.config import ServerConfig
 from localserve.server.generation.service import ResponseService
-from localserve.server.generation.stream import ResponseStream, new_id
+from localserve.server.generation.stream import GenerationStream, new_id
 from localserve.server.request.fields import WireFormat, parse_request
 from localserve.server.request.generation_request import GenerationRequest
-from localserve.server.wire.http_exchange import EVENT_STREAM, HttpExchange, sse
+from localserve.server.wire.http_exchange import HttpExchange
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -33,27 +33,12 @@ class HttpView(Protocol):
         """The answer once the response is over; raises ProtocolError for one that did not end normally."""
 
 
-class ResponsesView:
-    """`/v1/responses`: the websocket mode's events as server-sent events, or the Response object."""
-
-    stream_type = EVENT_STREAM
-
-    def __init__(self, stream: ResponseStream) -> None:
-        self.stream = stream
-
-    def pieces(self, done: bool) -> bytes:
-        return b"".join(sse(event, event["type"]) for event in self.stream.drain())
-
-    def whole(self) -> dict[str, Any]:
-        return self.stream.response_object(self.stream.status)  # it tells every outcome itself
-
-
 class HttpGeneration:
     """Runs the generation requests of the HTTP API; `in_flight` holds those the engine still runs."""
 
     def __init__(self, config: ServerConfig, responses: ResponseService) -> None:
         self.config, self.responses = config, responses
-        self.in_flight: set[ResponseStream] = set()
+        self.in_flight: set[GenerationStream] = set()
 
     async def read(self, exchange: HttpExchange, wire: WireFormat) -> GenerationRequest:
         """The exchange's body, checked by `wire`'s field map."""
@@ -69,7 +54,7 @@ class HttpGeneration:
             self.responses.shut_down(stream)
 
     async def run(self, exchange: HttpExchange, request: GenerationRequest,
-                  make_view: Callable[[ResponseStream], HttpView]) -> ResponseStream:
+                  make_view: Callable[[GenerationStream], HttpView]) -> GenerationStream:
         """Run one response for this exchange and answer it in `make_view`'s shape; returns its stream."""
         responses = self.responses
         owner = new_id("http")  # a store: false response belongs to this request alone
@@ -94,15 +79,14 @@ class HttpGeneration:
                     await exchange.respond_json(200, view.whole())
         finally:
             watcher.cancel()
-            num_output_tokens = sum(sample.num_output_tokens for sample in stream.samples)
-            exchange.model, exchange.tokens = stream.model, (stream.num_prompt_tokens, num_output_tokens)
+            exchange.model, exchange.tokens = stream.model, (stream.num_prompt_tokens, stream.num_output_tokens)
             self.in_flight.discard(stream)
             if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
                 responses.abandon(stream)
             responses.end_owner(owner)
         return stream
 
-    async def _stream(self, exchange: HttpExchange, stream: ResponseStream, view: HttpView,
+    async def _stream(self, exchange: HttpExchange, stream: GenerationStream, view: HttpView,
                       wake: asyncio.Event) -> None:
         """The answer as the engine produces it, coalesced while the client reads slower."""
         await exchange.start(200, view.stream_type, SSE_HEADERS)

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from localserve.engine.outputs import StopReason
 from localserve.server.request.generation_request import is_json_object
 from localserve.tokenizer.chat_format import ChatStreamParser
 from localserve.tokenizer.stream_events import (
@@ -49,6 +50,15 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability and its most likely alternatives, each token as its text."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
 @dataclass
 class SampleOutput:
     """What one sample said, and what of it is not sent yet."""
@@ -59,12 +69,18 @@ class SampleOutput:
     calls: list[ToolCall] = field(default_factory=list)
     pending: list[StreamEvent] = field(default_factory=list)
     held: list[StreamEvent] = field(default_factory=list)  # the open call's events, until it ends
-    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
-    all_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    all_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_output_tokens: int = 0
     num_reasoning_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the engine's: "stop" | "length" | "abort" | "error" (None: running)
+    stop: StopReason | None = None  # why the engine stopped it (which stop token or string among them)
     _finished: bool = False
+
+    @property
+    def ended_calling_tools(self) -> bool:
+        """The sample stopped (not cut by its token limit) after calling tools: a tool call ended its turn."""
+        return self.finish_reason == "stop" and bool(self.calls)
 
     def feed(self, text: str) -> None:
         """The engine's next text delta of this sample."""
@@ -84,7 +100,12 @@ class SampleOutput:
     def has_pending(self) -> bool:
         return bool(self.pending or self.pending_logprobs)
 
-    def take_pending(self) -> tuple[list[StreamEvent], list[dict[str, Any]]]:
+    def add_logprob(self, entry: TokenLogprob) -> None:
+        """The log-probability of the sample's next token."""
+        self.pending_logprobs.append(entry)
+        self.all_logprobs.append(entry)
+
+    def take_pending(self) -> tuple[list[StreamEvent], list[TokenLogprob]]:
         """The events and log-probability entries not sent yet (a view sends them)."""
         events, entries = self.pending, self.pending_logprobs
         self.pending, self.pending_logprobs = [], []

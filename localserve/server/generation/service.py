@@ -1,5 +1,5 @@
 """Running one response, whatever the API and transport: from a checked `GenerationRequest` to a
-`ResponseStream`.
+`GenerationStream`.
 
 `ResponseService.start` finds the model the request names, resolves `previous_response_id` (scoped to
 the asking connection for `store: false` responses), takes a lease on the model (waiting while it is
@@ -25,7 +25,7 @@ from localserve.engine.outputs import RequestOutput
 from localserve.server.config import ServerConfig
 from localserve.server.generation.chat_turns import TurnPlan, plan_turn, resolve_tool_results
 from localserve.server.generation.conversations import ConversationStore
-from localserve.server.generation.stream import ResponseStream, new_id
+from localserve.server.generation.stream import GenerationStream, new_id
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.registry.engine_access import on_event_loop
 from localserve.server.registry.registry import ModelLease, ModelRegistry
@@ -34,14 +34,14 @@ from localserve.server.request.generation_request import GenerationRequest, Mess
 from localserve.server.request.validation import ProtocolError
 from localserve.tokenizer.tools import ChatFormatError
 
-OnUpdate = Callable[[ResponseStream], None]
+OnUpdate = Callable[[GenerationStream], None]
 
 
 @dataclass
 class _Run:
     """A response between submission and its end: what storing and metrics need."""
 
-    stream: ResponseStream
+    stream: GenerationStream
     lease: ModelLease  # the model serving it, until it ends
     conversation: list[Message]  # the messages to store with the reply
     owner: str  # the connection that asked
@@ -65,7 +65,7 @@ class ResponseService:
         """Responses started and not ended, those waiting for their model included."""
         return len(self._runs) + self._num_waiting
 
-    async def start(self, request: GenerationRequest, owner: str, on_update: OnUpdate) -> ResponseStream:
+    async def start(self, request: GenerationRequest, owner: str, on_update: OnUpdate) -> GenerationStream:
         """Submit `request` for connection `owner`; raises ProtocolError if it cannot run."""
         config = self.config
         entry = self.models.find(request.model)
@@ -97,10 +97,9 @@ class ResponseService:
         prompt_ids, plan = await self._prompt(request, conversation, lease)
         params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)),
                                          **(self._engine_fields(request, plan) if request.generate else {}))
-        stream = ResponseStream(request, params, new_id("resp"), model.served_name, len(prompt_ids),
+        stream = GenerationStream(request, params, new_id("resp"), model.served_name, len(prompt_ids),
                                 lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
-                                plan.parser if plan is not None and plan.parses else None,
-                                lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=False))
+                                plan.parser if plan is not None and plan.parses else None)
         run = _Run(stream, lease, conversation, owner, on_update, time.monotonic())
         loop = asyncio.get_running_loop()
         try:
@@ -200,23 +199,23 @@ class ResponseService:
             return plan.engine_fields()
         return {"grammar": request.output_format.grammar()} if request.output_format is not None else {}
 
-    def cancel(self, stream: ResponseStream) -> None:
+    def cancel(self, stream: GenerationStream) -> None:
         """The client cancelled: its blocks go back at once; the response ends with its text so far."""
-        self._stop(stream, ResponseStream.cancel, store=True)
+        self._stop(stream, GenerationStream.cancel, store=True)
 
-    def abandon(self, stream: ResponseStream) -> None:
+    def abandon(self, stream: GenerationStream) -> None:
         """The client went away: stop the response, store nothing."""
-        self._stop(stream, ResponseStream.cancel, store=False)
+        self._stop(stream, GenerationStream.cancel, store=False)
 
-    def shut_down(self, stream: ResponseStream) -> None:
+    def shut_down(self, stream: GenerationStream) -> None:
         """The server is stopping: the response ends incomplete (reason `server_shutdown`)."""
-        self._stop(stream, ResponseStream.shut_down, store=False)
+        self._stop(stream, GenerationStream.shut_down, store=False)
 
     def end_owner(self, owner: str) -> None:
         """The connection (or HTTP request) `owner` is over: forget its store: false conversations."""
         self.conversations.drop_owner(owner)
 
-    def _stop(self, stream: ResponseStream, end: Callable[[ResponseStream], None], store: bool) -> None:
+    def _stop(self, stream: GenerationStream, end: Callable[[GenerationStream], None], store: bool) -> None:
         run = self._runs.pop(stream.response_id, None)
         if run is None:
             return

@@ -1,4 +1,4 @@
-"""Ollama's answers to `/api/chat` and `/api/generate`, built from a `ResponseStream` (no I/O here).
+"""Ollama's answers to `/api/chat` and `/api/generate`, built from a `GenerationStream` (no I/O here).
 
 Streamed, they are newline-delimited JSON objects: one per engine step with what it added (`message.content`
 and `message.thinking` for chat, `response` and `thinking` for generate, and each tool call whole once its
@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from localserve.server.generation.sample_output import SampleOutput, ToolCall
-from localserve.server.generation.stream import ResponseStream
+from localserve.server.generation.stream import GenerationStream
 from localserve.server.wire.api_errors import ollama_error_body
 from localserve.server.wire.http_exchange import NDJSON, ndjson
 from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, ToolCallEnd
@@ -50,7 +50,7 @@ class OllamaView:
 
     stream_type = NDJSON
 
-    def __init__(self, stream: ResponseStream, chat: bool) -> None:
+    def __init__(self, stream: GenerationStream, chat: bool) -> None:
         self.stream, self.chat = stream, chat
 
     def pieces(self, done: bool) -> bytes:

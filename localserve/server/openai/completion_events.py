@@ -1,7 +1,7 @@
-"""Chat completion and text completion objects and stream chunks, built from a `ResponseStream` (no I/O).
+"""Chat completion and text completion objects and stream chunks, read from a `GenerationStream` (no I/O).
 
-The engine's outputs are absorbed by the transport-free `ResponseStream` (server/generation/stream.py);
-`CompletionView` reads the same state in the shapes of OpenAI's `/v1/chat/completions`
+The engine's outputs are absorbed by the API-neutral `GenerationStream` (server/generation/stream.py);
+`CompletionView` reads it in the shapes of OpenAI's `/v1/chat/completions`
 (`chat.completion`, `chat.completion.chunk`) and `/v1/completions` (`text_completion`). A stream's
 chunks are coalesced like the websocket mode's deltas: one per choice with all text absorbed since the
 last drain, and, for a chat turn the format parses, one per reasoning piece (`delta.reasoning_content`,
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from localserve.server.generation.sample_output import SampleOutput
-from localserve.server.generation.stream import ResponseStream
+from localserve.server.generation.sample_output import SampleOutput, TokenLogprob
+from localserve.server.generation.stream import GenerationStream
+from localserve.server.openai.logprobs import logprob_entries
 from localserve.server.wire.http_exchange import EVENT_STREAM, error_body, sse
 from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
 
@@ -24,11 +25,11 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 class CompletionView:
-    """One chat completion (`chat=True`) or text completion over a ResponseStream (an `HttpView`)."""
+    """One chat completion (`chat=True`) or text completion over a GenerationStream (an `HttpView`)."""
 
     stream_type = EVENT_STREAM
 
-    def __init__(self, stream: ResponseStream, chat: bool, include_usage: bool = False) -> None:
+    def __init__(self, stream: GenerationStream, chat: bool, include_usage: bool = False) -> None:
         self.stream, self.chat, self.include_usage = stream, chat, include_usage
         hex_id = stream.response_id.removeprefix("resp_")
         self.id = f"chatcmpl-{hex_id}" if chat else f"cmpl-{hex_id}"
@@ -86,7 +87,7 @@ class CompletionView:
     def usage(self) -> dict[str, Any]:
         """Token counts with the prompt tokens served from the prefix cache."""
         stream = self.stream
-        completion_tokens = sum(sample.num_output_tokens for sample in stream.samples)
+        completion_tokens = stream.num_output_tokens
         return {"prompt_tokens": stream.num_prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": stream.num_prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens},
@@ -163,21 +164,21 @@ class CompletionView:
 
     def _finish_reason(self, index: int) -> str:
         sample = self.stream.samples[index]
-        if self.chat and sample.calls and sample.finish_reason == "stop":
+        if self.chat and sample.ended_calling_tools:
             return "tool_calls"
         return FINISH_REASONS.get(sample.finish_reason or "", "length")
 
-    def _logprobs(self, entries: list[dict[str, Any]], text_offset: int) -> dict[str, Any] | None:
-        """Entries of the ResponseStream ({token, bytes, logprob, top_logprobs}) in the endpoint's shape."""
+    def _logprobs(self, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+        """The sample's log-probabilities in the endpoint's shape."""
         if self.stream.params.logprobs is None:
             return None
         if self.chat:
-            return {"content": entries, "refusal": None}
+            return {"content": logprob_entries(entries), "refusal": None}
         offsets = []
         for entry in entries:
             offsets.append(text_offset)
-            text_offset += len(entry["token"])
-        return {"tokens": [entry["token"] for entry in entries],
-                "token_logprobs": [entry["logprob"] for entry in entries],
-                "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries],
+            text_offset += len(entry.token)
+        return {"tokens": [entry.token for entry in entries],
+                "token_logprobs": [entry.logprob for entry in entries],
+                "top_logprobs": [dict(entry.top) for entry in entries],
                 "text_offset": offsets}

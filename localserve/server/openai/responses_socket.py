@@ -31,7 +31,8 @@ from websockets.exceptions import ConnectionClosed
 
 from localserve.server.config import ServerConfig
 from localserve.server.generation.service import ResponseService
-from localserve.server.generation.stream import ResponseStream, new_id
+from localserve.server.generation.stream import GenerationStream, new_id
+from localserve.server.openai.responses_events import ResponsesEvents
 from localserve.server.openai.responses_format import (
     RESPONSES_WEBSOCKET,
     check_stream_id,
@@ -60,7 +61,7 @@ class Lane:
 
     stream_id: str | None
     waiting: deque[GenerationRequest] = field(default_factory=deque)
-    current: ResponseStream | None = None
+    current: GenerationStream | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when `current` ends
     task: asyncio.Task | None = None
     starting: bool = False  # a response is being tokenized and submitted
@@ -76,7 +77,7 @@ class ResponsesSession:
         self.first_event = first_event
         self.owner = new_id("conn")  # whose store: false conversations these are
         self.lanes: dict[str | None, Lane] = {}
-        self.streams: list[ResponseStream] = []  # started and not all sent, in start order
+        self.views: list[ResponsesEvents] = []  # the responses started and not all sent, in start order
         self.errors: deque[dict[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._shutting_down = False
@@ -222,7 +223,7 @@ class ResponsesSession:
                 finally:
                     lane.starting = False
                 lane.current, lane.done = stream, asyncio.Event()
-                self.streams.append(stream)
+                self.views.append(ResponsesEvents(stream))
                 if self._shutting_down:  # it was being tokenized when the shutdown began
                     self.responses.shut_down(stream)
                 elif lane.cancel_on_start:
@@ -235,7 +236,7 @@ class ResponsesSession:
             if self.lanes.get(lane.stream_id) is lane:
                 del self.lanes[lane.stream_id]
 
-    def _on_update(self, stream: ResponseStream) -> None:
+    def _on_update(self, stream: GenerationStream) -> None:
         """From the ResponseService: the stream has new events (and may have ended)."""
         self._wake.set()
         lane = self.lanes.get(stream.request.stream_id)
@@ -287,12 +288,12 @@ class ResponsesSession:
             while self.errors:
                 await self._send(self.errors.popleft())
                 self._errors_taken.set()
-            for stream in list(self.streams):
-                for event in stream.drain():
+            for view in list(self.views):
+                for event in view.drain():
                     await self._send(event)
-                if stream.is_done and not stream.has_unsent_events:
-                    self.streams.remove(stream)
-            if self._shutting_down and not self.lanes and not self.streams and not self.errors:
+                if view.stream.is_done and not view.has_unsent_events:
+                    self.views.remove(view)
+            if self._shutting_down and not self.lanes and not self.views and not self.errors:
                 return
 
     async def _send(self, event: dict[str, Any]) -> None:
