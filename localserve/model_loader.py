@@ -80,7 +80,7 @@ def find_models(models: Sequence[str], models_dir: Path | None, *, default_name:
 
 
 class LoadedEngine:
-    """One loaded model: its LLM and the engine thread stepping it (server/registry/registry.py's `LoadedModel`)."""
+    """One loaded model: its LLM and the engine thread stepping it (server/registry/registry.py's `ModelInMemory`)."""
 
     def __init__(self, name: str, llm: LLM) -> None:
         self.name = name

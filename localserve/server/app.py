@@ -34,8 +34,8 @@ from websockets.http11 import Request, Response
 from localserve.server.config import ServerConfig
 from localserve.server.embeddings.api import EmbeddingRoutes
 from localserve.server.generation.conversations import ConversationStore
-from localserve.server.generation.service import ResponseService
-from localserve.server.http_app import HttpApi
+from localserve.server.generation.service import GenerationService
+from localserve.server.http_app import HttpApp
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.monitor.monitor import MIN_MONITOR_INTERVAL_S, serve_monitor
 from localserve.server.openai.responses_socket import ResponsesSession
@@ -61,14 +61,14 @@ class LocalServer:
         self.models = models
         self.metrics = ServerMetrics(models.catalog.default.id)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
-        self.responses = ResponseService(models, config, self.conversations, self.metrics)
+        self.responses = GenerationService(models, config, self.conversations, self.metrics)
         self.embeddings = EmbeddingRoutes(models, config)
         self.monitor_tickets = MonitorTickets()  # issued by the HTTP API, redeemed by the monitor's handshake
         self.connections = ConnectionBook(config.max_connections,
                                           config.max_unfinished_connections or config.max_connections)
         self.port = config.port
         self.sessions: set[ResponsesSession] = set()
-        self.http_api: HttpApi | None = None  # built by start(), once the access policy knows the port
+        self.http_api: HttpApp | None = None  # built by start(), once the access policy knows the port
         self._connections: set[ServerConnection] = set()  # every websocket connection being served
         self._monitors: set[ServerConnection] = set()
         self._server: Server | None = None
@@ -84,17 +84,18 @@ class LocalServer:
     async def start(self) -> None:
         """Bind and start accepting connections (self.port is the bound port afterwards)."""
         config = self.config
-        self._port = SharedPort(self._serve_http, self.connections, max_message_bytes=config.max_message_bytes,
+        # the ASGI app takes the connections itself; its access policy names the port, known once bound (no
+        # request arrives before)
+        self.http_api = HttpApp(config=config, access_policy=None, models=self.models, responses=self.responses,
+                                metrics=self.metrics, monitor_tickets=self.monitor_tickets, embeddings=self.embeddings)
+        self._port = SharedPort(self.http_api, self.connections, max_message_bytes=config.max_message_bytes,
                                 write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S,
                                 bounds=config.phase_bounds)
         self._server = await self._port.listen(config.host, config.port, self._process_request,
                                                self._handle_connection)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
-                                                config.allowed_origins, config.api_key)
-        self.http_api = HttpApi(config=config, access_policy=self.access_policy, models=self.models,
-                                responses=self.responses, metrics=self.metrics, monitor_tickets=self.monitor_tickets,
-                                embeddings=self.embeddings)
+        self.access_policy = self.http_api.access_policy = AccessPolicy.build(
+            config.host, self.port, config.allowed_hosts, config.allowed_origins, config.api_key)
         self.models.start()
         served = ", ".join(entry.id for entry in self.models.catalog.entries)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", served, config.host, self.port,
@@ -147,10 +148,6 @@ class LocalServer:
         await self._server.wait_closed()
         while self._port.http_connections or self._port.uvicorn_state.tasks:
             await asyncio.sleep(0.02)
-
-    async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The ASGI entry: the HTTP API, built once the port is bound (no request arrives before)."""
-        await self.http_api(scope, receive, send)
 
     # ------------------------------------------------------------------ websocket handshakes
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:

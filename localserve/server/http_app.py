@@ -1,8 +1,8 @@
 """The HTTP side of the port: an ASGI app for OpenAI's HTTP API, the other APIs local clients speak, and
 the plain GETs.
 
-`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (streamed as server-sent
-events or whole, by the model each names), `POST /v1/embeddings` and `/api/embed`
+`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (server/openai/api.py: streamed
+as server-sent events or whole, by the model each names), `POST /v1/embeddings` and `/api/embed`
 (server/embeddings/api.py), Ollama's `/api/...` (server/ollama/api.py), Anthropic's `/v1/messages`
 (server/anthropic/api.py), llama.cpp's `/tokenize`, `/detokenize`, `/apply-template` and `/props`
 (server/llama_cpp/api.py), `GET /health`, `/metrics`, `/v1/models` (every model served, with its status),
@@ -11,7 +11,7 @@ and the web page at `/` and under `/webui/` (server/web_ui.py; off with `ServerC
 Every request passes the same access checks as a websocket handshake (server/wire/access.py; the page's files
 without the key, since the page must load to ask for it), then its body is read within bounds
 (server/wire/http_exchange.py) and checked into the shared request model through its endpoint's field map
-(server/request/fields.py); the `ResponseService` runs it as it runs a websocket's response
+(server/request/fields.py); the `GenerationService` runs it as it runs a websocket's response
 (server/generation/over_http.py). Errors take the shape of the path's API (server/wire/api_errors.py). Each
 request leaves one log line: method, path, model, status, tokens in and out, time.
 """
@@ -28,15 +28,13 @@ from localserve.server.anthropic.api import AnthropicApi
 from localserve.server.config import ServerConfig
 from localserve.server.embeddings.api import EmbeddingRoutes
 from localserve.server.generation.over_http import HttpGeneration
-from localserve.server.generation.service import ResponseService
+from localserve.server.generation.service import GenerationService
 from localserve.server.llama_cpp.api import LlamaCppApi
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.monitor.monitor import MIN_MONITOR_INTERVAL_S, slots_json
 from localserve.server.ollama.api import OllamaApi
-from localserve.server.openai.completion_events import CompletionView
-from localserve.server.openai.completions_format import CHAT_COMPLETIONS, COMPLETIONS
-from localserve.server.openai.responses_events import ResponsesEvents
-from localserve.server.openai.responses_format import RESPONSES_HTTP
+from localserve.server.openai.api import OpenAiApi
+from localserve.server.openai.completions_format import CHAT_COMPLETIONS
 from localserve.server.registry.engine_access import engine_result
 from localserve.server.registry.registry import ModelRegistry
 from localserve.server.request.validation import ProtocolError, shown
@@ -52,11 +50,11 @@ WEBSOCKET_PATHS = ("/v1/responses", "/v1/monitor")
 Handler = Callable[[HttpExchange], Awaitable[None]]
 
 
-class HttpApi:
+class HttpApp:
     """The ASGI application of one LocalServer: the parts it is handed, nothing of the server itself."""
 
-    def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy, models: ModelRegistry,
-                 responses: ResponseService, metrics: ServerMetrics, monitor_tickets: MonitorTickets,
+    def __init__(self, *, config: ServerConfig, access_policy: AccessPolicy | None, models: ModelRegistry,
+                 responses: GenerationService, metrics: ServerMetrics, monitor_tickets: MonitorTickets,
                  embeddings: EmbeddingRoutes) -> None:
         self.config, self.access_policy, self.models = config, access_policy, models
         self.responses, self.metrics, self.monitor_tickets = responses, metrics, monitor_tickets
@@ -65,12 +63,12 @@ class HttpApi:
         self.shutting_down = False
         self.routes: dict[tuple[str, str], Handler] = {
             ("GET", "/metrics"): self._metrics, ("GET", "/v1/models"): self._models, ("GET", "/slots"): self._slots,
-            ("POST", "/v1/chat/completions"): self._chat_completions, ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/responses"): self._responses, ("POST", "/v1/monitor/ticket"): self._monitor_ticket,
+            ("POST", "/v1/monitor/ticket"): self._monitor_ticket,
+            **OpenAiApi(self.generation, config).routes(),
             **embeddings.routes(),
-            **OllamaApi(self.generation, models).routes(),
-            **AnthropicApi(self.generation).routes(),
-            **LlamaCppApi(self.generation, models, config).routes()}
+            **OllamaApi(self.generation, models, config).routes(),
+            **AnthropicApi(self.generation, config).routes(),
+            **LlamaCppApi(self.generation, models, config, CHAT_COMPLETIONS).routes()}
 
     @property
     def in_flight(self) -> set:
@@ -81,7 +79,6 @@ class HttpApi:
         if scope["type"] != "http":  # lifespan is off; websockets never reach the app
             return
         exchange = HttpExchange(scope, receive, send, self.config.send_timeout_s)
-        exchange.error_shape = error_shape_for(exchange.path)
         began = time.monotonic()
         try:
             await self._dispatch(exchange)
@@ -110,6 +107,7 @@ class HttpApi:
             return
         headers = [(b"www-authenticate", b"Bearer")] if error.status == HTTPStatus.UNAUTHORIZED else []
         try:
+            exchange.error_shape = error_shape_for(exchange.path)
             await exchange.respond_error(error, headers)
         except ClientGone:
             pass
@@ -206,20 +204,6 @@ class HttpApi:
         await exchange.start(200, static.content_type.encode(),
                              [*headers, (b"content-length", str(len(static.body)).encode())])
         await exchange.write(static.body, more=False)
-
-    # ------------------------------------------------------------------ OpenAI's generation
-    async def _chat_completions(self, exchange: HttpExchange) -> None:
-        request = await self.generation.read(exchange, CHAT_COMPLETIONS)
-        await self.generation.run(exchange, request, lambda stream: CompletionView(
-            stream, chat=True, include_usage=request.include_usage))
-
-    async def _completions(self, exchange: HttpExchange) -> None:
-        request = await self.generation.read(exchange, COMPLETIONS)
-        await self.generation.run(exchange, request, lambda stream: CompletionView(
-            stream, chat=False, include_usage=request.include_usage))
-
-    async def _responses(self, exchange: HttpExchange) -> None:
-        await self.generation.run(exchange, await self.generation.read(exchange, RESPONSES_HTTP), ResponsesEvents)
 
 
 def log_request(exchange: HttpExchange, seconds: float) -> None:

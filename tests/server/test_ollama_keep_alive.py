@@ -13,7 +13,7 @@ import time
 import ollama
 import pytest
 
-from localserve.server.ollama.format import MAX_KEEP_ALIVE_S, parse_keep_alive
+from localserve.server.request.keep_alive import MAX_KEEP_ALIVE_S, parse_keep_alive
 from localserve.server.request.validation import ProtocolError
 from tests.helpers.embedding_models import write_tiny_embedding_model
 from tests.helpers.http_api import Api, response, run

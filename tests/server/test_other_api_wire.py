@@ -1,5 +1,5 @@
 """Ollama's, Anthropic's and llama.cpp's paths on the HTTP API as an ASGI app (tests/helpers/http_api.py: a
-real ResponseService on a recorded engine thread, no model): what each field becomes in the engine's
+real GenerationService on a recorded engine thread, no model): what each field becomes in the engine's
 SamplingParams (Ollama's options, `format`, Anthropic's sampling fields and `output_config.format`), the
 stream types and their endings (a failure or a shutdown ends the stream in the API's own shape), the
 access refusals in each API's error shape, and the request's one log line."""

@@ -1,4 +1,4 @@
-"""`ResponseService` (server/generation/service.py) on a played engine thread that records what it is given
+"""`GenerationService` (server/generation/service.py) on a played engine thread that records what it is given
 (tests/helpers/engine_access.py) and a tokenizer that makes one token per character: previous_response_id
 found, not found, or another connection's `store: false` one; the conversation's size, the context, the
 output tokens cut to the room left and the log-probabilities' size, each at its bound and one past it; the
@@ -14,7 +14,7 @@ import pytest
 
 from localserve.server.config import ServerConfig
 from localserve.server.generation.conversations import ConversationStore
-from localserve.server.generation.service import ResponseService
+from localserve.server.generation.service import GenerationService
 from localserve.server.generation.stream import GenerationStream
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.openai.completions_format import CHAT_COMPLETIONS, COMPLETIONS
@@ -29,7 +29,7 @@ LIMITS = RequestLimits(max_conversation_chars=20, max_logprob_entries=12)
 
 
 class Served:
-    """A ResponseService over a recorded engine thread, and what it was handed."""
+    """A GenerationService over a recorded engine thread, and what it was handed."""
 
     def __init__(self, max_model_len: int = 100, limits: RequestLimits = LIMITS,
                  tokenizer: CountingTokenizer | None = None, **config: Any) -> None:
@@ -39,7 +39,7 @@ class Served:
         self.conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)
         self.metrics = ServerMetrics("served")
         models = serving_loaded(self.engine, self.tokenizer, "model", alias="served")
-        self.service = ResponseService(models, self.config, self.conversations, self.metrics)
+        self.service = GenerationService(models, self.config, self.conversations, self.metrics)
         self.updates: list[str] = []  # the status of each stream the service told about, in order
 
     async def start(self, body: dict[str, Any], owner: str = "conn_1", wire: WireFormat = RESPONSES_WEBSOCKET

@@ -22,8 +22,8 @@ from typing import Any
 
 from localserve.server.request import fields, tool_fields
 from localserve.server.request.generation_request import ReasoningChoice
-from localserve.server.request.messages import MessageFormat, parse_messages
-from localserve.server.request.validation import ProtocolError, check_length, check_type, check_value, shown
+from localserve.server.request.messages import MessageFormat
+from localserve.server.request.validation import ProtocolError, check_type, check_value, shown
 from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 
 SYSTEM_FIELD = "the system prompt is the top-level 'system' field"
@@ -57,19 +57,11 @@ def _context_edit_why(value: dict[str, Any]) -> str:
             f"sent); only {', '.join(NO_OP_CONTEXT_EDITS)} is accepted, since earlier thinking is never rendered")
 
 
-class AnthropicMessages(fields.Field):
-    """`messages` of text, `tool_use`, `tool_result` and `thinking` blocks (module doc)."""
-
-    stage = fields.Stage.INPUT
-    required = True
-    shared = "input"
-
-    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
-        if isinstance(value, list):
-            check_length(value, param, draft.limits.max_input_items)
-            value = [spelled for index, message in enumerate(value)
-                     for spelled in _chat_messages(message, f"{param}[{index}]")]
-        draft.set("input_messages", parse_messages(value, param, ANTHROPIC_MESSAGES, draft.limits), param)
+def _respell_messages(messages: list[Any], param: str) -> list[Any]:
+    """`messages` of text, `tool_use`, `tool_result` and `thinking` blocks (module doc), as chat completions
+    spell them."""
+    return [spelled for index, message in enumerate(messages)
+            for spelled in _chat_messages(message, f"{param}[{index}]")]
 
 
 def _chat_messages(message: Any, where: str) -> list[Any]:
@@ -235,7 +227,7 @@ class SystemPrompt(fields.Field):
 # The fields both endpoints take: the conversation, and what would change how it is rendered.
 PROMPT_FIELDS: dict[str, fields.Field] = {
     "model": fields.Required(fields.Text("model", bounded=True)),
-    "messages": AnthropicMessages(),
+    "messages": fields.Messages(ANTHROPIC_MESSAGES, _respell_messages),
     "system": SystemPrompt(),
     "tool_choice": AnthropicToolChoice(),
     "tools": AnthropicTools(),

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localserve.server.ollama.format import parse_keep_alive
 from localserve.server.request.generation_request import RequestLimits
+from localserve.server.request.keep_alive import parse_keep_alive
 from localserve.server.request.validation import (
     ProtocolError,
     check_length,
@@ -40,7 +40,7 @@ class EmbeddingRequest:
     dimensions: int | None = None  # None: the model's full size
     encoding_format: str = "float"  # "float" | "base64" (little-endian float32, as OpenAI's SDK decodes it)
     truncate: bool = False  # an input longer than the context is cut to it (Ollama's default) instead of refused
-    keep_alive_s: float | None = None  # Ollama's keep_alive (server/ollama/format.py, parse_keep_alive)
+    keep_alive_s: float | None = None  # Ollama's keep_alive (server/request/keep_alive.py)
 
     @property
     def num_chars(self) -> int:

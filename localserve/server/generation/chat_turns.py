@@ -1,7 +1,7 @@
 """What a request's tools, tool choice, answer format and reasoning make of one turn of the served model's
 chat format (no I/O here): the template's inputs, the engine's grammar and decoding flags, the stream parser.
 
-`model_chat_format` detects the format once, when the server starts (tokenizer/chat_format.py). `plan_turn`
+`model_chat_format` (server/registry/served_model.py) detects the format once, when a model loads. `plan_turn`
 resolves one request against it: the `ChatTurn` (tools offered unless tool_choice is `none`, thinking off for
 `reasoning_effort: "none"`), the grammar (the calls' grammar when tools are offered, which under tool_choice
 `auto` lets the answer be a value of the answer format's schema instead of calls; else the answer format's
@@ -11,7 +11,6 @@ names the request's field as its format spells it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,20 +18,8 @@ from typing import Any
 from localserve.engine.grammar import GrammarSpec
 from localserve.server.request.generation_request import UNFINISHED_CALL_IDS, GenerationRequest, Message
 from localserve.server.request.validation import ProtocolError
-from localserve.tokenizer.chat_format import ChatFormat, ChatStreamParser, ChatTurn, detect_chat_format
-from localserve.tokenizer.errors import TokenizerError
+from localserve.tokenizer.chat_format import ChatFormat, ChatStreamParser, ChatTurn
 from localserve.tokenizer.tools import ChatFormatError
-
-log = logging.getLogger(__name__)
-
-
-def model_chat_format(tokenizer: Any) -> ChatFormat | None:
-    """The served model's chat format, or None when its tokenizer has no chat template (no tools then)."""
-    try:
-        return detect_chat_format(tokenizer)
-    except (TokenizerError, AttributeError, TypeError) as exc:  # no template, or a tokenizer without one at all
-        log.info("no chat format: %s", exc)
-        return None
 
 
 @dataclass(frozen=True)

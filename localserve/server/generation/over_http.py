@@ -1,5 +1,5 @@
-"""One generation request over HTTP, whatever its API: read and check the body through the API's field
-map, run it on the `ResponseService`, and answer whole or streamed in the API's shape (its `HttpView`).
+"""One generation request over HTTP, whatever its API: the request (read by its API: request/fields.py's
+`read_request`) run on the `GenerationService`, answered whole or streamed in the API's shape (its `HttpView`).
 
 A streamed answer is written as the engine produces it, coalesced while the client reads slower; a
 client that disconnects, or stops reading for `send_timeout_s`, has its response aborted at once.
@@ -11,10 +11,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from localserve.loading.model_folder import ModelEntry
 from localserve.server.config import ServerConfig
-from localserve.server.generation.service import ResponseService
-from localserve.server.generation.stream import GenerationStream, new_id
-from localserve.server.request.fields import WireFormat, parse_request
+from localserve.server.generation.service import GenerationService
+from localserve.server.generation.stream import GenerationStream
 from localserve.server.request.generation_request import GenerationRequest
 from localserve.server.wire.http_exchange import HttpExchange
 
@@ -36,17 +36,9 @@ class HttpView(Protocol):
 class HttpGeneration:
     """Runs the generation requests of the HTTP API; `in_flight` holds those the engine still runs."""
 
-    def __init__(self, config: ServerConfig, responses: ResponseService) -> None:
+    def __init__(self, config: ServerConfig, responses: GenerationService) -> None:
         self.config, self.responses = config, responses
         self.in_flight: set[GenerationStream] = set()
-
-    async def read(self, exchange: HttpExchange, wire: WireFormat) -> GenerationRequest:
-        """The exchange's body, checked by `wire`'s field map."""
-        return parse_request(await self.read_body(exchange), wire, self.config.limits)
-
-    async def read_body(self, exchange: HttpExchange) -> dict[str, Any]:
-        """The exchange's body as a JSON object, within the server's bounds."""
-        return await exchange.read_json(self.config.max_message_bytes, self.config.http_body_timeout_s)
 
     def shut_down(self) -> None:
         """The server is stopping: end every response in flight (reason `server_shutdown`)."""
@@ -54,12 +46,13 @@ class HttpGeneration:
             self.responses.shut_down(stream)
 
     async def run(self, exchange: HttpExchange, request: GenerationRequest,
-                  make_view: Callable[[GenerationStream], HttpView]) -> GenerationStream:
-        """Run one response for this exchange and answer it in `make_view`'s shape; returns its stream."""
+                  make_view: Callable[[GenerationStream], HttpView], entry: ModelEntry | None = None
+                  ) -> GenerationStream:
+        """Run one response for this exchange on `entry` (None: the model the request names) and answer it in
+        `make_view`'s shape; returns its stream."""
         responses = self.responses
-        owner = new_id("http")  # a store: false response belongs to this request alone
         wake = asyncio.Event()
-        stream = await responses.start(request, owner, lambda _: wake.set())
+        stream = await responses.start(request, None, lambda _: wake.set(), entry)
         self.in_flight.add(stream)
 
         async def watch_disconnect() -> None:
@@ -83,7 +76,6 @@ class HttpGeneration:
             self.in_flight.discard(stream)
             if not stream.is_done:  # the client left (or was cut) first: its blocks go back now
                 responses.abandon(stream)
-            responses.end_owner(owner)
         return stream
 
     async def _stream(self, exchange: HttpExchange, stream: GenerationStream, view: HttpView,

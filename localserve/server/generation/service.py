@@ -1,7 +1,7 @@
 """Running one response, whatever the API and transport: from a checked `GenerationRequest` to a
 `GenerationStream`.
 
-`ResponseService.start` finds the model the request names, resolves `previous_response_id` (scoped to
+`GenerationService.start` finds the model the request names, resolves `previous_response_id` (scoped to
 the asking connection for `store: false` responses), takes a lease on the model (waiting while it is
 loaded: server/registry/registry.py), renders and tokenizes the conversation off the event loop with that model's
 tokenizer, checks the bounds that need the prompt's length (the context, the size of the
@@ -22,6 +22,7 @@ from typing import Any
 
 from localserve.engine.constraints import GrammarError
 from localserve.engine.outputs import RequestOutput
+from localserve.loading.model_folder import ModelEntry
 from localserve.server.config import ServerConfig
 from localserve.server.generation.chat_turns import TurnPlan, plan_turn, resolve_tool_results
 from localserve.server.generation.conversations import ConversationStore
@@ -44,13 +45,13 @@ class _Run:
     stream: GenerationStream
     lease: ModelLease  # the model serving it, until it ends
     conversation: list[Message]  # the messages to store with the reply
-    owner: str  # the connection that asked
+    owner: str | None  # the connection that asked (None: an HTTP request)
     on_update: OnUpdate
     arrival_time: float
     last_token_time: float | None = None
 
 
-class ResponseService:
+class GenerationService:
     """Starts, cancels and ends responses for every transport of one server."""
 
     def __init__(self, models: ModelRegistry, config: ServerConfig, conversations: ConversationStore,
@@ -65,10 +66,13 @@ class ResponseService:
         """Responses started and not ended, those waiting for their model included."""
         return len(self._runs) + self._num_waiting
 
-    async def start(self, request: GenerationRequest, owner: str, on_update: OnUpdate) -> GenerationStream:
-        """Submit `request` for connection `owner`; raises ProtocolError if it cannot run."""
+    async def start(self, request: GenerationRequest, owner: str | None, on_update: OnUpdate,
+                    entry: ModelEntry | None = None) -> GenerationStream:
+        """Submit `request` for connection `owner` (None: an HTTP request, which nothing outlives but what it
+        stores) on the model `entry` (None: the one the request names, looked up here); raises ProtocolError if
+        it cannot run."""
         config = self.config
-        entry = self.models.find(request.model)
+        entry = entry if entry is not None else self.models.find(request.model)
         if self.num_running >= config.max_running_responses:
             raise ProtocolError("server_busy", f"the server is running its limit of "
                                 f"{config.max_running_responses} responses; retry later",
@@ -84,7 +88,7 @@ class ResponseService:
         self._runs[run.stream.response_id] = run
         return run.stream
 
-    async def _acquire(self, entry: Any) -> ModelLease:
+    async def _acquire(self, entry: ModelEntry) -> ModelLease:
         self._num_waiting += 1
         try:
             return await self.models.acquire(entry)
@@ -92,7 +96,7 @@ class ResponseService:
             self._num_waiting -= 1
 
     async def _submit(self, request: GenerationRequest, lease: ModelLease, conversation: list[Message],
-                      owner: str, on_update: OnUpdate) -> _Run:
+                      owner: str | None, on_update: OnUpdate) -> _Run:
         model, tokenizer = lease.model, lease.tokenizer
         prompt_ids, plan = await self._prompt(request, conversation, lease)
         params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)),
@@ -113,7 +117,7 @@ class ResponseService:
             raise ProtocolError("invalid_request", str(exc)) from None
         return run
 
-    async def count_prompt_tokens(self, request: GenerationRequest, owner: str) -> int:
+    async def count_prompt_tokens(self, request: GenerationRequest, owner: str | None) -> int:
         """The tokens `request`'s prompt would take, rendered as `start` renders it, without running it."""
         entry = self.models.find(request.model)
         conversation = self._conversation(request, owner)
@@ -124,7 +128,7 @@ class ResponseService:
             lease.release()
         return len(prompt_ids)
 
-    async def render_prompt(self, request: GenerationRequest, owner: str) -> str:
+    async def render_prompt(self, request: GenerationRequest, owner: str | None) -> str:
         """The text of `request`'s chat prompt as `start` renders it (tools and tool turns as the served model's
         chat format writes them), without running it."""
         entry = self.models.find(request.model)
@@ -142,7 +146,7 @@ class ResponseService:
         finally:
             lease.release()
 
-    def _conversation(self, request: GenerationRequest, owner: str) -> list[Message]:
+    def _conversation(self, request: GenerationRequest, owner: str | None) -> list[Message]:
         """The stored turns `previous_response_id` names, then the request's input; its size checked."""
         history: list[Message] = []
         if request.previous_response_id is not None:
@@ -294,8 +298,8 @@ class ResponseService:
             metrics.e2e_request_latency.observe(now - run.arrival_time)
             self._runs.pop(stream.response_id, None)
             run.lease.release()
-            if stream.status != "failed":
-                self._store(run)
+            if stream.status != "failed" and (stream.request.store or run.owner is not None):
+                self._store(run)  # a store: false answer over HTTP has nobody to continue it
         run.on_update(stream)
 
     def _store(self, run: _Run) -> None:

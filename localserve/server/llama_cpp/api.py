@@ -19,8 +19,6 @@ from typing import Any
 from localserve.engine.facts import EngineFacts
 from localserve.server.config import ServerConfig
 from localserve.server.generation.over_http import HttpGeneration
-from localserve.server.generation.stream import new_id
-from localserve.server.openai.completions_format import CHAT_COMPLETIONS
 from localserve.server.registry.registry import ModelRegistry, model_shape
 from localserve.server.registry.served_model import ServedModel
 from localserve.server.request import fields
@@ -78,15 +76,17 @@ def token_piece(tokenizer: Tokenizer, token_id: int) -> str | list[int]:
 class LlamaCppApi:
     """The routes of llama.cpp's own endpoints, with the parts they use."""
 
-    def __init__(self, generation: HttpGeneration, models: ModelRegistry, config: ServerConfig) -> None:
+    def __init__(self, generation: HttpGeneration, models: ModelRegistry, config: ServerConfig,
+                 chat_wire: WireFormat) -> None:
         self.generation, self.models, self.config = generation, models, config
+        self.chat_wire = chat_wire  # /apply-template's body: chat completions' (handed in: no other API's module here)
 
     def routes(self) -> dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]]:
         return {("POST", "/tokenize"): self._tokenize, ("POST", "/detokenize"): self._detokenize,
                 ("POST", "/apply-template"): self._apply_template, ("GET", "/props"): self._props}
 
     async def _tokenize(self, exchange: HttpExchange) -> None:
-        request = await self.generation.read(exchange, TOKENIZE)
+        request = await exchange.read_request(TOKENIZE, self.config)
         settings = request.settings
         async with self.models.leased(request.model) as lease:
             tokenizer: Tokenizer = lease.tokenizer  # type: ignore[assignment]  # the real one: pieces, templates
@@ -99,7 +99,7 @@ class LlamaCppApi:
         await exchange.respond_json(200, {"tokens": tokens})
 
     async def _detokenize(self, exchange: HttpExchange) -> None:
-        request = await self.generation.read(exchange, DETOKENIZE)
+        request = await exchange.read_request(DETOKENIZE, self.config)
         ids = request.settings["tokens"]
         if len(ids) > self.config.limits.max_input_chars:
             raise ProtocolError("array_above_max_length", f"'tokens' may hold at most "
@@ -117,8 +117,8 @@ class LlamaCppApi:
     async def _apply_template(self, exchange: HttpExchange) -> None:
         """The chat completion's prompt text as /v1/chat/completions renders it: its tools, tool turns and
         template switches (reasoning_effort) included."""
-        request = await self.generation.read(exchange, CHAT_COMPLETIONS)
-        prompt = await self.generation.responses.render_prompt(request, new_id("http"))
+        request = await exchange.read_request(self.chat_wire, self.config)
+        prompt = await self.generation.responses.render_prompt(request, None)
         await exchange.respond_json(200, {"prompt": prompt})
 
     async def _props(self, exchange: HttpExchange) -> None:

@@ -18,10 +18,11 @@ from typing import Any
 
 from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelEntry
+from localserve.server.config import ServerConfig
 from localserve.server.generation.over_http import HttpGeneration
 from localserve.server.ollama.events import OllamaView, load_answer, wire_time
 from localserve.server.ollama.format import OLLAMA_CHAT, OLLAMA_GENERATE
-from localserve.server.registry.registry import ModelInfo, ModelLease, ModelRegistry, ModelStatus
+from localserve.server.registry.registry import ListedModel, ModelLease, ModelRegistry, ModelStatus
 from localserve.server.request import fields
 from localserve.server.request.fields import WireFormat
 from localserve.server.request.validation import ProtocolError
@@ -41,8 +42,8 @@ SHOW = WireFormat({"model": fields.Text("model", bounded=True, preferred=True),
 class OllamaApi:
     """The routes of Ollama's API, with the parts they use."""
 
-    def __init__(self, generation: HttpGeneration, models: ModelRegistry) -> None:
-        self.generation, self.models = generation, models
+    def __init__(self, generation: HttpGeneration, models: ModelRegistry, config: ServerConfig) -> None:
+        self.generation, self.models, self.config = generation, models, config
 
     def routes(self) -> dict[tuple[str, str], Callable[[HttpExchange], Awaitable[None]]]:
         return {("GET", "/api/version"): self._version, ("GET", "/api/tags"): self._tags,
@@ -72,7 +73,7 @@ class OllamaApi:
     async def _show(self, exchange: HttpExchange) -> None:
         """A model's details, template and capabilities; one not loaded is described from its files (nothing
         is loaded or unloaded for it)."""
-        request = await self.generation.read(exchange, SHOW)
+        request = await exchange.read_request(SHOW, self.config)
         if request.model is None:
             raise ProtocolError("missing_required_parameter", "'model' (or its older spelling 'name') is required",
                                 "model")
@@ -94,7 +95,7 @@ class OllamaApi:
         await self._run(exchange, OLLAMA_GENERATE, chat=False)
 
     async def _run(self, exchange: HttpExchange, wire: WireFormat, chat: bool) -> None:
-        request = await self.generation.read(exchange, wire)
+        request = await exchange.read_request(wire, self.config)
         entry = self._find(request.model)
         if request.keep_alive_s is not None:  # from now on, for this model (as in Ollama)
             self.models.keep_alive(entry, request.keep_alive_s)
@@ -105,7 +106,7 @@ class OllamaApi:
             async with self._leased(request.model) as lease:  # unloaded once this lease is over
                 return await exchange.respond_json(200, load_answer(lease.model.served_name, chat,
                                                                     "unload" if unload else "load"))
-        await self.generation.run(exchange, request, lambda stream: OllamaView(stream, chat))
+        await self.generation.run(exchange, request, lambda stream: OllamaView(stream, chat), entry)
 
     def _find(self, name: str | None) -> ModelEntry:
         """The model `name` names, in Ollama's words for another name."""
@@ -124,7 +125,7 @@ class OllamaApi:
             lease.release()
 
 
-def model_entry(info: ModelInfo, card: ModelCard | None) -> dict[str, Any]:
+def model_entry(info: ListedModel, card: ModelCard | None) -> dict[str, Any]:
     """A model of /api/tags and /api/ps: from its card once loaded, else from its files' names."""
     if card is not None:
         details, modified_at, size, digest = card_details(card), card.modified_at, card.size_bytes, card.digest

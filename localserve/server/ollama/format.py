@@ -12,15 +12,14 @@ and is cut to the context when it is larger, as Ollama cuts it to what the model
 from __future__ import annotations
 
 import json
-import math
-import re
 from typing import Any
 
 from localserve.server.request import fields, tool_fields
 from localserve.server.request.generation_request import OutputFormat, ReasoningChoice
-from localserve.server.request.messages import MessageFormat, parse_messages
+from localserve.server.request.keep_alive import KeepAlive
+from localserve.server.request.messages import MessageFormat
 from localserve.server.request.sampling_rules import INT64_MAX
-from localserve.server.request.validation import ProtocolError, check_length, check_value, shown
+from localserve.server.request.validation import ProtocolError, check_value, shown
 
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
 THINK_LEVELS = ("low", "medium", "high")  # `think` as a string (gpt-oss); true thinks at the template's default
@@ -76,25 +75,12 @@ class TopK(fields.Field):
         fields.Sampling("top_k").apply(value, param, draft)
 
 
-class OllamaMessages(fields.Field):
+def _with_call_ids(messages: list[Any], param: str) -> list[Any]:
     """`messages`, with Ollama's tool turns: an assistant's `tool_calls` are `{"function": {"name", "arguments":
     {...}}}` with no id, and a `tool` message names the function it answers (`tool_name`) rather than a call.
     Each call is given an id here and each result the id of the earliest unanswered call of its function (of
     any function without `tool_name`), so the conversation reads as chat completions spell it. An earlier
     turn's `thinking` is dropped, as templates drop earlier reasoning."""
-
-    stage = fields.Stage.INPUT
-    required = True
-    shared = "input"
-
-    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
-        if isinstance(value, list):
-            check_length(value, param, draft.limits.max_input_items)
-            value = _with_call_ids(value, param)
-        draft.set("input_messages", parse_messages(value, param, OLLAMA_MESSAGES, draft.limits), param)
-
-
-def _with_call_ids(messages: list[Any], param: str) -> list[Any]:
     unanswered: list[tuple[str, str]] = []  # (call id, function name), oldest first
     spelled = []
     for index, message in enumerate(messages):
@@ -146,46 +132,6 @@ class Think(fields.Field):
                                 f"{', '.join(THINK_LEVELS)}, got {shown(value)}", param)
         effort = value if isinstance(value, str) else "medium" if value else "none"
         draft.set("reasoning", ReasoningChoice(effort), param)
-
-
-# Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "0.5s"; a bare number string is
-# seconds too); a negative one keeps the model loaded for good, 0 unloads it as soon as the request is over.
-NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
-DURATION = re.compile(r"(?:(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|ms|s|m|h))+")
-DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|ms|s|m|h)")
-DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-MAX_KEEP_ALIVE_S = 10 * 365 * 86400.0  # longer is for good
-
-
-def parse_keep_alive(value: Any, param: str) -> float:
-    """`keep_alive` in seconds (math.inf: for good); ProtocolError naming `param` for anything else."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ProtocolError("invalid_type", f"'{param}' must be a number of seconds or a duration such as "
-                            f"\"5m\", got {type(value).__name__}", param)
-    if isinstance(value, str):
-        body = value.strip()
-        sign = -1.0 if body.startswith("-") else 1.0
-        body = body.removeprefix("-") if sign < 0 else body.removeprefix("+")
-        if NUMBER.fullmatch(body):
-            seconds = float(body)
-        elif DURATION.fullmatch(body):
-            seconds = sum(float(number) * DURATION_UNITS[unit] for number, unit in DURATION_PART.findall(body))
-        else:
-            raise ProtocolError("invalid_value", f"'{param}' must be a number of seconds or a duration such as "
-                                f"\"5m\" or \"1h30m\", got {shown(value)}", param)
-        value = sign * seconds
-    if value != value:  # NaN
-        raise ProtocolError("invalid_value", f"'{param}' must be a number of seconds, got NaN", param)
-    return math.inf if value < 0 or value > MAX_KEEP_ALIVE_S else float(value)
-
-
-class KeepAlive(fields.Field):
-    """`keep_alive`: how long the model stays loaded once this request is over (parse_keep_alive)."""
-
-    shared = "keep_alive_s"
-
-    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
-        draft.set("keep_alive_s", parse_keep_alive(value, param), param)
 
 
 class GeneratePrompt(fields.Field):
@@ -248,7 +194,7 @@ COMMON: dict[str, fields.Field] = {
 }
 
 OLLAMA_CHAT = fields.WireFormat({
-    "messages": OllamaMessages(),
+    "messages": fields.Messages(OLLAMA_MESSAGES, _with_call_ids),
     **COMMON,
     "tools": tool_fields.Tools(),
 }, stores=False, streams=True)

@@ -3,7 +3,7 @@
 The receive loop checks each client event and never waits on anything else: a `response.create`
 joins its lane (`stream_id`; no `stream_id` is the default lane). Lanes run at the same time; within
 a lane, responses run one after another in arrival order, each started by that lane's task through
-the `ResponseService`. The service absorbs the engine's outputs into each response's stream on the
+the `GenerationService`. The service absorbs the engine's outputs into each response's stream on the
 event loop and wakes the sender; the sender alone writes to the socket, draining every live stream
 (text piles up as fewer, longer deltas for a slow reader, never as a growing queue).
 
@@ -30,7 +30,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from localserve.server.config import ServerConfig
-from localserve.server.generation.service import ResponseService
+from localserve.server.generation.service import GenerationService
 from localserve.server.generation.stream import GenerationStream, new_id
 from localserve.server.openai.responses_events import ResponsesEvents
 from localserve.server.openai.responses_format import (
@@ -71,7 +71,7 @@ class Lane:
 class ResponsesSession:
     """Serves one client: lanes of responses over one connection, as in OpenAI's WebSocket mode."""
 
-    def __init__(self, config: ServerConfig, responses: ResponseService, connection: ServerConnection,
+    def __init__(self, config: ServerConfig, responses: GenerationService, connection: ServerConnection,
                  first_event: FirstEventWait) -> None:
         self.config, self.responses, self.connection = config, responses, connection
         self.first_event = first_event
@@ -237,7 +237,7 @@ class ResponsesSession:
                 del self.lanes[lane.stream_id]
 
     def _on_update(self, stream: GenerationStream) -> None:
-        """From the ResponseService: the stream has new events (and may have ended)."""
+        """From the GenerationService: the stream has new events (and may have ended)."""
         self._wake.set()
         lane = self.lanes.get(stream.request.stream_id)
         if stream.is_done and lane is not None and lane.current is stream:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelEntry
 from localserve.loading.sampling_defaults import SamplingDefaults
-from localserve.server.generation.chat_turns import model_chat_format
-from localserve.server.registry.served_model import ChatTokenizer, ServedModel
+from localserve.server.registry.served_model import ChatTokenizer, ServedModel, model_chat_format
 from localserve.server.request.validation import ProtocolError
 from localserve.tokenizer.chat_format import ChatFormat
 

@@ -45,17 +45,16 @@ from localserve.loading.model_folder import (
     UnknownModelError,
 )
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
-from localserve.server.generation.chat_turns import model_chat_format
 from localserve.server.monitor.monitor import MonitorHub, ServingNow, monitor_hello
 from localserve.server.registry.description import ModelDescribe, ModelDescriptions, ShownModel
 from localserve.server.registry.engine_access import EngineAccess, engine_result
-from localserve.server.registry.served_model import ChatTokenizer, ServedModel
+from localserve.server.registry.served_model import ChatTokenizer, ServedModel, model_chat_format
 from localserve.server.request.validation import ProtocolError, shown
 
 log = logging.getLogger(__name__)
 
 
-class LoadedModel(Protocol):
+class ModelInMemory(Protocol):
     """One model in memory with its engine thread, as a loader hands it over."""
 
     engine: EngineAccess
@@ -66,7 +65,7 @@ class LoadedModel(Protocol):
         """Stop the engine thread and free the engine, its KV pool and the weights (blocking)."""
 
 
-ModelLoad = Callable[[ModelEntry], LoadedModel]  # blocking (run on a worker thread); raises with the reason
+ModelLoad = Callable[[ModelEntry], ModelInMemory]  # blocking (run on a worker thread); raises with the reason
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class ModelStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ListedModel:
     """One served model as every API lists it (OpenAI's /v1/models, Ollama's /api/tags, /api/show, /api/ps)."""
 
     name: str  # its id: the name /v1/models lists
@@ -117,13 +116,13 @@ class _Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class _Model:
+class _ModelRecord:
     """The registry's record of one model."""
 
     entry: ModelEntry
     sampling_defaults: SamplingDefaults
     phase: _Phase = _Phase.UNLOADED
-    loaded: LoadedModel | None = None
+    loaded: ModelInMemory | None = None
     serving: ServingNow | None = None
     num_leases: int = 0  # requests being served by it
     last_used: float = 0.0
@@ -136,7 +135,7 @@ class _Model:
 
 @dataclass(eq=False)
 class _Waiter:
-    model: _Model
+    model: _ModelRecord
     granted: asyncio.Future
     since: float = field(default_factory=time.monotonic)
 
@@ -160,13 +159,13 @@ class ModelRegistry:
 
     def __init__(self, catalog: ModelCatalog, load: ModelLoad | None,
                  sampling_defaults: Mapping[str, SamplingDefaults], policy: ModelPolicy = ModelPolicy(),
-                 loaded: Mapping[str, LoadedModel] | None = None, describe: ModelDescribe | None = None) -> None:
+                 loaded: Mapping[str, ModelInMemory] | None = None, describe: ModelDescribe | None = None) -> None:
         """`sampling_defaults` by model id; `loaded`: models loaded already, by id. Without `load` no model is
         ever loaded or unloaded (a server handed one loaded model). `describe` reads a model's description
         from its files (`shown`); without it a model is loaded to be described."""
         self.catalog, self.policy, self._load = catalog, policy, load
         self._descriptions = ModelDescriptions(describe) if describe is not None else None
-        self._models = {entry.id: _Model(entry, sampling_defaults.get(entry.id, LLAMA_CPP_DEFAULTS))
+        self._models = {entry.id: _ModelRecord(entry, sampling_defaults.get(entry.id, LLAMA_CPP_DEFAULTS))
                         for entry in catalog.entries}
         self._queue: deque[_Waiter] = deque()
         self._transition: asyncio.Task | None = None  # the load or unload under way
@@ -202,16 +201,16 @@ class ModelRegistry:
             return ModelStatus.LOADING
         return ModelStatus.UNLOADED
 
-    def info(self, entry: ModelEntry) -> ModelInfo:
+    def info(self, entry: ModelEntry) -> ListedModel:
         """What every API lists of `entry`'s model, now."""
         model = self._models[entry.id]
         files = entry.files
         aliases = (*entry.names[1:], "default") if entry is self.catalog.default else entry.names[1:]
-        return ModelInfo(entry.id, aliases, self.status(entry), files.format, files.architecture,
+        return ListedModel(entry.id, aliases, self.status(entry), files.format, files.architecture,
                          files.parameter_size, files.quantization, files.size_bytes, files.modified_s,
                          model.serving.model.max_model_len if model.serving else None, model.sampling_defaults)
 
-    def models(self) -> list[ModelInfo]:
+    def models(self) -> list[ListedModel]:
         """Every served model, in the catalog's order (the first model of the folder is the default, unless
         --default-model names another)."""
         return [self.info(entry) for entry in self.catalog.entries]
@@ -291,7 +290,7 @@ class ModelRegistry:
         finally:
             lease.release()
 
-    def loaded(self) -> list[tuple[ModelInfo, ServedModel, EngineAccess]]:
+    def loaded(self) -> list[tuple[ListedModel, ServedModel, EngineAccess]]:
         """Each model loaded now, with what its requests see of it and its engine (Ollama's /api/ps)."""
         return [(self.info(model.entry), model.serving.model, model.serving.engine)
                 for model in self._models.values() if model.phase is _Phase.LOADED and model.serving is not None]
@@ -324,7 +323,7 @@ class ModelRegistry:
             waiter.granted.result().release()
         self._advance()
 
-    def _lease(self, model: _Model) -> ModelLease:
+    def _lease(self, model: _ModelRecord) -> ModelLease:
         model.num_leases += 1
         model.last_used = time.monotonic()
         if model.idle_timer is not None:
@@ -332,7 +331,7 @@ class ModelRegistry:
             model.idle_timer = None
         return ModelLease(model.serving, model.loaded.tokenizer, lambda: self._release(model))
 
-    def _release(self, model: _Model) -> None:
+    def _release(self, model: _ModelRecord) -> None:
         model.num_leases -= 1
         model.last_used = time.monotonic()
         if model.num_leases == 0:
@@ -344,7 +343,7 @@ class ModelRegistry:
         """The first waiting request whose model is not loaded: it decides the next load."""
         return next((waiter for waiter in self._queue if waiter.model.phase is not _Phase.LOADED), None)
 
-    def _making_room(self) -> _Model | None:
+    def _making_room(self) -> _ModelRecord | None:
         """The loaded model to unload for the head's model, when the loaded ones leave no room for it."""
         head = self._head()
         if head is None or head.model.phase is not _Phase.UNLOADED:
@@ -376,7 +375,7 @@ class ModelRegistry:
     def _start(self, transition) -> None:
         self._transition = asyncio.get_running_loop().create_task(transition)
 
-    async def _load_model(self, model: _Model) -> None:
+    async def _load_model(self, model: _ModelRecord) -> None:
         entry = model.entry
         model.phase, model.load_started = _Phase.LOADING, time.monotonic()
         log.info("loading model %s (%s)", entry.id, entry.files.path)
@@ -404,7 +403,7 @@ class ModelRegistry:
             self._transition = None
         self._advance()
 
-    def _enter_loaded(self, model: _Model, loaded: LoadedModel) -> None:
+    def _enter_loaded(self, model: _ModelRecord, loaded: ModelInMemory) -> None:
         engine = loaded.engine
         served = ServedModel(model.entry.id, engine.facts.max_model_len, model.sampling_defaults,
                              is_embedding=engine.facts.embedding is not None,
@@ -415,7 +414,7 @@ class ModelRegistry:
         model.loaded, model.phase = loaded, _Phase.LOADED
         model.loaded_at = model.last_used = time.monotonic()
 
-    async def _unload_model(self, model: _Model, why: str) -> None:
+    async def _unload_model(self, model: _ModelRecord, why: str) -> None:
         started = model.unload_started = time.monotonic()
         log.info("unloading model %s (%s)", model.entry.id, why)
         loaded, model.loaded, model.serving, model.phase = model.loaded, None, None, _Phase.UNLOADING
@@ -439,7 +438,7 @@ class ModelRegistry:
         if model.phase is _Phase.LOADED and not model.num_leases:
             self._arm_idle_timer(model)
 
-    def _idle_s(self, model: _Model) -> float | None:
+    def _idle_s(self, model: _ModelRecord) -> float | None:
         """How long the model may stay idle before it is unloaded (None: for good)."""
         idle_s = model.keep_alive_s if model.keep_alive_s is not None else self.policy.sleep_idle_s
         return None if idle_s is None or idle_s == math.inf or self._load is None else idle_s
@@ -453,7 +452,7 @@ class ModelRegistry:
             return None
         return idle_s if model.num_leases else max(0.0, model.last_used + idle_s - time.monotonic())
 
-    def _arm_idle_timer(self, model: _Model) -> None:
+    def _arm_idle_timer(self, model: _ModelRecord) -> None:
         if model.idle_timer is not None:
             model.idle_timer.cancel()
             model.idle_timer = None
@@ -462,7 +461,7 @@ class ModelRegistry:
             return
         model.idle_timer = asyncio.get_running_loop().call_later(idle_s, self._sleep_if_idle, model)
 
-    def _sleep_if_idle(self, model: _Model) -> None:
+    def _sleep_if_idle(self, model: _ModelRecord) -> None:
         model.idle_timer = None
         if model.phase is not _Phase.LOADED or model.num_leases or any(w.model is model for w in self._queue):
             return

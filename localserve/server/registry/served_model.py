@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -9,7 +10,10 @@ from typing import Any, Protocol
 from localserve.loading.model_card import ModelCard
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.request.validation import ProtocolError
-from localserve.tokenizer.chat_format import ChatFormat
+from localserve.tokenizer.chat_format import ChatFormat, detect_chat_format
+from localserve.tokenizer.errors import TokenizerError
+
+log = logging.getLogger(__name__)
 
 
 class ChatTokenizer(Protocol):
@@ -66,3 +70,12 @@ class ServedModel:
         return {"tool_call_format": chat_format.tool_format.name if chat_format is not None else None,
                 "reasoning": None if reasoning is None else {"format": reasoning.name,
                                                              "can_disable": reasoning.can_disable}}
+
+
+def model_chat_format(tokenizer: Any) -> ChatFormat | None:
+    """The served model's chat format, or None when its tokenizer has no chat template (no tools then)."""
+    try:
+        return detect_chat_format(tokenizer)
+    except (TokenizerError, AttributeError, TypeError) as exc:  # no template, or a tokenizer without one at all
+        log.info("no chat format: %s", exc)
+        return None

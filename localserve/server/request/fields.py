@@ -104,14 +104,19 @@ class Sampling(Field):
 
 @dataclass(frozen=True)
 class Messages(Field):
-    """The conversation's input messages (required)."""
+    """The conversation's input messages (required); `respell` first turns an API's own spelling of a list of
+    them into chat completions' (Ollama's and Anthropic's tool turns), the list's length checked before."""
 
     form: MessageFormat
+    respell: Callable[[list[Any], str], list[Any]] | None = None
     stage = Stage.INPUT
     required = True
     shared = "input"
 
     def apply(self, value: Any, param: str, draft: RequestDraft) -> None:
+        if self.respell is not None and isinstance(value, list):
+            check_length(value, param, draft.limits.max_input_items)
+            value = self.respell(value, param)
         draft.set("input_messages", parse_messages(value, param, self.form, draft.limits), param)
 
 
@@ -432,3 +437,4 @@ def _check_tool_choice(request: GenerationRequest, draft: RequestDraft) -> None:
     except ChatFormatError as error:
         at = draft.values.get("tool_choice_name_param", param) if choice.mode == "function" else param
         raise ProtocolError("invalid_value", f"'{at}': {error.reason}", at) from None
+

@@ -17,6 +17,9 @@ from typing import Any
 
 from websockets.datastructures import Headers
 
+from localserve.server.config import ServerConfig
+from localserve.server.request.fields import WireFormat, parse_request
+from localserve.server.request.generation_request import GenerationRequest
 from localserve.server.request.validation import ProtocolError, parse_json_object
 
 JSON = b"application/json"
@@ -64,6 +67,11 @@ class HttpExchange:
         """The body as a JSON object; a ProtocolError (400, 408, 413) for anything else."""
         body = await self._read_body(max_bytes, timeout_s)
         return parse_json_object(body, "the body", "the body must be a JSON object")
+
+    async def read_request(self, wire: WireFormat, config: ServerConfig) -> GenerationRequest:
+        """The body within the server's bounds, checked by `wire`'s field map into the one request model."""
+        return parse_request(await self.read_json(config.max_message_bytes, config.http_body_timeout_s), wire,
+                             config.limits)
 
     async def _read_body(self, max_bytes: int, timeout_s: float) -> bytes:
         too_large = ProtocolError("request_too_large", f"the body exceeds {max_bytes} bytes", status=413)
