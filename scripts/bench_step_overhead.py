@@ -25,12 +25,17 @@ configuration run --repeats times:
 The last line: `scheduler+block manager: X.XX us/seq/step at N=256` (alone).
 
     python scripts/bench_step_overhead.py [--sizes 1 64 256 512] [--steps 300] [--vocab-steps 60] [--steady-steps 2000]
+
+`--json-line` measures only the scheduler + block manager alone and the step (vocabulary 1, roomy pool) once
+per N and prints them as one JSON line: run it in turns against two versions of the engine (one put
+first on PYTHONPATH) to compare them (docs/BENCHMARKS.md, "old against new").
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import statistics
@@ -88,6 +93,8 @@ class RandomTokenModel:
     the same memory again: a fresh 50 MB CPU tensor per step would add a page-faulting allocation and an
     munmap that belong to the model's output, not to the engine.
     """
+
+    can_generate = True  # it has an output head (the engine refuses requests for a model without one)
 
     def __init__(self, vocab: int, max_rows: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
@@ -258,11 +265,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pressure", action="store_true", help="only the pool that never preempts")
     parser.add_argument("--profile", type=int, default=256, help="N whose steps are split into stages")
+    parser.add_argument("--json-line", action="store_true", help="one quick run per N, one JSON line (module doc)")
     parser.add_argument("--steady-steps", type=int, default=2000,
                         help="a longer run at the --profile N (vocab 1, roomy), in windows of 250 steps: the step "
                              "outside the model while contexts grow to their steady state (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the machine's two cores are shared; one thread keeps the figures steady
+    if args.json_line:
+        print(json.dumps(json_line(args.sizes, args.steps, args.seed)))
+        return
     info = machine()
     info["load_average"] = os.getloadavg()
     print_machine(info)
@@ -309,6 +320,24 @@ def main() -> None:
     final = results.get("alone N=256", {}).get("localserve")
     if final and all(run["decode_steps"] for run in final):
         print(f"scheduler+block manager: {median_of(final, 'core_us_per_seq'):.2f} us/seq/step at N=256")
+
+
+def json_line(sizes: list[int], steps: int, seed: int) -> dict:
+    """Per N, µs per sequence per pure decode step: the scheduler + block manager alone (median and mean),
+    in the step, and the step outside the model; and which localserve ran."""
+    import localserve
+
+    line: dict = {"localserve": localserve.__file__}
+    for num_seqs in sizes:
+        roomy_blocks = num_seqs * -(-2000 // BLOCK_SIZE) + 16
+        gc.collect()
+        alone = step_overhead_alone.run_localserve(new_request, num_seqs, roomy_blocks, steps, seed, VOCAB)
+        gc.collect()
+        step = summarize(run(num_seqs, roomy_blocks, 1, steps, seed, stages=False))
+        line[str(num_seqs)] = {"alone_us_per_seq": alone["core_us_per_seq"], "alone_mean_us_per_seq":
+                               alone["mean_us_per_seq"], "in_step_us_per_seq": step["core_us_per_seq"],
+                               "outside_us_per_seq": step["outside_us_per_seq"]}
+    return line
 
 
 def print_tables(results: dict, args) -> None:

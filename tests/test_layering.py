@@ -227,3 +227,109 @@ def test_test_modules_import_only_the_shared_helpers():
                     for name in imports_of(path, module, path.name == "__init__.py")
                     if name in modules and name not in shared})
     assert found == [], "\n".join(found)
+
+
+# ---- the scheduler decides, the runner computes: no torch, no model call (docs/ARCHITECTURE.md)
+MODEL_SIDE = ("torch", "triton", "localserve.models", "localserve.attention", "localserve.kernels",
+              "localserve.loading", "localserve.engine.engine", "localserve.engine.model_runner",
+              "localserve.engine.sampler", "localserve.engine.draft_model", "localserve.engine.ngram_drafter",
+              "localserve.engine.builder")
+# the attention package's registry of backend names (EngineConfig checks a name; it imports no backend)
+NOT_MODEL_SIDE = {"localserve.attention"}
+
+
+def test_the_scheduler_reaches_no_torch_and_no_model_code(runtime_graph):
+    """The scheduler and every module it imports at run time, transitively: none is torch, a model, the
+    runner or a drafter (it knows drafters only through engine/drafting.py's interface)."""
+    reachable, todo = {"localserve.engine.scheduler"}, ["localserve.engine.scheduler"]
+    while todo:
+        for target in runtime_graph.get(todo.pop(), ()):
+            if target not in reachable:
+                reachable.add(target)
+                todo.append(target)
+    assert {"localserve.engine.speculation", "localserve.engine.drafting"} <= reachable  # the check sees them
+    assert sorted(name for name in reachable - NOT_MODEL_SIDE
+                  if any(name == side or name.startswith(side + ".") for side in MODEL_SIDE)) == []
+
+
+SCHEDULE_WITH_A_RAISING_DRAFTER = """
+import importlib.util
+import sys
+from localserve.engine.drafting import Draft
+from localserve.engine.speculation import Speculation
+
+def helper(name):  # read alone: the helpers' package imports torch for its fixtures
+    spec = importlib.util.spec_from_file_location(name, f"{sys.argv[1]}/tests/helpers/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+make_scheduler, make_request, run = (getattr(helper("scheduler_states"), name)
+                                     for name in ("make_scheduler", "make_request", "run"))
+FixedStepCost = helper("spec_costs").FixedStepCost
+
+class ForwardRaises:
+    def propose(self, queries):
+        raise AssertionError("the scheduler ran the drafter")
+    def release(self, seq_id):
+        pass
+
+scheduler = make_scheduler(32)
+bm = scheduler.block_manager
+scheduler.speculation = Speculation(ForwardRaises(), 4, bm, 8, FixedStepCost(), scheduler.events)
+requests = [run(scheduler, make_request(i, list(range(1, 30)), [[5, 6]], max_tokens=40)) for i in range(2)]
+for step in range(3):
+    batch = scheduler.schedule()  # drafting decided, not done
+    assert [query.max_tokens for query in batch.drafting.queries] == [4, 4], batch.drafting
+    assert isinstance(batch.drafting.drafter, ForwardRaises) and batch.num_draft_tokens == 0
+    scheduler.add_drafts(batch, [Draft([7, 8]), Draft([])], 0.001)
+    assert [row.query_len for row in batch.rows] == [3, 1] and batch.num_draft_tokens == 2
+    assert batch.step_input.chunks == [row.chunk for row in batch.rows]
+    scheduler.mark_computed(batch)
+    for row, accepted in zip(batch.rows, [1, 0]):
+        draft = scheduler.take_draft(row) if row.num_draft_tokens else Draft([])
+        row.seq.token_ids.extend([7][:accepted] + [9])
+        if draft.token_ids:
+            scheduler.settle_draft(row.seq, len(draft.token_ids), accepted)
+        row.seq.pending_append = True
+    bm.check_integrity()
+assert scheduler.speculation.totals.num_drafts == 3 and scheduler.speculation.totals.num_accepted_tokens == 3
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+def test_schedule_never_runs_a_drafter_and_imports_no_torch():
+    """Run time: a scheduler with speculation schedules steps whose rows draft, with a drafter that raises
+    if asked for a draft; the engine's part (the drafts handed back, the verification settled) is played by
+    hand; torch is never imported."""
+    subprocess.run([sys.executable, "-c", SCHEDULE_WITH_A_RAISING_DRAFTER, str(ROOT)], check=True, cwd=ROOT)
+
+
+def test_schedule_never_runs_the_draft_models_forward_pass():
+    """The draft model's own drafter, over a runner whose forward pass raises: schedule() hands it out
+    and never calls it; the engine would (and here it raises)."""
+    from localserve.engine.draft_model import DraftModelDrafter
+    from localserve.engine.drafting import Draft
+    from localserve.engine.speculation import Speculation
+    from localserve.kv.block_manager import BlockManager
+    from tests.helpers.scheduler_states import make_request, make_scheduler, run
+    from tests.helpers.spec_costs import FixedStepCost
+
+    class ForwardRaises:
+        device = "cpu"
+
+        def execute(self, step_input):
+            raise AssertionError("the draft model's forward pass ran")
+
+    scheduler = make_scheduler(32)
+    drafter = DraftModelDrafter(ForwardRaises(), BlockManager(32, 16, 0, enable_prefix_caching=True))
+    scheduler.speculation = Speculation(drafter, 4, scheduler.block_manager, 8, FixedStepCost(), scheduler.events)
+    run(scheduler, make_request(0, list(range(1, 30)), [[5, 6]], max_tokens=40))
+    batch = scheduler.schedule()
+    assert batch.drafting.drafter is drafter and [query.max_tokens for query in batch.drafting.queries] == [4]
+    with pytest.raises(AssertionError, match="forward pass ran"):
+        batch.drafting.drafter.propose(batch.drafting.queries)
+    scheduler.add_drafts(batch, [Draft([])], 0.0)  # no draft after all: the step is a plain decode
+    assert [row.query_len for row in batch.rows] == [1] and batch.step_input.chunks == [batch.rows[0].chunk]
+    with pytest.raises(ValueError, match="add_drafts: this batch asks for no drafts"):
+        scheduler.add_drafts(batch, [Draft([7])], 0.0)

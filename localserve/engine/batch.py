@@ -10,14 +10,16 @@ A decoding sequence keeps its row from step to step (`Sequence.decode_row`): the
 token and position instead of making a row and a chunk per sequence per step.
 
 Two more limits may come between the decodes and the prefill chunks (engine/scheduler.py): speculative
-drafts lengthen decode rows into verify rows (engine/speculation.py), and a time budget may lower the
-token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`).
+drafts lengthen decode rows into verify rows (engine/speculation.py; the batch asks for them in
+`drafting`, and the engine's drafter makes them before the rest is filled in), and a time budget may
+lower the token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from localserve.engine.drafting import DraftRequest
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.sequence import Request, ScheduledRow, Sequence
 from localserve.engine.step import SeqChunk, StepInput
@@ -42,6 +44,9 @@ class Batch:
     num_draft_tokens: int = 0  # of those, the drafted tokens of verify rows (not prefill tokens)
     num_pooled_tokens: int = 0  # of those, the ones of embedding prompts (their hidden states are pooled)
     num_context_tokens: int = 0  # the rows' context lengths, summed: the KV the step reads
+    # Set by Scheduler.schedule() when decode rows are to draft: the step is complete once the drafts are
+    # handed back (Scheduler.add_drafts); None: the step is complete as scheduled.
+    drafting: DraftRequest | None = None
 
     @property
     def budget_left(self) -> int:

@@ -12,13 +12,14 @@ import torch
 from localserve.attention import select_backend
 from localserve.engine.config import EngineConfig
 from localserve.engine.draft_model import DraftModelDrafter
+from localserve.engine.drafting import Drafter
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EventLog
 from localserve.engine.kv_calibration import load_or_calibrate
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.ngram_drafter import NgramDrafter
 from localserve.engine.scheduler import Scheduler
-from localserve.engine.speculation import Drafter, Speculation
+from localserve.engine.speculation import Speculation
 from localserve.engine.step_budget import StepCostModel, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
 from localserve.kv.cache import PagedKVCache

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from localserve.engine.drafting import Draft, DraftQuery
 from localserve.engine.model_runner import ModelRunner
 from localserve.engine.sampler import apply_penalties, filter_rows, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.spec_acceptance import has_penalties
-from localserve.engine.speculation import Draft, DraftQuery
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.block_manager import BlockManager
 from localserve.kv.out_of_blocks import OutOfBlocksError

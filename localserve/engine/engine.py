@@ -233,6 +233,7 @@ class LLMEngine:
         """Schedule, run the model, sample, and report every request that moved."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        drafting_s = self._draft(batch) if batch.drafting is not None else 0.0
         masks = self.grammar_masks.start(batch.rows)  # filled while the model runs
         if batch.num_pooled_tokens:
             logits, hidden = self.runner.execute_pooled(batch.step_input)
@@ -243,12 +244,23 @@ class LLMEngine:
         outputs = self._postprocess(batch, logits, hidden)
         self.num_steps += 1
         duration = time.perf_counter() - start
-        self.scheduler.observe_step(batch, duration)
+        self.scheduler.observe_step(batch, duration - drafting_s)  # the drafter's cost is learnt apart
         self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.rows),
                                             len(batch.preempted), duration))
         if self.config.check_integrity:
             self.block_manager.check_integrity()
         return outputs
+
+    def _draft(self, batch: Batch) -> float:
+        """The drafts the schedule asked for (engine/speculation.py), made by its drafter (a draft model's
+        forward passes run here, between the schedule and the target's forward pass) and handed back to
+        the scheduler, which completes the step; returns the seconds the drafter took."""
+        drafting = batch.drafting
+        start = time.perf_counter()
+        drafts = drafting.drafter.propose(drafting.queries)
+        drafting_s = time.perf_counter() - start
+        self.scheduler.add_drafts(batch, drafts, drafting_s)
+        return drafting_s
 
     def _postprocess(self, batch: Batch, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[RequestOutput]:
         self.scheduler.mark_computed(batch)
@@ -264,7 +276,7 @@ class LLMEngine:
             request, seq, num_tokens = scheduled.request, scheduled.seq, scheduled.query_len
             if scheduled.num_draft_tokens:
                 moved[request.request_id] = request
-                draft = self.scheduler.speculation.restore_row(scheduled)  # a decode row again
+                draft = self.scheduler.take_draft(scheduled)  # a decode row again
                 verified.append(VerifyRow(request, seq, num_logits_rows, draft.token_ids, draft.probs))
                 num_logits_rows += len(draft.token_ids) + 1
                 continue
@@ -410,7 +422,6 @@ class LLMEngine:
         """Add each verification's tokens to its sequence one by one (stop rules apply to each: a stop
         inside the accepted draft ends the sequence there), then let the block manager keep what was
         accepted (engine/speculation.py). Failures as in `_append_sampled`."""
-        speculation = self.scheduler.speculation
         entries = zip(rows, verifications)
         row = None
         while True:
@@ -428,10 +439,8 @@ class LLMEngine:
                             break
                     request.just_readmitted = False
                     if reason is not None:
-                        speculation.record(seq, len(row.draft), verification.num_accepted)
                         self._finish_seq(seq, reason)
-                    else:
-                        speculation.commit(request, seq, len(row.draft), verification.num_accepted)
+                    self.scheduler.settle_draft(seq, len(row.draft), verification.num_accepted)
                 return
             except Exception as exc:
                 self._fail_alone(row.request, exc)

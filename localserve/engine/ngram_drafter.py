@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-from localserve.engine.speculation import Draft, DraftQuery
+from localserve.engine.drafting import Draft, DraftQuery
 
 MIN_NGRAM, MAX_NGRAM = 2, 4  # one-token matches propose mostly noise in free text
 

@@ -6,7 +6,10 @@ schedule the decodes, oldest request first; (3) prefill chunks of running reques
 prompts), both within the token budget (engine/batch.py); then, unless this step preempted, (4)
 swapped-out requests come back and waiting requests are admitted, in arrival order across both queues,
 while slots, the token budget and blocks allow (engine/admission.py). With speculative decoding, drafts
-lengthen the decode rows between (2) and (3) (engine/speculation.py); with a time budget, the prefill
+lengthen the decode rows between (2) and (3) (engine/speculation.py): the scheduler decides which rows
+draft and how many tokens, and stops there (`Batch.drafting`); the engine has the drafter make the
+drafts (a draft model's forward passes never run in here) and hands them to `add_drafts`, which
+lengthens the rows and goes on with (3) and (4). With a time budget, the prefill
 chunks and admissions of (3) and (4) get only the tokens that keep the step within it
 (engine/step_budget.py), which learns each step's cost from the durations the engine measures. Each of
 those modules states its rules and why they hold; docs/ARCHITECTURE.md, "Scheduling rules", sums them up.
@@ -19,12 +22,13 @@ import logging
 from localserve.engine.admission import Admission
 from localserve.engine.batch import Batch, BatchFiller
 from localserve.engine.config import SchedulerConfig
+from localserve.engine.drafting import Draft
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.preemption import Preemption
 from localserve.engine.request_queues import RequestQueues
-from localserve.engine.sequence import Request, RequestState
+from localserve.engine.sequence import Request, RequestState, ScheduledRow, Sequence
 from localserve.engine.speculation import Speculation
-from localserve.engine.step_budget import StepCostModel, StepTimeBudget
+from localserve.engine.step_budget import StepCostModel, StepShape, StepTimeBudget
 from localserve.engine.stop_reason import ERROR
 from localserve.kv.block_manager import BlockManager
 
@@ -51,6 +55,9 @@ class Scheduler:
         self.speculation = speculation
         self.step_budget = step_budget
         self.step_cost = step_cost if step_cost is not None or step_budget is None else step_budget.cost
+        # A step waiting for its drafts (schedule() -> add_drafts): its batch, its decodes' shape, the slots
+        # in use and the running sequences with prefill left.
+        self._drafting: tuple[Batch, StepShape, int, list[tuple[Request, Sequence]]] | None = None
 
     def add(self, request: Request) -> None:
         self.queues.add(request)
@@ -59,23 +66,46 @@ class Scheduler:
         return self.queues.has_work()
 
     def schedule(self) -> Batch:
-        """The next step's batch (module doc)."""
+        """The next step's batch (module doc). When decode rows are to draft, the batch is complete only
+        after `add_drafts`: its `drafting` says which drafter is to propose what."""
+        self._drafting = None
         batch = Batch(self.config.max_num_batched_tokens)
         unfit = self.preemption.make_room(batch)
         if unfit is not None:
             self._fail(unfit, batch, f"the KV pool ({self.block_manager.num_blocks} blocks) is too small for "
                                      f"this request's {len(unfit.live_seqs)} sequences")
         slots_in_use, prefills = self.filler.add_decodes(batch, self.queues.running)
+        decodes = None
         if self.speculation is not None or self.step_budget is not None:
-            block_size = self.block_manager.block_size
-            decodes = batch.shape(block_size)
+            decodes = batch.shape(self.block_manager.block_size)
             if self.speculation is not None:
-                self.speculation.add_drafts(batch, decodes)
-            if self.step_budget is not None:
-                self.step_budget.start_step(decodes)
-                # Asked only with prompt tokens to place: a usual gap costs a sort of the recent steps.
-                if prefills or self.queues.waiting or self.queues.swapped:
-                    batch.limit_prefill(self.step_budget.prefill_tokens(decodes, batch.shape(block_size)))
+                batch.drafting = self.speculation.plan(batch, decodes)
+                if batch.drafting is not None:
+                    self._drafting = (batch, decodes, slots_in_use, prefills)
+                    return batch
+        self._fill(batch, decodes, slots_in_use, prefills)
+        return batch
+
+    def add_drafts(self, batch: Batch, drafts: list[Draft], drafting_s: float) -> None:
+        """The drafts `batch.drafting` asked for (in its order), made in `drafting_s` seconds: the decode rows
+        become verify rows and the step is completed (module doc)."""
+        if self._drafting is None or self._drafting[0] is not batch:
+            raise ValueError("add_drafts: this batch asks for no drafts (it is not the last one scheduled, or "
+                             "its drafts were added already)")
+        _, decodes, slots_in_use, prefills = self._drafting
+        self._drafting = None
+        self.speculation.add_drafts(batch, drafts, drafting_s)
+        self._fill(batch, decodes, slots_in_use, prefills)
+
+    def _fill(self, batch: Batch, decodes: StepShape | None, slots_in_use: int,
+              prefills: list[tuple[Request, Sequence]]) -> None:
+        """The rest of the step after its decodes (and drafts): prefill chunks, then admissions."""
+        if self.step_budget is not None:
+            self.step_budget.start_step(decodes)
+            # Asked only with prompt tokens to place: a usual gap costs a sort of the recent steps.
+            if prefills or self.queues.waiting or self.queues.swapped:
+                batch.limit_prefill(self.step_budget.prefill_tokens(decodes,
+                                                                    batch.shape(self.block_manager.block_size)))
         for request, seq in prefills:  # prefill chunks of running requests, arrival order
             self.filler.add_prefill(batch, request, seq)
         if not batch.preempted:
@@ -83,7 +113,6 @@ class Scheduler:
                 if request.followers and request not in self._with_followers:
                     self._with_followers.append(request)
         batch.close()
-        return batch
 
     def mark_computed(self, batch: Batch) -> None:
         """After the forward pass: the step's tokens have their KV; followers take what their leader computed."""
@@ -97,14 +126,23 @@ class Scheduler:
         if self._with_followers:
             self._catch_up_followers()
 
+    def take_draft(self, row: ScheduledRow) -> Draft:
+        """After the forward pass: the verify row is its sequence's decode row again; returns its draft."""
+        return self.speculation.restore_row(row)
+
+    def settle_draft(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """The verification's tokens were appended to `seq` (which may have finished on one): `num_accepted`
+        of its `num_drafted` drafted tokens were kept; the blocks keep their KV, the totals count it."""
+        self.speculation.settle(seq, num_drafted, num_accepted)
+
     def observe_step(self, batch: Batch, duration_s: float) -> None:
-        """The step of `batch` took `duration_s` (drafting included): the cost model learns from it."""
+        """The step of `batch` took `duration_s`, drafting left out (the drafter's cost is learnt apart, from
+        `add_drafts`): the cost model learns from it."""
         if self.step_cost is not None:
-            drafting_s = self.speculation.last_drafting_s if self.speculation is not None else 0.0
-            shape, model_s = batch.shape(self.block_manager.block_size), max(0.0, duration_s - drafting_s)
+            shape = batch.shape(self.block_manager.block_size)
             if self.step_budget is not None:
-                self.step_budget.observe(shape, model_s)  # before the cost model learns from the step
-            self.step_cost.observe(shape, model_s)
+                self.step_budget.observe(shape, duration_s)  # before the cost model learns from the step
+            self.step_cost.observe(shape, duration_s)
 
     def finish(self, request: Request) -> None:
         """Take a request out of its queue, free the blocks of its live sequences, and drop their rows."""

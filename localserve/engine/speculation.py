@@ -1,6 +1,8 @@
 """Speculative decoding, the scheduler's side: which decode rows get a draft, how long, and what the block
-manager keeps after the verification. No torch (the draft model's drafter, engine/draft_model.py, runs
-its own forward passes behind the `Drafter` interface; the acceptance is engine/spec_acceptance.py).
+manager keeps after the verification. No torch, and no drafter call but `release`: the scheduler decides
+(`plan`, a `DraftRequest` on the step's batch), the engine has the drafter compute the drafts between
+`Scheduler.schedule()` and the forward pass (the draft model's forward passes, engine/draft_model.py),
+and hands them back (`add_drafts`); the acceptance is engine/spec_acceptance.py.
 
 A drafter proposes up to K tokens to follow a sequence (engine/ngram_drafter.py: the tokens after an
 earlier occurrence of its last few; engine/draft_model.py: a small model of the same tokenizer). The
@@ -36,16 +38,13 @@ The rules, and why:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from typing import Protocol
 
 from localserve.engine.batch import Batch
+from localserve.engine.drafting import Draft, Drafter, DraftQuery, DraftRequest
 from localserve.engine.events import EventLog
-from localserve.engine.sampling_params import SamplingParams
-from localserve.engine.sequence import Request, ScheduledRow, Sequence
+from localserve.engine.sequence import ScheduledRow, Sequence
 from localserve.engine.spec_state import SpecState
 from localserve.engine.step_budget import StepCostModel, StepShape
 from localserve.kv.block_manager import BlockManager
@@ -56,38 +55,8 @@ SPEC_TYPES = ("ngram", "draft")
 UNLEARNT_TOKEN_SHARE = 0.1
 DRAFTER_COST_DECAY = 0.9  # the drafter's measured seconds per drafted token: a running average
 
-
-@dataclass(frozen=True, slots=True)
-class DraftQuery:
-    """What a drafter is asked for one sequence: up to `max_tokens` tokens to follow `token_ids` (its
-    prompt and output, the last one sampled and not yet computed)."""
-
-    seq_id: int
-    token_ids: SequenceABC[int]
-    prompt_len: int
-    max_tokens: int
-    params: SamplingParams
-
-
-@dataclass(slots=True)
-class Draft:
-    """Tokens a drafter proposes, and (for temperature > 0, from a model) its probabilities of them: one
-    distribution over the vocabulary per drafted token, on the target's device; None: point masses."""
-
-    token_ids: list[int]
-    probs: object | None = None
-
-
-class Drafter(Protocol):
-    """Proposes drafts (engine/ngram_drafter.py, engine/draft_model.py)."""
-
-    def propose(self, queries: list[DraftQuery]) -> list[Draft]:
-        """One draft per query, each of at most its `max_tokens` tokens (maybe none)."""
-        ...
-
-    def release(self, seq_id: int) -> None:
-        """The sequence has finished: forget what is kept for it."""
-        ...
+__all__ = ["SPEC_TYPES", "Draft", "DraftQuery", "Drafter", "Speculation", "SpecTotals", "constrain_draft",
+           "spec_totals"]
 
 
 def constrain_draft(seq: Sequence, draft: Draft) -> Draft:
@@ -151,29 +120,39 @@ class Speculation:
         self.events = events
         self.totals = SpecTotals()
         self.drafter_s_per_token = 0.0  # measured: the drafter's time over the tokens it drafted
-        self.last_drafting_s = 0.0  # the drafter's time in the last step (the step cost model leaves it out)
+        self._planned: list[tuple[ScheduledRow, int]] = []  # the rows of the step's DraftRequest, in order
 
     # ---- before the forward pass ----
-    def add_drafts(self, batch: Batch, decodes: StepShape) -> None:
-        """Lengthen the step's decode rows (all its rows so far) by drafts, as long as each is worth it."""
-        self.last_drafting_s = 0.0
-        plan = self._plan(batch, decodes)
-        if plan:
-            start = time.perf_counter()
-            queries = [DraftQuery(row.seq.seq_id, row.seq.token_ids, row.seq.prompt_len, num_tokens,
-                                  row.request.params) for row, num_tokens in plan]
-            drafts = self.drafter.propose(queries)
-            self.last_drafting_s = time.perf_counter() - start
-            num_drafted = 0
-            for (row, _), draft in zip(plan, drafts, strict=True):
-                draft = constrain_draft(row.seq, draft)
-                if draft.token_ids:
-                    self._lengthen(batch, row, draft)
-                    num_drafted += len(draft.token_ids)
-            if num_drafted:
-                per_token = self.last_drafting_s / num_drafted
-                self.drafter_s_per_token = (per_token if not self.totals.num_drafts else DRAFTER_COST_DECAY
-                                            * self.drafter_s_per_token + (1 - DRAFTER_COST_DECAY) * per_token)
+    def plan(self, batch: Batch, decodes: StepShape) -> DraftRequest | None:
+        """The drafts the step's decode rows (all its rows so far) ask for, as long as each token is worth
+        it; None when no row drafts. The drafter runs outside the scheduler: `add_drafts` takes its drafts."""
+        self._planned = self._plan(batch, decodes)
+        if not self._planned:
+            self._idle(batch)
+            return None
+        return DraftRequest(self.drafter, [
+            DraftQuery(row.seq.seq_id, row.seq.token_ids, row.seq.prompt_len, num_tokens, row.request.params)
+            for row, num_tokens in self._planned])
+
+    def add_drafts(self, batch: Batch, drafts: list[Draft], drafting_s: float) -> None:
+        """Lengthen the planned decode rows by their drafts (`plan`'s queries, in order), which the drafter
+        made in `drafting_s` seconds (it learns the drafter's cost per token from them)."""
+        planned, self._planned = self._planned, []
+        num_drafted = 0
+        for (row, _), draft in zip(planned, drafts, strict=True):
+            draft = constrain_draft(row.seq, draft)
+            if draft.token_ids:
+                self._lengthen(batch, row, draft)
+                num_drafted += len(draft.token_ids)
+        if num_drafted:
+            per_token = drafting_s / num_drafted
+            self.drafter_s_per_token = (per_token if not self.totals.num_drafts else DRAFTER_COST_DECAY
+                                        * self.drafter_s_per_token + (1 - DRAFTER_COST_DECAY) * per_token)
+        self._idle(batch)
+
+    @staticmethod
+    def _idle(batch: Batch) -> None:
+        """The decode rows that draft nothing this step: their acceptance estimate drifts to the prior."""
         for row in batch.rows:
             if not row.num_draft_tokens and row.seq.speculation is not None:
                 row.seq.speculation.idle()
@@ -258,7 +237,15 @@ class Speculation:
         state.draft, state.draft_probs = [], None
         return draft
 
-    def commit(self, request: Request, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+    def settle(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """After a verification's tokens were appended to the sequence (one by one, the stop rules applied):
+        counts it, and for a sequence that goes on keeps what was accepted (`commit`)."""
+        if seq.finish_reason is None:
+            self.commit(seq, num_drafted, num_accepted)
+        else:
+            self.record(seq, num_drafted, num_accepted)
+
+    def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """After the accepted tokens and the target's own were appended to a sequence that goes on: the block
         manager keeps the KV of its tokens up to the accepted ones (the last appended is pending, as after
         any sampled token). Counts the verification."""

@@ -5,6 +5,8 @@ drafter's lookups, the constraint seam, and the settings refused."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -196,3 +198,51 @@ def test_bad_speculation_and_step_budget_settings_are_refused(settings, message)
 def test_a_draft_model_is_required_for_spec_type_draft(tiny64):
     with pytest.raises(ValueError, match="needs a draft model"):
         build_engine(tiny64, None, EngineConfig(num_kv_blocks=8, spec_type="draft"))
+
+
+def test_the_draft_model_runs_between_the_schedule_and_the_target_and_its_time_is_left_out_of_the_step_cost(
+        tiny64, continuation):
+    """The scheduler decides, the engine computes: each drafting step is schedule() (no forward pass in it),
+    the draft model's forward passes, add_drafts, then the target's one; the cost model learns the step's
+    time without the drafter's (which it learns apart, per drafted token)."""
+    engine = build_engine(tiny64, None, EngineConfig(num_kv_blocks=64, check_integrity=True, spec_type="draft",
+                                                     spec_tokens=4), draft_model=tiny64)
+    speculation = engine.scheduler.speculation
+    speculation.cost = FixedStepCost(step_s=1.0)
+    calls: list[str] = []
+    draft_s = [0.0]
+    observed: list[float] = []
+
+    def traced(name, fn, timed=None):
+        def call(*args):
+            calls.append(name)
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                calls.append(f"/{name}")
+                if timed is not None:
+                    timed[0] += time.perf_counter() - start
+        return call
+
+    scheduler, draft_runner = engine.scheduler, speculation.drafter.runner
+    scheduler.schedule = traced("schedule", scheduler.schedule)
+    scheduler.add_drafts = traced("add_drafts", scheduler.add_drafts)
+    draft_runner.execute = traced("draft", draft_runner.execute, draft_s)
+    engine.runner.execute = traced("target", engine.runner.execute)
+    observe = scheduler.observe_step
+    scheduler.observe_step = lambda batch, duration_s: (observed.append(duration_s), observe(batch, duration_s))
+    request_id = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=20))
+    while engine.has_unfinished_requests():
+        calls.clear()
+        draft_s[0] = 0.0
+        final = engine.step()
+        steps = [call for call in calls if not call.startswith("/")]
+        if "draft" in steps:
+            assert calls[:2] == ["schedule", "/schedule"], calls  # nothing ran inside the schedule
+            assert steps[1:] == ["draft"] * (len(steps) - 3) + ["add_drafts", "target"], steps
+            assert observed[-1] <= engine.step_history[-1].duration_s - draft_s[0]
+        else:
+            assert steps == ["schedule", "target"], steps
+    assert final[0].request_id == request_id and list(final[0].token_ids) == continuation(PROMPT)[:20]
+    assert speculation.totals.num_drafts > 0 and speculation.drafter_s_per_token > 0

@@ -54,19 +54,29 @@ class StepChecker:
         self.batch: Batch | None = None
         self.had_work = False
         self.known: dict[int, Request] = {}  # every request the engine has held, by id()
-        schedule, execute = engine.scheduler.schedule, engine.runner.execute
+        schedule, add_drafts, execute = engine.scheduler.schedule, engine.scheduler.add_drafts, engine.runner.execute
+        scheduled_from: tuple = ()  # what the step's checks read from before it was scheduled
+
+        def check_scheduled(batch: Batch) -> None:
+            before, last_event = scheduled_from
+            self.check_rows(batch)
+            self.check_moves(batch)
+            self.check_admission_order(last_event)
+            self.check_victims(batch, before)
+            self.check_work_conserving(batch)
 
         def checked_schedule() -> Batch:
+            nonlocal scheduled_from
             self.had_work = engine.scheduler.has_work()
-            before = self.running_before()
-            last_event = engine.events.last_seq
+            scheduled_from = (self.running_before(), engine.events.last_seq)
             self.batch = schedule()
-            self.check_rows(self.batch)
-            self.check_moves(self.batch)
-            self.check_admission_order(last_event)
-            self.check_victims(self.batch, before)
-            self.check_work_conserving(self.batch)
+            if self.batch.drafting is None:  # complete as scheduled; else once its drafts are in
+                check_scheduled(self.batch)
             return self.batch
+
+        def checked_add_drafts(batch: Batch, drafts, drafting_s: float) -> None:
+            add_drafts(batch, drafts, drafting_s)
+            check_scheduled(batch)
 
         def checked_execute(step_input):
             assert step_input is self.batch.step_input
@@ -74,6 +84,7 @@ class StepChecker:
             return execute(step_input)
 
         engine.scheduler.schedule = checked_schedule
+        engine.scheduler.add_drafts = checked_add_drafts
         engine.runner.execute = checked_execute
 
     # ---- when the step is scheduled ----
