@@ -6,7 +6,7 @@ model's sampling defaults; `EngineLoader` loads one entry of it as an `LLM` with
 checked clean, every reference to the weights, the KV pool and the engine is dropped, cycles are
 collected (the load froze the garbage collector's view of them: `settle_garbage_collector`), the CUDA
 caching allocator hands its blocks back, and on glibc `malloc_trim` returns the freed heap to the system,
-so the process's memory goes back to what it was before the load (tests/server/test_model_switch.py
+so the process's memory goes back to what it was before the load (tests/server/registry/test_model_switch.py
 measures it).
 """
 

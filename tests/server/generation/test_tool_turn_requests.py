@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.helpers.server import post_json
+from tests.helpers.server import post_ok as post
 from tests.helpers.tool_models import JSON_ANSWER, WEATHER_TOOL
 
 WEATHER_PARAMETERS = WEATHER_TOOL["function"]["parameters"]
@@ -74,12 +74,6 @@ def test_a_hosted_tool_is_refused_saying_so(weather_client, hosted):
 def test_a_hosted_tool_the_request_never_calls_is_dropped(weather_client):
     answer = final_response(weather_client, codex_request([ASK], [SHELL, {"type": "web_search"}], tool_choice="none"))
     assert [item.type for item in answer.output] == ["message"]
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    status, answer = post_json(port, path, body)
-    assert status == 200, answer
-    return answer
 
 
 def test_apply_template_renders_tools_and_tool_turns_as_chat_completions_does(weather_server):

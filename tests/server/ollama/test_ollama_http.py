@@ -15,6 +15,7 @@ import ollama
 import pytest
 from safetensors import safe_open
 
+from tests.helpers.server import post_raw as post
 from tests.helpers.server import running_server
 
 PROMPT = "hello world tell me a story about the cat and the dog"
@@ -32,15 +33,6 @@ def server(tiny_chat_llm):
 @pytest.fixture(scope="module")
 def client(server):
     return ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=60)
-
-
-def post(port: int, path: str, body: dict) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    status, data = response.status, response.read()
-    connection.close()
-    return status, data
 
 
 def openai_chat(port: int, messages: list[dict], max_tokens: int = 12) -> dict:

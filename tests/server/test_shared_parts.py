@@ -1,6 +1,8 @@
-"""What the server's parts share (server/registry/engine_access.py), on its own: which hosts count as this machine alone
-(near misses included) and the refusal to listen beyond it without a key; closing a websocket within a
-bound; reading an engine-thread future. (The names a model answers to: tests/server/test_model_registry.py.)"""
+"""What the server's parts share (once server/context.py), on their own: which hosts count as this machine
+alone (near misses included) and the refusal to listen beyond it without a key (server/wire/access.py);
+closing a websocket within a bound (server/wire/closing.py); reading an engine-thread future and posting its
+outputs to the loop (server/registry/engine_access.py); a served model (server/registry/served_model.py).
+(The names a model answers to: tests/server/registry/test_model_registry.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The slash commands of `localserve chat` (chat/commands.py) on their own: each command parsed into
 the settings the next `response.create` carries, each bound at its limit (accepted) and past it (refused
-with a message that says why), a refused command changing nothing. (tests/server/test_chat_client.py
+with a message that says why), a refused command changing nothing. (tests/chat/test_chat_client.py
 runs them through the client against a scripted server.)"""
 
 from __future__ import annotations

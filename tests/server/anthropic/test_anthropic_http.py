@@ -5,15 +5,12 @@ the same over Ollama's chat, Anthropic's messages and chat completions for the s
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import anthropic
 import ollama
 import pytest
 from anthropic.types import Message
 
-from tests.helpers.server import running_server
+from tests.helpers.server import post_json, running_server
 
 API_KEY = "sekrit-key"
 PROMPT = "hello world tell me a story about the cat and the dog"
@@ -36,13 +33,7 @@ def client(server):
 
 
 def post(port: int, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "x-api-key": API_KEY,
-                                                        **(headers or {})})
-    response = connection.getresponse()
-    status, data = response.status, json.loads(response.read())
-    connection.close()
-    return status, data
+    return post_json(port, path, body, {"x-api-key": API_KEY, **(headers or {})})
 
 
 def create(client, max_tokens: int = 12, **fields) -> Message:
