@@ -20,14 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.helpers.server import CLOSING_EVENTS, collect_response, running_server
+from tests.helpers.server import CLOSING_EVENTS, collect_response, make_llm, running_server
 
 API_KEY = "sekrit-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_llm):
-    with running_server(tiny_chat_llm, model_alias="tiny-chat", max_connections=4,
+def server(tiny_chat_model_dir):
+    # a pool of its own: the prefix-cache test below needs its prompt not cached by an earlier file's requests
+    with running_server(make_llm(tiny_chat_model_dir, max_model_len=512), model_alias="tiny-chat", max_connections=4,
                         allowed_origins=("http://localhost:3000",)) as server:
         yield server
 
