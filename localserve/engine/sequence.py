@@ -84,7 +84,6 @@ class Sequence:
     # beam), so that nothing of a finished request waits for the cyclic garbage collector.
     decode_row: ScheduledRow | None = None
     decoder: object | None = None  # the tokenizer's StreamDecoder, when text is wanted
-    stop: StopReason | None = None  # why it stopped, set with finish_reason (engine/stop_reason.py)
     speculation: SpecState | None = None  # its speculative decoding, from its first draft on
     text: str = ""  # detokenized output so far (stop strings cut off)
     num_emitted_chars: int = 0  # text already reported to a streaming client
@@ -96,6 +95,8 @@ class Sequence:
     # Inside the request's reasoning block (from the start of the output until `reasoning_end` appears).
     in_reasoning: bool = False
     num_reasoning_tokens: int = 0  # output tokens of the reasoning block, the one that ends it included
+    # Why it stopped, set with finish_reason (engine/stop_reason.py); last: the fields before it keep their places.
+    stop: StopReason | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
