@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from localserve.engine.config import SPEC_TOKENS, EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
-from localserve.server.connection_phases import PhaseBounds
+from localserve.server.wire.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
     import torch
@@ -179,14 +179,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the models over HTTP and websockets (DESIGN.md section 7) until SIGINT or SIGTERM, then exit 0.
 
     The default model is loaded before the port opens; the others when a request names them
-    (server/models.py)."""
+    (server/registry/registry.py)."""
     settings = engine_config(args)  # a bad setting fails at once, before torch is imported
     import asyncio
     import signal
 
     from localserve.server.app import LocalServer
-    from localserve.server.context import check_bind_safety
-    from localserve.server.models import ModelPolicy, ModelRegistry
+    from localserve.server.registry.registry import ModelPolicy, ModelRegistry
+    from localserve.server.wire.access import check_bind_safety
 
     config = server_config(args)
     policy = ModelPolicy(max_loaded_models=args.max_loaded_models, sleep_idle_s=args.sleep_idle_seconds)
@@ -241,7 +241,7 @@ def server_config(args: argparse.Namespace):
     """The ServerConfig of `localserve serve`'s flags (the key also from $LOCALSERVE_API_KEY)."""
     import os
 
-    from localserve.server.context import ServerConfig
+    from localserve.server.config import ServerConfig
 
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
                         allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
@@ -370,7 +370,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Chat in this terminal with a running server (see localserve/chat_client.py)."""
-    from localserve.server.chat_client import run_chat
+    from localserve.chat.client import run_chat
 
     return run_chat(args.url, api_key=args.api_key, model=args.model, instructions=args.instructions,
                     max_output_tokens=args.max_tokens, temperature=args.temperature)

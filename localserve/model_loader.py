@@ -1,4 +1,4 @@
-"""Loading and unloading the models of `localserve serve`: what server/models.py's `ModelRegistry` is handed.
+"""Loading and unloading the models of `localserve serve`: what server/registry/registry.py's `ModelRegistry` is handed.
 
 `find_models` turns `-m` (given any number of times) and `--models-dir` into the `ModelCatalog` and each
 model's sampling defaults; `EngineLoader` loads one entry of it as an `LLM` with its `EngineThread`
@@ -6,7 +6,7 @@ model's sampling defaults; `EngineLoader` loads one entry of it as an `LLM` with
 checked clean, every reference to the weights, the KV pool and the engine is dropped, cycles are
 collected (the load froze the garbage collector's view of them: `settle_garbage_collector`), the CUDA
 caching allocator hands its blocks back, and on glibc `malloc_trim` returns the freed heap to the system,
-so the process's memory goes back to what it was before the load (tests/server/test_model_switch.py
+so the process's memory goes back to what it was before the load (tests/server/registry/test_model_switch.py
 measures it).
 """
 
@@ -30,7 +30,7 @@ from localserve.loading.hf import read_model_config, resolve_model_path
 from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import ModelCatalog, ModelEntry, find_model_paths, read_model_files
 from localserve.loading.sampling_defaults import SamplingDefaults, sampling_defaults
-from localserve.server.model_description import FileDescription
+from localserve.server.registry.description import FileDescription
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def find_models(models: Sequence[str], models_dir: Path | None, *, default_name:
 
 
 class LoadedEngine:
-    """One loaded model: its LLM and the engine thread stepping it (server/models.py's `LoadedModel`)."""
+    """One loaded model: its LLM and the engine thread stepping it (server/registry/registry.py's `ModelInMemory`)."""
 
     def __init__(self, name: str, llm: LLM) -> None:
         self.name = name

@@ -35,10 +35,11 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.default_model import resolve_default_model
 from localserve.loading.hf import load_model
-from localserve.server.request_fields import parse_request
-from localserve.server.request_model import RequestLimits
-from localserve.server.response_events import ResponseStream
-from localserve.server.responses_format import RESPONSES_WEBSOCKET
+from localserve.server.generation.stream import GenerationStream
+from localserve.server.openai.responses_events import ResponsesEvents
+from localserve.server.openai.responses_format import RESPONSES_WEBSOCKET
+from localserve.server.request.fields import parse_request
+from localserve.server.request.generation_request import RequestLimits
 from localserve.tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 LICENSE_TEXT = Path("/usr/share/common-licenses/GPL-3").read_text()
@@ -118,7 +119,8 @@ def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock, p
                                     grammar=GRAMMAR if constrained else None)
             request_id = engine.add_request(prompt, params)
             request = parse_request({"type": "response.create", "input": "x"}, RESPONSES_WEBSOCKET, RequestLimits())
-            streams[request_id] = ResponseStream(request, params, request_id, "m", len(prompt), tokenizer.decode)
+            streams[request_id] = ResponsesEvents(GenerationStream(request, params, request_id, "m", len(prompt),
+                                                                   tokenizer.decode))
         while any(step.num_prefill_tokens for step in list(engine.step_history)[-1:]) or not engine.step_history:
             engine.step()  # prefill, outside the measurement
         clock.on = True
@@ -129,9 +131,9 @@ def profile(model, tokenizer: Tokenizer, batch: int, steps: int, clock: Clock, p
                 outputs = engine.step()
             with clock.stage("sending (events + JSON)"):
                 for output in outputs:
-                    stream = streams[output.request_id]
-                    stream.absorb(output)
-                    for event in stream.drain():
+                    view = streams[output.request_id]
+                    view.stream.absorb(output)
+                    for event in view.drain():
                         json.dumps(event)
         elapsed = time.perf_counter() - start
     finally:

@@ -5,7 +5,7 @@ into the server's config; the defaults are PhaseBounds' own (one source), the ca
 from __future__ import annotations
 
 from localserve.cli import build_parser, phase_bounds
-from localserve.server.connection_phases import PhaseBounds
+from localserve.server.wire.connection_phases import PhaseBounds
 
 
 def serve_args(*flags: str):

@@ -153,6 +153,38 @@ def test_layering(graph, source, forbidden):
     assert forbidden_imports(graph, source, forbidden) == []
 
 
+# The server's rooms (docs/ARCHITECTURE.md): each API family a folder that imports no other; the wire knows no
+# API, no model and no generation; the API-neutral parts (the requests, generation and its stream, the registry,
+# the monitor) import no API.
+SERVER = "localserve.server"
+API_FOLDERS = tuple(f"{SERVER}.{name}" for name in ("openai", "ollama", "anthropic", "llama_cpp", "embeddings"))
+
+
+@pytest.mark.parametrize("api", API_FOLDERS)
+def test_an_api_folder_imports_no_other_api_folder(graph, api):
+    assert forbidden_imports(graph, api, tuple(other for other in API_FOLDERS if other != api)) == []
+
+
+@pytest.mark.parametrize("source,forbidden", [
+    (f"{SERVER}.wire", (*API_FOLDERS, f"{SERVER}.registry", f"{SERVER}.generation", f"{SERVER}.monitor",
+                        f"{SERVER}.app", f"{SERVER}.http_app")),
+    (f"{SERVER}.request", (*API_FOLDERS, f"{SERVER}.registry", f"{SERVER}.generation", f"{SERVER}.wire")),
+    (f"{SERVER}.generation", API_FOLDERS),
+    (f"{SERVER}.registry", (*API_FOLDERS, f"{SERVER}.generation")),
+    (f"{SERVER}.monitor", (*API_FOLDERS, f"{SERVER}.generation")),
+])
+def test_the_neutral_server_rooms_import_no_api(graph, source, forbidden):
+    assert forbidden_imports(graph, source, forbidden) == []
+
+
+def test_the_server_rooms_are_found():
+    # the rules above name folders: each must exist, or a rule would pass by checking nothing
+    modules = set(module_files())
+    for room in (*API_FOLDERS, *(f"{SERVER}.{name}" for name in ("wire", "request", "generation", "registry",
+                                                                  "monitor"))):
+        assert room in modules and any(module.startswith(room + ".") for module in modules), room
+
+
 def test_kernels_import_only_torch_triton_and_the_standard_library():
     allowed = {"torch", "triton"} | set(sys.stdlib_module_names)
     for path in SOURCES["localserve.kernels"].rglob("*.py"):
@@ -177,7 +209,7 @@ def test_bookkeeping_modules_import_no_torch(runtime_graph, module):
 
 def test_cli_imports_no_torch_for_the_chat_client():
     code = ("import sys; from localserve.cli import build_parser; build_parser(); "
-            "import localserve.server.chat_client; assert 'torch' not in sys.modules, 'torch was imported'")
+            "import localserve.chat.client; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

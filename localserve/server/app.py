@@ -2,16 +2,16 @@
 
 One asyncio loop serves every connection; each loaded model's engine runs on its own thread behind
 `EngineThread`, and the server reads it only through `EngineAccess` (its facts, submit and abort,
-statistics, snapshots and events), lent per request by the `ModelRegistry` (server/models.py), which
+statistics, snapshots and events), lent per request by the `ModelRegistry` (server/registry/registry.py), which
 loads and unloads the models requests ask for. `LocalServer` builds the parts and hands each what it
 uses: the configuration, the models, the conversation store, the metrics, the response service. Each
 connection starts as HTTP/1.1
-(uvicorn's h11 protocol, server/transport.py): requests go to the ASGI app of server/http_api.py;
+(uvicorn's h11 protocol, server/wire/transport.py): requests go to the ASGI app of server/http_app.py;
 a websocket upgrade is handed to `websockets`, whose handshake runs `_process_request` (access checks:
 duplicate headers, the Host header, a browser Origin, the API key, or for `/v1/monitor` a single-use
 ticket from `POST /v1/monitor/ticket` instead, since a browser cannot send the key on a websocket; the
 path; the connection limit) before `/v1/responses` or `/v1/monitor` is served. Every connection has
-its place in the `ConnectionBook` (server/connection_phases.py) from its first byte to its last,
+its place in the `ConnectionBook` (server/wire/connection_phases.py) from its first byte to its last,
 across the upgrade: the transport moves it through the HTTP phases and the handshake, the handler on
 from there (a monitor is served at once, a `/v1/responses` websocket once its first event comes).
 `shutdown()` ends every response in flight, on either transport, with a final event before closing
@@ -31,18 +31,19 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.http11 import Request, Response
 
-from localserve.server.access import AccessPolicy, MonitorTickets, check_access
-from localserve.server.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
-from localserve.server.context import CLOSE_TIMEOUT_S, ServerConfig, check_bind_safety, close_within
-from localserve.server.conversations import ConversationStore
-from localserve.server.embeddings_api import EmbeddingRoutes
-from localserve.server.http_api import HttpApi
-from localserve.server.metrics import ServerMetrics
-from localserve.server.models import ModelRegistry
-from localserve.server.monitor import MIN_MONITOR_INTERVAL_S, serve_monitor
-from localserve.server.responses import ResponseService
-from localserve.server.session import ResponsesSession
-from localserve.server.transport import SharedPort
+from localserve.server.config import ServerConfig
+from localserve.server.embeddings.api import EmbeddingRoutes
+from localserve.server.generation.conversations import ConversationStore
+from localserve.server.generation.service import GenerationService
+from localserve.server.http_app import HttpApp
+from localserve.server.monitor.metrics import ServerMetrics
+from localserve.server.monitor.monitor import MIN_MONITOR_INTERVAL_S, serve_monitor
+from localserve.server.openai.responses_socket import ResponsesSession
+from localserve.server.registry.registry import ModelRegistry
+from localserve.server.wire.access import AccessPolicy, MonitorTickets, check_access, check_bind_safety
+from localserve.server.wire.closing import CLOSE_TIMEOUT_S, close_within
+from localserve.server.wire.connection_phases import LIMIT_REACHED_REASON, ConnectionBook, FirstEventWait, Phase, Slot
+from localserve.server.wire.transport import SharedPort
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,14 @@ class LocalServer:
         self.models = models
         self.metrics = ServerMetrics(models.catalog.default.id)
         self.conversations = ConversationStore(config.max_stored_responses, config.max_stored_chars)
-        self.responses = ResponseService(models, config, self.conversations, self.metrics)
+        self.responses = GenerationService(models, config, self.conversations, self.metrics)
         self.embeddings = EmbeddingRoutes(models, config)
         self.monitor_tickets = MonitorTickets()  # issued by the HTTP API, redeemed by the monitor's handshake
         self.connections = ConnectionBook(config.max_connections,
                                           config.max_unfinished_connections or config.max_connections)
         self.port = config.port
         self.sessions: set[ResponsesSession] = set()
-        self.http_api: HttpApi | None = None  # built by start(), once the access policy knows the port
+        self.http_api: HttpApp | None = None  # built by start(), once the access policy knows the port
         self._connections: set[ServerConnection] = set()  # every websocket connection being served
         self._monitors: set[ServerConnection] = set()
         self._server: Server | None = None
@@ -83,17 +84,18 @@ class LocalServer:
     async def start(self) -> None:
         """Bind and start accepting connections (self.port is the bound port afterwards)."""
         config = self.config
-        self._port = SharedPort(self._serve_http, self.connections, max_message_bytes=config.max_message_bytes,
+        # the ASGI app takes the connections itself; its access policy names the port, known once bound (no
+        # request arrives before)
+        self.http_api = HttpApp(config=config, access_policy=None, models=self.models, responses=self.responses,
+                                metrics=self.metrics, monitor_tickets=self.monitor_tickets, embeddings=self.embeddings)
+        self._port = SharedPort(self.http_api, self.connections, max_message_bytes=config.max_message_bytes,
                                 write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S,
                                 bounds=config.phase_bounds)
         self._server = await self._port.listen(config.host, config.port, self._process_request,
                                                self._handle_connection)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.access_policy = AccessPolicy.build(config.host, self.port, config.allowed_hosts,
-                                                config.allowed_origins, config.api_key)
-        self.http_api = HttpApi(config=config, access_policy=self.access_policy, models=self.models,
-                                responses=self.responses, metrics=self.metrics, monitor_tickets=self.monitor_tickets,
-                                embeddings=self.embeddings)
+        self.access_policy = self.http_api.access_policy = AccessPolicy.build(
+            config.host, self.port, config.allowed_hosts, config.allowed_origins, config.api_key)
         self.models.start()
         served = ", ".join(entry.id for entry in self.models.catalog.entries)
         log.info("serving %s on ws://%s:%d/v1/responses and http://%s:%d/v1", served, config.host, self.port,
@@ -146,10 +148,6 @@ class LocalServer:
         await self._server.wait_closed()
         while self._port.http_connections or self._port.uvicorn_state.tasks:
             await asyncio.sleep(0.02)
-
-    async def _serve_http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The ASGI entry: the HTTP API, built once the port is bound (no request arrives before)."""
-        await self.http_api(scope, receive, send)
 
     # ------------------------------------------------------------------ websocket handshakes
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:

@@ -10,7 +10,7 @@ from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.speculation import Draft
-from localserve.server.metrics import ServerMetrics
+from localserve.server.monitor.metrics import ServerMetrics
 from tests.helpers.spec_costs import FixedStepCost
 
 PROMPT = [5, 6, 7, 8, 9]

@@ -1,5 +1,5 @@
-"""The engine thread as the server sees it (`EngineAccess`, server/context.py), played by a test: no engine
-behind it. Submissions and aborts are recorded; the test answers a submission itself, calling its
+"""The engine thread as the server sees it (`EngineAccess`, server/registry/engine_access.py), played by a
+test: no engine behind it. Submissions and aborts are recorded; the test answers a submission itself, calling its
 `on_output` with the outputs it chooses (`RecordedEngineThread.answer`). Statistics and snapshots are an
 idle engine's. `CountingTokenizer` makes a prompt exactly as many tokens as its text has characters, so
 a test sizes the prompt by its text.

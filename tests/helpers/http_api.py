@@ -1,4 +1,4 @@
-"""An HttpApi (server/http_api.py) as an ASGI app with the parts it is handed: a real ResponseService on a
+"""An HttpApp (server/http_app.py) as an ASGI app with the parts it is handed: a real GenerationService on a
 recorded engine thread (tests/helpers/engine_access.py), driven through the ASGI pair (tests/helpers/asgi.py)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import json
 from typing import Any
 
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
-from localserve.server.access import AccessPolicy, MonitorTickets
-from localserve.server.context import ServerConfig
-from localserve.server.conversations import ConversationStore
-from localserve.server.embeddings_api import EmbeddingRoutes
-from localserve.server.http_api import HttpApi
-from localserve.server.metrics import ServerMetrics
-from localserve.server.models import serving_loaded
-from localserve.server.responses import ResponseService
+from localserve.server.config import ServerConfig
+from localserve.server.embeddings.api import EmbeddingRoutes
+from localserve.server.generation.conversations import ConversationStore
+from localserve.server.generation.service import GenerationService
+from localserve.server.http_app import HttpApp
+from localserve.server.monitor.metrics import ServerMetrics
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.wire.access import AccessPolicy, MonitorTickets
 from tests.helpers.asgi import AsgiPeer, body_messages
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 
@@ -26,7 +26,7 @@ KEY = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class Api:
-    """An HttpApi and the parts it is handed."""
+    """An HttpApp and the parts it is handed."""
 
     def __init__(self, api_key: str | None = None, sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
                  max_model_len: int = 200, **config: Any) -> None:
@@ -37,9 +37,9 @@ class Api:
         self.tokenizer = CountingTokenizer()
         models = serving_loaded(self.engine, self.tokenizer, "model", alias="served",
                                 sampling_defaults=sampling_defaults)
-        self.responses = ResponseService(models, self.config, conversations, metrics)
+        self.responses = GenerationService(models, self.config, conversations, metrics)
         policy = AccessPolicy.build(self.config.host, 8080, (), self.config.allowed_origins, api_key)
-        self.app = HttpApi(config=self.config, access_policy=policy, models=models, responses=self.responses,
+        self.app = HttpApp(config=self.config, access_policy=policy, models=models, responses=self.responses,
                            metrics=metrics, monitor_tickets=MonitorTickets(),
                            embeddings=EmbeddingRoutes(models, self.config))
 

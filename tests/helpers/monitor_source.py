@@ -1,12 +1,12 @@
-"""A `MonitorSource` (server/monitor.py) that always serves one model: for the monitor's own tests."""
+"""A `MonitorSource` (server/monitor/monitor.py) that always serves one model: for the monitor's own tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
-from localserve.server.context import ServedModel
-from localserve.server.monitor import MonitorHub, ServingNow
+from localserve.server.monitor.monitor import MonitorHub, ServingNow
+from localserve.server.registry.served_model import ServedModel
 
 
 class OneModelSource:

@@ -71,8 +71,8 @@ def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defa
     from localserve.loading.model_card import ModelCard
     from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS
     from localserve.server.app import BackgroundServer, LocalServer
-    from localserve.server.context import ServerConfig
-    from localserve.server.models import serving_loaded
+    from localserve.server.config import ServerConfig
+    from localserve.server.registry.registry import serving_loaded
 
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -166,8 +166,8 @@ def running_models_server(models_dir: Path, load=None, policy=None, load_default
     from localserve.engine.config import EngineConfig
     from localserve.model_loader import EngineLoader, find_models
     from localserve.server.app import BackgroundServer, LocalServer
-    from localserve.server.context import ServerConfig
-    from localserve.server.models import ModelPolicy, ModelRegistry
+    from localserve.server.config import ServerConfig
+    from localserve.server.registry.registry import ModelPolicy, ModelRegistry
 
     found = find_models([], models_dir)
     load = load or EngineLoader(EngineConfig(num_kv_blocks=256, max_model_len=512, max_num_seqs=16,
@@ -189,11 +189,24 @@ def running_models_server(models_dir: Path, load=None, policy=None, load_default
         torch.set_num_threads(num_threads)
 
 
-def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
-    """POST `body` as JSON on a connection of its own; the status and the JSON answer."""
+def post_raw(port: int, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """POST `body` as JSON (with `headers`) on a connection of its own; the status and the answer's bytes."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
     response = connection.getresponse()
-    status, answer = response.status, json.loads(response.read())
+    status, data = response.status, response.read()
     connection.close()
-    return status, answer
+    return status, data
+
+
+def post_json(port: int, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """POST `body` as JSON on a connection of its own; the status and the JSON answer."""
+    status, data = post_raw(port, path, body, headers)
+    return status, json.loads(data)
+
+
+def post_ok(port: int, path: str, body: dict) -> dict:
+    """POST `body` as JSON; the JSON answer, which must come with 200."""
+    status, answer = post_json(port, path, body)
+    assert status == 200, answer
+    return answer

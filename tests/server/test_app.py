@@ -18,8 +18,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from localserve.server.app import LocalServer
-from localserve.server.context import ServerConfig
-from localserve.server.models import serving_loaded
+from localserve.server.config import ServerConfig
+from localserve.server.registry.registry import serving_loaded
 from tests.helpers.engine_access import IDLE_STATS, CountingTokenizer, RecordedEngineThread
 from tests.helpers.server import collect_response
 

@@ -20,14 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from tests.helpers.server import CLOSING_EVENTS, collect_response, running_server
+from tests.helpers.server import CLOSING_EVENTS, collect_response, make_llm, running_server
 
 API_KEY = "sekrit-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_llm):
-    with running_server(tiny_chat_llm, model_alias="tiny-chat", max_connections=4,
+def server(tiny_chat_model_dir):
+    # a pool of its own: the prefix-cache test below needs its prompt not cached by an earlier file's requests
+    with running_server(make_llm(tiny_chat_model_dir, max_model_len=512), model_alias="tiny-chat", max_connections=4,
                         allowed_origins=("http://localhost:3000",)) as server:
         yield server
 
@@ -134,7 +135,7 @@ def test_monitor_reports_admission_prefix_hits_and_finishing(server):
 
 
 def test_chat_client_holds_a_conversation(server):
-    from localserve.server.chat_client import run_chat
+    from localserve.chat.client import run_chat
 
     out = io.StringIO()
     assert run_chat(f"127.0.0.1:{server.port}", lines=io.StringIO("hello world\n\nand the cat\n"), out=out,
@@ -218,7 +219,8 @@ def test_sdk_with_the_key_connects_and_without_it_fails(keyed_server):
 def test_listening_beyond_loopback_without_a_key_refuses_to_start(capsys, tmp_path):
     from localserve.cli import main
     from localserve.server.app import LocalServer
-    from localserve.server.context import ServerConfig, check_bind_safety
+    from localserve.server.config import ServerConfig
+    from localserve.server.wire.access import check_bind_safety
 
     with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0.*--api-key"):
         LocalServer(None, ServerConfig(host="0.0.0.0"))  # refused before it looks at the models

@@ -1,5 +1,5 @@
-"""The HTTP API (server/http_api.py) as an ASGI app on its own: driven through a minimal ASGI pair
-(tests/helpers/asgi.py), its responses run by a real ResponseService on a recorded engine thread
+"""The HTTP API (server/http_app.py) as an ASGI app on its own: driven through a minimal ASGI pair
+(tests/helpers/asgi.py), its responses run by a real GenerationService on a recorded engine thread
 (tests/helpers/engine_access.py); no socket, no model. The order of the checks (the health probe before
 access, access before anything else, the connection limit, the shutdown), the routes and their
 refusals (404, 405, 426), the plain GETs, a whole and a streamed answer, a client that leaves (its

@@ -1,5 +1,5 @@
 """Ollama's, Anthropic's and llama.cpp's paths on the HTTP API as an ASGI app (tests/helpers/http_api.py: a
-real ResponseService on a recorded engine thread, no model): what each field becomes in the engine's
+real GenerationService on a recorded engine thread, no model): what each field becomes in the engine's
 SamplingParams (Ollama's options, `format`, Anthropic's sampling fields and `output_config.format`), the
 stream types and their endings (a failure or a shutdown ends the stream in the API's own shape), the
 access refusals in each API's error shape, and the request's one log line."""
@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from localserve.loading.sampling_defaults import SamplingDefaults
-from localserve.server.sampling_rules import INT64_MAX
+from localserve.server.request.sampling_rules import INT64_MAX
 from tests.helpers.http_api import API_KEY, Api, response, run
 
 CHAT = {"model": "served", "messages": [{"role": "user", "content": "hi"}]}
@@ -151,10 +151,10 @@ def test_access_refusals_come_in_the_paths_error_shape(path, shape):
 
 def test_each_request_leaves_one_log_line(caplog):
     api = Api()
-    with caplog.at_level(logging.INFO, logger="localserve.server.http_api"):
+    with caplog.at_level(logging.INFO, logger="localserve.server.http_app"):
         run(api.answered("/api/chat", {**CHAT, "stream": False}, ["a", "b"]))
         run(api.call("GET", "/api/nope"))
-    lines = [record.getMessage() for record in caplog.records if record.name == "localserve.server.http_api"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "localserve.server.http_app"]
     assert len(lines) == 2
     assert lines[0].startswith("POST /api/chat model=served status=200 tokens=2 in, 2 out ")
     assert lines[1].startswith("GET /api/nope model=- status=404 tokens=- ")

@@ -1,4 +1,4 @@
-"""A hypothesis fuzzer for the other APIs' bodies (tiny model), as tests/server/test_http_fuzz.py is for
+"""A hypothesis fuzzer for the other APIs' bodies (tiny model), as tests/server/openai/test_http_fuzz.py is for
 OpenAI's: random and adversarial requests to Ollama's /api/chat, /api/generate and /api/show, Anthropic's
 /v1/messages and /v1/messages/count_tokens, and llama.cpp's /tokenize, /detokenize and /apply-template,
 streamed or not, read whole or dropped mid-stream, over one keep-alive connection. Tool turns among them as

@@ -6,14 +6,12 @@ it is all answer text. /api/show lists the `thinking` capability."""
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import anthropic
 import ollama
 import pytest
 
 from tests.helpers.server import make_llm, running_server
+from tests.helpers.server import post_ok as post
 
 THINKING_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -29,16 +27,6 @@ def server(tiny_chat_model_dir):
     llm.tokenizer.chat_template = THINKING_TEMPLATE  # as --chat-template-file sets it
     with running_server(llm, model_alias="thinker") as server:
         yield server
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    answer = json.loads(response.read())
-    connection.close()
-    assert response.status == 200, answer
-    return answer
 
 
 def test_thinking_comes_apart_from_the_answer_on_every_api(server):

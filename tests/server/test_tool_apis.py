@@ -9,7 +9,6 @@ thinking and the answer."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ import ollama
 import pytest
 
 from tests.helpers.server import make_llm, running_server
+from tests.helpers.server import post_ok as post
 from tests.helpers.tool_models import THINKING_TEMPLATE, hermes_call, write_tool_model
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "helpers" / "templates" / "qwen2.jinja"
@@ -50,16 +50,6 @@ def client(server):
     with anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="unused", max_retries=0,
                              timeout=60) as client:
         yield client
-
-
-def post(port: int, path: str, body: dict) -> dict:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    answer = json.loads(response.read())
-    connection.close()
-    assert response.status == 200, answer
-    return answer
 
 
 def test_an_anthropic_tool_round_trip(server, client):

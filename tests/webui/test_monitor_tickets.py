@@ -1,4 +1,4 @@
-"""The monitor's tickets (server/access.py `MonitorTickets`): a browser cannot put the API key on a
+"""The monitor's tickets (server/wire/access.py `MonitorTickets`): a browser cannot put the API key on a
 websocket, so with `--api-key` it asks `POST /v1/monitor/ticket` (with the key) for a ticket and opens
 `/v1/monitor?ticket=...`. A ticket is good once, for `TICKET_LIFETIME_S`; a socket with no ticket, a
 used one, an expired one or a made-up one is refused (401) while a key is set; the Host and Origin
@@ -13,10 +13,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from localserve.server.access import TICKET_LIFETIME_S, MonitorTickets
 from localserve.server.app import LocalServer
-from localserve.server.context import ServerConfig
-from localserve.server.models import serving_loaded
+from localserve.server.config import ServerConfig
+from localserve.server.registry.registry import serving_loaded
+from localserve.server.wire.access import TICKET_LIFETIME_S, MonitorTickets
 from tests.helpers.engine_access import CountingTokenizer, RecordedEngineThread
 from tests.helpers.http_api import API_KEY, KEY, Api, response
 

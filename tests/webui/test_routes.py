@@ -1,4 +1,4 @@
-"""The web page's routes on the HTTP API (server/http_api.py, server/web_ui.py), no browser: `GET /` and
+"""The web page's routes on the HTTP API (server/http_app.py, server/web_ui.py), no browser: `GET /` and
 the files under `/webui/` with their content types and safety headers, served without the API key (the
 page must load to ask for it) but behind the Host and Origin checks; `If-None-Match` answered with 304;
 `--no-webui` (ServerConfig.web_ui False) leaves `/` a 404; every file the page references exists."""

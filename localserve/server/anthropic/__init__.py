@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: its field maps, its route and its answers."""

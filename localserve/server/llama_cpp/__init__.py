@@ -1,0 +1,1 @@
+"""llama.cpp's own endpoints: tokenize, detokenize, apply-template, props."""

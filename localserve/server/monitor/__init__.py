@@ -1,0 +1,1 @@
+"""The monitor (`/v1/monitor`, `/slots`) and the Prometheus metrics."""

@@ -1,0 +1,1 @@
+"""Ollama's API: its field maps, its routes and its answers."""

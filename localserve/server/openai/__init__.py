@@ -1,0 +1,1 @@
+"""OpenAI's APIs: chat completions, completions, and Responses over HTTP and over the websocket."""

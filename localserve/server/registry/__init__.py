@@ -1,0 +1,2 @@
+"""The model registry: the models a server serves, loaded when a request names one, and described from
+their files."""
