@@ -150,7 +150,7 @@ def test_a_4096_token_generation_holds_the_window_groups_blocks_bounded_at_every
 def test_the_snapshot_facts_and_metrics_show_each_groups_blocks(window_model):
     from localserve.engine.facts import read_facts
     from localserve.engine.snapshot import read_snapshot, read_stats
-    from localserve.server.metrics import ServerMetrics
+    from localserve.server.monitor.metrics import ServerMetrics
 
     model, _ = window_model
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32))
