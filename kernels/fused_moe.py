@@ -113,6 +113,14 @@ def _tile_product(x_rows, x_ok, w_ptr, bias_ptr, expert, rows, num_rows, columns
 
 
 @triton.jit
+def _activate(gate, GELU: tl.constexpr):
+    """act(gate) in float32: SiLU, or GELU's tanh form (0.5 (1 + tanh z) = sigmoid(2 z))."""
+    if GELU:
+        return gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    return gate * tl.sigmoid(gate)
+
+
+@triton.jit
 def _run(sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A grouped program's (pairs [BM] of its run, which of them are real, its rows [BN] of W)."""
     pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -129,7 +137,7 @@ def _token_gate_up_kernel(
     num_experts, top_k, hidden_size, intermediate_size, stride_x,
     gate_expert_stride, gate_row_stride, up_expert_stride, up_row_stride,  # elements (bytes for blocks)
     GATE: tl.constexpr, UP: tl.constexpr,  # (FORMAT, PLANES, BLOCK_VALUES, BLOCK_BYTES, TILE_BLOCKS, GROUP)
-    GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GELU: tl.constexpr,
 ):
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair)
@@ -141,7 +149,7 @@ def _token_gate_up_kernel(
                            gate_expert_stride, gate_row_stride, GATE, GATE_BIAS, BLOCK_N)
     up = _vector_product(x_row, 1, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
                          up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_N)
-    hidden = gate * tl.sigmoid(gate) * up
+    hidden = _activate(gate, GELU) * up
     tl.store(hidden_ptr + pair.to(tl.int64) * intermediate_size + rows,
              cast_round_nearest(hidden, hidden_ptr.dtype.element_ty), mask=rows < intermediate_size)
 
@@ -186,6 +194,7 @@ def _grouped_gate_up_kernel(
     gate_expert_stride, gate_row_stride, up_expert_stride, up_row_stride,
     GATE: tl.constexpr, UP: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     expert = tl.load(run_experts_ptr + tl.program_id(0))
     if expert < 0:
@@ -197,7 +206,7 @@ def _grouped_gate_up_kernel(
                          DOT_PRECISION)
     up = _tile_product(x_rows, pair_ok, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
                        up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_M, BLOCK_N, COMPUTE, DOT_PRECISION)
-    hidden = gate * tl.sigmoid(gate) * up
+    hidden = _activate(gate, GELU) * up
     out = hidden_ptr + pairs.to(tl.int64)[:, None] * intermediate_size + rows[None, :]
     tl.store(out, cast_round_nearest(hidden, hidden_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (rows < intermediate_size)[None, :])
@@ -323,7 +332,8 @@ def fused_moe(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_we
     hidden = torch.empty(num_tokens * top_k, intermediate_size, dtype=x.dtype, device=x.device)
     # An absent bias is never read; the weights stand in for its pointer.
     biases = [m.data if m.bias is None else m.bias for m in (gate, up, down)]
-    gate_up = dict(GATE=gate_layout, UP=up_layout, GATE_BIAS=gate.bias is not None, UP_BIAS=up.bias is not None)
+    gate_up = dict(GATE=gate_layout, UP=up_layout, GATE_BIAS=gate.bias is not None, UP_BIAS=up.bias is not None,
+                   GELU=experts.activation == "gelu_tanh")
     down_args = dict(DOWN=down_layout, DOWN_BIAS=down.bias is not None)
     if method == "per_token":
         _token_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate_size, block_n))](

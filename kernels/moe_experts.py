@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import torch
 from localserve.kernels.gguf_blocks import QuantFormat
 
-ACTIVATIONS = ("silu",)  # act() of the gate: SwiGLU (Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE)
+# act() of the gate: SwiGLU (Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE); GeGLU with tanh-approximated GELU (Gemma 4)
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) for one of ACTIVATIONS."""
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh")
+    return torch.nn.functional.silu(gate)
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ def moe_reference(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor,
         start += count
         tokens = picks // top_k
         rows = x[tokens]
-        hidden = torch.nn.functional.silu(_project(rows, experts.gate, expert)) * _project(rows, experts.up, expert)
+        hidden = activate(_project(rows, experts.gate, expert), experts.activation) * _project(rows, experts.up, expert)
         out = _project(hidden, experts.down, expert)
         weights = topk_weights.reshape(-1)[picks].to(torch.float32)
         output.index_add_(0, tokens, out.to(torch.float32) * weights[:, None])

@@ -37,8 +37,10 @@ class RoutedExperts(nn.Module):
     """E experts' gate and up [E, I, H] and down [E, H, I] projections (with biases [E, rows] where the family
     has them), named as transformers 5 names them (`mlp.experts.down_proj`)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation  # of the gate: kernels/moe_experts.py's ACTIVATIONS
         shapes = {"gate_proj": (intermediate_size, hidden_size), "up_proj": (intermediate_size, hidden_size),
                   "down_proj": (hidden_size, intermediate_size)}
         for name, shape in shapes.items():
@@ -68,7 +70,7 @@ class RoutedExperts(nn.Module):
             matrices.append(ExpertMatrix(getattr(self, name), self.columns[name],
                                          None if qtype is None else QUANT_FORMATS[qtype],
                                          getattr(self, name.replace("_proj", "_bias"), None)))
-        return Experts(*matrices)
+        return Experts(*matrices, activation=self.activation)
 
 
 class MoE(nn.Module):
