@@ -88,15 +88,19 @@ def layer_types(text: dict[str, Any], num_layers: int, source: str) -> list[str]
     return list(kinds)
 
 
-def layer_ropes(text: dict[str, Any], source: str) -> dict[str, RopeConfig]:
-    """The rotary embedding of each layer kind: transformers 5's `rope_parameters` per kind, else the
-    global `rope_theta` / `rope_scaling` and the local `rope_local_base_freq`."""
+DEFAULT_ROPES = {"full_attention": {"rope_theta": 1_000_000.0}, "sliding_attention": {"rope_theta": 10_000.0}}
+
+
+def layer_ropes(text: dict[str, Any], source: str,
+                defaults: dict[str, dict[str, Any]] = DEFAULT_ROPES) -> dict[str, RopeConfig]:
+    """The rotary embedding of each layer kind: transformers 5's `rope_parameters` per kind (a kind not
+    there: `defaults`), else the global `rope_theta` / `rope_scaling` and the local `rope_local_base_freq`."""
     params = text.get("rope_parameters") or {}
     if any(kind in params for kind in LAYER_TYPES):
-        defaults = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
         ropes = {}
         for kind in LAYER_TYPES:
-            own = {"rope_theta": defaults[kind]} | (params.get(kind) or {})
+            own = params.get(kind) or defaults[kind]
+            own = {"rope_theta": defaults[kind]["rope_theta"]} | own
             try:
                 ropes[kind] = rope_from_hf({"rope_parameters": own}, source)
             except ModelConfigError as exc:
