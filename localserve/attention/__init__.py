@@ -7,12 +7,13 @@ device and both KV formats, and says why.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from localserve.attention.base import AttentionBackend
+    from localserve.attention.base import AttentionBackend, AttentionGeometry
     from localserve.kv.formats import KVFormatSpec
 
 # name -> "module:class"; a backend module is imported only when it is asked for.
@@ -41,21 +42,36 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
+def unsupported_reason(backend: type[AttentionBackend], device: torch.device, key_format: KVFormatSpec,
+                       value_format: KVFormatSpec, head_dim: int,
+                       geometries: Sequence[AttentionGeometry] = ()) -> str | None:
+    """Why `backend` cannot run here with these formats or cannot compute one of the layers `geometries`
+    (naming the first such layer and its value); None when it can."""
+    reason = backend.unsupported_reason(device, key_format, value_format, head_dim)
+    for layer, geometry in enumerate(geometries):
+        if reason is None:
+            reason = backend.unsupported_layer(layer, geometry)
+    return reason
+
+
 def select_backend(name: str, device: torch.device, key_format: KVFormatSpec, value_format: KVFormatSpec,
-                   head_dim: int) -> tuple[AttentionBackend, str]:
+                   head_dim: int, geometries: Sequence[AttentionGeometry] = ()) -> tuple[AttentionBackend, str]:
     """An instance of the backend `name` (or the best for "auto") and a one-line reason for the choice.
 
-    Raises ValueError when the backend is unknown, or cannot run here with these formats.
+    `geometries`: each layer's attention; a layer a backend cannot compute (a head size or window its
+    kernels do not take) makes "auto" pass over it, saying which layer and why.
+    Raises ValueError when the backend is unknown, or cannot run here with these formats and layers.
     """
     if name != "auto":
-        reason = backend_class(name).unsupported_reason(device, key_format, value_format, head_dim)
+        reason = unsupported_reason(backend_class(name), device, key_format, value_format, head_dim, geometries)
         if reason is not None:
             raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
         return backend_class(name)(), f"{name} (asked for)"
     passed_over = []
     for candidate in AUTO_ORDER:
         try:
-            reason = backend_class(candidate).unsupported_reason(device, key_format, value_format, head_dim)
+            reason = unsupported_reason(backend_class(candidate), device, key_format, value_format, head_dim,
+                                        geometries)
         except ImportError as exc:  # an optional dependency (triton) is missing
             reason = f"cannot import it ({exc})"
         if reason is None:

@@ -5,6 +5,9 @@ The block manager hands out block ids; this module owns the bytes behind them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from localserve.kv.calibration import KVCalibration
@@ -47,6 +50,23 @@ class HostTransfers:
             event.synchronize()
 
 
+@dataclass(frozen=True)
+class LayerKVShape:
+    """One layer's KV as the pool keeps it, where layers differ: its KV heads and head size, and whether
+    its keys are also its values (then the layer has no value store: its value store is its key store).
+
+    A keys-as-values layer stores its keys in the key format without the calibrated key transform and
+    key mean (both are for keys only: read back as values, its keys must decode to themselves up to the
+    format's fixed rotation, which the value side undoes like any rotated value); its `rope`: the layer's
+    own rotary embedding for a 4-bit key mean (None: the pool's).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    keys_are_values: bool = False
+    rope: RopeFn | None = None
+
+
 class PagedKVCache:
     """K and V stores for each layer, indexed [num_blocks, block_size, ...] by block and offset.
 
@@ -55,29 +75,54 @@ class PagedKVCache:
     *shape per token]: write() quantizes, gather_blocks() dequantizes only the gathered blocks, and copies
     and swaps move the stored bytes. Quantized 4-bit formats may use the model's `calibration` and its
     rotary embedding (`rope`: positions -> (cos, sin)) for the key mean.
+
+    `layer_shapes`: one `LayerKVShape` per layer where layers differ (KV heads, head size, keys as
+    values); None: every layer `num_kv_heads` x `head_dim` with its own values.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", num_cpu_blocks: int = 0,
                  key_format: KVFormatSpec | None = None, value_format: KVFormatSpec | None = None,
-                 calibration: KVCalibration | None = None, rope: RopeFn | None = None) -> None:
+                 calibration: KVCalibration | None = None, rope: RopeFn | None = None,
+                 layer_shapes: Sequence[LayerKVShape] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.key_format = key_format or dtype_format(dtype)
         self.value_format = value_format or dtype_format(dtype)
+        if layer_shapes is None:
+            layer_shapes = [LayerKVShape(num_kv_heads, head_dim)] * num_layers
+        if len(layer_shapes) != num_layers:
+            raise ValueError(f"{len(layer_shapes)} layer shapes for {num_layers} layers")
+        self.layer_shapes = list(layer_shapes)
         layer_calibration = calibration.layer if calibration is not None else (lambda layer: None)
-        self.key_codecs = [make_codec(self.key_format, "key", num_kv_heads, head_dim,
-                                      layer_calibration(i), rope) for i in range(num_layers)]
-        self.value_codecs = [make_codec(self.value_format, "value", num_kv_heads, head_dim,
-                                        layer_calibration(i), rope) for i in range(num_layers)]
+        self.key_codecs, self.value_codecs = [], []
+        for i, shape in enumerate(self.layer_shapes):
+            heads, dim, layer_rope = shape.num_kv_heads, shape.head_dim, shape.rope or rope
+            if shape.keys_are_values:  # read back as values: no key-only transform or mean (see LayerKVShape)
+                self.key_codecs.append(make_codec(self.key_format, "key", heads, dim, None, layer_rope))
+                self.value_codecs.append(make_codec(self.key_format, "value", heads, dim, None, layer_rope))
+            else:
+                self.key_codecs.append(make_codec(self.key_format, "key", heads, dim, layer_calibration(i), layer_rope))
+                self.value_codecs.append(make_codec(self.value_format, "value", heads, dim, layer_calibration(i),
+                                                    layer_rope))
         self.needs_positions = any(c.needs_positions for c in self.key_codecs + self.value_codecs)
         self.transfers = HostTransfers(device)
         pin = self.transfers.pinned
         self.key_stores = [self._allocate(c, num_blocks, device) for c in self.key_codecs]
-        self.value_stores = [self._allocate(c, num_blocks, device) for c in self.value_codecs]
+        self.value_stores = self._value_stores(self.key_stores, num_blocks, device)
         # The swap space: the same layout in CPU memory (pinned when the pool is on a GPU).
         self.cpu_key_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.key_codecs]
-        self.cpu_value_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.value_codecs]
+        self.cpu_value_stores = self._value_stores(self.cpu_key_stores, num_cpu_blocks, "cpu", pin)
+
+    def keys_are_values(self, layer: int) -> bool:
+        """Whether `layer` keeps no value store (its value store is its key store)."""
+        return self.layer_shapes[layer].keys_are_values
+
+    def _value_stores(self, key_stores: list[dict[str, torch.Tensor]], num_blocks: int, device,
+                      pin: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Each layer's value store: its key store itself where its keys are its values."""
+        return [key_store if shape.keys_are_values else self._allocate(codec, num_blocks, device, pin)
+                for shape, codec, key_store in zip(self.layer_shapes, self.value_codecs, key_stores, strict=True)]
 
     def _allocate(self, codec: KVCodec, num_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
         return {name: torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=device,
@@ -85,26 +130,31 @@ class PagedKVCache:
                 for name, (shape, dtype) in codec.storage().items()}
 
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in the pool, K and V of every layer."""
-        return sum(c.bytes_per_token() for c in self.key_codecs + self.value_codecs)
+        """Bytes one token occupies in the pool, K and V of every layer (K only where keys are values)."""
+        return sum(k.bytes_per_token() + (0 if shape.keys_are_values else v.bytes_per_token())
+                   for shape, k, v in zip(self.layer_shapes, self.key_codecs, self.value_codecs, strict=True))
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor,
               positions: torch.Tensor | None = None) -> None:
-        """Store key/value [T, Hkv, D] of tokens at `positions` [T] in flat slots [T] (block*size+offset)."""
-        for codec, store, x in ((self.key_codecs[layer], self.key_stores[layer], key),
-                                (self.value_codecs[layer], self.value_stores[layer], value)):
+        """Store key/value [T, Hkv, D] of tokens at `positions` [T] in flat slots [T] (block*size+offset);
+        a keys-as-values layer stores only the keys (`value` is not read: None or the keys)."""
+        sides = [(self.key_codecs[layer], self.key_stores[layer], key)]
+        if not self.keys_are_values(layer):
+            sides.append((self.value_codecs[layer], self.value_stores[layer], value))
+        for codec, store, x in sides:
             for name, encoded in codec.encode(x, positions).items():
                 tensor = store[name]
                 per_slot = tensor[0, 0].numel()
                 tensor.view(-1, per_slot).index_copy_(0, slot_mapping, encoded.reshape(-1, per_slot))
 
-    def gather_blocks(self, layer: int, block_ids: torch.Tensor,
-                      scratch: dict[tuple, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks `block_ids` [S, B] (row i: a sequence's first B logical blocks):
-        [S, B * block_size, Hkv, D] each.
+    def gather_blocks(self, layer: int, block_ids: torch.Tensor, scratch: dict[tuple, torch.Tensor] | None = None,
+                      first_blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks `block_ids` [S, B] (row i: B logical blocks of a sequence from its logical
+        block `first_blocks[i]`, default 0): [S, B * block_size, Hkv, D] each.
 
         Only the gathered blocks are decoded; a rotated format returns its rotated domain (see
-        transform_query / restore_output). Token j of each row is taken to hold position j.
+        transform_query / restore_output). Token j of row i is taken to hold position
+        first_blocks[i] * block_size + j.
 
         `scratch`: buffers the caller keeps from one layer to the next (the same blocks are gathered in
         every layer of a step), which the stored blocks are gathered into instead of new tensors; the
@@ -119,9 +169,14 @@ class PagedKVCache:
         positions = None
         if self.needs_positions:
             positions = torch.arange(length, device=block_ids.device).repeat(num_seqs)
+            if first_blocks is not None:
+                positions += (first_blocks * self.block_size).repeat_interleave(length)
         out = []
         for kind, codec, store in (("key", self.key_codecs[layer], self.key_stores[layer]),
                                    ("value", self.value_codecs[layer], self.value_stores[layer])):
+            if kind == "value" and self.keys_are_values(layer):  # the same bytes, decoded alike
+                out.append(out[0])
+                break
             gathered = {name: self._gather(tensor, flat_blocks, scratch, (kind, name))
                         for name, tensor in store.items()}
             decoded = codec.decode(gathered, positions)
@@ -152,7 +207,9 @@ class PagedKVCache:
         return self.value_codecs[layer].restore_output(output)
 
     def _all_tensors(self, key_stores, value_stores) -> list[torch.Tensor]:
-        return [t for store in (*key_stores, *value_stores) for t in store.values()]
+        """Every stored tensor once (a keys-as-values layer's value store is its key store)."""
+        stores = [*key_stores, *(v for v, k in zip(value_stores, key_stores, strict=True) if v is not k)]
+        return [t for store in stores for t in store.values()]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (copy-on-write) in every layer: each (source, destination)."""
