@@ -3,7 +3,8 @@ Gemma decoder of models/layers/gemma.py.
 
 Sliding-window layers (`sliding_window`, local rope theta, 10k) and every N-th a full-attention layer (global
 theta, 1M, with the checkpoint's rope scaling: linear x8 on the 4B-27B models), from `layer_types` or
-`sliding_window_pattern` (6). Norms scale by (1 + w) in Hugging Face checkpoints; llama.cpp's converter adds
+`sliding_window_pattern` (6). No attention soft-cap (`attn_logit_softcapping` is ignored, as transformers
+ignores it). Norms scale by (1 + w) in Hugging Face checkpoints; llama.cpp's converter adds
 the 1 into its GGUFs. Logits scaled by `query_pre_attn_scalar` ** -0.5. A multimodal checkpoint's language
 model is served alone: its vision tower and projector are left unloaded (the loader says so at start).
 """
@@ -126,7 +127,9 @@ def hf_config(config: dict[str, Any], source: str) -> ModelConfig:
     layers = tuple(LayerAttention(fields["num_kv_heads"], fields["head_dim"],
                                   window if kind == "sliding_attention" else None, rope=ropes[kind])
                    for kind in layer_types(text, fields["num_layers"], source))
-    gemma = GemmaOptions(norm_offset=1.0, attn_logit_softcap=text.get("attn_logit_softcapping"))
+    # `attn_logit_softcapping` (Gemma 2's) is left out as transformers' Gemma 3 leaves it out (and llama.cpp's
+    # converter refuses it): no Gemma 3 checkpoint sets it
+    gemma = GemmaOptions(norm_offset=1.0)
     scalar = text.get("query_pre_attn_scalar", fields["head_dim"])
     unloaded = ("vision tower", "multimodal projector") if "vision_config" in config else ()
     return ModelConfig(architecture=config["architectures"][0], **fields | {"rope": ropes["full_attention"]},
@@ -170,7 +173,7 @@ def gguf_config(meta: GGUFMetadata) -> ModelConfig:
     # the head size for the others, as llama.cpp assumes
     scalar = fields["hidden_size"] / fields["num_heads"] if fields["num_layers"] == 62 else fields["head_dim"]
     softcap = meta.get("final_logit_softcapping")
-    gemma = GemmaOptions(attn_logit_softcap=meta.get("attn_logit_softcapping"))
+    gemma = GemmaOptions()
     return ModelConfig(architecture="Gemma3ForCausalLM", **fields | {"qk_norm": True}, layer_attention=layers,
                        attention_scale=float(scalar) ** -0.5, hidden_act="gelu_tanh",
                        embedding_scale=fields["hidden_size"] ** 0.5,

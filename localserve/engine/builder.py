@@ -21,10 +21,11 @@ from localserve.engine.scheduler import Scheduler
 from localserve.engine.speculation import Drafter, Speculation
 from localserve.engine.step_budget import StepCostModel, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
-from localserve.kv.cache import PagedKVCache
+from localserve.kv.cache import LayerKVShape, PagedKVCache
 from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.memory_plan import human_size, kv_budget_bytes, kv_bytes_per_token, num_kv_blocks
+from localserve.models.config import ModelConfig
 from localserve.models.protocol import CausalLM
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,15 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
-                        calibration, rope)
+                        calibration, rope, layer_kv_shapes(model_config))
+
+
+def layer_kv_shapes(config: ModelConfig) -> list[LayerKVShape] | None:
+    """Each layer's KV heads, head size and keys-as-values where layers differ (`layer_attention`); else None."""
+    if not config.layer_attention:
+        return None
+    return [LayerKVShape(shape.num_kv_heads, shape.head_dim, shape.keys_are_values)
+            for shape in config.layer_attention]
 
 
 def pool_blocks(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec,

@@ -1,0 +1,33 @@
+"""Tiny random Gemma 3 and Gemma 4 configs (transformers' own config classes) with windows of 16 tokens, so
+that prompts and generations of a few dozen tokens cross them several times."""
+
+from __future__ import annotations
+
+WINDOW = 16
+
+
+def gemma3_config(**changes):
+    """6 layers (5 sliding, 1 full: the pattern llama.cpp assumes), GQA 4 / 2, query_pre_attn_scalar unlike
+    the head size, linear rope scaling on the full layer, soft-capped logits."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(**(dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, eos_token_id=1,
+        bos_token_id=2, pad_token_id=0, max_position_embeddings=2048) | changes))
+
+
+def gemma4_config(moe: bool = False, **changes):
+    """4 layers (3 sliding, the last full): the full layer with head size 32 (twice the sliding ones'), one KV
+    head, no value projection (attention_k_eq_v) and proportional rope on a quarter of its head; with `moe`,
+    4 experts (2 a token) beside the dense MLP in every layer."""
+    import transformers
+
+    experts = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}
+    return transformers.Gemma4TextConfig(**(dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], eos_token_id=1, bos_token_id=2,
+        pad_token_id=0, max_position_embeddings=2048) | experts | changes))
