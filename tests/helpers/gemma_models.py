@@ -31,3 +31,25 @@ def gemma4_config(moe: bool = False, **changes):
         hidden_size_per_layer_input=0, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
         layer_types=["sliding_attention"] * 3 + ["full_attention"], eos_token_id=1, bos_token_id=2,
         pad_token_id=0, max_position_embeddings=2048) | experts | changes))
+
+
+def write_byte_fallback_tokenizer(folder, vocab_size: int) -> None:
+    """A sentencepiece-style BPE tokenizer.json (byte fallback, `▁` for spaces: what llama.cpp's converter
+    reads Gemma 4's vocabulary as) of exactly `vocab_size` tokens: <pad> <eos> <bos> <unk>, the 256 bytes,
+    then single characters; no merges."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    pieces = specials + [f"<0x{byte:02X}>" for byte in range(256)]
+    pieces += [chr(code) for code in range(ord("!"), ord("!") + vocab_size - len(pieces) - 1)] + ["▁"]
+    backend = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, [], unk_token="<unk>",
+                                   byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(specials)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>"}))
