@@ -3,6 +3,8 @@ that prompts and generations of a few dozen tokens cross them several times."""
 
 from __future__ import annotations
 
+import torch
+
 WINDOW = 16
 
 
@@ -53,3 +55,12 @@ def write_byte_fallback_tokenizer(folder, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
         "pad_token": "<pad>", "unk_token": "<unk>"}))
+
+
+def greedy_without_cache(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy tokens, each from a whole forward pass over the sequence so far (no KV cache)."""
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            sequence.append(int(hf_model(torch.tensor([sequence]), use_cache=False).logits[0, -1].argmax()))
+    return sequence[len(prompt):]

@@ -15,7 +15,7 @@ from localserve.models.config import ModelConfigError
 from localserve.models.registry import config_from_hf
 
 from localserve.loading.hf import ModelLoadError, load_model
-from tests.helpers.gemma_models import WINDOW, gemma3_config
+from tests.helpers.gemma_models import WINDOW, gemma3_config, greedy_without_cache
 from tests.helpers.gguf_convert import convert, write_spm_tokenizer
 from tests.helpers.models import assert_matches_transformers, greedy_paged, make_runner, save_random_model
 
@@ -82,15 +82,6 @@ def test_bfloat16_greedy_tokens_follow_transformers(gemma3):
         theirs = hf_model(torch.tensor([PROMPT])).logits[0].float()
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
-
-
-def greedy_without_cache(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
-    """transformers' greedy tokens, each from a whole forward pass over the sequence so far (no KV cache)."""
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            sequence.append(int(hf_model(torch.tensor([sequence]), use_cache=False).logits[0, -1].argmax()))
-    return sequence[len(prompt):]
 
 
 @pytest.mark.parametrize("window", [1, 2, 49, 50, 51])
