@@ -24,6 +24,7 @@ QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 GPT2_PRE = ("default", "gpt2", "gpt-2")
+GEMMA4_END_OF_GENERATION = ("<turn|>", "<|tool_response>")
 
 
 
@@ -67,9 +68,13 @@ def read_gguf_tokenizer(reader_or_path: Any) -> GGUFTokenizerParts:
         backend = _sentencepiece_bpe(tokens, meta("tokenizer.ggml.scores"),
                                      meta("tokenizer.ggml.unknown_token_id"),
                                      bool(meta("tokenizer.ggml.add_space_prefix", True)))
+    elif model == "gemma4":
+        backend = _merged_sentencepiece_bpe(tokens, meta("tokenizer.ggml.merges") or [],
+                                            meta("tokenizer.ggml.unknown_token_id"))
     else:
         raise TokenizerError(f"{name}: unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model);"
-                             " supported: 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+                             " supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4' "
+                             "(SentencePiece-style BPE with merges)")
     # CONTROL tokens are special; USER_DEFINED ones (like <think>) are matched whole but are plain text.
     kinds = dict(zip(tokens, types, strict=True))
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -84,6 +89,8 @@ def read_gguf_tokenizer(reader_or_path: Any) -> GGUFTokenizerParts:
     # End of generation: EOS, and the end-of-turn / end-of-message tokens llama.cpp also stops at.
     eos_ids = [i for i in (ids["eos_token"], meta("tokenizer.ggml.eot_token_id"),
                            meta("tokenizer.ggml.eom_token_id")) if i is not None]
+    if model == "gemma4":  # the end of a turn, and the hand-over after tool calls (as llama.cpp stops at them)
+        eos_ids += [tokens.index(t) for t in GEMMA4_END_OF_GENERATION if t in kinds and tokens.index(t) not in eos_ids]
     return GGUFTokenizerParts(backend, special, eos_ids, meta("tokenizer.chat_template"), name)
 
 
@@ -136,6 +143,17 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, unk_id: in
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     strip = [decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix else []
     backend.decoder = decoders.Sequence(steps + strip)
+    return backend
+
+
+def _merged_sentencepiece_bpe(tokens: list[str], merges: list[str], unk_id: int | None) -> BackendTokenizer:
+    """Gemma 4's BPE: spaces as `▁` (no space prefix, no pre-tokenizer), the file's merges, byte fallback."""
+    unk = tokens[unk_id] if unk_id is not None else None
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(BPE({tok: i for i, tok in enumerate(tokens)}, pairs, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True, dropout=None))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 
