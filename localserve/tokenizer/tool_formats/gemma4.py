@@ -7,11 +7,11 @@ numbers and `true`/`false` bare, a list in `[...]`, an object in `{...}` with ba
 other with nothing between them; after its calls the model hands over with `<|tool_response>` (an
 end-of-generation token in the vocabulary: see localserve/tokenizer/gguf.py).
 
-The parser holds each call until it is whole (a call's arguments go out at its end) and writes its arguments
-as JSON; a call whose arguments cannot be read, or cut before its end, closes with what the model wrote (not
-whole); text between the markers that is no call is content as written. The grammar writes each tool's
-arguments in that notation by its schema (strings, numbers, integers, booleans, enums, lists and objects of
-those; anything else as any value of the notation).
+The parser holds each call until it is whole (a call's arguments go out at its end; `<tool_call|>` inside a
+string is text) and writes its arguments as JSON; a call whose arguments cannot be read, or cut before its
+end, closes with what the model wrote (not whole); text between the markers that is no call is content as
+written. The grammar writes each tool's arguments in that notation by its schema (strings, numbers,
+integers, booleans, enums, lists and objects of those; anything else as any value of the notation).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Gemma4Parser(ToolCallParser):
                 if self.content_until([OPEN], final) is None:
                     return
                 self._in_call = True
-            end = self.buffer.find(CLOSE)
+            end = _close_outside_strings(self.buffer)
             if end < 0:
                 if final:
                     self._emit(self.buffer, whole=False)
@@ -153,6 +153,18 @@ class Gemma4Parser(ToolCallParser):
         else:
             self.events.arguments(json.dumps(arguments, ensure_ascii=False))
             self.events.close()
+
+
+def _close_outside_strings(text: str) -> int:
+    """Where `<tool_call|>` ends the call in `text` (never inside a `<|"|>` string), or -1."""
+    i, in_string = 0, False
+    while True:
+        quote, close = text.find(QUOTE, i), -1 if in_string else text.find(CLOSE, i)
+        if close >= 0 and (quote < 0 or close < quote):
+            return close
+        if quote < 0:
+            return -1
+        i, in_string = quote + len(QUOTE), not in_string
 
 
 def read_arguments(text: str) -> dict[str, Any]:
