@@ -12,6 +12,8 @@ program as Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -91,6 +93,22 @@ def test_per_token_at_batch_64():
 def test_dense_dtypes(qtype):
     for method in METHODS:
         run_case(qtype, 7, method, seed=3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("qtype", ["bf16", "Q4_K"])
+def test_gelu_experts(method, qtype):
+    """GeGLU experts (Gemma 4's 26B-A4B): act = GELU's tanh form, against the reference's torch GELU."""
+    hidden, intermediate = expert_shape(qtype)
+    experts, reference_experts = random_experts(qtype, NUM_EXPERTS, hidden, intermediate, seed=11)
+    experts = dataclasses.replace(experts, activation="gelu_tanh")
+    reference_experts = dataclasses.replace(reference_experts, activation="gelu_tanh")
+    ids, weights = uneven_routes(7, NUM_EXPERTS, TOP_K, seed=11)
+    x = activations(qtype, 7, seed=11)
+    out = fused_moe(x.to(DEVICE), experts, ids.to(DEVICE), weights.to(DEVICE), method=method)
+    assert_equals_reference(out, x, reference_experts, ids, weights)
+    silu = moe_reference(x.float(), dataclasses.replace(reference_experts, activation="silu"), ids, weights)
+    assert (out.float().cpu() - silu).abs().max() > 2 * TOLERANCE[x.dtype] * silu.abs().max()  # not SiLU's
 
 
 @pytest.mark.parametrize("method", METHODS)
