@@ -34,7 +34,8 @@ class AttentionPlan:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int | None) -> int:
-    """Split the keys when the batch alone would leave the device's multiprocessors idle (long decodes)."""
+    """Split the keys when the batch alone would leave the device's multiprocessors idle (long decodes);
+    `max_seq_len`: the most keys a program reads (a window layer's: its window and its chunk)."""
     if not num_sms or num_programs >= num_sms:
         return 1
     by_occupancy = triton.cdiv(2 * num_sms, num_programs)
@@ -45,12 +46,15 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int | None) 
 def plan_attention(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
                    block_tables: torch.Tensor, num_heads: int, num_kv_heads: int,
                    num_splits: int | None = None, num_sms: int | None = None, block_m: int | None = None,
-                   block_n: int = BLOCK_N, num_tiles: int | None = None) -> AttentionPlan:
+                   block_n: int = BLOCK_N, num_tiles: int | None = None, head_dim: int = 128,
+                   window: int | None = None) -> AttentionPlan:
     """Plan a step of sequences with `query_lens` new tokens and `seq_lens` context each [S].
 
     `block_tables` [S, max_blocks] may already be on the device. `num_splits` None chooses from the
-    batch, the longest context and `num_sms`. `num_tiles` pads the tile list with padding tiles (a
-    captured graph's fixed grid). `block_m` None picks 16 rows for decode-only steps and 64 otherwise.
+    batch, the longest context (within `window` keys of each query, for a window layer) and `num_sms`.
+    `num_tiles` pads the tile list with padding tiles (a captured graph's fixed grid). `block_m` None picks
+    16 rows for decode-only steps and otherwise 64 at head size 128 or less, 32 at 256, 16 at 512 (the
+    fp32 accumulator of a tile, [rows, D], stays in registers).
     """
     query_lens = torch.as_tensor(query_lens, dtype=torch.int32, device="cpu")
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32, device="cpu")
@@ -64,7 +68,8 @@ def plan_attention(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | t
     group = num_heads // num_kv_heads
     max_query_len = int(query_lens.max()) if num_seqs else 0
     if block_m is None:
-        block_m = DECODE_BLOCK_M if max_query_len <= 1 else PREFILL_BLOCK_M
+        prefill_block_m = max(DECODE_BLOCK_M, PREFILL_BLOCK_M * 128 // max(head_dim, 128))
+        block_m = DECODE_BLOCK_M if max_query_len <= 1 else prefill_block_m
     block_m = max(block_m, triton.next_power_of_2(group))
     queries_per_tile = block_m // group
     tiles_per_seq = (query_lens + queries_per_tile - 1) // queries_per_tile
@@ -79,7 +84,8 @@ def plan_attention(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | t
         tile_start = torch.cat((tile_start.int(), torch.zeros(padding, dtype=torch.int32)))
     max_seq_len = int(seq_lens.max()) if num_seqs else 0
     if num_splits is None:
-        num_splits = choose_num_splits(tile_seq.shape[0] * num_kv_heads, max_seq_len, num_sms)
+        keys_read = max_seq_len if window is None else min(max_seq_len, window + max_query_len)
+        num_splits = choose_num_splits(tile_seq.shape[0] * num_kv_heads, keys_read, num_sms)
     query_start = torch.cat((torch.zeros(1, dtype=torch.int32), torch.cumsum(query_lens, 0).int()))
     device = block_tables.device
     # One host-to-device copy for all the small arrays.

@@ -9,6 +9,14 @@ programs of the grid's third dimension, which write partial outputs and log-sum-
 `_merge_splits_kernel` combines; the split count is a run-time value, so it never costs a recompile.
 Offsets into the pool are 64-bit. The plan (which tile is whose) comes from attention_plan.py.
 
+Per-layer geometry: a sliding window W (a run-time value; none: WINDOW_NONE) starts a tile's key loop at
+the key tile holding the first key its first query sees and masks the keys before each row's window, so
+a decode costs O(W) and no block-table entry wholly before the window is read (it may be -1); the
+splits divide only the tiles the window covers. Sinks (a logit per query head, in log2 units) join the
+denominator once: at the end of an unsplit program, or in the merge, never in a split. A soft-cap
+squashes the scaled logits (cap * tanh(s / cap)) before the softmax. A layer whose keys are its values
+passes its key store as its value store (attention_backend does).
+
 4-bit means: a key's mean term q . E rope(mu, p) is a sum over frequency pairs of per-query
 coefficients (M q, computed once per layer by the caller) times cos / sin of the key position, so it is
 one extra [rows, D] x [D, keys] product per tile; the value mean is position-independent, so only the
@@ -25,6 +33,7 @@ from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore
 from localserve.kernels.rounding import cast_round_nearest
 
 LOG2E = 1.4426950408889634
+WINDOW_NONE = 1 << 30  # the window of a layer without one: longer than any context
 # The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
 # tl.constexpr globals.
 PLAIN_CODE, Q8_0_CODE, Q4_CODE = tl.constexpr(PLAIN), tl.constexpr(Q8_0), tl.constexpr(Q4)
@@ -69,12 +78,16 @@ def _paged_attention_kernel(
     key_coeff_ptr,  # [T, H, D] fp32 per-query coefficients of the 4-bit key mean (KEY_MEAN)
     trig_ptr,  # [P, D] fp32 cos | sin halves at positions 0..P-1, P >= the longest context (KEY_MEAN)
     value_mean_ptr,  # [Hkv, D] fp32 stored-domain value mean (VALUE_MEAN)
+    sinks_ptr,  # [H] fp32 sink logit of each query head times log2(e) (SINKS, unsplit)
+    tile_count_ptr,  # [num_tiles, Hkv, splits] int32 key tiles each program visited (COUNT_TILES)
     block_table_ptr,  # [S, max_blocks] int32
     query_start_ptr,  # [S + 1] int32 first query token of each sequence in the batch
     seq_len_ptr,  # [S] int32 context length of each sequence, its new tokens included
     tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile; -1: a padding tile
     tile_start_ptr,  # [num_tiles] int32 first query of each tile within its sequence's new tokens
     qk_scale,  # float: softmax scale * log2(e)
+    window,  # int: each query sees its last `window` keys (WINDOW_NONE: all of them)
+    softcap_scale, softcap_log2,  # floats: 2 * log2(e) * scale / cap and cap * log2(e) (SOFTCAP)
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,  # elements; the last stride is 1
     stride_table,  # elements between block-table rows
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -85,6 +98,8 @@ def _paged_attention_kernel(
     K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, KEY_MEAN: tl.constexpr, VALUE_MEAN: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the tl.dot operands: the model's on a GPU, fp32 in the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" when COMPUTE is fp32 (no TF32), else the backend's default
+    SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+    COUNT_TILES: tl.constexpr,  # record the key tiles each program visits (tests: a window's cost)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,11 +128,18 @@ def _paged_attention_kernel(
 
     last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
     kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
+    # The first key the tile's first query sees: the tiles before it are skipped, and keys before it
+    # never loaded (their blocks may be gone).
+    kv_start = tl.maximum(seq_len - query_len + tile_start - window + 1, 0)
     # (a + b - 1) // b rather than tl.cdiv: a nested jit call is slow in Triton's interpreter.
     num_key_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_key_tiles + num_splits - 1) // num_splits
-    first_tile = split * tiles_per_split
+    window_tile = kv_start // BLOCK_N
+    tiles_per_split = (num_key_tiles - window_tile + num_splits - 1) // num_splits
+    first_tile = window_tile + split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, num_key_tiles)
+    if COUNT_TILES:
+        tl.store(tile_count_ptr + (tile * NUM_KV_HEADS + kv_head) * num_splits + split,
+                 tl.maximum(end_tile - first_tile, 0))
 
     # A finite floor for the running max: fully masked rows then give exp2(-inf - floor) = 0, never NaN.
     running_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -127,7 +149,7 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table
     for key_tile in range(first_tile, end_tile):
         keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_valid = keys < kv_end
+        key_valid = (keys < kv_end) & (keys >= kv_start)
         block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_row = (block * BLOCK_SIZE + keys % BLOCK_SIZE) * NUM_KV_HEADS + kv_head  # 64-bit from here on
 
@@ -142,7 +164,12 @@ def _paged_attention_kernel(
             mean_scores = tl.dot(coeff, tl.trans(trig), input_precision="ieee")
             scores += tl.where(key_uses_mean[None, :], mean_scores, 0.0)
         visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        visible &= keys[None, :] > query_pos[:, None] - window
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1): +-1 at either end, never NaN
+            squashed = 1.0 - 2.0 / (tl.exp2(scores * softcap_scale) + 1.0)
+            scores = tl.where(visible, squashed * softcap_log2, float("-inf"))
+        else:
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         rescale = tl.exp2(running_max - new_max)
@@ -159,6 +186,13 @@ def _paged_attention_kernel(
 
     if VALUE_MEAN:
         acc += mean_weight[:, None] * tl.load(value_mean_ptr + kv_head * HEAD_DIM + dims)[None, :]
+    if SINKS and not SPLIT_KV:  # the sink joins the denominator once; a split's merge adds it instead
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0)
+        new_max = tl.maximum(running_max, sink)
+        rescale = tl.exp2(running_max - new_max)
+        denominator = denominator * rescale + tl.exp2(sink - new_max)
+        acc = acc * rescale[:, None]
+        running_max = new_max
     output = acc / tl.where(denominator > 0, denominator, 1.0)[:, None]
     if not SPLIT_KV:
         tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + dims[None, :],
@@ -177,10 +211,12 @@ def _merge_splits_kernel(
     partial_lse_ptr,  # [T, H, S] fp32 (log2)
     out_ptr,  # [T, H, D] model dtype
     num_tokens_ptr,  # [1] int32 real tokens of the batch (the rest of T is padding, left unwritten)
+    sinks_ptr,  # [H] fp32 sink logit of each query head times log2(e) (SINKS)
     num_splits,  # S
     stride_o_token, stride_o_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,  # powers of two >= NUM_HEADS, >= S
+    SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     if token >= tl.load(num_tokens_ptr):
@@ -192,8 +228,13 @@ def _merge_splits_kernel(
     lse_mask = (heads < NUM_HEADS)[:, None] & (splits < num_splits)[None, :]
     lse = tl.load(lse_rows[:, None] + splits[None, :], mask=lse_mask, other=float("-inf"))
     max_lse = tl.max(lse, 1)
+    if SINKS:  # each head's sink, once for all its splits
+        sink = tl.load(sinks_ptr + heads, mask=heads < NUM_HEADS, other=float("-inf"))
+        max_lse = tl.maximum(max_lse, sink)
     max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
     total = tl.sum(tl.exp2(lse - max_lse[:, None]), 1)
+    if SINKS:
+        total += tl.exp2(sink - max_lse)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for split in range(num_splits):
         weight = tl.exp2(tl.load(lse_rows + split, mask=heads < NUM_HEADS, other=float("-inf")) - max_lse)
@@ -208,31 +249,40 @@ def _merge_splits_kernel(
 _COMPUTE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def key_tile_and_stages(block_n: int, model_dtype: torch.dtype, key_code: int, value_code: int) -> tuple[int, int]:
+def key_tile_and_stages(block_n: int, model_dtype: torch.dtype, key_code: int, value_code: int,
+                        head_dim: int = 128) -> tuple[int, int]:
     """Keys per tile and software-pipelining stages of the key loop on CUDA, so that a block fits in the
-    99 KiB of shared memory of the consumer GPUs (sm_86 / 89 / 120) at D = 128.
+    99 KiB of shared memory of the consumer GPUs (sm_86 / 89 / 120).
 
-    Each stage buffers a K and a V tile. Triton's default 3 stages suit 16-bit stores of a 16-bit model
-    (58 KiB at 64-row tiles); a 4-bit store (its tiles are gathered levels, a key mean adds a [BLOCK_N, D]
-    fp32 trig tile) needs 256 KiB at 3 stages, beyond even an H200's 227 KiB, and 64 KiB at 1; an fp32 model
-    80 KiB at 1 stage, 112 KiB with a 4-bit store, so its 4-bit tiles hold 32 keys.
+    Each stage buffers a K and a V tile. At D = 128 Triton's default 3 stages suit 16-bit stores of a
+    16-bit model (58 KiB at 64-row tiles); a 4-bit store (its tiles are gathered levels, a key mean adds a
+    [BLOCK_N, D] fp32 trig tile) needs 256 KiB at 3 stages, beyond even an H200's 227 KiB, and 64 KiB at 1;
+    an fp32 model 80 KiB at 1 stage, 112 KiB with a 4-bit store, so its 4-bit tiles hold 32 keys. A wider
+    head keeps the bytes of a tile: D = 256 takes half the keys of D = 128, D = 512 a quarter (16, the
+    smallest tl.dot side), and 16-bit stores 2 stages from D = 256.
     tests/kernels/cuda_compile.py compiles each case and fails on a block over its target's limit.
     """
+    block_n = max(16, min(block_n, block_n * 128 // max(head_dim, 128)))
     four_bit = Q4 in (key_code, value_code)
     if model_dtype == torch.float32:
-        return (min(block_n, 32) if four_bit else block_n), 1
-    return block_n, (1 if four_bit else 3)
+        return (max(16, min(block_n, 32 * 128 // max(head_dim, 128))) if four_bit else block_n), 1
+    return block_n, (1 if four_bit else 3 if head_dim <= 128 else 2)
 
 
 def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStore, key_format: KernelFormat,
                     value_format: KernelFormat, plan: AttentionPlan, sm_scale: float,
                     key_mean_coeff: torch.Tensor | None = None, trig_table: torch.Tensor | None = None,
-                    output: torch.Tensor | None = None) -> torch.Tensor:
+                    output: torch.Tensor | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None, softcap: float | None = None,
+                    tile_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] (in the key store's domain) over the paged K/V stores, as `plan` says.
 
     Returns output [T, H, D] in the value store's domain; rows of padding tokens are left unwritten.
     A 4-bit key mean needs `key_mean_coeff` [T, H, D] fp32 (M @ query per head) and `trig_table` [P, D]
     fp32 (cos | sin halves at positions 0..P-1, P >= the longest context).
+    `window`: each query sees its last `window` keys; `sinks` [H]: a logit per query head in the softmax
+    denominator only; `softcap`: logits cap * tanh(s / cap). `tile_counts` [tiles, Hkv, splits] int32:
+    filled with the key tiles each program visited (a test of what a window costs).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_store.data.shape[2]
@@ -245,6 +295,10 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
     key_mean = key_format.key_mean is not None
     if key_mean and (key_mean_coeff is None or trig_table is None or trig_table.shape[0] < plan.max_seq_len):
         raise ValueError("a 4-bit key mean needs key_mean_coeff and a trig_table covering the longest context")
+    if window is not None and not 0 < window < WINDOW_NONE:
+        raise ValueError(f"paged_attention takes a window of 1 to {WINDOW_NONE - 1} keys, not {window}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be one logit per query head [{num_heads}], not {tuple(sinks.shape)}")
     output = torch.empty_like(query) if output is None else output
     unused = plan.tile_seq  # the pointer of an argument the formats do not read
     num_splits = plan.num_splits
@@ -253,11 +307,14 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         partial_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                                   device=query.device)
         partial_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    sinks_log2 = None if sinks is None else (sinks.float() * LOG2E).contiguous()
+    if tile_counts is not None and tuple(tile_counts.shape) != (plan.tile_seq.shape[0], num_kv_heads, num_splits):
+        raise ValueError("tile_counts must be int32 [tiles, Hkv, splits]")
     # Triton's interpreter runs tl.dot through numpy, which has no bf16: compute in fp32 there.
     compute = tl.float32 if query.device.type != "cuda" else _COMPUTE_DTYPES[query.dtype]
     grid = (plan.tile_seq.shape[0], num_kv_heads, num_splits)
     group = num_heads // num_kv_heads
-    block_n, stages = key_tile_and_stages(plan.block_n, query.dtype, key_format.code, value_format.code)
+    block_n, stages = key_tile_and_stages(plan.block_n, query.dtype, key_format.code, value_format.code, head_dim)
     _paged_attention_kernel[grid](
         query, output, partial_out, partial_lse,
         key_store.data, key_store.scales if key_store.scales is not None else unused,
@@ -266,8 +323,11 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         value_format.levels if value_format.levels is not None else unused,
         key_mean_coeff if key_mean else unused, trig_table if key_mean else unused,
         value_format.value_mean if value_format.value_mean is not None else unused,
+        sinks_log2 if sinks_log2 is not None else unused, tile_counts if tile_counts is not None else unused,
         plan.block_tables, plan.query_start, plan.seq_lens, plan.tile_seq, plan.tile_start,
-        sm_scale * LOG2E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        sm_scale * LOG2E, WINDOW_NONE if window is None else window,
+        2 * LOG2E * sm_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         plan.block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_store.data.shape[1],
         GROUP=group, QUERIES_PER_TILE=plan.block_m // group, BLOCK_M=plan.block_m, BLOCK_N=block_n,
@@ -275,12 +335,15 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         K_FORMAT=key_format.code, V_FORMAT=value_format.code, KEY_MEAN=key_mean,
         VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
-        num_stages=stages,
+        SINKS=sinks is not None, SOFTCAP=bool(softcap), COUNT_TILES=tile_counts is not None,
+        num_stages=stages, num_warps=8 if head_dim >= 256 else 4,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
-            partial_out, partial_lse, output, plan.query_start[-1:], num_splits, output.stride(0),
+            partial_out, partial_lse, output, plan.query_start[-1:],
+            sinks_log2 if sinks_log2 is not None else unused, num_splits, output.stride(0),
             output.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_S=triton.next_power_of_2(num_splits),
+            SINKS=sinks is not None,
         )
     return output

@@ -6,6 +6,10 @@ it lowers the vector's norm, the scale search among 17 candidates refitted by le
 choice in the scale's sign; for q8_0 absmax / 127 per 32 values and round-half-to-even codes. Results
 agree with the torch codecs up to float rounding, so a code may differ at a rounding tie.
 A negative slot skips its token (padding rows of a captured decode batch).
+The rotation (and a 4-bit key mean's [D, D] fold) is fused into the kernel up to FUSED_ROTATION_MAX
+values a head: a [D, D] fp32 matrix in registers is 64 KiB at D = 128 but 1 MiB at 512, so a wider
+head (Gemma 4's 256 and 512) is rotated, and its key mean rotated into place, by one batched product in
+torch first, and the kernel quantizes what it is given (MEAN_TOKEN: a mean per token).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import triton.language as tl
 from localserve.kernels.kv_format import PLAIN, Q8_0, Q8_GROUP, KernelFormat, KVStore
 from localserve.kernels.rounding import cast_round_nearest, round_half_even
 
-MEAN_NONE, MEAN_ROPE, MEAN_CONSTANT = 0, 1, 2
+MEAN_NONE, MEAN_ROPE, MEAN_CONSTANT, MEAN_TOKEN = 0, 1, 2, 3
+FUSED_ROTATION_MAX = 128
 # The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
 # tl.constexpr globals.
 PLAIN_CODE, Q8_0_CODE = tl.constexpr(PLAIN), tl.constexpr(Q8_0)
@@ -43,7 +48,7 @@ def _store_kv_kernel(
     levels_ptr,  # [16] fp32 ascending levels (Q4)
     midpoints_ptr,  # [16] fp32: 15 midpoints between levels, then +inf (Q4)
     factors_ptr,  # [16] fp32 candidate scale factors of the RMS (Q4 with SEARCH)
-    mean_ptr,  # MEAN_ROPE: [Hkv, D, D] fp32 folded key mean; MEAN_CONSTANT: [Hkv, D] fp32
+    mean_ptr,  # MEAN_ROPE: [Hkv, D, D] fp32 folded key mean; MEAN_CONSTANT: [Hkv, D]; MEAN_TOKEN: [T, Hkv, D]
     trig_ptr,  # [T, D] fp32: cos | sin halves at each token's position (MEAN_ROPE)
     num_tokens,  # T
     max_abs_level,  # float: largest |level| (Q4)
@@ -78,6 +83,9 @@ def _store_kv_kernel(
                                    mask=valid[:, None], other=0.0)
                     folded = tl.load(mean_ptr + head * stride_mean_head + dims[:, None] * HEAD_DIM + dims[None, :])
                     mean = tl.dot(trig, folded, input_precision="ieee")
+                elif MEAN == 3:  # each token's own, already in the stored domain
+                    mean = tl.load(mean_ptr + (tokens.to(tl.int64)[:, None] * NUM_KV_HEADS + head) * HEAD_DIM
+                                   + dims[None, :], mask=valid[:, None], other=0.0)
                 else:
                     mean = tl.load(mean_ptr + head * stride_mean_head + dims)[None, :]
                 centered = y - mean
@@ -166,6 +174,11 @@ def store_kv(x: torch.Tensor, slot_mapping: torch.Tensor, store: KVStore, fmt: K
     mean = fmt.key_mean if mean_kind == MEAN_ROPE else fmt.value_mean
     unused = slot_mapping  # any tensor: the pointer of an argument the format does not read
     encode = fmt.encode_matrix
+    if encode is not None and head_dim > FUSED_ROTATION_MAX:  # rotated here, quantized in the kernel
+        x = torch.einsum("ged,tgd->tge", encode, x.float()).contiguous()
+        encode = None
+        if mean_kind == MEAN_ROPE:
+            mean, mean_kind = torch.einsum("td,gde->tge", trig.float(), mean).contiguous(), MEAN_TOKEN
     grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM), num_kv_heads)
     _store_kv_kernel[grid](
         x, slot_mapping.to(torch.int64), store.data, store.scales if store.scales is not None else unused,

@@ -11,6 +11,16 @@
 #   scripts/gpu_check.sh speculation                 speculative decoding (#26): its gpu-marked tests (verify
 #                                                   rows through Triton) and scripts/bench_speculative.py on
 #                                                   CUDA at batch 1, 8 and 32 (needs the --stash call first)
+#   scripts/gpu_check.sh window                      sliding windows, sinks, head sizes 256 / 512, keys as values
+#                                                   (#36): their kernel tests natively on CUDA, cuda_compile's
+#                                                   geometry variants for this GPU, and
+#                                                   scripts/bench_window_attention.py (window decode bandwidth,
+#                                                   sinks; the tiles a window decode visits, flat in the
+#                                                   context); at most about 7 minutes; one call carrying
+#                                                   .gpu_carry/wheels, no --stash call; its benchmark
+#                                                   (--quick) is also part of attention and all. Checked
+#                                                   without a GPU by
+#                                                   `scripts/bench_window_attention.py --dry-run`
 #   scripts/gpu_check.sh moe                         the fused mixture-of-experts kernels (#35): their tests
 #                                                   natively on CUDA and scripts/bench_moe.py --device cuda
 #                                                   (Qwen3-30B-A3B's layer, Q4_K_M-mixed experts); at most
@@ -41,8 +51,8 @@ case "$PART" in
     attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS" "${NOT_MOE[@]}"); sections=attention,model ;;
     gguf) kernel_tests=("$GGUF_KERNEL_TESTS"); sections=gguf,model ;;
     tests) kernel_tests=(tests/kernels "${NOT_MOE[@]}"); sections="" ;;
-    speculation|moe) kernel_tests=(); sections="" ;;
-    *) echo "usage: $0 [--stash | all | attention | gguf | tests | speculation | moe]" >&2; exit 2 ;;
+    speculation|moe|window) kernel_tests=(); sections="" ;;
+    *) echo "usage: $0 [--stash | all | attention | gguf | tests | speculation | moe | window]" >&2; exit 2 ;;
 esac
 
 REPORT=${OUT:-scripts/out}/gpu_report.md
@@ -114,6 +124,27 @@ if [ "$PART" = moe ]; then
     exit
 fi
 
+WINDOW_KERNEL_TESTS=(tests/kernels/test_paged_attention_geometry.py)
+window_section() {
+    if [ "$PART" = window ]; then
+        section "Window / sink / head-size kernel tests, natively on CUDA (${WINDOW_KERNEL_TESTS[*]})"
+        run_tests 120 "${WINDOW_KERNEL_TESTS[@]}"
+        section "Geometry kernels compiled for this GPU (tests/kernels/cuda_compile.py --only attention-geometry)"
+        local arch
+        arch=$(python3 -c "import torch; major, minor = torch.cuda.get_device_capability(); print(10 * major + minor)")
+        timeout 150 python3 tests/kernels/cuda_compile.py --only attention-geometry --arch "$arch" 2>&1 \
+            | grep -E "^(FAILED|ok _paged|[0-9]+ kernels)" | fenced 40
+    fi
+    section "Window decode attention (scripts/bench_window_attention.py --device cuda${1:+ $1})"
+    bench 120 scripts/bench_window_attention.py --device cuda ${1:+"$1"}
+}
+if [ "$PART" = window ]; then
+    window_section
+    printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
+    echo "report: $REPORT" >&2
+    exit
+fi
+
 section "Kernel tests, natively on CUDA (${kernel_tests[*]})"
 run_tests 200 "${kernel_tests[@]}"
 
@@ -133,6 +164,7 @@ if [ -z "$sections" ]; then
 fi
 section "Benchmarks (scripts/bench_kernels.py --sections $sections)"
 bench 240 scripts/bench_kernels.py --sections "$sections"
+case "$sections" in *attention*) window_section --quick ;; esac
 
 printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
 echo "report: $REPORT" >&2

@@ -52,7 +52,7 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     key_format = config.cache_type_k or dtype_format(param.dtype)
     value_format = config.cache_type_v or dtype_format(param.dtype)
     backend, why = select_backend(config.attention_backend, param.device, key_format, value_format,
-                                  model_config.head_dim)
+                                  model_config.head_dim, model.attention_geometry())
     log.info("attention backend: %s", why)
     if config.kv_cache_memory_bytes or config.gpu_memory_utilization:
         config = dataclasses.replace(config, num_kv_blocks=pool_blocks(model, key_format, value_format, config))
@@ -102,7 +102,15 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     param = next(model.parameters())
     model_config = model.config
     calibration = rope = None
+    layer_shapes = layer_kv_shapes(model_config)
     if key_format.needs_calibration or value_format.needs_calibration:
+        own = next((i for i, layer in enumerate(model_config.layer_attention)
+                    if (layer.num_kv_heads, layer.head_dim, layer.keys_are_values, layer.rope, layer.rotary_dim)
+                    != (model_config.num_kv_heads, model_config.head_dim, False, None, model_config.rotary_dim)), None)
+        if own is not None:
+            raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) calibrate one layer shape "
+                             f"and rotary embedding; layer {own} has its own (use q8_0 or "
+                             "q4_rot:-mean,-key_transform)")
         if model_config.rotary_dim not in (None, model_config.head_dim):
             raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) need the rotary embedding "
                              f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
@@ -110,7 +118,7 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
-                        calibration, rope, layer_kv_shapes(model_config))
+                        calibration, rope, layer_shapes)
 
 
 def layer_kv_shapes(config: ModelConfig) -> list[LayerKVShape] | None:

@@ -82,6 +82,7 @@ def test_window_of_one_sees_only_itself_and_a_window_past_the_context_sees_every
 
 
 @pytest.mark.parametrize("field,value,message", [
+    ("head_dim", 513, "head size 513: attention takes head sizes 1 to 512"),
     ("head_dim", 1024, "head size 1024: attention takes head sizes 1 to 512"),
     ("sliding_window", 0, "sliding window 0: a window holds at least one key"),
     ("logit_softcap", 0.0, "logit soft-cap 0.0: the cap must be positive"),
@@ -111,6 +112,23 @@ def test_keys_as_values_keep_no_value_store():
     assert cache.value_stores[1] is cache.key_stores[1]
     assert cache.bytes_per_token() == 2 * (2 * 2 * 64 + 512 + 2 * 4 * 256)
     assert [tuple(s["values"].shape[2:]) for s in cache.key_stores] == [(2, 64), (1, 512), (4, 256)]
+
+
+def test_per_layer_pools_copy_and_swap_every_store_once():
+    shapes = [LayerKVShape(2, 32), LayerKVShape(1, 64, keys_are_values=True)]
+    cache = PagedKVCache(2, 4, BLOCK, 0, 0, torch.float32, num_cpu_blocks=2, layer_shapes=shapes)
+    for layer, shape in enumerate(shapes):
+        key = torch.randn(BLOCK, shape.num_kv_heads, shape.head_dim)
+        cache.write(layer, key, None if shape.keys_are_values else key + 1, torch.arange(BLOCK) + BLOCK, None)
+    before = [t.clone() for t in cache._all_tensors(cache.key_stores, cache.value_stores)]
+    assert len(before) == 3  # K and V of layer 0, K (= V) of layer 1
+    cache.copy_blocks([(1, 3)])
+    cache.swap_out([(3, 0)])
+    cache.swap_in([(0, 2)])
+    for tensor, original in zip(cache._all_tensors(cache.key_stores, cache.value_stores), before, strict=True):
+        assert torch.equal(tensor[2], original[1]) and torch.equal(tensor[3], original[1])
+    keys, values = cache.gather_blocks(1, torch.tensor([[2]]))
+    assert keys is values and torch.equal(keys[0], before[1][1])  # layer 1 keys: the second key store
 
 
 def transformers_reference(family: str, window: int, length: int, seed: int):

@@ -43,25 +43,20 @@ def test_command_line_backend_choice(tiny_chat_model_dir, capsys):
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
-@pytest.mark.parametrize(("field", "value", "feature"), [
-    ("sliding_window", 4096, "a sliding window"), ("sinks", torch.zeros(8), "attention sinks"),
-    ("logit_softcap", 30.0, "a logit soft-cap")])
-def test_a_layer_feature_no_backend_computes_yet_is_refused_by_name(name, field, value, feature):
-    """Until the backends compute them (the next issue), a layer asking for a window, sinks or a soft-cap is
-    refused naming the feature, before anything is written to the pool; the same layer without it attends."""
+@pytest.mark.parametrize(("field", "value"), [
+    ("sliding_window", 5), ("sinks", torch.linspace(-2, 2, 8)), ("logit_softcap", 3.0)])
+def test_a_layer_feature_is_computed_by_both_backends(name, field, value):
+    """A layer asking for a window, sinks or a soft-cap attends with it in both backends (they were refused
+    by name until issue 36): the output differs from the plain layer's and equals the dense reference."""
     from localserve.attention.base import AttentionGeometry
-    from tests.helpers.kv_pools import fill_batch
+    from tests.helpers.geometry_pools import geometry_batch
 
-    batch = fill_batch([(1, 20)], "bf16", "bf16", 8, 2, 64)
-    backend = backend_class(name)()
     plain = AttentionGeometry(8, 2, 64, 64 ** -0.5)
-    before = [store.clone() for store in batch.cache.key_stores[0].values()]
-    with pytest.raises(NotImplementedError, match=f"the {name} attention backend does not compute {feature} yet"):
-        backend.forward(0, batch.query, batch.key, batch.value, batch.cache, backend.build_metadata(batch.inputs),
-                        dataclasses.replace(plain, **{field: value}))
-    assert all(torch.equal(a, b) for a, b in zip(before, batch.cache.key_stores[0].values(), strict=True))
+    layer = dataclasses.replace(plain, **{field: value})
+    batch = geometry_batch([(1, 40), (3, 20)], layer)
+    backend = backend_class(name)()
     output = backend.forward(0, batch.query, batch.key, batch.value, batch.cache,
-                             backend.build_metadata(batch.inputs), plain)
-    default = backend.forward(0, batch.query, batch.key, batch.value, batch.cache,
-                              backend.build_metadata(batch.inputs))  # the usual 1/sqrt(D), nothing else
-    assert torch.equal(output, default)
+                             backend.build_metadata(batch.inputs), layer)
+    torch.testing.assert_close(output.double(), batch.expected, atol=3e-5, rtol=1e-4)
+    without = geometry_batch([(1, 40), (3, 20)], plain)
+    assert not torch.allclose(output.double(), without.expected, atol=1e-3)

@@ -49,11 +49,22 @@ def test_auto_keeps_torch_for_a_format_the_kernels_do_not_read():
     assert isinstance(backend, TorchAttentionBackend) and "not triton: its kernels do not read a fp64" in why
 
 
-@pytest.mark.parametrize("head_dim", [80, 8])
+@pytest.mark.parametrize("head_dim", [80, 8, 1024])
 def test_auto_keeps_torch_for_a_head_size_the_kernels_do_not_take(head_dim):
     reason = TritonAttentionBackend.unsupported_reason(torch.device("cuda"), FP16, FP16, head_dim)
-    assert reason == f"its kernels need a head size that is a power of two >= 16, this model's is {head_dim}"
-    assert TritonAttentionBackend.unsupported_reason(torch.device("cuda"), FP16, FP16, 128) is None
+    assert reason == f"its kernels need a head size that is a power of two from 16 to 512, this model's is {head_dim}"
+    for taken in (16, 128, 256, 512):
+        assert TritonAttentionBackend.unsupported_reason(torch.device("cuda"), FP16, FP16, taken) is None
+
+
+def test_auto_serves_a_model_with_a_layer_the_kernels_cannot_take_with_torch_and_says_which():
+    from localserve.attention.base import AttentionGeometry
+
+    layers = [AttentionGeometry(8, 2, 128, 0.1), AttentionGeometry(8, 1, 512, 0.1, keys_are_values=True),
+              AttentionGeometry(8, 2, 96, 0.1, sliding_window=4)]
+    backend, why = select_backend("auto", torch.device("cuda"), FP16, FP16, 128, layers)
+    assert isinstance(backend, TorchAttentionBackend)
+    assert "not triton: its kernels need a head size that is a power of two from 16 to 512, layer 2's is 96" in why
 
 
 class TorchWriteTritonAttend(TritonAttentionBackend):

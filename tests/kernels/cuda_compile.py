@@ -196,12 +196,47 @@ def drive_attention(dtype: torch.dtype, largest_only: bool = False) -> None:
                             backend.build_metadata(batch.inputs))
 
 
+def drive_attention_geometry(dtype: torch.dtype, largest_only: bool = False) -> None:
+    """The per-layer geometries of issue 36: gpt-oss's window 128 with sinks split (the merge adds the sinks),
+    a soft-cap, head sizes 256 and 512 (Gemma 4: its 512 layers with keys as values) in 16-bit, q8_0 and
+    4-bit stores, for prefill tiles and decodes."""
+    from localserve.attention.base import AttentionGeometry
+    from localserve.attention.triton_backend import TritonAttentionBackend
+
+    import_tests_package()
+    from tests.helpers.geometry_pools import geometry_batch
+
+    plain = "bf16" if dtype != torch.float32 else "fp32"
+    sinks = torch.zeros(8)
+    cases = [  # (geometry, K format, V format, splits)
+        (AttentionGeometry(8, 1, 64, 0.125, 128, sinks), plain, plain, 4),
+        (AttentionGeometry(8, 2, 128, 0.1, 64, None, 50.0), "q8_0", "q4_rot", 1),
+        (AttentionGeometry(8, 2, 256, 0.1, 64), plain, plain, 1),
+        (AttentionGeometry(8, 2, 256, 0.1, 64, sinks), "q4_rot", "q4_rot", 2),
+        (AttentionGeometry(8, 1, 512, 0.1, keys_are_values=True), plain, plain, 1),
+        (AttentionGeometry(8, 1, 512, 0.1, keys_are_values=True), "q8_0", "q8_0", 2),
+        (AttentionGeometry(8, 1, 512, 0.1, keys_are_values=True), "q4_rot", "q4_rot", 1),
+    ]
+    batches = [[(1, 40), (5, 18)], [(1, 40), (1, 18)]]  # prefill tiles, decode
+    if largest_only:
+        cases, batches = [cases[3], cases[6]], batches[:1]
+    for geometry, k_type, v_type, splits in cases:
+        for shapes in batches:
+            batch = geometry_batch(shapes, geometry, k_type, v_type, dtype)
+            backend = TritonAttentionBackend(num_splits=splits)
+            backend.forward(0, batch.query, batch.key, batch.value, batch.cache,
+                            backend.build_metadata(batch.inputs), geometry)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
-    parser.add_argument("--only", choices=("gguf", "moe", "attention", "attention-largest"),
+    parser.add_argument("--only", choices=("gguf", "moe", "attention", "attention-largest", "attention-geometry",
+                                           "attention-geometry-largest"),
                         help="one family of kernels; attention-largest: the attention kernels that need the most "
-                             "shared memory (prefill tiles, 16-bit and 4-bit stores, bf16 and fp32 models)")
+                             "shared memory (prefill tiles, 16-bit and 4-bit stores, bf16 and fp32 models); "
+                             "attention-geometry: windows, sinks, soft-caps, head sizes 256 / 512, keys as "
+                             "values (-largest: the 4-bit head size 256 and 512 prefill tiles)")
     parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -220,6 +255,11 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             launches += [(launch, dtype) for launch in
                          record_launches(lambda dtype=dtype: drive_attention(dtype, largest))]
+    if args.only in (None, "attention-geometry", "attention-geometry-largest"):
+        largest = args.only == "attention-geometry-largest"
+        for dtype in (torch.bfloat16, torch.float32):
+            launches += [(launch, dtype) for launch in
+                         record_launches(lambda dtype=dtype: drive_attention_geometry(dtype, largest))]
     limit = SHARED_LIMITS.get(args.arch)
     failures, seen = 0, set()
     for (kernel, arguments, options), dtype in launches:

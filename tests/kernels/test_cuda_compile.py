@@ -40,3 +40,14 @@ def test_attention_fits_the_shared_memory_of_a_24_gb_card():
     result = compile_check("--only", "attention-largest", "--arch", "86")
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok _paged_attention_kernel")]
     assert len(compiled) == 4 and all("shared" in line for line in compiled), result.stdout
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton has no bundled ptxas")
+def test_head_sizes_256_and_512_fit_the_shared_memory_of_a_24_gb_card():
+    """Gemma 4's head sizes in 4-bit stores (256: window layers, the most shared memory of the geometry
+    kernels; 512: keys-as-values global layers), prefill tiles, bf16 and fp32 models, compiled to a cubin
+    for sm_86 (101,376 B a block); a bf16 model's head size 512 without spills."""
+    result = compile_check("--only", "attention-geometry-largest", "--arch", "86")
+    compiled = [line for line in result.stdout.splitlines() if line.startswith("ok _paged_attention_kernel")]
+    assert len(compiled) == 4 and all("shared" in line for line in compiled), result.stdout
+    assert all("stack 0," in line for line in compiled if "HEAD_DIM=512" in line and "[bfloat16" in line), result.stdout

@@ -84,6 +84,10 @@ def stored_domain(codec, x: torch.Tensor) -> torch.Tensor:
     ("q4_rot:-codebook", "q4_rot:-mean", 1, 64, torch.float32),
     ("q4_rot:-rotation", "q4_rot:-codebook,-rotation", 3, 64, torch.float16),
     ("q4_rot:-key_transform", "q8_0", 1, 128, torch.float32),
+    # heads wider than 128: the rotation and the key mean's rotation to each position done in torch first
+    ("q4_rot", "q8_0", 1, 256, torch.bfloat16),
+    ("q8_0", "q4_rot", 1, 512, torch.float32),
+    ("q4_rot", "q4_rot", 1, 512, torch.float32),
 ])
 def test_quantized_formats_match_torch_codecs_up_to_ties(k_type, v_type, num_kv_heads, head_dim, dtype):
     num_tokens = 64
