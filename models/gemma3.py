@@ -56,14 +56,19 @@ GEMMA_LAYER_TENSORS = {
 }
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a (possibly multimodal) config."""
-    return config.get("text_config") or config
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config leaves some out (vocab_size)
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256}
 
 
-def gemma_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+def text_config(config: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The language model's part of a (possibly multimodal) config, over `defaults` for the fields it omits."""
+    return (defaults or {}) | (config.get("text_config") or config)
+
+
+def gemma_fields(config: dict[str, Any], source: str, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fields Gemma 3 and Gemma 4 read alike from a Hugging Face config (a family adds the rest)."""
-    text = text_config(config)
+    text = text_config(config, defaults)
     fields = hf_decoder_fields(text, source)
     # transformers ties Gemma's head to its embeddings unless told otherwise; a multimodal config's own rules
     fields["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
@@ -119,8 +124,8 @@ def refuse_bidirectional(text: dict[str, Any], source: str) -> None:
 
 
 def hf_config(config: dict[str, Any], source: str) -> ModelConfig:
-    text = text_config(config)
-    fields = gemma_fields(config, source)
+    text = text_config(config, GEMMA3_TEXT_DEFAULTS)
+    fields = gemma_fields(config, source, GEMMA3_TEXT_DEFAULTS)
     refuse_bidirectional(text, source)
     window = int(text.get("sliding_window") or 4096)
     ropes = layer_ropes(text, source)

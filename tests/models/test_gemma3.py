@@ -147,3 +147,19 @@ def test_a_folder_with_a_bad_config_is_refused_at_load(gemma3, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="hidden_activation"):
         load_model(tmp_path)
+
+
+def test_a_multimodal_config_without_the_text_defaults_reads_as_transformers_reads_it():
+    """gemma-3-4b-it's config.json leaves vocab_size (and more) to Gemma3TextConfig's defaults."""
+    import transformers
+
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+            "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+              "vision_config": {"model_type": "siglip_vision_model"}}
+    ours = config_from_hf(config)
+    theirs = transformers.Gemma3Config(**config).text_config
+    assert (ours.vocab_size, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        theirs.vocab_size, theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim)
+    assert ours.attention_scale == theirs.query_pre_attn_scalar ** -0.5 and ours.tie_word_embeddings
+    assert [ours.attention_of(i).sliding_window for i in range(6)] == [1024] * 5 + [None]
