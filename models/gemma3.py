@@ -23,7 +23,7 @@ from localserve.models.config import (
     hf_decoder_fields,
     rope_from_hf,
 )
-from localserve.models.family import Family, GGUFMetadata, Target, gguf_decoder_fields
+from localserve.models.family import DECODER_LAYER_TENSORS, Family, GGUFMetadata, Target, gguf_decoder_fields
 from localserve.models.layers.gemma import GemmaForCausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -38,22 +38,10 @@ ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                            "language_model.lm_head.": "lm_head."}
 UNLOADED = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\.")
-# A layer's GGUF tensors (llama.cpp's names without `blk.N.` and `.weight`) -> ours after `model.layers.N.`
-GEMMA_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# A layer's GGUF tensors -> ours: the decoder's, with Gemma's four norms around attention and MLP
+GEMMA_LAYER_TENSORS = DECODER_LAYER_TENSORS | {"post_attention_norm": "post_attention_layernorm",
+                                               "ffn_norm": "pre_feedforward_layernorm",
+                                               "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 # transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config leaves some out (vocab_size)

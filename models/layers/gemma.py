@@ -166,9 +166,8 @@ class GemmaForCausalLM(nn.Module):
             x = layer(x, tables[kind], ctx)
         return self.model.norm(x)
 
-    @property
-    def can_generate(self) -> bool:
-        return self.config.tie_word_embeddings or hasattr(self, "lm_head")
+    can_generate = DecoderForCausalLM.can_generate  # the same head, own or tied
+    attention_geometry = DecoderForCausalLM.attention_geometry
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -181,9 +180,6 @@ class GemmaForCausalLM(nn.Module):
         logits = DecoderForCausalLM.compute_logits(self, hidden)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def attention_geometry(self) -> list[AttentionGeometry]:
-        return [layer.self_attn.geometry for layer in self.model.layers]
 
     def calibration_sample(self) -> list[torch.Tensor]:
         projections = (self.model.layers[0].self_attn.k_proj, self.model.layers[-1].self_attn.o_proj)

@@ -64,3 +64,16 @@ def greedy_without_cache(hf_model, prompt: list[int], num_tokens: int) -> list[i
         for _ in range(num_tokens):
             sequence.append(int(hf_model(torch.tensor([sequence]), use_cache=False).logits[0, -1].argmax()))
     return sequence[len(prompt):]
+
+
+def assert_matches_without_cache(runner, hf_model, prompt: list[int], block_table: list[int],
+                                 num_tokens: int = 4) -> None:
+    """localserve's logits over `prompt` within 1e-4 of transformers', and its greedy tokens those of
+    transformers' forward passes without a KV cache (`greedy_without_cache`)."""
+    from tests.helpers.models import greedy_paged
+
+    ours = runner.prompt_logits(prompt, block_table)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([prompt])).logits[0]
+    assert (ours - theirs).abs().max() < 1e-4
+    assert greedy_paged(runner, prompt, num_tokens, block_table) == greedy_without_cache(hf_model, prompt, num_tokens)

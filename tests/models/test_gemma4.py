@@ -14,9 +14,14 @@ from localserve.models.config import ModelConfigError
 from localserve.models.registry import config_from_hf
 
 from localserve.loading.hf import load_model
-from tests.helpers.gemma_models import WINDOW, gemma4_config, greedy_without_cache, write_byte_fallback_tokenizer
+from tests.helpers.gemma_models import (
+    WINDOW,
+    assert_matches_without_cache,
+    gemma4_config,
+    write_byte_fallback_tokenizer,
+)
 from tests.helpers.gguf_convert import convert, rewrite_gguf
-from tests.helpers.models import assert_matches_transformers, greedy_paged, make_runner, save_random_model
+from tests.helpers.models import assert_matches_transformers, make_runner, save_random_model
 
 PROMPT = torch.randint(3, 320, (50,), generator=torch.Generator().manual_seed(6)).tolist()
 TABLE = [3, 0, 6, 2, 9, 1, 4]  # 7 blocks of 16: the prompt and 30 generated tokens
@@ -91,11 +96,7 @@ def test_generated_configs_match_transformers(tmp_path_factory, window, layers, 
     hf_model = save_random_model(folder, config, seed=seed)
     _, runner = make_runner(folder)
     prompt = torch.randint(3, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-    ours = runner.prompt_logits(prompt, TABLE)
-    with torch.no_grad():
-        theirs = hf_model(torch.tensor([prompt])).logits[0]
-    assert (ours - theirs).abs().max() < 1e-4
-    assert greedy_paged(runner, prompt, 4, TABLE) == greedy_without_cache(hf_model, prompt, 4)
+    assert_matches_without_cache(runner, hf_model, prompt, TABLE)
 
 
 def read(config: dict) -> None:
