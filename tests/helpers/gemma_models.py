@@ -77,3 +77,89 @@ def assert_matches_without_cache(runner, hf_model, prompt: list[int], block_tabl
         theirs = hf_model(torch.tensor([prompt])).logits[0]
     assert (ours - theirs).abs().max() < 1e-4
     assert greedy_paged(runner, prompt, num_tokens, block_table) == greedy_without_cache(hf_model, prompt, num_tokens)
+
+
+# A scripted Gemma 4 model (the idea of tests/helpers/scripted.py in Gemma 4's shapes) that calls a tool through
+# the real chat template: its greedy output follows the prompt's last token only. Its one (full-attention)
+# layer adds nothing (the attention's and the MLP's output projections are zero, so are their post-norms'
+# inputs), the embedding is the identity (times sqrt(hidden), undone by the final norm) and the head maps each
+# token to its successor: the empty thought block that ends the template's prompt with thinking off
+# (`<channel|>`) leads to a call of get_weather with days 2, then to `<|tool_response>` (an end of generation).
+# The call's pieces are their text's only tokenization (merges build them): llguidance masks text the grammar
+# forces (`call:get_weather{` after the call's token) to the tokenizer's own spelling of it.
+TOOL_VOCAB = 64  # = hidden size: the identity embedding gives each token its own direction
+TOOL_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                 "<|channel>", "<channel|>", "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>",
+                 "<|think|>"]
+TOOL_PIECES = ["call:get_weather{days:", "2}"]
+
+
+def merged_piece_tokenizer(specials: list[str], pieces: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (no pre-tokenizer splits) whose merges build each of `pieces` (ASCII) from its
+    characters: ids 0.. the `specials`, then each piece, then the characters and the pieces' prefixes, then
+    fillers. Each piece is its own text's only tokenization, as llguidance spells text a grammar forces."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(specials)}
+    merges = []
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    for piece in pieces:
+        for char in piece:
+            vocab.setdefault(char, len(vocab))
+        for end in range(2, len(piece) + 1):
+            vocab.setdefault(piece[:end], len(vocab))
+            merges.append((piece[:end - 1], piece[end - 1]))
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), vocab_size)})
+    assert len(vocab) == vocab_size, len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    return backend
+
+
+def write_tool_calling_gemma4(folder, chat_template: str):
+    """The model's folder (config, weights, tokenizer with `chat_template`)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests.helpers.scripted import SUCCESSOR_LOGIT
+
+    ids = {text: i for i, text in enumerate(TOOL_SPECIALS)}
+    folder.mkdir(parents=True, exist_ok=True)
+    merged_piece_tokenizer(TOOL_SPECIALS, TOOL_PIECES, TOOL_VOCAB).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
+         "chat_template": chat_template}))
+    end = ids["<|tool_response>"]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, ids["<turn|>"], end]}))
+    first, second = len(TOOL_SPECIALS), len(TOOL_SPECIALS) + 1
+    successor = {ids["<channel|>"]: ids["<|tool_call>"], ids["<|tool_call>"]: first, first: second,
+                 second: ids["<tool_call|>"], ids["<tool_call|>"]: end}
+    hidden, heads, head_dim = TOOL_VOCAB, 2, 16
+    config = gemma4_config(vocab_size=TOOL_VOCAB, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+                           num_key_value_heads=heads, head_dim=head_dim, global_head_dim=head_dim,
+                           num_global_key_value_heads=heads, attention_k_eq_v=False, final_logit_softcapping=None,
+                           layer_types=["full_attention"], tie_word_embeddings=False, eos_token_id=1).to_dict()
+    (folder / "config.json").write_text(json.dumps(config | {"architectures": ["Gemma4ForCausalLM"]}))
+    head = torch.zeros(TOOL_VOCAB, hidden)
+    for token, nxt in successor.items():  # the final norm of sqrt(hidden) times a one-hot row is sqrt(hidden) times it
+        head[nxt, token] = SUCCESSOR_LOGIT / hidden ** 0.5
+    layer = "model.layers.0."
+    weights = {"model.embed_tokens.weight": torch.eye(TOOL_VOCAB, hidden), "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": head, layer + "layer_scalar": torch.ones(1)}
+    for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        weights[f"{layer}{norm}.weight"] = torch.ones(hidden)
+    for norm in ("q_norm", "k_norm"):
+        weights[f"{layer}self_attn.{norm}.weight"] = torch.ones(head_dim)
+    for name, shape in (("q_proj", (heads * head_dim, hidden)), ("k_proj", (heads * head_dim, hidden)),
+                        ("v_proj", (heads * head_dim, hidden)), ("o_proj", (hidden, heads * head_dim)),
+                        ("mlp.gate_proj", (96, hidden)), ("mlp.up_proj", (96, hidden)),
+                        ("mlp.down_proj", (hidden, 96))):
+        weights[f"{layer}{'' if name.startswith('mlp') else 'self_attn.'}{name}.weight"] = torch.zeros(shape)
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
