@@ -24,7 +24,7 @@ QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 GPT2_PRE = ("default", "gpt2", "gpt-2")
-GEMMA4_END_OF_GENERATION = ("<turn|>", "<|tool_response>")
+GEMMA_END_OF_GENERATION = {"gemma3": ("<end_of_turn>",), "gemma4": ("<turn|>", "<|tool_response>")}
 
 
 
@@ -89,8 +89,10 @@ def read_gguf_tokenizer(reader_or_path: Any) -> GGUFTokenizerParts:
     # End of generation: EOS, and the end-of-turn / end-of-message tokens llama.cpp also stops at.
     eos_ids = [i for i in (ids["eos_token"], meta("tokenizer.ggml.eot_token_id"),
                            meta("tokenizer.ggml.eom_token_id")) if i is not None]
-    if model == "gemma4":  # the end of a turn, and the hand-over after tool calls (as llama.cpp stops at them)
-        eos_ids += [tokens.index(t) for t in GEMMA4_END_OF_GENERATION if t in kinds and tokens.index(t) not in eos_ids]
+    # Gemma's end of a turn (and Gemma 4's hand-over after tool calls), which llama.cpp stops at by their text
+    for text in GEMMA_END_OF_GENERATION.get(meta("general.architecture"), ()):
+        if text in kinds and tokens.index(text) not in eos_ids:
+            eos_ids.append(tokens.index(text))
     return GGUFTokenizerParts(backend, special, eos_ids, meta("tokenizer.chat_template"), name)
 
 

@@ -167,3 +167,22 @@ VALUES = st.recursive(st.one_of(TEXT, st.none(), st.booleans(), st.integers(-10 
 @given(st.dictionaries(KEYS, VALUES, max_size=4))
 def test_generated_arguments_read_back_as_written(arguments):
     assert read_arguments(gemma4_value(arguments)) == arguments
+
+
+def test_gemma3s_end_of_turn_ends_generation_in_its_ggufs(tmp_path):
+    import gguf
+
+    path = tmp_path / "gemma3-vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), "▁a", "<end_of_turn>"]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([3, 3, 3, 2] + [6] * 256 + [1, 3])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                  writer.close):
+        write()
+    assert Tokenizer.from_gguf(path).eos_token_ids == [1, len(tokens) - 1]
