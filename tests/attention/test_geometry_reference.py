@@ -46,7 +46,7 @@ def test_torch_backend_equals_dense_attention(case):
 
 @pytest.mark.parametrize("k_type,v_type", [("bf16", "fp16"), ("q8_0", "q4_rot"), ("q4_rot", "q8_0"),
                                            ("q4_rot", "q4_rot")])
-@pytest.mark.parametrize("dim,kv", [(64, False), (256, True), (512, True)])
+@pytest.mark.parametrize("dim,kv", [(64, False), (256, True), (512, True), (512, False)])
 def test_every_kv_format_on_every_layer_kind(k_type, v_type, dim, kv):
     """Quantized and 16-bit pools, head sizes 256 / 512 and keys as values: the dense reference over the
     pool's decoded bytes (query and output mapped by the layer's codecs as the backend does)."""
