@@ -9,6 +9,11 @@ layer with its own head size and KV heads (`per_layer_config`, or `global_head_d
 Norms scale by w (no offset); values are RMS-normalised; the logits' scale is 1; every layer's output is
 multiplied by its `layer_scalar`.
 
+`LayerAttention.keys_are_values` stays False for the full layers: their keys are k_norm(k_proj x) rotated,
+their values v_norm(k_proj x) unrotated (transformers' Gemma4TextAttention), not the same tensor, so the cache
+keeps both. (Keys could be derived from the stored values, rope(value * k_norm.weight) at the key's position,
+which would save the value store: a kernel feature, not done.)
+
 Refused by name: per-layer input embeddings (`hidden_size_per_layer_input`, the E2B/E4B models), layers
 that reuse earlier layers' KV (`num_kv_shared_layers`), bidirectional attention over all tokens.
 """
