@@ -163,3 +163,14 @@ def write_tool_calling_gemma4(folder, chat_template: str):
         weights[f"{layer}{'' if name.startswith('mlp') else 'self_attn.'}{name}.weight"] = torch.zeros(shape)
     save_file(weights, str(folder / "model.safetensors"))
     return folder
+
+
+def check_generated_config(folder, config, length: int, seed: int, block_table: list[int]) -> None:
+    """A random model of `config` saved in `folder`, loaded by localserve, against transformers over a random
+    prompt of `length` tokens (`assert_matches_without_cache`)."""
+    from tests.helpers.models import make_runner, save_random_model
+
+    hf_model = save_random_model(folder, config, seed=seed)
+    _, runner = make_runner(folder)
+    prompt = torch.randint(3, config.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    assert_matches_without_cache(runner, hf_model, prompt, block_table)

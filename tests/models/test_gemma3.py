@@ -15,7 +15,7 @@ from localserve.models.config import ModelConfigError
 from localserve.models.registry import config_from_hf
 
 from localserve.loading.hf import ModelLoadError, load_model
-from tests.helpers.gemma_models import WINDOW, assert_matches_without_cache, gemma3_config
+from tests.helpers.gemma_models import WINDOW, assert_matches_without_cache, check_generated_config, gemma3_config
 from tests.helpers.gguf_convert import convert, write_spm_tokenizer
 from tests.helpers.models import assert_matches_transformers, make_runner, save_random_model
 
@@ -108,11 +108,7 @@ def test_generated_configs_match_transformers(tmp_path_factory, window, layers, 
                            num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=head_dim,
                            query_pre_attn_scalar=scalar, final_logit_softcapping=final_cap,
                            attn_logit_softcapping=attn_cap)
-    folder = tmp_path_factory.mktemp("generated")
-    hf_model = save_random_model(folder, config, seed=seed)
-    _, runner = make_runner(folder)
-    prompt = torch.randint(3, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-    assert_matches_without_cache(runner, hf_model, prompt, TABLE)
+    check_generated_config(tmp_path_factory.mktemp("generated"), config, length, seed, TABLE)
 
 
 def read(config: dict) -> None:

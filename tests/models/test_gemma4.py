@@ -16,7 +16,7 @@ from localserve.models.registry import config_from_hf
 from localserve.loading.hf import load_model
 from tests.helpers.gemma_models import (
     WINDOW,
-    assert_matches_without_cache,
+    check_generated_config,
     gemma4_config,
     write_byte_fallback_tokenizer,
 )
@@ -92,11 +92,7 @@ def test_generated_configs_match_transformers(tmp_path_factory, window, layers, 
                            num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=head_dim,
                            global_head_dim=full_shape[0], num_global_key_value_heads=full_shape[1],
                            attention_k_eq_v=k_eq_v, rope_parameters=ropes, final_logit_softcapping=final_cap, **moe)
-    folder = tmp_path_factory.mktemp("generated")
-    hf_model = save_random_model(folder, config, seed=seed)
-    _, runner = make_runner(folder)
-    prompt = torch.randint(3, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-    assert_matches_without_cache(runner, hf_model, prompt, TABLE)
+    check_generated_config(tmp_path_factory.mktemp("generated"), config, length, seed, TABLE)
 
 
 def read(config: dict) -> None:
