@@ -21,7 +21,7 @@ from tests.helpers.gemma_models import (
     write_byte_fallback_tokenizer,
 )
 from tests.helpers.gguf_convert import convert, rewrite_gguf
-from tests.helpers.models import assert_matches_transformers, make_runner, save_random_model
+from tests.helpers.models import assert_matches_transformers, greedy_paged, make_runner, save_random_model
 
 PROMPT = torch.randint(3, 320, (50,), generator=torch.Generator().manual_seed(6)).tolist()
 TABLE = [3, 0, 6, 2, 9, 1, 4]  # 7 blocks of 16: the prompt and 30 generated tokens
@@ -120,3 +120,27 @@ def test_e2b_features_in_a_gguf_are_refused_at_load_naming_the_key(converted, tm
     changed = rewrite_gguf(converted, tmp_path / "changed.gguf", metadata={key: value})
     with pytest.raises(ModelConfigError, match=key.removeprefix("gemma4.")):
         load_model(changed)
+
+
+def test_gguf_experts_kept_in_q8_0_blocks_give_the_dequantized_models_tokens(gemma4, converted, tmp_path):
+    """The MoE model's expert stacks in Q8_0, kept in their blocks (the fused GeGLU kernels, in Triton's
+    interpreter) against the same file dequantized at load."""
+    import gguf
+
+    if gemma4[1].config.enable_moe_block is False:
+        pytest.skip("the dense model has no experts")
+
+    def q8(name, values):
+        if not name.endswith("_exps.weight"):
+            return None
+        return [(name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)]
+
+    path = rewrite_gguf(converted, tmp_path / "q8.gguf", q8)
+    kept, runner_kept = make_runner(path, keep_quantized_weights=True)
+    assert kept.model.model.layers[0].experts.formats and kept.model.model.layers[0].experts.activation == "gelu_tanh"
+    _, runner_dense = make_runner(path, keep_quantized_weights=False)
+    logits, reference = [], []
+    assert greedy_paged(runner_kept, PROMPT[:20], 4, TABLE, logits) == greedy_paged(runner_dense, PROMPT[:20], 4,
+                                                                                    TABLE, reference)
+    logits, reference = torch.cat(logits), torch.cat(reference)
+    assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
