@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from localserve.kernels.gguf_blocks import DENSE_ROWS
 from localserve.kernels.gguf_matmul import CUDA, INTERPRETER, MatmulConfig, dot_operands, dot_tiles, gemv_tiles
-from localserve.kernels.moe_experts import ExpertMatrix, Experts
+from localserve.kernels.moe_experts import ACTIVATIONS, ExpertMatrix, Experts
 from localserve.kernels.rounding import cast_round_nearest
 
 METHODS = ("per_token", "grouped")
@@ -113,9 +113,12 @@ def _tile_product(x_rows, x_ok, w_ptr, bias_ptr, expert, rows, num_rows, columns
 
 
 @triton.jit
-def _glu(gate, up, alpha, limit, CLAMPED: tl.constexpr):
-    """The experts' activation (moe_experts.py): silu(gate) * up, or gpt-oss's clamped SwiGLU."""
-    if CLAMPED:
+def _glu(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """The experts' activation (moe_experts.py), ACTIVATION its index in ACTIVATIONS: silu(gate) * up,
+    GELU's tanh form times up (0.5 (1 + tanh z) = sigmoid(2 z)), or gpt-oss's clamped SwiGLU."""
+    if ACTIVATION == 1:
+        return gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
+    if ACTIVATION == 2:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return gate * tl.sigmoid(gate * alpha) * (up + 1.0)
@@ -140,7 +143,7 @@ def _token_gate_up_kernel(
     gate_expert_stride, gate_row_stride, up_expert_stride, up_row_stride,  # elements (bytes for blocks)
     GATE: tl.constexpr, UP: tl.constexpr,  # (FORMAT, PLANES, BLOCK_VALUES, BLOCK_BYTES, TILE_BLOCKS, GROUP)
     GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    alpha, limit, CLAMPED: tl.constexpr,  # the activation: _glu
+    alpha, limit, ACTIVATION: tl.constexpr,  # the activation: _glu
 ):
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair)
@@ -152,7 +155,7 @@ def _token_gate_up_kernel(
                            gate_expert_stride, gate_row_stride, GATE, GATE_BIAS, BLOCK_N)
     up = _vector_product(x_row, 1, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
                          up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_N)
-    hidden = _glu(gate, up, alpha, limit, CLAMPED)
+    hidden = _glu(gate, up, alpha, limit, ACTIVATION)
     tl.store(hidden_ptr + pair.to(tl.int64) * intermediate_size + rows,
              cast_round_nearest(hidden, hidden_ptr.dtype.element_ty), mask=rows < intermediate_size)
 
@@ -197,7 +200,7 @@ def _grouped_gate_up_kernel(
     gate_expert_stride, gate_row_stride, up_expert_stride, up_row_stride,
     GATE: tl.constexpr, UP: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    alpha, limit, CLAMPED: tl.constexpr,  # the activation: _glu
+    alpha, limit, ACTIVATION: tl.constexpr,  # the activation: _glu
 ):
     expert = tl.load(run_experts_ptr + tl.program_id(0))
     if expert < 0:
@@ -209,7 +212,7 @@ def _grouped_gate_up_kernel(
                          DOT_PRECISION)
     up = _tile_product(x_rows, pair_ok, up_ptr, up_bias_ptr, expert, rows, intermediate_size, hidden_size,
                        up_expert_stride, up_row_stride, UP, UP_BIAS, BLOCK_M, BLOCK_N, COMPUTE, DOT_PRECISION)
-    hidden = _glu(gate, up, alpha, limit, CLAMPED)
+    hidden = _glu(gate, up, alpha, limit, ACTIVATION)
     out = hidden_ptr + pairs.to(tl.int64)[:, None] * intermediate_size + rows[None, :]
     tl.store(out, cast_round_nearest(hidden, hidden_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (rows < intermediate_size)[None, :])
@@ -337,7 +340,7 @@ def fused_moe(x: torch.Tensor, experts: Experts, topk_ids: torch.Tensor, topk_we
     biases = [m.data if m.bias is None else m.bias for m in (gate, up, down)]
     gate_up = dict(GATE=gate_layout, UP=up_layout, GATE_BIAS=gate.bias is not None, UP_BIAS=up.bias is not None,
                    alpha=float(experts.alpha), limit=float(experts.limit),
-                   CLAMPED=experts.activation == "clamped_swiglu")
+                   ACTIVATION=ACTIVATIONS.index(experts.activation))
     down_args = dict(DOWN=down_layout, DOWN_BIAS=down.bias is not None)
     if method == "per_token":
         _token_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate_size, block_n))](

@@ -2,7 +2,8 @@
 them: the CPU path, and the reference the fused-MoE kernels (fused_moe.py) are tested against.
 
 Expert e is a gated MLP: y_e(x) = down_e(glu(gate_e x + b, up_e x + b)) + b, where glu is the experts'
-`activation`: `silu`, silu(g) * u (SwiGLU: Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE); or `clamped_swiglu`
+`activation`: `silu`, silu(g) * u (SwiGLU: Qwen3-MoE, Mixtral, DeepSeek, GLM, Phi-MoE); `gelu_tanh`,
+gelu(g) * u with GELU's tanh approximation (GeGLU: Gemma 4); or `clamped_swiglu`
 (gpt-oss), g' * sigmoid(alpha g') * (u' + 1) with g' = min(g, limit) and u' = clamp(u, -limit, limit).
 A router (the model's, models/layers) picks k experts per token and their weights; the layer's output for
 token t is
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from localserve.kernels.gguf_blocks import QuantFormat
 
-ACTIVATIONS = ("silu", "clamped_swiglu")  # glu(gate, up), the module doc defines each
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")  # glu(gate, up), the module doc defines each
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, experts: Experts) -> torch.Tensor:
     """The experts' activation of their gate and up projections (the module doc)."""
     if experts.activation == "silu":
         return torch.nn.functional.silu(gate) * up
+    if experts.activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=experts.limit)
     up = up.clamp(-experts.limit, experts.limit)
     return gate * torch.sigmoid(gate * experts.alpha) * (up + 1)

@@ -13,9 +13,9 @@ from typing import Any
 
 from localserve.models.pooling import PoolingSpec
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
-EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+EXPERT_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 class ModelConfigError(ValueError):
@@ -46,6 +46,9 @@ class RopeConfig:
     long_factor: tuple[float, ...] | None = None
     # Llama 4 / Ministral 3: queries at position p scaled by 1 + beta * ln(1 + floor(p / original context)).
     query_scale_beta: float | None = None
+    # proportional (Gemma 4's global layers): the first `partial_rotary_factor` of each half of the head turns,
+    # at the frequencies of the whole head; the rest does not turn (frequency 0)
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,26 @@ class LayerAttention:
 
 
 @dataclass(frozen=True)
+class GemmaOptions:
+    """What Gemma 3 and Gemma 4 do that the plain decoder does not (models/layers/gemma.py computes it).
+
+    `norm_offset`: RMSNorm scales by (offset + w) (Gemma 3's checkpoints store w - 1; llama.cpp's GGUFs and
+    Gemma 4 store the scale itself); `attn_logit_softcap`: attention logits squashed to cap * tanh(l / cap);
+    `value_norm`: values RMS-normalised (no scale) per head (Gemma 4); `values_from_keys`: the full-attention
+    layers have no value projection, their values are the key projection's output (Gemma 4's
+    `attention_k_eq_v`); `layer_scale`: each layer's output times a learned scalar (Gemma 4); `moe_beside_mlp`:
+    the mixture of experts runs beside the dense MLP, each with its own norms (Gemma 4's 26B-A4B).
+    """
+
+    norm_offset: float = 0.0
+    attn_logit_softcap: float | None = None
+    value_norm: bool = False
+    values_from_keys: bool = False
+    layer_scale: bool = False
+    moe_beside_mlp: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and features of a decoder-only language model."""
 
@@ -145,6 +168,11 @@ class ModelConfig:
     layer_attention: tuple[LayerAttention, ...] = ()
     # A learned logit per attention head in every softmax's denominator (gpt-oss's sinks, `self_attn.sinks`).
     attention_sinks: bool = False
+    attention_scale: float | None = None  # the attention logits' scale; None: 1 / sqrt(head_dim)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embedding_scale: float | None = None  # token embeddings times this (in their dtype); None: 1
+    final_logit_softcap: float | None = None  # logits squashed to cap * tanh(logits / cap)
+    gemma: GemmaOptions | None = None
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:
@@ -233,6 +261,7 @@ def rope_from_hf(config: dict[str, Any], source: str) -> RopeConfig:
         short_factor=_floats(params.get("short_factor")),
         long_factor=_floats(params.get("long_factor")),
         query_scale_beta=params.get("llama_4_scaling_beta"),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0,
     )
 
 

@@ -26,13 +26,18 @@ HF_ARCHITECTURES = {
     "Mistral3ForConditionalGeneration": "mistral3",
     "Ministral3ForCausalLM": "mistral3",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 # Hugging Face `model_type` -> family module, for a config that names no architecture we know
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "phi3": "phi3", "mistral3": "mistral3", "ministral3": "mistral3", "gpt_oss": "gpt_oss"}
+                  "phi3": "phi3", "mistral3": "mistral3", "ministral3": "mistral3", "gpt_oss": "gpt_oss",
+                  "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4"}
 # GGUF `general.architecture` -> family module
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
-                      "mistral3": "mistral3", "gpt-oss": "gpt_oss"}
+                      "mistral3": "mistral3", "gpt-oss": "gpt_oss", "gemma3": "gemma3", "gemma4": "gemma4"}
 
 
 def family(name: str) -> Family:

@@ -27,6 +27,7 @@ from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.group_plan import GroupPool, plan_group_pools, window_pool_blocks
 from localserve.kv.memory_plan import human_size, kv_budget_bytes
+from localserve.models.config import ModelConfig
 from localserve.models.protocol import CausalLM
 
 log = logging.getLogger(__name__)
@@ -109,10 +110,7 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     param = next(model.parameters())
     model_config = model.config
     calibration = rope = None
-    layer_shapes = None
-    if model_config.layer_attention:
-        layer_shapes = [LayerKVShape(layer.num_kv_heads, layer.head_dim, layer.keys_are_values)
-                        for layer in model_config.layer_attention]
+    layer_shapes = layer_kv_shapes(model_config)
     if key_format.needs_calibration or value_format.needs_calibration:
         own = next((i for i, layer in enumerate(model_config.layer_attention)
                     if (layer.num_kv_heads, layer.head_dim, layer.keys_are_values, layer.rope, layer.rotary_dim)
@@ -134,6 +132,14 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
                         calibration, rope, layer_shapes, layer_groups, group_numbers)
+
+
+def layer_kv_shapes(config: ModelConfig) -> list[LayerKVShape] | None:
+    """Each layer's KV heads, head size and keys-as-values where layers differ (`layer_attention`); else None."""
+    if not config.layer_attention:
+        return None
+    return [LayerKVShape(shape.num_kv_heads, shape.head_dim, shape.keys_are_values)
+            for shape in config.layer_attention]
 
 
 def window_chunk_tokens(config: EngineConfig) -> int | None:

@@ -11,9 +11,10 @@ and what one request's turn needs of them.
 
 Tool formats are told apart by what their templates write (checked in this order): Qwen3-Coder's
 `<function=`/`<parameter=`, Mistral's `[TOOL_CALLS]` (with `[ARGS]`: the newer form), Hermes/Qwen's
-`<tool_call>`, Llama 3's `<|python_tag|>` or `"parameters": ` beside `<|start_header_id|>`; a template with
-none of them gets the generic JSON form. A template that writes `<think>` or `</think>` reasons; the prompt
-it renders, with its switch on and off, says whether the output starts inside the block. A template that writes
+`<tool_call>`, Llama 3's `<|python_tag|>` or `"parameters": ` beside `<|start_header_id|>`, Gemma 4's
+`<|tool_call>` (checked first); a template with none of them gets the generic JSON form. A template that
+writes `<think>` or `</think>` reasons (Gemma 4's: `<|channel>thought` ... `<channel|>`); the prompt it
+renders, with its switch on and off, says whether the output starts inside the block. A template that writes
 harmony's `<|channel|>` and `<|message|>` is gpt-oss's format (tokenizer/harmony.py), a format of its own rather
 than a tool-call format beside `<think>` reasoning: those are the "tagged" families of this module.
 """
@@ -28,7 +29,7 @@ from localserve.tokenizer.chat_template import ChatTemplateError
 from localserve.tokenizer.chat_turn import ChatFormat, ChatInputs, ChatStreamParser, ChatTurn, check_tool_names
 from localserve.tokenizer.errors import TokenizerError
 from localserve.tokenizer.harmony import HarmonyFormat, is_harmony_template
-from localserve.tokenizer.reasoning import Marker, ReasoningSplitter, ThinkFormat
+from localserve.tokenizer.reasoning import ChannelThoughtFormat, Marker, ReasoningSplitter, ThinkFormat
 from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta, StreamEvent, coalesce
 from localserve.tokenizer.tokenizer import Tokenizer
 from localserve.tokenizer.tool_formats.base import (
@@ -40,6 +41,7 @@ from localserve.tokenizer.tool_formats.base import (
     ToolFormat,
     ToolUse,
 )
+from localserve.tokenizer.tool_formats.gemma4 import Gemma4Format
 from localserve.tokenizer.tool_formats.generic_json import GenericJsonFormat
 from localserve.tokenizer.tool_formats.hermes import HermesFormat
 from localserve.tokenizer.tool_formats.llama3_json import Llama3JsonFormat
@@ -52,13 +54,15 @@ __all__ = ["TOOL_FORMATS", "ChatFormat", "ChatInputs", "ChatStreamParser", "Chat
 
 TOOL_FORMATS: dict[str, type[ToolFormat]] = {
     cls.name: cls for cls in (HermesFormat, Qwen3CoderFormat, Llama3JsonFormat, MistralArrayFormat,
-                              MistralArgsFormat, GenericJsonFormat)}
+                              MistralArgsFormat, Gemma4Format, GenericJsonFormat)}
 THINKING_SWITCH = "enable_thinking"
 PROBE = [{"role": "user", "content": "Hello"}]
 
 
 def detect_tool_format(template: str) -> type[ToolFormat]:
     """The tool-call format a chat template writes."""
+    if "<|tool_call>" in template:
+        return Gemma4Format
     if "<function=" in template and "<parameter=" in template:
         return Qwen3CoderFormat
     if "[TOOL_CALLS]" in template:
@@ -80,7 +84,8 @@ def detect_chat_format(tokenizer: Tokenizer, chat_template: str | None = None) -
         return HarmonyFormat(tokens)
     tool_format = detect_tool_format(template)(tokens)
     reasoning = None
-    if ThinkFormat.start in template or ThinkFormat.end in template:
+    kind = ChannelThoughtFormat if ChannelThoughtFormat.start in template else ThinkFormat
+    if kind.start in template or kind.end in template:
         switch = THINKING_SWITCH if THINKING_SWITCH in template else None
 
         def opens(thinking: bool) -> bool:
@@ -89,10 +94,10 @@ def detect_chat_format(tokenizer: Tokenizer, chat_template: str | None = None) -
                 prompt = tokenizer.apply_chat_template(PROBE, chat_template=template, **variables)
             except ChatTemplateError:
                 return False
-            return prompt.rfind(ThinkFormat.start) > prompt.rfind(ThinkFormat.end)
+            return prompt.rfind(kind.start) > prompt.rfind(kind.end)
 
-        end_ids = tuple(tokenizer.encode(ThinkFormat.end, add_special_tokens=False))
-        reasoning = ThinkFormat(end_ids, switch, {True: opens(True), False: opens(False)})
+        end_ids = tuple(tokenizer.encode(kind.end, add_special_tokens=False))
+        reasoning = kind(end_ids, switch, {True: opens(True), False: opens(False)})
     return TaggedChatFormat(tool_format, reasoning)
 
 
@@ -155,7 +160,7 @@ class TaggedTurn(ChatTurn):
     def skip_special_tokens(self) -> bool:
         markers = [*self._tool_format.markers] if self._use is not None else []
         if self.reasons:
-            markers += [ThinkFormat.start, ThinkFormat.end]
+            markers += [self._reasoning.start, self._reasoning.end]
         return not any(marker in self._tool_format.tokens.special for marker in markers)
 
     def stream_parser(self) -> TaggedStreamParser:

@@ -34,6 +34,7 @@ SPLITS = {**dict.fromkeys(LLAMA3_PRE, LLAMA3_SPLIT), **dict.fromkeys(QWEN2_PRE, 
 # tiktoken's vocabularies take a piece that is a whole token as it is, before any merge
 WHOLE_PIECES_FIRST = LLAMA3_PRE + O200K_PRE
 GPT2_PRE = ("default", "gpt2", "gpt-2")
+GEMMA_END_OF_GENERATION = {"gemma3": ("<end_of_turn>",), "gemma4": ("<turn|>", "<|tool_response>")}
 
 
 
@@ -77,9 +78,13 @@ def read_gguf_tokenizer(reader_or_path: Any) -> GGUFTokenizerParts:
         backend = _sentencepiece_bpe(tokens, meta("tokenizer.ggml.scores"),
                                      meta("tokenizer.ggml.unknown_token_id"),
                                      bool(meta("tokenizer.ggml.add_space_prefix", True)))
+    elif model == "gemma4":
+        backend = _merged_sentencepiece_bpe(tokens, meta("tokenizer.ggml.merges") or [],
+                                            meta("tokenizer.ggml.unknown_token_id"))
     else:
         raise TokenizerError(f"{name}: unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model);"
-                             " supported: 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+                             " supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4' "
+                             "(SentencePiece-style BPE with merges)")
     # CONTROL tokens are special; USER_DEFINED ones (like <think>) are matched whole but are plain text.
     kinds = dict(zip(tokens, types, strict=True))
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -94,6 +99,10 @@ def read_gguf_tokenizer(reader_or_path: Any) -> GGUFTokenizerParts:
     # End of generation: EOS, and the end-of-turn / end-of-message tokens llama.cpp also stops at.
     eos_ids = [i for i in (ids["eos_token"], meta("tokenizer.ggml.eot_token_id"),
                            meta("tokenizer.ggml.eom_token_id")) if i is not None]
+    # Gemma's end of a turn (and Gemma 4's hand-over after tool calls), which llama.cpp stops at by their text
+    for text in GEMMA_END_OF_GENERATION.get(meta("general.architecture"), ()):
+        if text in kinds and tokens.index(text) not in eos_ids:
+            eos_ids.append(tokens.index(text))
     return GGUFTokenizerParts(backend, special, eos_ids, meta("tokenizer.chat_template"), name)
 
 
@@ -146,6 +155,17 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, unk_id: in
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     strip = [decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix else []
     backend.decoder = decoders.Sequence(steps + strip)
+    return backend
+
+
+def _merged_sentencepiece_bpe(tokens: list[str], merges: list[str], unk_id: int | None) -> BackendTokenizer:
+    """Gemma 4's BPE: spaces as `▁` (no space prefix, no pre-tokenizer), the file's merges, byte fallback."""
+    unk = tokens[unk_id] if unk_id is not None else None
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(BPE({tok: i for i, tok in enumerate(tokens)}, pairs, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True, dropout=None))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from localserve.tokenizer.held_text import is_prefix_of_any, split_at_marker
 from localserve.tokenizer.stream_events import ContentDelta, ReasoningDelta
 
-__all__ = ["Marker", "ReasoningSplitter", "ThinkFormat"]
+__all__ = ["ChannelThoughtFormat", "Marker", "ReasoningSplitter", "ThinkFormat"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,16 @@ class ThinkFormat:
     def splitter(self, opened: bool) -> ReasoningSplitter:
         """A fresh splitter for one output; `opened`: the prompt opened the block."""
         return ReasoningSplitter(self.start, self.end, opened)
+
+
+@dataclass(frozen=True)
+class ChannelThoughtFormat(ThinkFormat):
+    """Gemma 4's reasoning: `<|channel>thought` ... `<channel|>` at the start of the output; with thinking
+    off (`enable_thinking` false) the prompt holds an empty block."""
+
+    name: ClassVar[str] = "gemma4_thought"
+    start: ClassVar[str] = "<|channel>thought"
+    end: ClassVar[str] = "<channel|>"
 
 
 class ReasoningSplitter:

@@ -1,5 +1,6 @@
 """Rotary position embeddings with the scaling variants the supported configs use: default, linear, llama3,
-yarn, longrope (Phi-3), and GGUF frequency factors; over a whole head or its first `rotary_dim` values."""
+yarn, longrope (Phi-3), proportional (Gemma 4), and GGUF frequency factors; over a whole head or its first
+`rotary_dim` values."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         inv_freq, scale = _yarn_inv_freq(rope, head_dim)
     elif rope.rope_type == "longrope":
         inv_freq, scale = inv_freq / _factors(rope.short_factor, head_dim, "short_factor"), _longrope_scale(rope)
+    elif rope.rope_type == "proportional":  # the head's first frequencies turn, the others stay still
+        turning = int(rope.partial_rotary_factor * head_dim // 2)
+        inv_freq = torch.cat((inv_freq[:turning], torch.zeros(head_dim // 2 - turning))) / rope.factor
     return inv_freq, scale
 
 

@@ -35,8 +35,10 @@ TEMPLATES = (
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
     "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
     "openai-gpt-oss-120b.jinja",
+    "google-gemma-4-31B-it.jinja",
 )
-VOCABULARIES = ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf")
+VOCABULARIES = ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf",
+                "ggml-vocab-gemma-4.gguf")
 MEMBERS = {f"{MODELS_IN_SDIST}/templates/{name}": f"templates/{name}" for name in TEMPLATES} | {
     f"{MODELS_IN_SDIST}/{name}": f"vocab/{name}" for name in VOCABULARIES}
 # Folders taken whole (every member under the prefix), under converter/, and the file that says they are there.

@@ -63,6 +63,7 @@ def make_runner(source, dtype=torch.float32, num_blocks=16, block_size=16, keep_
     """The model in `source` (a path, or a LoadedModel) loaded by localserve, and a torch-backend
     ModelRunner over a fresh pool."""
     from localserve.attention.torch_backend import TorchAttentionBackend
+    from localserve.engine.builder import layer_kv_shapes
     from localserve.engine.model_runner import ModelRunner
     from localserve.kv.cache import PagedKVCache
     from localserve.loading.hf import LoadedModel, load_model
@@ -72,7 +73,8 @@ def make_runner(source, dtype=torch.float32, num_blocks=16, block_size=16, keep_
     else:
         loaded = load_model(source, dtype=dtype, keep_quantized_weights=keep_quantized_weights)
     config = loaded.config
-    cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype)
+    cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype,
+                         layer_shapes=layer_kv_shapes(config))
     return loaded, ModelRunner(loaded.model, cache, TorchAttentionBackend())
 
 

@@ -9,6 +9,7 @@ assistant message with `tool_calls` (tests/tokenizer/test_chat_families.py check
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from hypothesis import strategies as st
@@ -96,7 +97,39 @@ def _generic_json(content: str, calls: list[Call]) -> str:
     return _json({"tool_calls": [{"name": name, "arguments": arguments} for name, arguments in calls]})
 
 
-WRITERS = {"hermes": _hermes, "qwen3_coder": _qwen3_coder, "llama3_json": _llama3_json,
+def gemma4_value(value: Any) -> str:
+    """A value as Gemma 4's template writes call arguments (`format_argument`): strings between `<|"|>`, keys
+    bare (quoted where a key is no name: the notation has no other way to hold one), lists and objects."""
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "None"  # Jinja's rendering of None
+    if isinstance(value, dict):
+        keys = {key: key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else gemma4_value(key) for key in value}
+        return "{" + ",".join(f"{keys[key]}:{gemma4_value(item)}" for key, item in sorted(value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma4_value(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def in_written_order(format_name: str, calls: list[Call]) -> list[Call]:
+    """`calls` with their arguments' keys in the order the format writes them (Gemma 4's template sorts them)."""
+    def ordered(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: ordered(value[key]) for key in sorted(value)}
+        return [ordered(item) for item in value] if isinstance(value, list) else value
+
+    return [(name, ordered(arguments)) for name, arguments in calls] if format_name == "gemma4" else calls
+
+
+def _gemma4(content: str, calls: list[Call]) -> str:
+    return content + "".join(f"<|tool_call>call:{name}{gemma4_value(arguments)}<tool_call|>"
+                             for name, arguments in calls)
+
+
+WRITERS = {"gemma4": _gemma4, "hermes": _hermes, "qwen3_coder": _qwen3_coder, "llama3_json": _llama3_json,
            "mistral_array": _mistral_array, "mistral_args": _mistral_args, "json": _generic_json}
 
 # Text that looks like the formats' markers without being one, and characters that need escaping in JSON.

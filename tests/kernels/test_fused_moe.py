@@ -99,6 +99,22 @@ def test_dense_dtypes(qtype):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("qtype", ["bf16", "Q4_K"])
+def test_gelu_experts(method, qtype):
+    """GeGLU experts (Gemma 4's 26B-A4B): act = GELU's tanh form, against the reference's torch GELU."""
+    hidden, intermediate = expert_shape(qtype)
+    experts, reference_experts = random_experts(qtype, NUM_EXPERTS, hidden, intermediate, seed=11)
+    experts = dataclasses.replace(experts, activation="gelu_tanh")
+    reference_experts = dataclasses.replace(reference_experts, activation="gelu_tanh")
+    ids, weights = uneven_routes(7, NUM_EXPERTS, TOP_K, seed=11)
+    x = activations(qtype, 7, seed=11)
+    out = fused_moe(x.to(DEVICE), experts, ids.to(DEVICE), weights.to(DEVICE), method=method)
+    assert_equals_reference(out, x, reference_experts, ids, weights)
+    silu = moe_reference(x.float(), dataclasses.replace(reference_experts, activation="silu"), ids, weights)
+    assert (out.float().cpu() - silu).abs().max() > 2 * TOLERANCE[x.dtype] * silu.abs().max()  # not SiLU's
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_expert_biases(method):
     """Biases on gate, up and down (gpt-oss has them), dense and quantized."""
     run_case("bf16", 7, method, seed=5, biases=True)

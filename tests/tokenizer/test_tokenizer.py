@@ -191,7 +191,8 @@ def test_unsupported_gguf_tokenizer_model(tmp_path):
     with pytest.raises(TokenizerError) as info:
         Tokenizer.from_gguf(path)
     assert str(info.value) == (f"{path}: unsupported GGUF tokenizer model 'bert' (tokenizer.ggml.model); "
-                               "supported: 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
+                               "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4' "
+                               "(SentencePiece-style BPE with merges)")
 
 
 def test_gguf_without_tokenizer(tmp_path):

@@ -20,7 +20,7 @@ from localserve.tokenizer.stream_events import (
 )
 from localserve.tokenizer.tool_formats.base import ToolUse
 from localserve.tokenizer.tools import ToolSpec
-from tests.helpers.tool_outputs import json_arguments, plain_text, write_answer
+from tests.helpers.tool_outputs import in_written_order, json_arguments, plain_text, write_answer
 
 TOOLS = (ToolSpec("get_weather"), ToolSpec("search"), ToolSpec("x.y-z_1"))
 TYPED = ToolSpec("typed", "every type", {"type": "object", "properties": {
@@ -152,9 +152,10 @@ def expected(content: str, calls: list[tuple[str, dict]]) -> list:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["hermes", "mistral_array", "mistral_args"]), plain_text(),
+@given(st.sampled_from(["hermes", "mistral_array", "mistral_args", "gemma4"]), plain_text(),
        st.lists(st.tuples(NAMES, json_arguments()), max_size=3), st.data())
 def test_generated_answers_parse_back_into_their_events(format_name, content, calls, data):
+    calls = in_written_order(format_name, calls)
     text = write_answer(format_name, content, calls)
     pieces = data.draw(split_points(text))
     assert [_no_id(e) for e in parse(format_name, pieces)] == expected(content, calls)
@@ -195,5 +196,6 @@ def test_whitespace_around_calls_is_no_content_however_it_streams(format_name, c
     calls = calls[:1] if format_name == "llama3_json" else calls
     if format_name == "qwen3_coder":
         calls = [("typed", {}) for _ in calls]
+    calls = in_written_order(format_name, calls)
     text = before + write_answer(format_name, "", calls) + after
     assert [_no_id(e) for e in parse(format_name, data.draw(split_points(text)))] == expected("", calls)
