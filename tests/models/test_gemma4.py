@@ -137,7 +137,8 @@ def test_gguf_experts_kept_in_q8_0_blocks_give_the_dequantized_models_tokens(gem
 
     path = rewrite_gguf(converted, tmp_path / "q8.gguf", q8)
     kept, runner_kept = make_runner(path, keep_quantized_weights=True)
-    assert kept.model.model.layers[0].experts.formats and kept.model.model.layers[0].experts.activation["activation"] == "gelu_tanh"
+    experts = kept.model.model.layers[0].experts
+    assert experts.formats and experts.activation["activation"] == "gelu_tanh"
     _, runner_dense = make_runner(path, keep_quantized_weights=False)
     logits, reference = [], []
     assert greedy_paged(runner_kept, PROMPT[:20], 4, TABLE, logits) == greedy_paged(runner_dense, PROMPT[:20], 4,
