@@ -388,8 +388,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="weight size, e.g. 4.9GB (default: parameters x 2 bytes, or a .gguf's "
                                           "stored size where its quantized blocks are kept)")
     parser.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="count a .gguf's quantized weights at their stored size, as the server keeps them on "
-                             "a GPU (default: on)")
+                        help="count a .gguf's quantized weights (and a folder's MXFP4 experts) at their stored "
+                             "size, as the server keeps them on a GPU (default: on)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("-np", "--parallel", type=int, default=16,
                         help="slots a window layer group's pool is sized for (default 16)")

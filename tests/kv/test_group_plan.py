@@ -112,3 +112,27 @@ def test_plan_of_a_qwen2_with_window_layers_shows_its_groups(capsys, tmp_path):
     full_blocks = (4 * GIB - window_blocks * 16 * 14 * per_layer) // (16 * 14 * per_layer)
     assert "layer groups: full (14 layers) and window 4096 (14 layers)" in out
     assert f"| {full_blocks * 16:,} |" in out and f"window 4096 (14 layers): {window_blocks:,} blocks" in out
+
+
+def test_plan_counts_a_folders_mxfp4_experts_at_their_stored_size(capsys, tmp_path):
+    """gpt-oss-20b's config.json says `quant_method: mxfp4`: the server keeps those experts in their blocks
+    (17 bytes per 32 values), so the plan counts them so, and a 24 GB card holds the model and a pool; with
+    --no-keep-quantized-weights every parameter counts at 2 bytes and nothing is left for the pool."""
+    from localserve.loading.model_card import parameter_count
+    from localserve.loading.plan_model import load_plan_model
+
+    folder = tmp_path / "gpt-oss-20b"
+    folder.mkdir()
+    (folder / "config.json").write_text(GPT_OSS_20B.read_text())
+    raw = json.loads(GPT_OSS_20B.read_text())
+    experts = raw["num_hidden_layers"] * raw["num_local_experts"] * 3 * raw["hidden_size"] * raw["intermediate_size"]
+    config, kept, how = load_plan_model(str(folder))
+    assert kept == int((parameter_count(config) - experts) * 2 + experts * 17 / 32)
+    assert 12 * GIB < kept < 13.5 * GIB and "MXFP4" in how
+    dense_config, dense, _ = load_plan_model(str(folder), keep_quantized_weights=False)
+    assert dense == parameter_count(dense_config) * 2
+    assert main(["plan", "-m", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "no room for a KV pool" not in out and "window 128 (12 layers)" in out
+    assert main(["plan", "-m", str(folder), "--no-keep-quantized-weights"]) == 1
+    assert "no room for a KV pool" in capsys.readouterr().out
