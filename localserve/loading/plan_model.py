@@ -12,7 +12,6 @@ from localserve.loading.model_card import parameter_count
 from localserve.models.config import ModelConfig
 from localserve.models.registry import config_from_hf
 
-
 MXFP4_BYTES_PER_VALUE = 17 / 32  # a block of 32 four-bit values and one shared exponent byte
 
 
