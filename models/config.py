@@ -100,8 +100,10 @@ class LayerAttention:
     """How one layer attends and keeps its KV, where layers differ (gpt-oss, Gemma 3/4).
 
     `sliding_window`: each query sees only its last `sliding_window` keys (None: all of them);
-    `keys_are_values`: the layer stores no values and attends with its keys as values (Gemma 4's global
-    layers); `rope`/`rotary_dim`: the layer's own rotary embedding (None: the model's).
+    `keys_are_values`: the layer stores no values and attends with its keys as values (the backends compute
+    it; no family sets it yet: Gemma 4's `attention_k_eq_v` layers normalise their values and rotate only
+    their keys, so they keep both stores, models/gemma4.py); `rope`/`rotary_dim`: the layer's own rotary
+    embedding (None: the model's).
     """
 
     num_kv_heads: int

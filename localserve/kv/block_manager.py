@@ -20,7 +20,7 @@ With `window_chunk_tokens` (the step's token budget), a window group gives a seq
 that many tokens past its computed ones at a time: at admission for its first prefill chunk, then as
 `mark_computed` moves on (as many as its pool has then), and for each appended token once its prompt is
 computed. The tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk, and a
-window pool of max_num_seqs x (ceil((W + chunk) / block_size) + 1) blocks always has room for them.
+window pool of max_num_seqs x (ceil((W + chunk - 1) / block_size) + 1) blocks always has room for them.
 
 The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
