@@ -11,14 +11,11 @@ import random
 import pytest
 import torch
 
-from localserve.engine.builder import build_engine
-from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
-from tests.helpers.engine_checks import run_requests
+from tests.helpers.engine_checks import run_greedy
 from tests.helpers.gemma_models import gemma3_config, gemma4_config
 from tests.helpers.models import save_random_model
-from tests.helpers.spec_costs import FixedStepCost
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4-moe"])
@@ -45,12 +42,7 @@ def workload(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     return work
 
 
-def run(model, work, check: bool = True, draft_model=None, **config):
-    config = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64, "check_integrity": check} | config
-    engine = build_engine(model, None, EngineConfig(**config), draft_model=draft_model)
-    if engine.scheduler.speculation is not None:  # draft whatever this machine's speed
-        engine.scheduler.speculation.cost = FixedStepCost()
-    return [output.outputs[0].token_ids for output in run_requests(engine, work, check)], engine
+run = run_greedy
 
 
 @pytest.fixture(scope="module")

@@ -314,3 +314,18 @@ def run_requests(engine: LLMEngine, requests, check: bool, max_steps: int = 5000
             checker.after_step()
     assert engine.is_idle_and_clean()
     return [final[request_id] for request_id in ids]
+
+
+def run_greedy(model, work, check: bool = True, draft_model=None, **config) -> tuple[list, LLMEngine]:
+    """Each request's generated ids from an engine built for `model` (a pool of 256 blocks, 16 sequences, 64
+    tokens a step unless `config` says otherwise; every step checked when `check`), and the engine. A
+    speculative engine drafts whatever this machine's speed (a fixed step cost)."""
+    from localserve.engine.builder import build_engine
+    from localserve.engine.config import EngineConfig
+    from tests.helpers.spec_costs import FixedStepCost
+
+    config = {"num_kv_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64, "check_integrity": check} | config
+    engine = build_engine(model, None, EngineConfig(**config), draft_model=draft_model)
+    if engine.scheduler.speculation is not None:
+        engine.scheduler.speculation.cost = FixedStepCost()
+    return [output.outputs[0].token_ids for output in run_requests(engine, work, check)], engine

@@ -6,6 +6,7 @@ by step (tests/helpers/engine_checks.py)."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -15,9 +16,8 @@ from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
-from tests.helpers.engine_checks import run_requests
+from tests.helpers.engine_checks import run_greedy, run_requests
 from tests.helpers.gpt_oss_models import WINDOW, save_gpt_oss, tiny_config
-from tests.helpers.spec_costs import FixedStepCost
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,7 @@ def workload(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     return work
 
 
-def run(model, work, check: bool = True, draft_model=None, **config):
-    config = {"num_kv_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64, "check_integrity": check} | config
-    engine = build_engine(model, None, EngineConfig(**config), draft_model=draft_model)
-    if engine.scheduler.speculation is not None:  # draft whatever this machine's speed
-        engine.scheduler.speculation.cost = FixedStepCost()
-    return [output.outputs[0].token_ids for output in run_requests(engine, work, check)], engine
+run = functools.partial(run_greedy, num_kv_blocks=128, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
