@@ -33,6 +33,7 @@ from localserve.kernels.kv_format import PLAIN, Q4, Q8_0, KernelFormat, KVStore
 from localserve.kernels.rounding import cast_round_nearest
 
 LOG2E = 1.4426950408889634
+MEAN_SLICE = 32  # dims per slice of the 4-bit key mean's fp32 product (see _paged_attention_kernel)
 WINDOW_NONE = 1 << 30  # the window of a layer without one: longer than any context
 # The format ids as kernel code reads them: compiled (not interpreted) kernels may read only
 # tl.constexpr globals.
@@ -99,6 +100,7 @@ def _paged_attention_kernel(
     COMPUTE: tl.constexpr,  # dtype of the tl.dot operands: the model's on a GPU, fp32 in the interpreter
     DOT_PRECISION: tl.constexpr,  # "ieee" when COMPUTE is fp32 (no TF32), else the backend's default
     SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+    MEAN_SLICE: tl.constexpr,  # dims of the head per slice of the 4-bit key mean's product
     COUNT_TILES: tl.constexpr,  # record the key tiles each program visits (tests: a window's cost)
 ):
     tile = tl.program_id(0)
@@ -122,9 +124,7 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM)
     query = tl.load(query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
                     mask=row_valid[:, None], other=0.0).to(COMPUTE)
-    if KEY_MEAN:
-        coeff = tl.load(key_coeff_ptr + (token[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + dims[None, :],
-                        mask=row_valid[:, None], other=0.0)
+    coeff_row = (token * NUM_HEADS + head) * HEAD_DIM  # of the 4-bit key mean's coefficients (KEY_MEAN)
 
     last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
     kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
@@ -158,10 +158,15 @@ def _paged_attention_kernel(
         scores = tl.dot(query, tl.trans(key.to(COMPUTE)), input_precision=DOT_PRECISION)
         if K_FORMAT == Q4_CODE:
             scores = scores * key_scale[None, :]
-        if KEY_MEAN:
-            trig = tl.load(trig_ptr + keys.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
-                           mask=key_valid[:, None], other=0.0)
-            mean_scores = tl.dot(coeff, tl.trans(trig), input_precision="ieee")
+        if KEY_MEAN:  # an fp32 product by slices of the head: a whole [rows, D] x [D, keys] one spills
+            mean_scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for start in tl.static_range(0, HEAD_DIM, MEAN_SLICE):
+                part = start + tl.arange(0, MEAN_SLICE)
+                coeff = tl.load(key_coeff_ptr + coeff_row[:, None] + part[None, :], mask=row_valid[:, None],
+                                other=0.0)
+                trig = tl.load(trig_ptr + keys.to(tl.int64)[:, None] * HEAD_DIM + part[None, :],
+                               mask=key_valid[:, None], other=0.0)
+                mean_scores = tl.dot(coeff, tl.trans(trig), mean_scores, input_precision="ieee")
             scores += tl.where(key_uses_mean[None, :], mean_scores, 0.0)
         visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
         visible &= keys[None, :] > query_pos[:, None] - window
@@ -249,24 +254,30 @@ def _merge_splits_kernel(
 _COMPUTE_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def key_tile_and_stages(block_n: int, model_dtype: torch.dtype, key_code: int, value_code: int,
-                        head_dim: int = 128) -> tuple[int, int]:
-    """Keys per tile and software-pipelining stages of the key loop on CUDA, so that a block fits in the
-    99 KiB of shared memory of the consumer GPUs (sm_86 / 89 / 120).
+def key_tile_and_launch(block_n: int, block_m: int, model_dtype: torch.dtype, key_code: int, value_code: int,
+                        head_dim: int = 128) -> tuple[int, int, int]:
+    """Keys per tile, software-pipelining stages and warps of the key loop on CUDA, so that a block fits
+    in the 99 KiB of shared memory of the consumer GPUs (sm_86 / 89 / 120) and its registers without
+    spilling on sm_90 (`block_m`: rows per query tile).
 
     Each stage buffers a K and a V tile. At D = 128 Triton's default 3 stages suit 16-bit stores of a
     16-bit model (58 KiB at 64-row tiles); a 4-bit store (its tiles are gathered levels, a key mean adds a
-    [BLOCK_N, D] fp32 trig tile) needs 256 KiB at 3 stages, beyond even an H200's 227 KiB, and 64 KiB at 1;
-    an fp32 model 80 KiB at 1 stage, 112 KiB with a 4-bit store, so its 4-bit tiles hold 32 keys. A wider
-    head keeps the bytes of a tile: D = 256 takes half the keys of D = 128, D = 512 a quarter (16, the
-    smallest tl.dot side), and 16-bit stores 2 stages from D = 256.
-    tests/kernels/cuda_compile.py compiles each case and fails on a block over its target's limit.
+    [BLOCK_N, D] fp32 trig tile) needs 256 KiB at 3 stages, beyond even an H200's 227 KiB, so it takes 1.
+    A wider head keeps the bytes of a tile: D = 256 takes half the keys of D = 128, D = 512 a quarter (16,
+    the smallest tl.dot side), and 16-bit stores 2 stages from D = 256. Registers (ptxas for sm_90): a
+    4-bit store of a 16-bit model takes 8 warps and at most 32 keys, 16 when its keys are 4-bit in a
+    64-row tile or a decode tile of D >= 256; an fp32 model (fp32 products without TF32) 8 warps, 16 keys.
+    tests/kernels/cuda_compile.py compiles each case and reports shared memory, registers and spills.
     """
     block_n = max(16, min(block_n, block_n * 128 // max(head_dim, 128)))
-    four_bit = Q4 in (key_code, value_code)
     if model_dtype == torch.float32:
-        return (max(16, min(block_n, 32 * 128 // max(head_dim, 128))) if four_bit else block_n), 1
-    return block_n, (1 if four_bit else 3 if head_dim <= 128 else 2)
+        return 16, 1, 8
+    if Q4 not in (key_code, value_code):
+        return block_n, (3 if head_dim <= 128 else 2), (8 if head_dim >= 256 else 4)
+    block_n = min(block_n, 32)
+    if key_code == Q4 and (block_m >= 64 or head_dim >= 256 and block_m <= 16):
+        block_n = 16
+    return block_n, 1, 8
 
 
 def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStore, key_format: KernelFormat,
@@ -314,7 +325,8 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
     compute = tl.float32 if query.device.type != "cuda" else _COMPUTE_DTYPES[query.dtype]
     grid = (plan.tile_seq.shape[0], num_kv_heads, num_splits)
     group = num_heads // num_kv_heads
-    block_n, stages = key_tile_and_stages(plan.block_n, query.dtype, key_format.code, value_format.code, head_dim)
+    block_n, stages, warps = key_tile_and_launch(plan.block_n, plan.block_m, query.dtype, key_format.code,
+                                                 value_format.code, head_dim)
     _paged_attention_kernel[grid](
         query, output, partial_out, partial_lse,
         key_store.data, key_store.scales if key_store.scales is not None else unused,
@@ -335,8 +347,9 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         K_FORMAT=key_format.code, V_FORMAT=value_format.code, KEY_MEAN=key_mean,
         VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
-        SINKS=sinks is not None, SOFTCAP=bool(softcap), COUNT_TILES=tile_counts is not None,
-        num_stages=stages, num_warps=8 if head_dim >= 256 else 4,
+        SINKS=sinks is not None, SOFTCAP=bool(softcap), MEAN_SLICE=min(head_dim, MEAN_SLICE),
+        COUNT_TILES=tile_counts is not None,
+        num_stages=stages, num_warps=warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](

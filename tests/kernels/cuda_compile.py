@@ -196,7 +196,7 @@ def drive_attention(dtype: torch.dtype, largest_only: bool = False) -> None:
                             backend.build_metadata(batch.inputs))
 
 
-def drive_attention_geometry(dtype: torch.dtype, largest_only: bool = False) -> None:
+def drive_attention_geometry(dtype: torch.dtype, largest_only: bool = False, four_bit_only: bool = False) -> None:
     """The per-layer geometries of issue 36: gpt-oss's window 128 with sinks split (the merge adds the sinks),
     a soft-cap, head sizes 256 and 512 (Gemma 4: its 512 layers with keys as values) in 16-bit, q8_0 and
     4-bit stores, for prefill tiles and decodes."""
@@ -220,6 +220,8 @@ def drive_attention_geometry(dtype: torch.dtype, largest_only: bool = False) -> 
     batches = [[(1, 40), (5, 18)], [(1, 40), (1, 18)]]  # prefill tiles, decode
     if largest_only:
         cases, batches = [cases[3], cases[6]], batches[:1]
+    if four_bit_only:  # the cases whose registers are tightest
+        cases = [case for case in cases if "q4_rot" in case[1:3]]
     for geometry, k_type, v_type, splits in cases:
         for shapes in batches:
             batch = geometry_batch(shapes, geometry, k_type, v_type, dtype)
@@ -232,11 +234,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
     parser.add_argument("--only", choices=("gguf", "moe", "attention", "attention-largest", "attention-geometry",
-                                           "attention-geometry-largest"),
+                                           "attention-geometry-largest", "attention-geometry-4bit"),
                         help="one family of kernels; attention-largest: the attention kernels that need the most "
                              "shared memory (prefill tiles, 16-bit and 4-bit stores, bf16 and fp32 models); "
                              "attention-geometry: windows, sinks, soft-caps, head sizes 256 / 512, keys as "
-                             "values (-largest: the 4-bit head size 256 and 512 prefill tiles)")
+                             "values (-largest: the 4-bit head size 256 and 512 prefill tiles; -4bit: every case "
+                             "with a 4-bit store)")
     parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -255,11 +258,11 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             launches += [(launch, dtype) for launch in
                          record_launches(lambda dtype=dtype: drive_attention(dtype, largest))]
-    if args.only in (None, "attention-geometry", "attention-geometry-largest"):
-        largest = args.only == "attention-geometry-largest"
+    if args.only in (None, "attention-geometry", "attention-geometry-largest", "attention-geometry-4bit"):
+        largest, four_bit = args.only == "attention-geometry-largest", args.only == "attention-geometry-4bit"
         for dtype in (torch.bfloat16, torch.float32):
             launches += [(launch, dtype) for launch in
-                         record_launches(lambda dtype=dtype: drive_attention_geometry(dtype, largest))]
+                         record_launches(lambda dtype=dtype: drive_attention_geometry(dtype, largest, four_bit))]
     limit = SHARED_LIMITS.get(args.arch)
     failures, seen = 0, set()
     for (kernel, arguments, options), dtype in launches:

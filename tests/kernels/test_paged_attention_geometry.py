@@ -106,8 +106,8 @@ def test_forward_writes_keys_only_and_attends_like_the_dense_reference():
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_a_window_decode_visits_only_the_tiles_its_window_covers(num_splits):
-    """O(window), not O(context): a decode at position 999 with a window of 32 visits at most the two key
-    tiles (64 keys each) holding its window, whatever the split; a full layer visits all 16."""
+    """O(window), not O(context): a decode at position 999 with a window of 32 visits only the key tiles
+    (16 keys each: an fp32 model's) holding its window, whatever the split; a full layer visits all 63."""
     batch = geometry_batch([(1, 1000), (1, 70)], layer(window=32), "fp32", "fp32")
     meta = batch.inputs
     plan = plan_attention(meta.query_lens, meta.context_lens, meta.block_tables, 4, 2, num_splits=num_splits)
@@ -118,13 +118,13 @@ def test_a_window_decode_visits_only_the_tiles_its_window_covers(num_splits):
                           32 ** -0.5, window=32, tile_counts=counts)
     torch.testing.assert_close(out.double(), batch.expected, atol=3e-5, rtol=1e-4)
     visited = counts.sum(-1)  # [tiles, Hkv]
-    assert visited[0].tolist() == [1, 1] and visited[1].tolist() == [2, 2]  # 968..999: one tile; 38..69: two
+    assert visited[0].tolist() == [3, 3] and visited[1].tolist() == [3, 3]  # 968..999: tiles 60-62; 38..69: 2-4
     full = geometry_batch([(1, 1000)], layer(), "fp32", "fp32")
     plan = plan_attention([1], [1000], full.inputs.block_tables, 4, 2, num_splits=num_splits)
     counts = torch.zeros(1, 2, num_splits, dtype=torch.int32, device=DEVICE)
     paged_attention(full.query, kv_store(full.cache.key_stores[0]), kv_store(full.cache.value_stores[0]), *formats,
                     plan, 32 ** -0.5, tile_counts=counts)
-    assert counts.sum(-1).tolist() == [[16, 16]]
+    assert counts.sum(-1).tolist() == [[63, 63]]
 
 
 def test_a_head_size_the_kernels_cannot_take_is_refused_naming_the_layer():
