@@ -47,14 +47,15 @@ def plan_attention(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | t
                    block_tables: torch.Tensor, num_heads: int, num_kv_heads: int,
                    num_splits: int | None = None, num_sms: int | None = None, block_m: int | None = None,
                    block_n: int = BLOCK_N, num_tiles: int | None = None, head_dim: int = 128,
-                   window: int | None = None) -> AttentionPlan:
+                   window: int | None = None, max_block_m: int | None = None) -> AttentionPlan:
     """Plan a step of sequences with `query_lens` new tokens and `seq_lens` context each [S].
 
     `block_tables` [S, max_blocks] may already be on the device. `num_splits` None chooses from the
     batch, the longest context (within `window` keys of each query, for a window layer) and `num_sms`.
     `num_tiles` pads the tile list with padding tiles (a captured graph's fixed grid). `block_m` None picks
     16 rows for decode-only steps and otherwise 64 at head size 128 or less, 32 at 256, 16 at 512 (the
-    fp32 accumulator of a tile, [rows, D], stays in registers).
+    fp32 accumulator of a tile, [rows, D], stays in registers); `max_block_m` caps that choice (the
+    operands' own limit: paged_attention.prefill_rows_cap).
     """
     query_lens = torch.as_tensor(query_lens, dtype=torch.int32, device="cpu")
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32, device="cpu")
@@ -70,6 +71,8 @@ def plan_attention(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | t
     if block_m is None:
         prefill_block_m = max(DECODE_BLOCK_M, PREFILL_BLOCK_M * 128 // max(head_dim, 128))
         block_m = DECODE_BLOCK_M if max_query_len <= 1 else prefill_block_m
+        if max_block_m is not None:
+            block_m = min(block_m, max_block_m)
     block_m = max(block_m, triton.next_power_of_2(group))
     queries_per_tile = block_m // group
     tiles_per_seq = (query_lens + queries_per_tile - 1) // queries_per_tile

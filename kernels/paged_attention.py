@@ -280,6 +280,15 @@ def key_tile_and_launch(block_n: int, block_m: int, model_dtype: torch.dtype, ke
     return block_n, 1, 8
 
 
+def prefill_rows_cap(model_dtype: torch.dtype, key_code: int, value_code: int, head_dim: int) -> int | None:
+    """The most query rows a prefill tile may have for these operands to compile without spilling on sm_90
+    (None: the plan's default): an fp32 model with a 4-bit store takes 32 rows up to D = 128 and 16 from
+    D = 256 (its 16-key tiles still spill at 64 rows: ptxas caps the 8 warps at 255 registers)."""
+    if model_dtype != torch.float32 or Q4 not in (key_code, value_code):
+        return None
+    return 32 if head_dim <= 128 else 16
+
+
 def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStore, key_format: KernelFormat,
                     value_format: KernelFormat, plan: AttentionPlan, sm_scale: float,
                     key_mean_coeff: torch.Tensor | None = None, trig_table: torch.Tensor | None = None,

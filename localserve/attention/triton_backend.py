@@ -18,7 +18,7 @@ from localserve.attention.base import AttentionBackend, AttentionGeometry, Atten
 from localserve.attention.torch_backend import check_layer_cache
 from localserve.kernels.attention_plan import AttentionPlan, plan_attention
 from localserve.kernels.kv_format import KernelFormat, KVStore
-from localserve.kernels.paged_attention import paged_attention
+from localserve.kernels.paged_attention import paged_attention, prefill_rows_cap
 from localserve.kernels.rotary import rotary_halves
 from localserve.kernels.store_kv import store_kv
 
@@ -119,7 +119,9 @@ class TritonAttentionBackend(AttentionBackend):
             scale = 1 / math.sqrt(query.shape[-1]) if geometry is None else geometry
             geometry = AttentionGeometry(query.shape[1], num_kv_heads, query.shape[2], scale)
         key_format, value_format = self.layer_formats(kv_cache, layer, query.device)
-        plan = metadata.plan or self.layer_plan(metadata, layer, geometry, query.device)
+        plan = metadata.plan or self.layer_plan(metadata, layer, geometry, query.device,
+                                                prefill_rows_cap(query.dtype, key_format.code, value_format.code,
+                                                                 geometry.head_dim))
         if plan.block_m < geometry.num_heads // num_kv_heads:  # a static plan made for another layer's heads
             raise ValueError(f"layer {layer}'s {geometry.num_heads // num_kv_heads} query heads per KV head do not "
                              f"fit the step plan's tiles of {plan.block_m} rows")
@@ -136,27 +138,29 @@ class TritonAttentionBackend(AttentionBackend):
         return kv_cache.restore_output(layer, output)
 
     def layer_plan(self, metadata: TritonAttentionMetadata, layer: int, geometry: AttentionGeometry,
-                   device: torch.device) -> AttentionPlan:
-        """The step's plan for `layer`'s kind (KV group, KV heads, head size, window), made on first use."""
+                   device: torch.device, max_block_m: int | None = None) -> AttentionPlan:
+        """The step's plan for `layer`'s kind (KV group, KV heads, head size, window, row cap), made on first
+        use (`max_block_m`: the most query rows a tile of its operands may have)."""
         group, _, tables = metadata.inputs.tables_of(layer)
-        kind = (group, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, geometry.sliding_window)
+        kind = (group, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, geometry.sliding_window,
+                max_block_m)
         if kind not in metadata.plans:
             metadata.plans[kind] = self.plan(metadata.inputs, geometry.num_heads, geometry.num_kv_heads, device,
                                              block_tables=tables, head_dim=geometry.head_dim,
-                                             window=geometry.sliding_window)
+                                             window=geometry.sliding_window, max_block_m=max_block_m)
         return metadata.plans[kind]
 
     def plan(self, inputs: AttentionInputs, num_heads: int, num_kv_heads: int, device: torch.device,
              num_tiles: int | None = None, block_tables: torch.Tensor | None = None, head_dim: int = 128,
-             window: int | None = None) -> AttentionPlan:
+             window: int | None = None, max_block_m: int | None = None) -> AttentionPlan:
         """The kernel plan of a step: query tiles, tile shape and KV splits (`num_tiles`: pad to a fixed grid;
-        `block_tables`: a KV group's, default the inputs')."""
+        `block_tables`: a KV group's, default the inputs'; `max_block_m`: a cap on the query rows a tile)."""
         if self._num_sms is None and device.type == "cuda":
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         tables = inputs.block_tables if block_tables is None else block_tables
         return plan_attention(inputs.query_lens, inputs.context_lens, tables, num_heads, num_kv_heads,
                               num_splits=self.num_splits, num_sms=self._num_sms, num_tiles=num_tiles,
-                              head_dim=head_dim, window=window)
+                              head_dim=head_dim, window=window, max_block_m=max_block_m)
 
     def layer_formats(self, kv_cache: PagedKVCache, layer: int,
                       device: torch.device) -> tuple[KernelFormat, KernelFormat]:
