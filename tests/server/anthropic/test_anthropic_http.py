@@ -82,7 +82,10 @@ def test_a_message_streamed_adds_up_to_the_whole(client):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_start" in kinds
     assert kinds.count("content_block_stop") == 1 and "message_delta" in kinds
     deltas = [event.delta.text for event in events if event.type == "content_block_delta"]
-    assert len(deltas) >= 2 and "".join(deltas) == whole.content[0].text == final.content[0].text
+    # The server coalesces what the engine produced while the client was not reading (docs/PROTOCOL.md), so
+    # 12 tokens of a tiny model may arrive as one delta when the engine outruns the first write (seen once
+    # in a full run): at least one, and together exactly the whole answer.
+    assert len(deltas) >= 1 and "".join(deltas) == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
     assert prompt_tokens(events[0].message) == prompt_tokens(whole)
 
