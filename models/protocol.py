@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from localserve.attention.base import AttentionBackend, AttentionGeometry
     from localserve.kv.cache import PagedKVCache
+    from localserve.kv.recurrent_states import StepStates
 
 
 @dataclass
@@ -24,6 +25,8 @@ class ForwardContext:
     backend: AttentionBackend
     kv_cache: PagedKVCache
     metadata: Any  # what backend.build_metadata made for this step
+    # The step's recurrent-state reads and writes (kv/recurrent_states.py) where the model has recurrent layers.
+    states: StepStates | None = None
 
 
 class CausalLM(Protocol):
