@@ -28,6 +28,7 @@ copied.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
@@ -170,15 +171,32 @@ def fused_recurrent_slots(
     return output
 
 
+_fla_failure: list[str] = []  # why fla's chunked form was turned off in this process, once it failed
+
+
 @functools.cache
-def fla_chunk_function():
-    """fla-core's chunk_gated_delta_rule, or None where fla-core does not import (imported on first use: its
-    import warns on a machine without a GPU)."""
+def _import_fla_chunk():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:  # noqa: BLE001 - any failure to import means: use the torch form
+    except Exception as exc:  # noqa: BLE001 - any failure to import means: use the torch form
+        _fla_failure.append(f"fla-core does not import: {type(exc).__name__}: {exc}")
         return None
     return chunk_gated_delta_rule
+
+
+def fla_chunk_function():
+    """fla-core's chunk_gated_delta_rule, or None where fla-core does not import or failed once in this
+    process (`disable_fla`). Imported on first use: its import warns on a machine without a GPU."""
+    chunk = _import_fla_chunk()
+    return None if _fla_failure else chunk
+
+
+def disable_fla(exc: BaseException) -> None:
+    """Turn fla's chunked form off for this process after it raised (a Triton it does not support, say):
+    warns once; the chunked form then runs in torch."""
+    _fla_failure.append(f"fla-core's chunked form failed: {type(exc).__name__}: {exc}")
+    warnings.warn(f"{_fla_failure[-1][:500]}; the gated delta rule's chunked prefill runs in torch from now on",
+                  RuntimeWarning, stacklevel=3)
 
 
 def fla_chunked(

@@ -123,11 +123,16 @@ def chunked_gated_delta_rule(
         return recurrent_gated_delta_rule(query, key, value, g, beta, initial_state, l2norm_qk=l2norm_qk, eps=eps,
                                           backend="triton")
     if chosen == "fla":
-        from localserve.kernels.gated_delta import fla_chunked
+        from localserve.kernels.gated_delta import disable_fla, fla_chunked
 
         _check(query, key, value, g, beta, initial_state)
-        return fla_chunked(query, key, value, g, beta, initial_state, chunk_size=chunk_size, l2norm_qk=l2norm_qk,
-                           eps=eps)
+        try:
+            return fla_chunked(query, key, value, g, beta, initial_state, chunk_size=chunk_size,
+                               l2norm_qk=l2norm_qk, eps=eps)
+        except Exception as exc:  # noqa: BLE001 - auto falls back to torch (warned once); a forced fla raises
+            if backend == "fla":
+                raise
+            disable_fla(exc)
     q, k, v, g, beta, state = _prepare(query, key, value, g, beta, initial_state, l2norm_qk, eps)
     length = q.shape[2]
     pad = -length % chunk_size

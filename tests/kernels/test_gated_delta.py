@@ -187,6 +187,77 @@ def test_recurrent_kernel_compiles_for_sm_90_without_spills():
     assert not spilled, "\n".join(spilled)
 
 
+# --- fla-core: imports here; the adapter's contract (with a stand-in); the fall back when it fails -------------
+
+
+def test_fla_core_imports_without_a_gpu():
+    """The decision's premise (kernels/gated_delta.py): fla-core's gated delta rule imports on a machine
+    without a GPU (in a child process: its import warns and loads every op)."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", "import fla, fla.ops.gated_delta_rule as m; "
+                             "print(fla.__version__, callable(m.chunk_gated_delta_rule))"],
+                            cwd="/tmp", env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[1] == "True" and result.stdout.startswith("0.6"), result.stdout
+
+
+def stand_in_for_fla(calls: list[dict]):
+    """A chunk_gated_delta_rule with fla's call signature that checks what the adapter passes and computes
+    the torch recurrent form (fla's scale is ours: Dk ** -0.5)."""
+    def chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, chunk_size):
+        calls.append({"in_kernel": use_qk_l2norm_in_kernel, "chunk_size": chunk_size})
+        assert scale == q.shape[-1] ** -0.5 and output_final_state
+        assert q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == torch.float32
+        assert initial_state is None or initial_state.dtype == torch.float32
+        assert all(x.is_contiguous() for x in (q, k, v, g, beta))
+        return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, l2norm_qk=use_qk_l2norm_in_kernel,
+                                          backend="torch")
+    return chunk
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-3])
+def test_fla_adapter_passes_fla_what_it_expects(monkeypatch, eps):
+    """fla's in-kernel L2 norm has eps 1e-6: another eps is normalised before the call, same result."""
+    import localserve.kernels.gated_delta as kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "_import_fla_chunk", lambda: stand_in_for_fla(calls))
+    query, key, value, g, beta = inputs(4, 2, 7, 2, 2, 8, 8)
+    state = torch.randn(2, 4, 8, 8, device=DEVICE)
+    expected, expected_state = recurrent_gated_delta_rule(query, key, value, g, beta, state, l2norm_qk=True,
+                                                          eps=eps, backend="torch")
+    output, final = chunked_gated_delta_rule(query, key, value, g, beta, state, l2norm_qk=True, eps=eps,
+                                             chunk_size=32, backend="fla")
+    close(output, expected, 1e-5)
+    close(final, expected_state, 1e-5)
+    assert calls == [{"in_kernel": eps == 1e-6, "chunk_size": 32}]
+    with pytest.raises(ValueError, match="chunk_size in"):
+        chunked_gated_delta_rule(query, key, value, g, beta, chunk_size=8, backend="fla")
+
+
+def test_auto_falls_back_to_torch_once_fla_fails(monkeypatch):
+    """A failing fla (as a Triton it does not support would) warns once, then the torch form runs."""
+    import localserve.kernels.gated_delta as kernels
+    import localserve.models.layers.gated_delta as layer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such Triton API")
+
+    monkeypatch.setattr(kernels, "_import_fla_chunk", lambda: broken)
+    monkeypatch.setattr(kernels, "_fla_failure", [])
+    monkeypatch.setattr(layer, "_backend", lambda value, backend, chunked, chunk_size=64:
+                        backend if backend != "auto" else ("fla" if kernels.fla_chunk_function() else "torch"))
+    query, key, value, g, beta = inputs(6, 1, 5, 1, 2, 8, 8)
+    expected = chunked_gated_delta_rule(query, key, value, g, beta, backend="torch")
+    with pytest.raises(RuntimeError, match="no such Triton API"):
+        chunked_gated_delta_rule(query, key, value, g, beta, backend="fla")  # forced: raised, not hidden
+    with pytest.warns(RuntimeWarning, match="runs in torch from now on"):
+        output = chunked_gated_delta_rule(query, key, value, g, beta)
+    assert kernels.fla_chunk_function() is None
+    torch.testing.assert_close(output, expected)
+    torch.testing.assert_close(chunked_gated_delta_rule(query, key, value, g, beta), expected)
+
+
 # --- CUDA only: fla-core's chunked form and the dispatch -------------------------------------------------------
 
 
