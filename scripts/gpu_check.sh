@@ -27,7 +27,7 @@
 #                                                   GPU, and scripts/bench_delta_rule.py (decode over batch
 #                                                   sizes, a 4096-token prefill; torch beside the kernels,
 #                                                   Qwen3.6-35B-A3B's shapes; exits 1 on a mismatch); at most
-#                                                   about 6 minutes; one call carrying .gpu_carry/wheels
+#                                                   about 8 minutes; one call carrying .gpu_carry/wheels
 #                                                   (fla-core, einops), no --stash call; not part of all.
 #                                                   Checked without a GPU by
 #                                                   `scripts/bench_delta_rule.py --dry-run`
@@ -141,7 +141,7 @@ if [ "$PART" = delta ]; then
     (cd /tmp && python3 -c "from localserve.kernels.gated_delta import fla_chunk_function as f; import fla
 print('fla-core', fla.__version__, 'imports' if f() else 'does NOT import: the chunked prefill runs torch')") \
         2>&1 | tail -n 3 | fenced 3
-    run_tests 180 "${DELTA_KERNEL_TESTS[@]}"
+    run_tests 240 "${DELTA_KERNEL_TESTS[@]}"
     section "Recurrent kernel compiled for this GPU (tests/kernels/cuda_compile.py --only delta)"
     arch=$(python3 -c "import torch; major, minor = torch.cuda.get_device_capability(); print(10 * major + minor)")
     timeout 120 python3 tests/kernels/cuda_compile.py --only delta --arch "$arch" 2>&1 \

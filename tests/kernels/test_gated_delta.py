@@ -56,9 +56,10 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 2e-4)
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance * scale, rtol=tolerance)
 
 
+# few distinct dimensions: each is a compile on CUDA (gpu_check.sh's delta section runs these natively)
 @settings(max_examples=25, deadline=None)
 @given(num_seqs=st.integers(1, 3), length=st.integers(1, 9), k_heads=st.integers(1, 2),
-       group=st.sampled_from([1, 2, 3]), k_dim=st.sampled_from([4, 8, 12]), v_dim=st.sampled_from([4, 8, 20]),
+       group=st.sampled_from([1, 3]), k_dim=st.sampled_from([8, 12]), v_dim=st.sampled_from([8, 20]),
        gate=st.sampled_from(["open", "closed", "mixed"]), write=st.sampled_from(["zero", "one", "mixed"]),
        with_state=st.booleans(), l2norm=st.booleans(), seed=st.integers(0, 2**16))
 def test_recurrent_kernel_equals_torch(num_seqs, length, k_heads, group, k_dim, v_dim, gate, write, with_state,
