@@ -115,6 +115,32 @@ def test_decode_step_by_step_equals_the_whole_sequence():
     close(pool[slots], expected_state)
 
 
+def test_decode_through_a_step_states_cache():
+    """A decode step as a recurrent layer runs it on CUDA: the state cache's matrix tensor, the step's read
+    slots and save slots straight into the kernel, in place; the same as StepStates.initial, the recurrent
+    rule and StepStates.save (the torch path). A fresh sequence (-1), one moving its running slot forward in
+    place, one writing a new slot."""
+    from localserve.kv.recurrent_states import RecurrentStateCache, StepStates
+    from localserve.kv.state_shape import StateShape
+
+    shape = StateShape(conv_dim=3 * 16, conv_width=4, num_heads=4, key_dim=8, value_dim=8)
+    caches = [RecurrentStateCache([5], shape, num_slots=6, dtype=torch.float32, device=DEVICE) for _ in range(2)]
+    for cache in caches:
+        cache.matrix[5].copy_(torch.randn(6, 4, 8, 8, generator=torch.Generator().manual_seed(0)))
+    read, saves = torch.tensor([-1, 2, 4], device=DEVICE), [[(1, 1)], [(1, 2)], [(1, 0)]]
+    query, key, value, g, beta = inputs(9, 3, 1, 2, 2, 8, 8)
+    expected_states = StepStates(caches[0], read, saves)
+    _, initial = expected_states.initial(5)
+    expected, final = recurrent_gated_delta_rule(query, key, value, g, beta, initial, l2norm_qk=True,
+                                                 backend="torch")
+    expected_states.save(5, expected_states.save_slots(), torch.zeros(3, 48, 3), final)
+    states = StepStates(caches[1], read, saves)
+    output = recurrent_gated_delta_rule_slots(query, key, value, g, beta, states.cache.matrix[5], states.read_slots,
+                                              states.save_slots(), l2norm_qk=True, backend="triton")
+    close(output, expected)
+    close(caches[1].matrix[5], caches[0].matrix[5])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
     """16-bit q/k/v/beta: the kernel computes in fp32, the output in the value's dtype, the state fp32."""
