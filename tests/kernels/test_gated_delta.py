@@ -308,7 +308,9 @@ def test_fla_chunked_equals_torch_recurrent(dtype, length, with_state, gate):
                                                           backend="torch")
     output, final = chunked_gated_delta_rule(query, key, value, g, beta, state, l2norm_qk=True, backend="fla")
     assert output.dtype == dtype and final.dtype == torch.float32
-    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3  # fla computes in tf32 / bf16 tensor-core products
+    # fla keeps its per-chunk states and WY factors in the inputs' dtype and multiplies on tensor cores (tf32 for
+    # fp32 inputs); a wrong adapter (scale, layout, gate, state) is off by the whole scale
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-2
     close(output, expected, tolerance)
     close(final, expected_state, tolerance)
 
@@ -330,5 +332,5 @@ def test_cuda_dispatch_and_split_prefill():
     slot = torch.tensor([1], device=DEVICE)
     last = recurrent_gated_delta_rule_slots(*(x[:, 299:] for x in (query, key, value, g, beta)), pool, slot, slot,
                                             l2norm_qk=True)
-    close(torch.cat((first, second, last), dim=1), expected, 2e-2)
-    close(pool[1], expected_state, 2e-2)
+    close(torch.cat((first, second, last), dim=1), expected, 3e-2)
+    close(pool[1], expected_state, 3e-2)
