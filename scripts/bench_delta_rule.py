@@ -194,7 +194,8 @@ def prefill_rows(device: torch.device, length: int, shapes: tuple[int, int, int]
             reference = (output, final)
         else:
             for part, actual, expected in (("output", output, reference[0]), ("state", final, reference[1])):
-                problem = mismatch(f"prefill {name} {part}", actual, expected, 2e-2)
+                # fla keeps per-chunk states in bf16; ours computes in fp32 as torch does
+                problem = mismatch(f"prefill {name} {part}", actual, expected, 3e-2 if backend == "fla" else 5e-3)
                 if problem:
                     failures.append(problem)
         seconds = timed(run, device, repeats)
