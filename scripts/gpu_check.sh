@@ -21,6 +21,16 @@
 #                                                   (--quick) is also part of attention and all. Checked
 #                                                   without a GPU by
 #                                                   `scripts/bench_window_attention.py --dry-run`
+#   scripts/gpu_check.sh delta                       the gated delta rule (#37): its kernel tests natively on CUDA
+#                                                   (our recurrent kernel over state slots; fla-core's chunked
+#                                                   prefill, gpu-marked), the recurrent kernel compiled for this
+#                                                   GPU, and scripts/bench_delta_rule.py (decode over batch
+#                                                   sizes, a 4096-token prefill; torch beside the kernels,
+#                                                   Qwen3.6-35B-A3B's shapes; exits 1 on a mismatch); at most
+#                                                   about 8 minutes; one call carrying .gpu_carry/wheels
+#                                                   (fla-core, einops), no --stash call; not part of all.
+#                                                   Checked without a GPU by
+#                                                   `scripts/bench_delta_rule.py --dry-run`
 #   scripts/gpu_check.sh moe                         the fused mixture-of-experts kernels (#35): their tests
 #                                                   natively on CUDA and scripts/bench_moe.py --device cuda
 #                                                   (Qwen3-30B-A3B's layer, Q4_K_M-mixed experts); at most
@@ -51,8 +61,9 @@ case "$PART" in
     attention) kernel_tests=(tests/kernels --ignore="$GGUF_KERNEL_TESTS" "${NOT_MOE[@]}"); sections=attention,model ;;
     gguf) kernel_tests=("$GGUF_KERNEL_TESTS"); sections=gguf,model ;;
     tests) kernel_tests=(tests/kernels "${NOT_MOE[@]}"); sections="" ;;
-    speculation|moe|window) kernel_tests=(); sections="" ;;
-    *) echo "usage: $0 [--stash | all | attention | gguf | tests | speculation | moe | window]" >&2; exit 2 ;;
+    speculation|moe|window|delta) kernel_tests=(); sections="" ;;
+    *) echo "usage: $0 [--stash | all | attention | gguf | tests | speculation | moe | window | delta]" >&2
+       exit 2 ;;
 esac
 
 REPORT=${OUT:-scripts/out}/gpu_report.md
@@ -119,6 +130,24 @@ if [ "$PART" = moe ]; then
     run_tests 150 "${MOE_KERNEL_TESTS[@]}"
     section "MoE benchmark (scripts/bench_moe.py --device cuda)"
     bench 120 scripts/bench_moe.py --device cuda
+    printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
+    echo "report: $REPORT" >&2
+    exit
+fi
+
+DELTA_KERNEL_TESTS=(tests/kernels/test_gated_delta.py)
+if [ "$PART" = delta ]; then
+    section "Gated delta rule kernel tests, natively on CUDA, gpu-marked included (${DELTA_KERNEL_TESTS[*]})"
+    (cd /tmp && python3 -c "from localserve.kernels.gated_delta import fla_chunk_function as f; import fla
+print('fla-core', fla.__version__, 'imports' if f() else 'does NOT import: the chunked prefill runs torch')") \
+        2>&1 | tail -n 3 | fenced 3
+    run_tests 240 "${DELTA_KERNEL_TESTS[@]}"
+    section "Recurrent kernel compiled for this GPU (tests/kernels/cuda_compile.py --only delta)"
+    arch=$(python3 -c "import torch; major, minor = torch.cuda.get_device_capability(); print(10 * major + minor)")
+    timeout 120 python3 tests/kernels/cuda_compile.py --only delta --arch "$arch" 2>&1 \
+        | grep -E "^(FAILED|ok _fused|[0-9]+ kernels)" | fenced 20
+    section "Gated delta rule benchmark (scripts/bench_delta_rule.py --device cuda)"
+    bench 150 scripts/bench_delta_rule.py --device cuda
     printf '\nWhole check: %d s.\n' $((SECONDS - started)) >> "$REPORT"
     echo "report: $REPORT" >&2
     exit

@@ -18,9 +18,10 @@ mkdir -p "$CARRY/wheels" "$CARRY/gguf_part1" "$CARRY/gguf_part2"
 
 # gguf reads the model; websockets, uvicorn (with h11 and click) and textual are imported by the server and
 # the TUI; llguidance by constrained decoding; jsonschema (with its requirements) by the constrained-decoding
-# tests; tqdm by loading; the rest are textual's requirements that the GPU machine's image lacks.
+# tests; tqdm by loading; fla-core (with einops) by the gated delta rule's chunked prefill; the rest are
+# textual's requirements that the GPU machine's image lacks.
 PACKAGES=(gguf websockets uvicorn h11 click tqdm llguidance jsonschema jsonschema-specifications referencing
-          rpds-py attrs textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py)
+          rpds-py attrs textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py fla-core einops)
 download() {
     "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 \

@@ -16,12 +16,24 @@ for fp64 inputs. `recurrent_gated_delta_rule` goes one token at a time (decode, 
 `chunked_gated_delta_rule` does the same in blocks of `chunk_size` tokens (prefill) and agrees with it to
 rounding for any length and any initial state, so a prompt prefilled piece by piece (carrying the state)
 gives the same result as in one pass.
+
+On CUDA (backend "auto") the same functions run kernels (localserve.kernels.gated_delta, whose docstring
+says which and why): the recurrent form and the slot-based `recurrent_gated_delta_rule_slots` (decode:
+states read from and written to a state pool's slots in place) our own Triton kernel; the chunked form
+fla-core's chunked kernel where fla-core imports, else the torch form here. fp64 inputs and CPU tensors
+take the torch forms. `backend` forces one: "torch", "triton" (our recurrent kernel; for the chunked form
+too, token by token), "fla" (chunked form only).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+
+Backend = Literal["auto", "torch", "triton", "fla"]
+BACKENDS = ("auto", "torch", "triton", "fla")
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -66,8 +78,18 @@ def _prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: tor
 def recurrent_gated_delta_rule(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None = None, *, l2norm_qk: bool = False, eps: float = 1e-6,
+    backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule one token at a time (module docstring: shapes, dtypes). Returns (output, final state)."""
+    """The gated delta rule one token at a time (module docstring: shapes, dtypes, backends). Returns (output,
+    final state)."""
+    if _backend(value, backend, chunked=False) == "triton":
+        _check(query, key, value, g, beta, initial_state)
+        batch, _, v_heads, v_dim = value.shape
+        states = (torch.zeros(batch, v_heads, key.shape[-1], v_dim, dtype=torch.float32, device=value.device)
+                  if initial_state is None else initial_state.to(torch.float32).contiguous().clone())
+        slots = torch.arange(batch, device=value.device)
+        output = _fused_recurrent()(query, key, value, g, beta, states, slots, slots, l2norm_qk=l2norm_qk, eps=eps)
+        return output, states
     q, k, v, g, beta, state = _prepare(query, key, value, g, beta, initial_state, l2norm_qk, eps)
     outputs = []
     for t in range(q.shape[2]):
@@ -83,7 +105,7 @@ def recurrent_gated_delta_rule(
 def chunked_gated_delta_rule(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor | None = None, *, chunk_size: int = 64, l2norm_qk: bool = False,
-    eps: float = 1e-6,
+    eps: float = 1e-6, backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule in blocks of `chunk_size` tokens (module docstring: shapes, dtypes).
 
@@ -96,6 +118,21 @@ def chunked_gated_delta_rule(
     Returns (output, final state)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1; got {chunk_size}")
+    chosen = _backend(value, backend, chunked=True, chunk_size=chunk_size)
+    if chosen == "triton":
+        return recurrent_gated_delta_rule(query, key, value, g, beta, initial_state, l2norm_qk=l2norm_qk, eps=eps,
+                                          backend="triton")
+    if chosen == "fla":
+        from localserve.kernels.gated_delta import disable_fla, fla_chunked
+
+        _check(query, key, value, g, beta, initial_state)
+        try:
+            return fla_chunked(query, key, value, g, beta, initial_state, chunk_size=chunk_size,
+                               l2norm_qk=l2norm_qk, eps=eps)
+        except Exception as exc:  # noqa: BLE001 - auto falls back to torch (warned once); a forced fla raises
+            if backend == "fla":
+                raise
+            disable_fla(exc)
     q, k, v, g, beta, state = _prepare(query, key, value, g, beta, initial_state, l2norm_qk, eps)
     length = q.shape[2]
     pad = -length % chunk_size
@@ -130,3 +167,52 @@ def chunked_gated_delta_rule(
         state = state * end_decay[:, :, c] + k_write[:, :, c].transpose(-1, -2) @ u
     output = torch.cat(outputs, dim=2)[:, :, :length].transpose(1, 2)
     return output.to(value.dtype), state
+
+
+def recurrent_gated_delta_rule_slots(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, read_slots: torch.Tensor, write_slots: torch.Tensor, *, l2norm_qk: bool = False,
+    eps: float = 1e-6, backend: Backend = "auto",
+) -> torch.Tensor:
+    """The gated delta rule token by token for N sequences whose states live in a state pool (decode).
+
+    query/key [N, T, Hk, Dk], value [N, T, Hv, Dv], g/beta [N, T, Hv] as above; `states` [slots, Hv, Dk, Dv]
+    (a RecurrentStateCache's matrix tensor of one layer); sequence n starts from states[read_slots[n]]
+    (zeros when -1) and its state after its T tokens is written to states[write_slots[n]], in place (no two
+    sequences may write one slot, nor write a slot another one reads). Returns the output [N, T, Hv, Dv] in
+    the value's dtype. On CUDA one Triton kernel does it all without copying states out of the pool."""
+    if _backend(value, backend, chunked=False) == "triton":
+        return _fused_recurrent()(query, key, value, g, beta, states, read_slots, write_slots,
+                                  l2norm_qk=l2norm_qk, eps=eps)
+    if read_slots.shape != (query.shape[0],) or write_slots.shape != (query.shape[0],):
+        raise ValueError(f"read_slots and write_slots must be [N={query.shape[0]}]; got {tuple(read_slots.shape)} "
+                         f"and {tuple(write_slots.shape)}")
+    fresh = (read_slots < 0).view(-1, 1, 1, 1)
+    initial = states[read_slots.clamp(min=0)].masked_fill(fresh, 0)
+    output, final = recurrent_gated_delta_rule(query, key, value, g, beta, initial, l2norm_qk=l2norm_qk, eps=eps,
+                                               backend="torch")
+    states.index_copy_(0, write_slots.to(torch.int64), final.to(states.dtype))
+    return output
+
+
+def _fused_recurrent():
+    from localserve.kernels.gated_delta import fused_recurrent_slots
+
+    return fused_recurrent_slots
+
+
+def _backend(value: torch.Tensor, backend: str, *, chunked: bool, chunk_size: int = 64) -> str:
+    """The backend that runs: "torch", "triton" or "fla" (module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "fla" and not chunked:
+        raise ValueError("the fla backend runs only the chunked form")
+    if backend != "auto":
+        return backend
+    if value.device.type != "cuda" or value.dtype == torch.float64:
+        return "torch"
+    if not chunked:
+        return "triton"
+    from localserve.kernels.gated_delta import FLA_CHUNK_SIZES, fla_chunk_function
+
+    return "fla" if chunk_size in FLA_CHUNK_SIZES and fla_chunk_function() is not None else "torch"

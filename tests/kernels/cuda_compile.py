@@ -230,16 +230,32 @@ def drive_attention_geometry(dtype: torch.dtype, largest_only: bool = False, fou
                             backend.build_metadata(batch.inputs), geometry)
 
 
+def drive_delta(dtype: torch.dtype) -> None:
+    """The gated delta rule's fused recurrent kernel over state slots in Qwen3.6-35B-A3B's shapes (16 key heads,
+    32 value heads, Dk = Dv = 128): decode at batch 1 and 64 (its two value-block widths), with and without
+    the L2 norm of q and k, and several tokens per sequence."""
+    from localserve.kernels.gated_delta import fused_recurrent_slots
+
+    k_heads, v_heads, dim = 16, 32, 128
+    states = torch.zeros(4, v_heads, dim, dim)
+    for num_seqs, length, l2norm in ((1, 1, True), (64, 1, True), (64, 1, False), (2, 7, True)):
+        q, k = (torch.zeros(num_seqs, length, k_heads, dim, dtype=dtype) for _ in range(2))
+        v = torch.zeros(num_seqs, length, v_heads, dim, dtype=dtype)
+        g, beta = torch.zeros(num_seqs, length, v_heads), torch.zeros(num_seqs, length, v_heads, dtype=dtype)
+        slots = torch.zeros(num_seqs, dtype=torch.int64)
+        fused_recurrent_slots(q, k, v, g, beta, states, slots, slots, l2norm_qk=l2norm)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
     parser.add_argument("--only", choices=("gguf", "moe", "attention", "attention-largest", "attention-geometry",
-                                           "attention-geometry-largest", "attention-geometry-4bit"),
+                                           "attention-geometry-largest", "attention-geometry-4bit", "delta"),
                         help="one family of kernels; attention-largest: the attention kernels that need the most "
                              "shared memory (prefill tiles, 16-bit and 4-bit stores, bf16 and fp32 models); "
                              "attention-geometry: windows, sinks, soft-caps, head sizes 256 / 512, keys as "
                              "values (-largest: the 4-bit head size 256 and 512 prefill tiles; -4bit: every case "
-                             "with a 4-bit store)")
+                             "with a 4-bit store); delta: the gated delta rule's recurrent kernel")
     parser.add_argument("--frontend-only", action="store_true", help="stop at Triton's IR (no ptxas, no usage)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -263,6 +279,9 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             launches += [(launch, dtype) for launch in
                          record_launches(lambda dtype=dtype: drive_attention_geometry(dtype, largest, four_bit))]
+    if args.only in (None, "delta"):
+        for dtype in (torch.bfloat16, torch.float32):
+            launches += [(launch, dtype) for launch in record_launches(lambda dtype=dtype: drive_delta(dtype))]
     limit = SHARED_LIMITS.get(args.arch)
     failures, seen = 0, set()
     for (kernel, arguments, options), dtype in launches:
