@@ -88,7 +88,7 @@ def test_vocabulary_encodes_as_transformers_and_llama_cpp():
     raw = Tokenizer.from_gguf(vocabulary_path(VOCABULARY))
     cases = vocabulary_cases(VOCABULARY)
     assert len(cases) == 50
-    for text, expected in cases:
+    for text, _ in cases:
         assert raw.encode(text, add_special_tokens=False) == reference().encode(text, add_special_tokens=False)
     # llama.cpp does not normalize: its cases of decomposed text (e + U+0301) differ from the tokenizer's, which
     # composes them first; without the NFC step the split pattern (marks kept inside words) gives its ids.
