@@ -289,14 +289,15 @@ def first_difference(held: list[int], prompt: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b), min(len(held), len(prompt)))
 
 
-def held_and_resent(conversation: list[dict], step: int, resent: list[dict]) -> tuple[list[int], int, list[int]]:
+def held_and_resent(conversation: list[dict], step: int, resent: list[dict],
+                    thinking: bool = True) -> tuple[list[int], int, list[int]]:
     """The tokens a sequence held after answering `conversation[:step]` with `conversation[step]` (its prompt,
     then the answer the template writes and the end of the turn), the prompt's length, and the prompt of
     `resent` (the conversation resent as the next turn)."""
-    turn = chat_format().turn(TOOLS)
+    turn = chat_format().turn(TOOLS, thinking=thinking)
     before = turn.chat_inputs(conversation[:step])
     prompt = ours().encode_chat(before.messages, tools=before.tools, **before.variables)
-    answer = answer_text(conversation[step])
+    answer = answer_text(conversation[step], thinking)
     output = ours().encode(answer, add_special_tokens=False) + [ours().token_to_id("<|im_end|>")]
     again = turn.chat_inputs(resent)
     return prompt + output, len(prompt), ours().encode_chat(again.messages, tools=again.tools, **again.variables)
@@ -317,6 +318,10 @@ def test_where_a_resent_conversation_differs():
     # turn began, before the generation prompt's "<think>" "\n"
     held, prompt_length, resent = held_and_resent(full, 2, full[:4])
     assert first_difference(held, resent) == prompt_length - 2
+    # with thinking off the prompt's empty block goes too: "<think>" "\n\n" "</think>" "\n\n"
+    quiet = [{**message, "content": "An assistant."} if index == 2 else message for index, message in enumerate(full)]
+    held, prompt_length, resent = held_and_resent(quiet, 2, quiet[:4], thinking=False)
+    assert first_difference(held, resent) == prompt_length - 4
     # so a new question after a tool loop loses all of the loop since its question: what the last step held
     # differs from the next prompt where the loop's first step began to answer
     held, prompt_length, resent = held_and_resent(full, 7, full[:9])
