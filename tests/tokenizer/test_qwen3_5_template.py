@@ -282,6 +282,39 @@ def test_what_the_template_writes_parses_back(reasoning, content, calls, thinkin
     assert comparable(events) == expected
 
 
+@cache
+def lltokenizer():
+    import llguidance
+
+    return llguidance.LLTokenizer(ours().backend.to_str(), eos_token=ours().eos_token_ids)
+
+
+def grammar_accepts(lark: str, text: str) -> bool:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(lltokenizer(), lark, log_level=1)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = ours().encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_the_grammar_takes_calls_as_the_template_writes_them():
+    calls = [("get_weather", {"city": "Zürich\nCH", "days": -3, "metric": False, "ratio": 1e-05}),
+             ("search", {"query": " föhn ", "filters": {"site": "a.b", "n": [1, True]}, "tags": ["x", "y"]})]
+    message = {"role": "assistant", "content": "Checking.", "reasoning_content": "r",
+               "tool_calls": [call(f"call_{n}", name, arguments) for n, (name, arguments) in enumerate(calls)]}
+    answer = answer_text(message).split("</think>\n\n", 1)[1]  # the grammar starts after the reasoning
+    assert "<parameter=metric>\nFalse\n</parameter>" in answer and "<parameter=ratio>\n1e-05\n" in answer
+    auto = chat_format().turn(TOOLS, ToolChoice("auto")).grammar.lark
+    assert grammar_accepts(auto, answer)
+    required = chat_format().turn(TOOLS, ToolChoice("required")).grammar.lark
+    calls_only = answer.removeprefix("Checking.\n\n")
+    assert grammar_accepts(required, calls_only) and not grammar_accepts(required, answer)
+    assert grammar_accepts(required, calls_only.replace("False", "false"))
+    assert not grammar_accepts(required, calls_only.replace("False", "no"))
+    assert not grammar_accepts(required, calls_only.replace("\n-3\n", "\nthree\n"))
+
+
 # ---------------------------------------------------------------- what a resent conversation keeps
 
 
