@@ -21,6 +21,8 @@ UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types (llama.cpp's llama_
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept inside words rather than split off as symbols.
+QWEN35_SPLIT = QWEN2_SPLIT.replace(r"\p{L}+", r"[\p{L}\p{M}]+").replace(r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{M}\p{N}]")
 # o200k (gpt-4o, gpt-oss): case-aware words with their contractions, numbers in threes, "/" kept after symbols.
 O200K_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + O200K_CONTRACTIONS
@@ -28,9 +30,11 @@ O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}
                + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+QWEN35_PRE = ("qwen35",)
 O200K_PRE = ("gpt-4o",)
 SPLITS = {**dict.fromkeys(LLAMA3_PRE, LLAMA3_SPLIT), **dict.fromkeys(QWEN2_PRE, QWEN2_SPLIT),
-          **dict.fromkeys(O200K_PRE, O200K_SPLIT)}
+          **dict.fromkeys(QWEN35_PRE, QWEN35_SPLIT), **dict.fromkeys(O200K_PRE, O200K_SPLIT)}
+NFC_PRE = QWEN2_PRE + QWEN35_PRE  # their tokenizer.json normalize to NFC first
 # tiktoken's vocabularies take a piece that is a whole token as it is, before any merge
 WHOLE_PIECES_FIRST = LLAMA3_PRE + O200K_PRE
 GPT2_PRE = ("default", "gpt2", "gpt-2")
@@ -126,8 +130,8 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        if pre in QWEN2_PRE:
-            backend.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+        if pre in NFC_PRE:
+            backend.normalizer = normalizers.NFC()
     else:
         if pre not in GPT2_PRE:
             log.warning("unknown GGUF pre-tokenizer %r; using GPT-2's byte-level regex", pre)

@@ -89,6 +89,10 @@ FAMILIES = {
                                 MISTRAL_SMALL_TOKENS, ("</s>",), "mistral_args",
                                 vocabulary_note="Tekken is not in the sdist: Llama 3's byte-level BPE (Tekken's kind) "
                                                 "with Mistral's control tokens on reserved ids"),
+    "qwen3.5": Family("Qwen3.5-4B.jinja", "ggml-vocab-qwen35.gguf", QWEN3_TOKENS, ("<|im_end|>",), "qwen3_coder",
+                      "think", vocabulary_note="llama.cpp's qwen35 vocabulary is Qwen2's 151,936 tokens with Qwen3.5's "
+                                               "pre-tokenizer; Qwen3.5's own names the same tokens in the same order "
+                                               "from id 248044, here put on the placeholders as for Qwen3"),
     "deepseek-r1-distill-qwen": Family("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "ggml-vocab-qwen2.gguf",
                                        R1_DISTILL_QWEN_TOKENS, ("<｜end▁of▁sentence｜>",), "json", "think"),
 }

@@ -35,12 +35,18 @@ TEMPLATES = (
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "microsoft-Phi-3.5-mini-instruct.jinja",
     "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
     "openai-gpt-oss-120b.jinja",
-    "google-gemma-4-31B-it.jinja",
+    "google-gemma-4-31B-it.jinja", "Qwen3.5-4B.jinja",
 )
 VOCABULARIES = ("ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llama-spm.gguf",
-                "ggml-vocab-gemma-4.gguf")
+                "ggml-vocab-gemma-4.gguf", "ggml-vocab-qwen35.gguf")
+# llama.cpp's tokenizer cases beside a vocabulary: `<vocab>.inp` (texts between VOCABULARY_CASE_SEPARATOR lines)
+# and `<vocab>.out` (one line of token ids per text, as the model's Hugging Face tokenizer encodes it).
+VOCABULARY_CASES = ("ggml-vocab-qwen35.gguf",)
+VOCABULARY_CASE_SEPARATOR = "\n__ggml_vocab_test__\n"
 MEMBERS = {f"{MODELS_IN_SDIST}/templates/{name}": f"templates/{name}" for name in TEMPLATES} | {
-    f"{MODELS_IN_SDIST}/{name}": f"vocab/{name}" for name in VOCABULARIES}
+    f"{MODELS_IN_SDIST}/{name}": f"vocab/{name}" for name in VOCABULARIES} | {
+    f"{MODELS_IN_SDIST}/{name}{suffix}": f"vocab/{name}{suffix}" for name in VOCABULARY_CASES
+    for suffix in (".inp", ".out")}
 # Folders taken whole (every member under the prefix), under converter/, and the file that says they are there.
 LLAMA_CPP_IN_SDIST = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp"
 TREES = {f"{LLAMA_CPP_IN_SDIST}/{name}": f"converter/{name}" for name in ("conversion/", "gguf-py/")} | {
@@ -55,7 +61,10 @@ def files_dir() -> Path:
 
 @cache
 def _fetch() -> Path | str:
-    """The folder, fetched on first use, or why it could not be (kept, so that a machine without PyPI tries once)."""
+    """The folder, fetched on first use, or why it could not be (kept, so that a machine without PyPI tries once).
+
+    A folder that lacks any file of the lists (one extracted when the lists were shorter) is extracted anew,
+    whole, from the same sdist, keeping the files tests wrote there."""
     folder = files_dir()
     if all((folder / path).is_file() for path in [*MEMBERS.values(), CONVERTER]):
         return folder
@@ -83,6 +92,11 @@ def _fetch() -> Path | str:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(sdist.extractfile(member).read())
         folder.parent.mkdir(parents=True, exist_ok=True)
+        if folder.is_dir():  # keep what tests derived from the older extraction (tokenizer metadata read once)
+            for kept in folder.rglob("*"):
+                if kept.is_file() and not (staging / kept.relative_to(folder)).exists():
+                    (staging / kept.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(kept, staging / kept.relative_to(folder))
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         shutil.move(staging, partial)
@@ -107,6 +121,16 @@ def template_text(name: str) -> str:
 def vocabulary_path(name: str) -> Path:
     """One of `VOCABULARIES`."""
     return llama_cpp_files() / "vocab" / name
+
+
+def vocabulary_cases(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer cases of one of `VOCABULARY_CASES`: each text with the ids the model's Hugging Face
+    tokenizer gives it (no special tokens added)."""
+    folder = llama_cpp_files() / "vocab"
+    texts = (folder / f"{name}.inp").read_text(encoding="utf-8").removesuffix(VOCABULARY_CASE_SEPARATOR)
+    lines = (folder / f"{name}.out").read_text(encoding="utf-8").removesuffix("\n")
+    return [(text, [int(i) for i in line.split()])
+            for text, line in zip(texts.split(VOCABULARY_CASE_SEPARATOR), lines.split("\n"), strict=True)]
 
 
 def converter_path() -> Path:

@@ -232,6 +232,7 @@ def write_byte_level_gguf(path: Path, pre: str) -> Path:
 PRE_TOKENS = {  # how "x 12345\n\n  y" is split before BPE
     "llama-bpe": ["x", "Ġ", "123", "45", "ĊĊ", "Ġ", "Ġy"],
     "qwen2": ["x", "Ġ", "1", "2", "3", "4", "5", "ĊĊ", "Ġ", "Ġy"],
+    "qwen35": ["x", "Ġ", "1", "2", "3", "4", "5", "ĊĊ", "Ġ", "Ġy"],
     "smollm": ["x", "Ġ", "1", "2", "3", "4", "5", "ĊĊĠ", "Ġy"],
     "gpt2": ["x", "Ġ12345", "ĊĊĠ", "Ġy"],
 }
@@ -251,8 +252,11 @@ def test_byte_level_gguf_pre_tokenizers(tmp_path, pre):
         assert tok.encode(text) == [0, *ids]  # add_bos_token is set in the metadata
         assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.encode("<|eot_id|>", add_special_tokens=False) == [4]
-    if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC
+    if pre in ("qwen2", "qwen35"):  # their tokenizer.json normalize to NFC
         assert tok.encode("e\u0301", add_special_tokens=False) == tok.encode("é", add_special_tokens=False)
+    if pre in ("qwen2", "qwen35"):  # a combining mark (U+20DD, bytes "âĥĿ") stays in its word only in Qwen3.5's
+        pieces = [piece for piece, _ in tok.backend.pre_tokenizer.pre_tokenize_str("a\u20dd b")]
+        assert pieces == (["aâĥĿ", "Ġb"] if pre == "qwen35" else ["a", "âĥĿ", "Ġb"])
     if pre == "smollm":
         # transformers' conversion knows no 'smollm' and splits as GPT-2 (no single digits); that only
         # matters with merges across digits, which SmolLM2's vocabulary has none of (but this one has).

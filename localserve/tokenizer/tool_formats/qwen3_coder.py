@@ -54,7 +54,7 @@ class Qwen3CoderFormat(ToolFormat):
             for name, schema in tool.properties.items():
                 head = literal(f"{PARAMETER}{name}>\n")
                 value = ('string_value "\\n"' if _streams_as_string(schema)
-                         else f'{json_value(schema)} {literal(chr(10) + END_PARAMETER + chr(10))}')
+                         else f'{_typed_value(schema)} {literal(chr(10) + END_PARAMETER + chr(10))}')
                 parameters.append(f"({head} {value})" + ("" if name in required else "?"))
             rules.append(f"call_{index}: {literal(f'{FUNCTION}{tool.name}>{chr(10)}')} {' '.join(parameters)} "
                          f"{literal(END_FUNCTION)}")
@@ -75,6 +75,14 @@ def _streams_as_string(schema: Mapping[str, Any] | None) -> bool:
     """A value written bare is a string unless its schema gives it only other types."""
     kinds = _kinds(schema)
     return "string" in kinds or None in kinds
+
+
+def _typed_value(schema: Mapping[str, Any]) -> str:
+    """The grammar of a non-string value: JSON of its schema; a boolean also as the templates write one
+    (jinja's `string` filter: Python's `True`/`False`)."""
+    if _kinds(schema) == {"boolean"} and not {"enum", "const"} & schema.keys():
+        return '("true" | "false" | "True" | "False")'
+    return json_value(schema)
 
 
 def _typed_json(text: str, schema: Mapping[str, Any] | None) -> str:

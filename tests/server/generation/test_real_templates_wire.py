@@ -37,7 +37,9 @@ TRANSFORMERS_TURNS = [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny, 21 C"},
 ]
-FAMILIES = {"qwen2.5": {}, "qwen3": {"enable_thinking": True}, "llama3.1": {}, "hermes3": {}}
+FAMILIES = {"qwen2.5": {}, "qwen3": {"enable_thinking": True}, "llama3.1": {}, "hermes3": {},
+            "qwen3.5": {"enable_thinking": True}}
+THINKING = ("qwen3", "qwen3.5")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -67,5 +69,5 @@ def test_tool_turns_reach_the_engine_as_transformers_renders_them(family, fmt):
     assert engine_thread.prompts[-1] == tokenizer.encode(reference, add_special_tokens=False)
     params = outcome.params
     assert params.grammar is not None and params.grammar.kind == "lark"  # the calls' grammar, tool_choice auto
-    assert params.reasoning_end == ("</think>" if name == "qwen3" else None)
+    assert params.reasoning_end == ("</think>" if name in THINKING else None)
     assert params.skip_special_tokens is (name != "llama3.1")  # Llama's <|python_tag|> is a special token
