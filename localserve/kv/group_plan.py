@@ -132,13 +132,13 @@ def plan_group_pools(shape: LayeredShape, key_format: KVFormatSpec, value_format
         state_pools.append(GroupPool(state_group, 0, num_slots, slot_bytes))
         if kv_budget is not None:
             if num_slots * slot_bytes > kv_budget:
+                need = num_slots * slot_bytes
                 raise ValueError(
-                    f"the recurrent state pool needs {num_slots} slots of {slot_bytes:,} bytes "
-                    f"({num_slots * slot_bytes / 2 ** 20:,.1f} MiB: {max_num_seqs} sequences, checkpoints every "
-                    f"{state_checkpoint_blocks * block_size} tokens, {state_cache_slots} cache slots), "
-                    f"{(num_slots * slot_bytes - kv_budget) / 2 ** 20:,.1f} MiB more than the KV budget of "
-                    f"{kv_budget / 2 ** 20:,.1f} MiB; give more memory, fewer sequences, shorter prefill chunks "
-                    f"or more tokens between state checkpoints")
+                    f"the recurrent state pool needs {num_slots} slots of {slot_bytes:,} bytes, {need:,} bytes "
+                    f"({need / 2 ** 20:,.1f} MiB: {max_num_seqs} sequences, a state checkpoint every "
+                    f"{state_checkpoint_blocks * block_size} tokens, {state_cache_slots} cache slots): "
+                    f"{need - kv_budget:,} bytes more than the KV budget of {kv_budget:,} bytes; give more memory, "
+                    f"fewer sequences, shorter prefill chunks or more tokens between state checkpoints")
             kv_budget -= num_slots * slot_bytes
         if not groups:
             return state_pools
