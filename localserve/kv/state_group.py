@@ -140,9 +140,14 @@ class StateGroup:
         return max(0, len(layout.reserved) + layout.copy_running - len(self._spare_slots(table, num_computed)))
 
     def _spare_slots(self, table: Sequence[int], num_computed: int) -> list[tuple[int, int]]:
-        """(entry, slot) of the table's own unwritten slots: every real entry but the running slot."""
-        running = self.running_slot(table, num_computed) if num_computed else NO_BLOCK
-        return [(index, slot) for index, slot in enumerate(table) if slot != NO_BLOCK and slot != running]
+        """(entry, slot) of the table's own unwritten slots: every real entry but the running slot (none lies
+        before the running entry, so only the entries from there on are read: a chunk's, not the context's)."""
+        if not num_computed:
+            return [(index, slot) for index, slot in enumerate(table) if slot != NO_BLOCK]
+        running_index = (num_computed - 1) // self.block_size
+        running = self.running_slot(table, num_computed)
+        return [(index, table[index]) for index in range(running_index, len(table))
+                if table[index] != NO_BLOCK and table[index] != running]
 
     def _length_bounds(self, table: Sequence[int], num_computed: int, num_target_tokens: int) -> tuple[int, int]:
         shortest = (num_computed - 1) // self.block_size + 1 if num_computed else 0
@@ -218,7 +223,11 @@ class StateGroup:
                 register(index, table[index])
         if num_computed % block_size == 0 and self.is_checkpoint(running, num_prompt_tokens):
             register(running, final)
-        released = [slot for index, slot in enumerate(table[:running + 1]) if index != final_index]
+        first = (num_before - 1) // block_size if num_before else 0  # no real entry lies before it
+        released = [table[index] for index in range(first, running + 1)
+                    if index != final_index and table[index] != NO_BLOCK]
+        if not released and final_index == running:
+            return table  # a step in place (a decode inside a block): the same list
         new_table = [NO_BLOCK] * running + [final] + table[running + 1:]
         if final_index > running:
             new_table[final_index] = NO_BLOCK
