@@ -186,6 +186,10 @@ class StateGroup:
     def _apply(self, table: list[int], num_computed: int, layout: _Layout) -> tuple[list[int], list[BlockMove]]:
         pool = self.pool
         spares = self._spare_slots(table, num_computed)
+        laid_out = layout.length == len(table) and not layout.copy_running and (
+            layout.running_index is None or table[layout.running_index] == self.running_slot(table, num_computed))
+        if laid_out and [index for index, _ in spares] == layout.reserved:
+            return table, []  # laid out already (most steps): the same list
         kept = {index: slot for index, slot in spares if index in layout.reserved}
         free_spares = [slot for index, slot in spares if index not in kept]
         new_table = [NO_BLOCK] * layout.length
@@ -202,8 +206,6 @@ class StateGroup:
             new_table[index] = kept.get(index) if index in kept else (
                 free_spares.pop() if free_spares else pool.take_free_block())
         pool.release(free_spares)
-        if new_table == table:
-            return table, moves  # the same list: whoever mirrors tables by list reads nothing again
         return new_table, moves
 
     # ---- after a step ----
