@@ -16,8 +16,8 @@ this module, which owns what a table looks like:
   `mark_computed`, `append_token`) extends the table to the target's last block, L entries: a fresh slot at
   each policy checkpoint strictly between r and L - 1, and at L - 1 the slot the step's final state goes
   to. That is X itself, moved forward (entry r becomes `NO_BLOCK`: no new slot) when X is held once,
-  unregistered and not a policy checkpoint; else a fresh slot. When the step writes X in place (its
-  tokens stay in block r) or X receives entry r's checkpoint, a shared X is first copied (copy-on-write).
+  unregistered and not a policy checkpoint; else a fresh slot. A shared X holding part of block r (a fork)
+  is first copied (copy-on-write, by `append_token` only: the step writes it in place, or its checkpoint).
   The slots a table already holds past r (all unwritten) are reused before the pool's.
 - `after_step` (in `mark_computed`): the step wrote its boundary checkpoints and its final state into
   entry L - 1 (kv/state_steps.py); that slot becomes the running slot at entry (n' - 1) // block_size, the
