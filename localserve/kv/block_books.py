@@ -19,7 +19,7 @@ from localserve.kv.layer_groups import GroupWindow, group_label
 
 
 class SequenceView(Protocol):
-    """What the block manager keeps of one sequence (its record, `block_manager.SequenceBlocks`), read-only."""
+    """What the block manager keeps of one sequence (its record, `sequence_blocks.SequenceBlocks`), read-only."""
 
     @property
     def token_ids(self) -> Sequence[int]:
