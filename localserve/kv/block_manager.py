@@ -60,6 +60,7 @@ from localserve.kv.layer_groups import RECURRENT, GroupWindow, num_blocks_out_of
 from localserve.kv.out_of_blocks import OutOfBlocksError
 from localserve.kv.sequence_blocks import SequenceBlocks
 from localserve.kv.state_group import CheckpointPolicy, StateGroup
+from localserve.kv.swap_moves import distinct_blocks, move_in, move_out
 from localserve.kv.swap_pool import CpuSwapPool
 
 
@@ -571,7 +572,7 @@ class BlockManager:
     # ---- preemption by swap ----
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
         """True when every group's CPU pool has room for the distinct blocks of these GPU sequences."""
-        return all(len(self._distinct_blocks(seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
+        return all(len(distinct_blocks(self._seqs, seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
                    for group, tier in enumerate(self._swap_tiers))
 
     def swap_out(self, seq_ids: Sequence[int]) -> list[BlockMove]:
@@ -582,62 +583,34 @@ class BlockManager:
         """
         if not self.can_swap_out(seq_ids):  # raises on a repeated or swapped sequence
             raise OutOfBlocksError(f"swapping out sequences {list(seq_ids)}: a CPU pool is too small")
-        seqs = [self._seqs[seq_id] for seq_id in seq_ids]
-        moves = []
-        for group, (pool, tier) in enumerate(zip(self._pools, self._swap_tiers, strict=True)):
-            cpu_tables, copies = tier.store([seq.block_tables[group] for seq in seqs])
-            moves += [(gpu_block, cpu_block, group) for gpu_block, cpu_block in copies]
-            for seq, cpu_table in zip(seqs, cpu_tables, strict=True):
-                pool.release(reversed(seq.block_tables[group]))
-                seq.block_tables[group] = cpu_table
-        for seq in seqs:
-            seq.is_swapped = True
-        return moves
+        return move_out(self._pools, self._swap_tiers, [self._seqs[seq_id] for seq_id in seq_ids])
 
     def group_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> list[int]:
         """`num_blocks_to_swap_in` of each group, group 0 first."""
-        return [len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups)]
+        return [len(distinct_blocks(self._seqs, seq_ids, swapped=True, group=group))
+                for group in range(self.num_groups)]
 
     def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
         """GPU blocks that swapping these sequences back in would take in the group taking most (shared
         blocks count once)."""
-        return max(len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups))
+        return max(self.group_blocks_to_swap_in(seq_ids))
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
         """True when every group's free queue has room for the distinct blocks of these swapped sequences."""
-        return self._has_room([len(self._distinct_blocks(seq_ids, swapped=True, group=group))
-                               for group in range(self.num_groups)])
+        return self._has_room(self.group_blocks_to_swap_in(seq_ids))
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[BlockMove]:
         """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block, group) copies to make.
 
-        Their full computed blocks are registered in the prefix cache again where their keys are free.
+        Their full computed blocks (in a state group, its policy checkpoints) are registered in the prefix
+        cache again where their keys are free.
         """
         if not self.can_swap_in(seq_ids):
             raise OutOfBlocksError(f"swapping in sequences {list(seq_ids)}: a pool has too few blocks")
-        moves = []
-        for group, (pool, tier) in enumerate(zip(self._pools, self._swap_tiers, strict=True)):
-            cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True, group=group)
-            cpu_to_gpu = {cpu_block_id: pool.take_free_block() for cpu_block_id in cpu_block_ids}
-            cpu_to_gpu[NO_BLOCK] = NO_BLOCK
-            for block_id in cpu_block_ids:
-                pool.ref_counts[cpu_to_gpu[block_id]] = 0  # counted below, once per table pointing at it
-            for seq_id in seq_ids:
-                seq = self._seqs[seq_id]
-                tier.release(seq.block_tables[group])
-                table = seq.block_tables[group] = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_tables[group]]
-                for block_id in table:
-                    if block_id != NO_BLOCK:
-                        pool.ref_counts[block_id] += 1
-                for index, block_hash in enumerate(seq.block_hashes):
-                    if table[index] != NO_BLOCK and (self.group_windows[group] is not RECURRENT
-                                                     or self._state.is_checkpoint(index, seq.num_prompt_tokens)):
-                        pool.register(table[index], block_hash, seq.block_payload(index, self.block_size))
-            moves += [(cpu_block, gpu_block, group) for cpu_block, gpu_block in cpu_to_gpu.items()
-                      if cpu_block != NO_BLOCK]
-        for seq_id in seq_ids:
-            self._seqs[seq_id].is_swapped = False
-        return moves
+        state = self._state
+        return move_in(self._pools, self._swap_tiers, self._seqs, seq_ids, self.block_size,
+                       lambda group, index, seq: state is None or group != state.group
+                       or state.is_checkpoint(index, seq.num_prompt_tokens))  # the state group: its checkpoints
 
     # ---- integrity ----
     def check_integrity(self) -> None:
@@ -748,16 +721,3 @@ class BlockManager:
             follower.num_computed_tokens = num_blocks * self.block_size
             follower.block_hashes = leader.block_hashes[:num_blocks]
             self._slide_windows(follower, num_before)
-
-    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool, group: int) -> list[int]:
-        """Block ids of these sequences' tables in the group, each once, NO_BLOCK left out; all sequences
-        must be in the pool named by `swapped`."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"sequence ids repeated: {list(seq_ids)}")
-        block_ids: dict[int, None] = {}
-        for seq_id in seq_ids:
-            if self._seqs[seq_id].is_swapped != swapped:
-                raise ValueError(f"sequence {seq_id} is {'not ' if swapped else ''}swapped out")
-            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_tables[group]))
-        block_ids.pop(NO_BLOCK, None)
-        return list(block_ids)
