@@ -124,6 +124,11 @@ class BlockManager:
         return len(self._pools)
 
     @property
+    def state_group(self) -> int | None:
+        """The state group's index (the last group), None without one."""
+        return None if self._state is None else self._state.group
+
+    @property
     def group_num_blocks(self) -> tuple[int, ...]:
         """Each group's pool size."""
         return tuple(pool.num_blocks for pool in self._pools)

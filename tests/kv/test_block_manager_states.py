@@ -378,6 +378,7 @@ def test_the_state_pool_shows_in_the_usage_and_the_snapshot():
     usage = bm.group_usage()[STATE]
     assert (usage.label, usage.num_blocks, usage.num_used_blocks, usage.num_cached_blocks) == ("state", 12, 1, 1)
     assert bm.snapshot().group_num_blocks == (40, 12)
+    assert bm.state_group == STATE and BlockManager(4).state_group is None
 
 
 # ---- the step rule ----
