@@ -16,9 +16,13 @@ this module, which owns what a table looks like:
   `mark_computed`, `append_token`) extends the table to the target's last block, L entries: a fresh slot at
   each policy checkpoint strictly between r and L - 1, and at L - 1 the slot the step's final state goes
   to. That is X itself, moved forward (entry r becomes `NO_BLOCK`: no new slot) when X is held once,
-  unregistered and not a policy checkpoint; else a fresh slot. A shared X holding part of block r (a fork)
-  is first copied (copy-on-write, by `append_token` only: the step writes it in place, or its checkpoint).
-  The slots a table already holds past r (all unwritten) are reused before the pool's.
+  unregistered and not a policy checkpoint; else a fresh slot. Where the target stays in block r (L - 1 ==
+  r), the step updates X in place. A shared X holding part of block r (a fork) is first copied
+  (copy-on-write, by `append_token` only: the step writes it in place, or its checkpoint). The slots a
+  table already holds past r (all unwritten) are reused before the pool's; admission and `append_token`
+  take all the slots or raise, `make_slots` and `mark_computed` as many blocks' worth as the pool has.
+  So a sequence holds at most ceil(chunk / (checkpoint_blocks x block_size)) + 3 slots: the checkpoints
+  inside its chunk, the prompt's last boundary, X and the final state's slot (kv/group_plan.py).
 - `after_step` (in `mark_computed`): the step wrote its boundary checkpoints and its final state into
   entry L - 1 (kv/state_steps.py); that slot becomes the running slot at entry (n' - 1) // block_size, the
   checkpoints it completed are registered, and the entries before the new running slot are released.
