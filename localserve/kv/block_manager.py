@@ -22,6 +22,12 @@ that many tokens past its computed ones at a time: at admission for its first pr
 computed. The tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk, and a
 window pool of max_num_seqs x (ceil((W + chunk - 1) / block_size) + 1) blocks always has room for them.
 
+A state group (`RECURRENT`, recurrent layers: at most one, last) holds state slots, not KV: its tables are
+`NO_BLOCK` but at checkpoints, the running state and the slot a step's final state goes to; it grants
+slots a chunk at a time like a window group, and kv/state_group.py keeps its rules (which checkpoints,
+when the running slot moves, which prefix hits it accepts); kv/state_steps.py reads its tables. With a
+state group, `truncate` is refused (a recurrent state cannot be cut back) and so is `allocate_sharing`.
+
 The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
 `num_cpu_blocks` blocks holding the sequences preempted by swap, with no prefix cache; the followers
@@ -42,51 +48,20 @@ In an engine step the calls come in this order:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
+from localserve.kv.allocation_plan import AllocationPlan, num_hits_dropped, plan_allocation
 from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, GroupUsage, PoolBooks, pool_snapshot
-from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_payload, hash_block, hash_payload
+from localserve.kv.block_hash import hash_payload
 from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
 from localserve.kv.block_tier import BlockTier
 from localserve.kv.followers import Followers
 from localserve.kv.integrity import check_integrity
-from localserve.kv.layer_groups import num_blocks_out_of_window
+from localserve.kv.layer_groups import RECURRENT, GroupWindow, num_blocks_out_of_window
 from localserve.kv.out_of_blocks import OutOfBlocksError
+from localserve.kv.sequence_blocks import SequenceBlocks
+from localserve.kv.state_group import CheckpointPolicy, StateGroup
+from localserve.kv.swap_moves import distinct_blocks, move_in, move_out
 from localserve.kv.swap_pool import CpuSwapPool
-
-
-@dataclass(slots=True, eq=False)
-class SequenceBlocks:
-    """What the block manager knows of one sequence."""
-
-    # Its own copy, or (`share_token_ids`) the caller's list, which may run a pending token ahead of `num_tokens`.
-    token_ids: list[int]
-    # Per group: GPU block ids (NO_BLOCK where a window group gave the block back), or CPU block ids while
-    # swapped out. The outer list stays the sequence's for its life; an inner one may be replaced.
-    block_tables: list[list[int]]
-    num_computed_tokens: int
-    block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
-    extra_key: bytes
-    num_tokens: int  # tokens the manager has of token_ids
-    shares_token_ids: bool = False
-    is_swapped: bool = False
-    # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
-    # count only then. Clear: the last block, if partly filled, is the sequence's own.
-    may_share_last_block: bool = False
-
-    def block_payload(self, index: int, block_size: int) -> BlockContent:
-        """What the key of its block `index` is the hash of: the previous block's key, its extra key, its tokens."""
-        parent_hash = self.block_hashes[index - 1] if index else ROOT_HASH
-        return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size], self.extra_key)
-
-
-@dataclass(slots=True)
-class _AllocationPlan:
-    """A prompt's prefix hits as every group accepts them, and what each group takes from its free queue."""
-
-    hit_hashes: list[bytes]  # keys of the hit blocks, one per block before the hit point
-    group_hits: list[list[int]]  # per group: the hit blocks it holds (a window group: those in its window)
-    num_blocks_to_take: list[int]  # per group
 
 
 class BlockManager:
@@ -102,28 +77,40 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int | Sequence[int], block_size: int = 16, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, group_windows: Sequence[int | None] = (None,),
-                 window_chunk_tokens: int | None = None) -> None:
-        """`group_windows`: each group's sliding window (None: full attention); `num_blocks`: the pool size
-        of each group, or one size for all; `window_chunk_tokens`: see the module doc (None: a window group
-        takes blocks for a whole prompt at admission, as a full group does)."""
+                 enable_prefix_caching: bool = True, group_windows: Sequence[GroupWindow] = (None,),
+                 window_chunk_tokens: int | None = None, state_checkpoint_blocks: int = 1) -> None:
+        """`group_windows`: each group's sliding window (None: full attention, `RECURRENT`: the state group,
+        last); `num_blocks`: the pool size of each group, or one size for all; `window_chunk_tokens`: see
+        the module doc (None: a window or state group takes blocks for a whole prompt at admission, as a
+        full group does); `state_checkpoint_blocks`: the state group checkpoints every this many blocks
+        (kv/state_group.py)."""
         if window_chunk_tokens is not None and window_chunk_tokens < 1:
             raise ValueError(f"window_chunk_tokens must be >= 1, got {window_chunk_tokens}")
+        if state_checkpoint_blocks < 1:
+            raise ValueError(f"state_checkpoint_blocks must be >= 1, got {state_checkpoint_blocks}")
         self.window_chunk_tokens = window_chunk_tokens
         pool_sizes = [num_blocks] * len(group_windows) if isinstance(num_blocks, int) else list(num_blocks)
         if not group_windows or len(pool_sizes) != len(group_windows):
             raise ValueError(f"need one pool size per group: {len(group_windows)} groups, sizes {pool_sizes}")
         if min(pool_sizes) < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {pool_sizes}, {block_size}")
-        for window in group_windows:
-            if window is not None and window < 1:
+        for group, window in enumerate(group_windows):
+            if window is RECURRENT:
+                if group != len(group_windows) - 1:
+                    raise ValueError(f"the state group (RECURRENT) must be the last group, got {list(group_windows)}")
+            elif window is not None and window < 1:
                 raise ValueError(f"a group's sliding window must be >= 1, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = tuple(group_windows)
         self._pools = [BlockPool(size) for size in pool_sizes]
-        self._window_groups = [g for g, window in enumerate(self.group_windows) if window is not None]
-        self._full_groups = [g for g, window in enumerate(self.group_windows) if window is None]
+        self._window_groups = [g for g, window in enumerate(self.group_windows)
+                               if window is not None and window is not RECURRENT]
+        self._state = (StateGroup(len(pool_sizes) - 1, self._pools[-1],
+                                  CheckpointPolicy(block_size, state_checkpoint_blocks, enable_prefix_caching))
+                       if group_windows[-1] is RECURRENT else None)
+        self.state_checkpoint_blocks = state_checkpoint_blocks
+        self._kv_pools = self._pools[:-1] if self._state is not None else self._pools  # the groups keeping KV
         self._swap_tiers: list[BlockTier] = [CpuSwapPool(num_cpu_blocks) for _ in pool_sizes]
         self._followers = Followers()
         self._seqs: dict[int, SequenceBlocks] = {}
@@ -135,6 +122,11 @@ class BlockManager:
     @property
     def num_groups(self) -> int:
         return len(self._pools)
+
+    @property
+    def state_group(self) -> int | None:
+        """The state group's index (the last group), None without one."""
+        return None if self._state is None else self._state.group
 
     @property
     def group_num_blocks(self) -> tuple[int, ...]:
@@ -239,7 +231,8 @@ class BlockManager:
         pools = tuple(PoolBooks.of(pool, window, tier.holder_counts)
                       for pool, window, tier in zip(self._pools, self.group_windows, self._swap_tiers, strict=True))
         return BlockBooks(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching, pools=pools,
-                          sequences=self._seqs, followers=self._followers.links)
+                          sequences=self._seqs, followers=self._followers.links,
+                          state_checkpoint_blocks=self.state_checkpoint_blocks)
 
     def snapshot(self) -> BlockPoolSnapshot:
         """The state of every GPU and CPU block, group after group (see `BlockPoolSnapshot`)."""
@@ -247,29 +240,42 @@ class BlockManager:
 
     def can_ever_hold(self, num_prompt_tokens: int, num_peak_blocks: int) -> bool:
         """True when a sequence of this prompt, growing to `num_peak_blocks` blocks, fits the pools when
-        alone: a full group holds all its blocks, a window group its first chunk's (module doc)."""
+        alone: a full group holds all its blocks, a window group its first chunk's, a state group its first
+        chunk's slots and, to pass a checkpoint, two (module doc)."""
         num_first_blocks = self._num_blocks_for(self._slot_target(num_prompt_tokens, 0))
+        if self._state is not None:
+            num_first_slots = self._state.num_slots_to_grant([], 0, num_prompt_tokens,
+                                                             self._slot_target(num_prompt_tokens, 0))
+            if self._state.pool.num_blocks < max(num_first_slots, min(2, num_peak_blocks)):
+                return False
         return all(pool.num_blocks >= (num_peak_blocks if window is None else min(num_first_blocks, num_peak_blocks))
-                   for pool, window in zip(self._pools, self.group_windows, strict=True))
+                   for pool, window in zip(self._pools, self.group_windows, strict=True) if window is not RECURRENT)
 
     @property
     def shares_uncomputed_blocks(self) -> bool:
         """Whether `allocate_sharing` shares a leader's blocks: not where window groups give slots a chunk at a
-        time (a leader's window table does not reach the blocks it has not computed yet)."""
-        return not (self._window_groups and self.window_chunk_tokens is not None)
+        time (a leader's window table does not reach the blocks it has not computed yet), nor with a state
+        group (a follower would need the leader's states at blocks it has not computed yet)."""
+        return not (self._window_groups and self.window_chunk_tokens is not None) and self._state is None
 
     def make_slots(self, seq_id: int) -> int:
-        """Give the sequence's window groups blocks up to `window_chunk_tokens` past its computed tokens, as
-        far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
-        self._extend_windows(self._gpu_seq(seq_id))
+        """Give the sequence's window and state groups slots up to `window_chunk_tokens` past its computed
+        tokens, as far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
+        seq = self._gpu_seq(seq_id)
+        self._extend_windows(seq)
+        self._extend_states(seq)
         return self.num_slotted_tokens(seq_id)
 
     def num_slotted_tokens(self, seq_id: int) -> int:
         """Leading tokens of the sequence with a KV slot in every group: a prefill chunk ends there at most."""
         seq = self._seqs[seq_id]
-        if not self._window_groups:
-            return seq.num_tokens
-        return min(seq.num_tokens, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
+        num_slotted = seq.num_tokens
+        if self._window_groups:
+            num_slotted = min(num_slotted, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
+        if self._state is not None:
+            num_slotted = min(num_slotted, self._state.coverage(seq.block_tables[self._state.group],
+                                                                seq.num_computed_tokens, seq.num_tokens))
+        return num_slotted
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
@@ -317,14 +323,20 @@ class BlockManager:
             # Hits leave the free queue before new blocks are taken from its head, which could evict them.
             for block_id in hits:
                 pool.hold(block_id)
-            num_dropped = num_blocks_out_of_window(num_cached_tokens, window, self.block_size)
+            num_dropped = num_hits_dropped(plan.num_hits, window, self.block_size)
+            if window is RECURRENT:
+                block_tables.append(self._state.grant([NO_BLOCK] * num_dropped + hits, num_cached_tokens,
+                                                      len(token_ids),
+                                                      self._slot_target(len(token_ids), num_cached_tokens),
+                                                      exact=True)[0])
+                continue
             num_new_blocks = self._num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
             block_tables.append([NO_BLOCK] * num_dropped + hits
                                 + [pool.take_free_block() for _ in range(num_new_blocks)])
         self._seqs[seq_id] = SequenceBlocks(
             token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
-            num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes,
-            extra_key=extra_key, num_tokens=len(token_ids), shares_token_ids=share_token_ids)
+            num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes, extra_key=extra_key,
+            num_tokens=len(token_ids), num_prompt_tokens=len(token_ids), shares_token_ids=share_token_ids)
         if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
@@ -344,6 +356,9 @@ class BlockManager:
         need (the leader's prefix hit reaches past the shared blocks), the sequence shares nothing and is
         allocated alone (`allocate`, prefix hits included) instead.
         """
+        if self._state is not None:
+            raise ValueError("allocate_sharing: a manager with a state group shares no uncomputed blocks "
+                             "(shares_uncomputed_blocks is False); allocate each sequence alone")
         leader = self._gpu_seq(leader_id)
         num_shared_tokens = num_shared_blocks * self.block_size
         if seq_id in self._seqs:
@@ -373,7 +388,8 @@ class BlockManager:
             block_tables.append(table + [pool.take_free_block() for _ in range(num_new_blocks)])
         seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
                              num_computed_tokens=0, block_hashes=[], extra_key=leader.extra_key,
-                             num_tokens=len(token_ids), shares_token_ids=share_token_ids)
+                             num_tokens=len(token_ids), num_prompt_tokens=len(token_ids),
+                             shares_token_ids=share_token_ids)
         self._seqs[seq_id] = seq
         self._take_computed_blocks(seq, leader, num_computed_blocks)
         if num_computed_blocks < num_shared_blocks:
@@ -406,7 +422,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id}: append token {num_tokens} to the shared token list first")
         needs_new_block = num_tokens % self.block_size == 0
         pools = self._pools
-        # A window group whose table stops short of the tokens (a prompt not yet computed) gives no slot here.
+        # A window or state group whose table stops short of the tokens (a prompt not yet computed) gives no
+        # slot here.
         covers = [len(table) * self.block_size >= num_tokens for table in seq.block_tables]
         if not needs_new_block and (not seq.may_share_last_block or all(
                 pool.ref_counts[table[-1]] == 1 for pool, table, covered in zip(pools, seq.block_tables, covers,
@@ -416,13 +433,25 @@ class BlockManager:
             return []
         writes_copy = [covered and (needs_new_block or pool.ref_counts[table[-1]] > 1)
                        for pool, table, covered in zip(pools, seq.block_tables, covers, strict=True)]
-        if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)):
+        state = self._state
+        grants_state = state is not None and writes_copy[state.group]
+        if grants_state:
+            writes_copy[state.group] = False  # the state group's rules, below
+        if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)) or (
+                grants_state and state.num_slots_to_grant(seq.block_tables[state.group], seq.num_computed_tokens,
+                                                          seq.num_prompt_tokens, num_tokens + 1)
+                > state.pool.num_available_blocks):
             if not seq.shares_token_ids:
                 seq.token_ids.pop()  # changes nothing
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
         seq.num_tokens = num_tokens + 1
         seq.may_share_last_block = False  # a new block, or a copy of its last: its own
         copies = []
+        if grants_state:
+            seq.block_tables[state.group], copies = state.grant(
+                seq.block_tables[state.group], seq.num_computed_tokens, seq.num_prompt_tokens, num_tokens + 1,
+                exact=True)
+            self.cow_copies += len(copies)
         for group, (pool, block_table) in enumerate(zip(pools, seq.block_tables, strict=True)):
             if not writes_copy[group]:
                 continue
@@ -459,13 +488,22 @@ class BlockManager:
                 for index in range(len(seq.block_hashes), num_full_blocks):
                     content = seq.block_payload(index, self.block_size)
                     seq.block_hashes.append(hash_payload(content))
-                    for pool, table in zip(self._pools, seq.block_tables, strict=True):
+                    # The KV groups (the state group, last, registers its checkpoints below).
+                    for pool, table in zip(self._kv_pools, seq.block_tables):
                         pool.register(table[index], seq.block_hashes[index], content)
             if self._followers.leads(seq_id):
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
+        if self._state is not None:
+            group = self._state.group
+            pool = self._pools[group]
+            seq.block_tables[group] = self._state.after_step(
+                seq.block_tables[group], num_before, num_computed_tokens, seq.num_prompt_tokens,
+                lambda index, slot: pool.register(slot, seq.block_hashes[index],
+                                                  seq.block_payload(index, self.block_size)))
         self._slide_windows(seq, num_before)
         self._extend_windows(seq)
+        self._extend_states(seq)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
@@ -478,6 +516,9 @@ class BlockManager:
         (`share_token_ids`) is its owner's to shorten; a copy is shortened here.
         """
         seq = self._gpu_seq(seq_id)
+        if self._state is not None:
+            raise ValueError(f"sequence {seq_id}: truncate is refused with a state group (recurrent layers): the "
+                             f"running state of the dropped tokens cannot be taken back (no speculative decoding)")
         if not max(1, seq.num_computed_tokens) <= num_tokens <= seq.num_tokens:
             raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
                              f"{seq.num_tokens}] tokens, got {num_tokens}")
@@ -516,8 +557,8 @@ class BlockManager:
             token_ids=tokens if child_token_ids is None else child_token_ids,
             block_tables=[list(table) for table in parent.block_tables],
             num_computed_tokens=parent.num_computed_tokens, block_hashes=list(parent.block_hashes),
-            extra_key=parent.extra_key, num_tokens=parent.num_tokens, shares_token_ids=child_token_ids is not None,
-            may_share_last_block=True)
+            extra_key=parent.extra_key, num_tokens=parent.num_tokens, num_prompt_tokens=parent.num_prompt_tokens,
+            shares_token_ids=child_token_ids is not None, may_share_last_block=True)
         parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
@@ -536,7 +577,7 @@ class BlockManager:
     # ---- preemption by swap ----
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
         """True when every group's CPU pool has room for the distinct blocks of these GPU sequences."""
-        return all(len(self._distinct_blocks(seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
+        return all(len(distinct_blocks(self._seqs, seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
                    for group, tier in enumerate(self._swap_tiers))
 
     def swap_out(self, seq_ids: Sequence[int]) -> list[BlockMove]:
@@ -547,61 +588,34 @@ class BlockManager:
         """
         if not self.can_swap_out(seq_ids):  # raises on a repeated or swapped sequence
             raise OutOfBlocksError(f"swapping out sequences {list(seq_ids)}: a CPU pool is too small")
-        seqs = [self._seqs[seq_id] for seq_id in seq_ids]
-        moves = []
-        for group, (pool, tier) in enumerate(zip(self._pools, self._swap_tiers, strict=True)):
-            cpu_tables, copies = tier.store([seq.block_tables[group] for seq in seqs])
-            moves += [(gpu_block, cpu_block, group) for gpu_block, cpu_block in copies]
-            for seq, cpu_table in zip(seqs, cpu_tables, strict=True):
-                pool.release(reversed(seq.block_tables[group]))
-                seq.block_tables[group] = cpu_table
-        for seq in seqs:
-            seq.is_swapped = True
-        return moves
+        return move_out(self._pools, self._swap_tiers, [self._seqs[seq_id] for seq_id in seq_ids])
 
     def group_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> list[int]:
         """`num_blocks_to_swap_in` of each group, group 0 first."""
-        return [len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups)]
+        return [len(distinct_blocks(self._seqs, seq_ids, swapped=True, group=group))
+                for group in range(self.num_groups)]
 
     def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
         """GPU blocks that swapping these sequences back in would take in the group taking most (shared
         blocks count once)."""
-        return max(len(self._distinct_blocks(seq_ids, swapped=True, group=group)) for group in range(self.num_groups))
+        return max(self.group_blocks_to_swap_in(seq_ids))
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
         """True when every group's free queue has room for the distinct blocks of these swapped sequences."""
-        return self._has_room([len(self._distinct_blocks(seq_ids, swapped=True, group=group))
-                               for group in range(self.num_groups)])
+        return self._has_room(self.group_blocks_to_swap_in(seq_ids))
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[BlockMove]:
         """Bring swapped sequences back to the GPU; returns the (cpu_block, gpu_block, group) copies to make.
 
-        Their full computed blocks are registered in the prefix cache again where their keys are free.
+        Their full computed blocks (in a state group, its policy checkpoints) are registered in the prefix
+        cache again where their keys are free.
         """
         if not self.can_swap_in(seq_ids):
             raise OutOfBlocksError(f"swapping in sequences {list(seq_ids)}: a pool has too few blocks")
-        moves = []
-        for group, (pool, tier) in enumerate(zip(self._pools, self._swap_tiers, strict=True)):
-            cpu_block_ids = self._distinct_blocks(seq_ids, swapped=True, group=group)
-            cpu_to_gpu = {cpu_block_id: pool.take_free_block() for cpu_block_id in cpu_block_ids}
-            cpu_to_gpu[NO_BLOCK] = NO_BLOCK
-            for block_id in cpu_block_ids:
-                pool.ref_counts[cpu_to_gpu[block_id]] = 0  # counted below, once per table pointing at it
-            for seq_id in seq_ids:
-                seq = self._seqs[seq_id]
-                tier.release(seq.block_tables[group])
-                table = seq.block_tables[group] = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_tables[group]]
-                for block_id in table:
-                    if block_id != NO_BLOCK:
-                        pool.ref_counts[block_id] += 1
-                for index, block_hash in enumerate(seq.block_hashes):
-                    if table[index] != NO_BLOCK:
-                        pool.register(table[index], block_hash, seq.block_payload(index, self.block_size))
-            moves += [(cpu_block, gpu_block, group) for cpu_block, gpu_block in cpu_to_gpu.items()
-                      if cpu_block != NO_BLOCK]
-        for seq_id in seq_ids:
-            self._seqs[seq_id].is_swapped = False
-        return moves
+        state = self._state
+        return move_in(self._pools, self._swap_tiers, self._seqs, seq_ids, self.block_size,
+                       lambda group, index, seq: state is None or group != state.group
+                       or state.is_checkpoint(index, seq.num_prompt_tokens))  # the state group: its checkpoints
 
     # ---- integrity ----
     def check_integrity(self) -> None:
@@ -627,43 +641,12 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return seq
 
-    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool) -> _AllocationPlan:
-        """The prefix hits every group accepts, and the blocks the prompt takes from each free queue.
-
-        A hit of k blocks needs, in a full group, each of the k blocks in its prefix cache and, in a window
-        group, those the window of the query at position k * block_size covers: so the full groups bound k
-        by their first miss, and the window groups may then lower it.
-        """
-        block_size = self.block_size
-        hashes: list[bytes] = []
-        found: list[list[int | None]] = []  # per hashed block: its block id in each group, None: not cached
-        if self.enable_prefix_caching and use_prefix_cache:
-            block_hash = ROOT_HASH
-            for index in range((len(token_ids) - 1) // block_size):
-                # Chained: the previous block's key is this one's parent.
-                block_hash = hash_block(block_hash, token_ids[index * block_size:(index + 1) * block_size], extra_key)
-                block_ids = [pool.hash_to_block.get(block_hash) for pool in self._pools]
-                if any(block_ids[group] is None for group in self._full_groups):
-                    break
-                # Without a full group, a miss does not end the search: a later window may still be cached.
-                hashes.append(block_hash)
-                found.append(block_ids)
-        num_hits = len(hashes)
-        while num_hits and not all(
-                None not in [found[index][group] for index in range(
-                    num_blocks_out_of_window(num_hits * block_size, self.group_windows[group], block_size), num_hits)]
-                for group in self._window_groups):
-            num_hits -= 1
-        group_hits = []
-        num_blocks_to_take = []
-        for group, (pool, window) in enumerate(zip(self._pools, self.group_windows, strict=True)):
-            num_dropped = num_blocks_out_of_window(num_hits * block_size, window, block_size)
-            hits = [found[index][group] for index in range(num_dropped, num_hits)]
-            group_hits.append(hits)
-            num_hits_in_use = sum(1 for block_id in hits if pool.ref_counts[block_id] > 0)
-            num_table_blocks = self._num_table_blocks(window, len(token_ids), num_hits * block_size)
-            num_blocks_to_take.append(num_table_blocks - num_dropped - num_hits_in_use)
-        return _AllocationPlan(hashes[:num_hits], group_hits, num_blocks_to_take)
+    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool) -> AllocationPlan:
+        """The prefix hits every group accepts, and the blocks the prompt takes from each free queue
+        (kv/allocation_plan.py)."""
+        return plan_allocation(self._pools, self.group_windows, self.block_size, token_ids, extra_key,
+                               self.enable_prefix_caching and use_prefix_cache, self._state, self._num_table_blocks,
+                               self._slot_target)
 
     def _num_blocks_to_append(self, seq_ids: Iterable[int]) -> list[int]:
         """Per group, what `num_blocks_to_append` counts."""
@@ -674,6 +657,11 @@ class BlockManager:
             if seq.is_swapped:
                 self._gpu_seq(seq_id)  # raises
             covers = [len(table) * self.block_size >= seq.num_tokens for table in seq.block_tables]
+            state = self._state
+            if state is not None and covers[state.group] and seq.num_tokens % self.block_size == 0:
+                covers[state.group] = False  # a new block's slot: the state group's rules
+                num_blocks[state.group] += state.num_slots_to_grant(
+                    seq.block_tables[state.group], seq.num_computed_tokens, seq.num_prompt_tokens, seq.num_tokens + 1)
             if seq.num_tokens % self.block_size == 0:
                 num_blocks = [count + covered for count, covered in zip(num_blocks, covers, strict=True)]
             elif seq.may_share_last_block:
@@ -710,6 +698,15 @@ class BlockManager:
             pool = self._pools[group]
             table += [pool.take_free_block() for _ in range(num_new_blocks)]
 
+    def _extend_states(self, seq: SequenceBlocks) -> None:
+        """The state group gives the sequence slots up to `window_chunk_tokens` past its computed tokens, as
+        many as its pool has now (kv/state_group.py)."""
+        if self._state is not None:
+            group = self._state.group
+            seq.block_tables[group] = self._state.grant(
+                seq.block_tables[group], seq.num_computed_tokens, seq.num_prompt_tokens,
+                self._slot_target(seq.num_tokens, seq.num_computed_tokens), exact=False)[0]
+
     def _slide_windows(self, seq: SequenceBlocks, num_computed_before: int) -> None:
         """Window groups give back the sequence's blocks that its computed tokens moved out of the window,
         oldest first, still cached where they have a key."""
@@ -729,16 +726,3 @@ class BlockManager:
             follower.num_computed_tokens = num_blocks * self.block_size
             follower.block_hashes = leader.block_hashes[:num_blocks]
             self._slide_windows(follower, num_before)
-
-    def _distinct_blocks(self, seq_ids: Sequence[int], swapped: bool, group: int) -> list[int]:
-        """Block ids of these sequences' tables in the group, each once, NO_BLOCK left out; all sequences
-        must be in the pool named by `swapped`."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"sequence ids repeated: {list(seq_ids)}")
-        block_ids: dict[int, None] = {}
-        for seq_id in seq_ids:
-            if self._seqs[seq_id].is_swapped != swapped:
-                raise ValueError(f"sequence {seq_id} is {'not ' if swapped else ''}swapped out")
-            block_ids.update(dict.fromkeys(self._seqs[seq_id].block_tables[group]))
-        block_ids.pop(NO_BLOCK, None)
-        return list(block_ids)
