@@ -198,12 +198,12 @@ def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVForma
                                  torch.cuda.memory_allocated(device), config.gpu_memory_utilization)
     plan = functools.partial(plan_group_pools, model.config, key_format, value_format, block_size=config.block_size,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                             chunk_tokens=window_chunk_tokens(config))
-    if model.config.recurrent_layers:
-        plan = functools.partial(plan, state_checkpoint_blocks=config.state_checkpoint_blocks,
-                                 state_cache_slots=config.num_state_cache_slots)
+                             chunk_tokens=window_chunk_tokens(config),
+                             state_checkpoint_blocks=config.state_checkpoint_blocks,
+                             state_cache_slots=config.num_state_cache_slots,
+                             state_conv_bytes=next(model.parameters()).dtype.itemsize)
     if budget is None:  # --num-kv-blocks: the full group's pool; a window group's by its rule, at most that
-        pools = plan(kv_budget=0)
+        pools = plan(kv_budget=None)
         has_full_group = pools[0].group.sliding_window is None and not pools[0].group.recurrent
 
         def num_blocks(pool: GroupPool) -> int:

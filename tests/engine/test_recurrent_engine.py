@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
-from tests.helpers.engine_checks import run_requests
+from tests.helpers.engine_checks import StepChecker, run_requests
 from tests.helpers.recurrent_toy import VOCAB, make_toy_model, reference_greedy, reference_logits
 
 CHECKPOINT = 32  # tokens between checkpoints in these tests: two blocks
@@ -46,13 +46,41 @@ def requests(seed: int, count: int, max_len: int = 70) -> list[tuple[list[int], 
 
 
 def run(model, reqs, **config):
-    """(outputs, engine) of an engine with `config` (every step checked), ending idle and clean."""
+    """(outputs, engine) of an engine with `config` (every step checked), ending idle and clean; the engine's
+    `state_moves` counts the state group's block moves of each kind ("swap_out", "swap_in", "block_copies")."""
     config = {"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
               "state_checkpoint_tokens": CHECKPOINT, "check_integrity": True} | config
     engine = build_engine(model, None, EngineConfig(**config))
+    engine.state_moves = dict.fromkeys(("swap_out", "swap_in", "block_copies"), 0)
+    execute = engine.runner.execute
+
+    def counting_execute(step):
+        for kind in engine.state_moves:
+            engine.state_moves[kind] += sum(group == engine.runner.state_group for *_, group in getattr(step, kind))
+        return execute(step)
+
+    engine.runner.execute = counting_execute
     results = run_requests(engine, reqs, check=True)
     assert engine.block_manager.num_used_blocks == 0  # every KV block and state slot back
     return results, engine
+
+
+class Turns:
+    """Requests run to the end turn after turn on one engine, every step checked by one step checker (so it
+    knows what the cached blocks of earlier turns hold); the engine idle and clean after each turn."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.checker = StepChecker(engine)
+
+    def run(self, reqs) -> list:
+        ids = [self.engine.add_request(prompt, params) for prompt, params in reqs]
+        done = {}
+        while self.engine.has_unfinished_requests():
+            done.update((output.request_id, output) for output in self.engine.step() if output.finished)
+            self.checker.after_step()
+        assert self.engine.is_idle_and_clean()
+        return [done[request_id] for request_id in ids]
 
 
 def tokens_of(results) -> list[list[int]]:
@@ -83,11 +111,15 @@ def test_greedy_alone_and_batched_in_unaligned_chunks_equals_the_reference(model
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_greedy_output(model, mode):
-    reqs = requests(seed=1, count=6)
+    rng = random.Random(1)
+    reqs = [([rng.randrange(3, VOCAB) for _ in range(rng.randint(10, 40))], greedy(rng.randint(25, 40)))
+            for _ in range(6)]
     expected = tokens_of(run(model, reqs, num_kv_blocks=128, max_num_seqs=6)[0])
     results, engine = run(model, reqs, num_kv_blocks=9, num_cpu_blocks=32, max_num_seqs=6,
                           max_num_batched_tokens=24, preemption_mode=mode)
     assert engine.num_preemptions > 0
+    if mode == "swap":  # the states went to the CPU and came back
+        assert engine.state_moves["swap_out"] > 0 and engine.state_moves["swap_in"] > 0
     assert tokens_of(results) == expected
 
 
@@ -97,8 +129,9 @@ def test_a_second_request_resumes_from_the_last_checkpoint_and_answers_as_withou
     second = first[:70] + [rng.randrange(3, VOCAB) for _ in range(9)]  # shares 70 tokens: 4 blocks and 6 tokens
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
                                                     state_checkpoint_tokens=CHECKPOINT, check_integrity=True))
-    run_requests(engine, [(first, greedy(5))], check=True)
-    [reused] = run_requests(engine, [(second, greedy(8))], check=True)
+    turns = Turns(engine)
+    turns.run([(first, greedy(5))])
+    [reused] = turns.run([(second, greedy(8))])
     # Checkpoints after 32 and 64 tokens (every 32) and after 64 (the first prompt's last boundary): the
     # shared 70 tokens resume from 64.
     assert reused.num_cached_tokens == 64
@@ -112,9 +145,10 @@ def test_a_conversation_turn_resumes_from_the_previous_prompts_last_boundary(mod
     turn = [rng.randrange(3, VOCAB) for _ in range(40)]
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
                                                     state_checkpoint_tokens=512, check_integrity=True))
-    [answer] = run_requests(engine, [(turn, greedy(6))], check=True)
+    turns = Turns(engine)
+    [answer] = turns.run([(turn, greedy(6))])
     history = turn + list(answer.outputs[0].token_ids) + [rng.randrange(3, VOCAB) for _ in range(5)]
-    [next_turn] = run_requests(engine, [(history, greedy(6))], check=True)
+    [next_turn] = turns.run([(history, greedy(6))])
     assert next_turn.num_cached_tokens == 32  # 40 // 16 * 16: the prompt's last boundary, not a policy one
     assert list(next_turn.outputs[0].token_ids) == reference_greedy(model, history, 6)
 
@@ -122,7 +156,8 @@ def test_a_conversation_turn_resumes_from_the_previous_prompts_last_boundary(mod
 def test_parallel_samples_fork_the_state(model):
     prompt = [5 + i % 40 for i in range(37)]
     params = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=10, ignore_eos=True, logprobs=0)
-    [result], _ = run(model, [(prompt, params)], max_num_batched_tokens=16)
+    [result], engine = run(model, [(prompt, params)], max_num_batched_tokens=16)
+    assert engine.state_moves["block_copies"] > 0  # the samples' shared running state, copied on write
     assert len(result.outputs) == 3 and len({tuple(out.token_ids) for out in result.outputs}) > 1
     for out in result.outputs:  # each sample's log-probabilities are the reference's over its own tokens
         tokens = prompt + list(out.token_ids)
