@@ -81,10 +81,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.scheduler_config()  # validates the scheduler's fields now, not at the first step
         if self.state_checkpoint_tokens < self.block_size or self.state_checkpoint_tokens % self.block_size:
-            raise ValueError(f"state_checkpoint_tokens must be a positive multiple of the block size "
-                             f"{self.block_size}, got {self.state_checkpoint_tokens}")
+            raise ValueError(f"state_checkpoint_tokens (--state-checkpoint-tokens) must be a positive multiple of the "
+                             f"block size {self.block_size}, got {self.state_checkpoint_tokens}")
         if self.state_cache_slots is not None and self.state_cache_slots < 0:
-            raise ValueError(f"state_cache_slots must be >= 0 (or None), got {self.state_cache_slots}")
+            raise ValueError(f"state_cache_slots (--state-cache-slots) must be >= 0, got {self.state_cache_slots}")
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
             raise ValueError(f"spec_type must be one of {', '.join(SPEC_TYPES)} (or None), got {self.spec_type!r}")
         if self.spec_tokens < 1:

@@ -184,13 +184,25 @@ def test_speculative_decoding_is_refused_at_start(model, spec_type):
         build_engine(model, None, EngineConfig(spec_type=spec_type), draft_model=model)
 
 
-def test_state_flags_are_checked():
-    with pytest.raises(ValueError, match="state_checkpoint_tokens must be a positive multiple of the block size 16"):
-        EngineConfig(state_checkpoint_tokens=40)
-    with pytest.raises(ValueError, match="state_cache_slots must be >= 0"):
-        EngineConfig(state_cache_slots=-1)
-    assert EngineConfig(max_num_seqs=3).num_state_cache_slots == 3
-    assert EngineConfig(block_size=32, state_checkpoint_tokens=64).state_checkpoint_blocks == 2
+def test_state_flags_reach_the_config_and_are_checked():
+    from localserve.cli import build_parser, engine_config
+
+    def config(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["serve", *flags]))
+
+    default = config()
+    assert (default.state_checkpoint_tokens, default.state_cache_slots) == (512, None)
+    assert default.num_state_cache_slots == default.max_num_seqs
+    given = config("--state-checkpoint-tokens", "64", "--state-cache-slots", "0", "--block-size", "32", "-np", "3")
+    assert (given.state_checkpoint_blocks, given.num_state_cache_slots) == (2, 0)
+    assert config("-np", "3").num_state_cache_slots == 3
+    with pytest.raises(ValueError, match=r"state_checkpoint_tokens \(--state-checkpoint-tokens\) must be a "
+                                         "positive multiple of the block size 16, got 40"):
+        config("--state-checkpoint-tokens", "40")
+    with pytest.raises(ValueError, match="multiple of the block size 16, got 0"):
+        EngineConfig(state_checkpoint_tokens=0)
+    with pytest.raises(ValueError, match=r"state_cache_slots \(--state-cache-slots\) must be >= 0, got -1"):
+        config("--state-cache-slots", "-1")
 
 
 @settings(max_examples=6, deadline=None)

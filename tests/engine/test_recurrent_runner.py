@@ -168,3 +168,20 @@ def test_any_chunking_with_any_checkpoints_equals_the_reference(model, data):
         resume = StateTable(set(), [10], resume=(entry, table.entries[entry]))
         resumed = run_chunks(runner, tokens, [length - start], list(range(num_entries)), resume, start=start)
         torch.testing.assert_close(resumed, reference_logits(model, tokens)[start:], atol=TOLERANCE, rtol=0)
+
+
+def test_execute_pooled_carries_the_states(model):
+    runner = make_runner(model)
+    tokens = [(13 * i + 4) % 64 for i in range(11)]
+    table = StateTable({1}, [0, 1])
+    first = SeqChunk(tokens[:6], 0, [0, 1, 2], seq_id=3, needs_logits=False, needs_hidden=True,
+                     group_block_tables=[[0, 1, 2], table.step(0, 6)])
+    _, hidden_first = runner.execute_pooled(StepInput([first]))
+    second = SeqChunk(tokens[6:], 6, [0, 1, 2], seq_id=3, needs_hidden=True,
+                      group_block_tables=[[0, 1, 2], table.step(6, 5)])
+    logits, hidden_second = runner.execute_pooled(StepInput([second]))
+    with torch.inference_mode():
+        pooled_logits = model.compute_logits(torch.cat((hidden_first, hidden_second)))
+    expected = reference_logits(model, tokens)
+    torch.testing.assert_close(pooled_logits, expected, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(logits[0], expected[-1], atol=TOLERANCE, rtol=0)
