@@ -74,9 +74,10 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
         log.info("recurrent states: %d slots of %s (%s), a checkpoint every %d tokens", kv_cache.states.num_slots,
                  human_size(kv_cache.states.slot_bytes), human_size(kv_cache.state_bytes()),
                  config.state_checkpoint_tokens)
-    block_manager = BlockManager([pool.num_blocks for pool in pools], config.block_size, num_cpu_blocks,
-                                 config.enable_prefix_caching, [pool.group.group_window for pool in pools],
-                                 window_chunk_tokens(config), config.state_checkpoint_blocks)
+    block_manager = BlockManager([pool.num_blocks for pool in pools], config.block_size,
+                                 swap_pool_sizes(pools, num_cpu_blocks), config.enable_prefix_caching,
+                                 [pool.group.group_window for pool in pools], window_chunk_tokens(config),
+                                 config.state_checkpoint_blocks)
     events = EventLog()
     step_cost = StepCostModel() if config.spec_type or config.max_step_ms is not None else None
     step_budget = None
@@ -150,7 +151,8 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
         group_of = {layer: index for index, pool in enumerate(pools) for layer in pool.group.layers}
         layer_groups = [group_of[layer] for layer in range(model_config.num_layers)]
         group_numbers = [pool.num_blocks for pool in pools]
-        states = build_state_cache(model_config, pools[-1], param.dtype, param.device, num_cpu_blocks)
+        states = build_state_cache(model_config, pools[-1], param.dtype, param.device,
+                                   swap_pool_sizes(pools, num_cpu_blocks)[-1])
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
                         calibration, rope, layer_shapes, layer_groups, group_numbers, states)
@@ -159,8 +161,8 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
 def build_state_cache(model_config: ModelConfig, pool: GroupPool, dtype: torch.dtype, device: torch.device,
                       num_cpu_slots: int) -> RecurrentStateCache | None:
     """The slots of `pool` when it is the state group (its layers' states, convolution inputs in `dtype`,
-    matrices in float32), with `num_cpu_slots` swap slots (the block manager's swap tier of every group
-    has as many); None for another group. Raises ValueError when the recurrent layers' states differ."""
+    matrices in float32), with `num_cpu_slots` swap slots (`swap_pool_sizes`); None for another group.
+    Raises ValueError when the recurrent layers' states differ."""
     if not pool.group.recurrent:
         return None
     shapes = {model_config.attention_of(layer).state for layer in pool.group.layers}
@@ -168,6 +170,13 @@ def build_state_cache(model_config: ModelConfig, pool: GroupPool, dtype: torch.d
         raise ValueError(f"the recurrent layers of {model_config.name} keep states of different shapes: {shapes}")
     return RecurrentStateCache(pool.group.layers, shapes.pop(), pool.num_blocks, dtype, device,
                                num_cpu_slots=num_cpu_slots)
+
+
+def swap_pool_sizes(pools: list[GroupPool], num_cpu_blocks: int) -> list[int]:
+    """Each group's swap pool: `num_cpu_blocks` blocks, but a state group's at most as many slots as its GPU
+    pool (a state is a whole slot, 60-150 MiB on Qwen3.6 models: a swap pool as large as the KV's would not
+    fit in host memory; a swap that does not fit falls back to recompute, engine/preemption.py)."""
+    return [min(num_cpu_blocks, pool.num_blocks) if pool.group.recurrent else num_cpu_blocks for pool in pools]
 
 
 def layer_kv_shapes(config: ModelConfig) -> list[LayerKVShape] | None:

@@ -97,6 +97,12 @@ def test_the_engine_has_a_state_group_of_the_recurrent_layer(model):
     # The state pool: 4 sequences x (ceil(64 / 32) + 3) slots, and 5 for cached checkpoints.
     assert engine.block_manager.group_num_blocks[1] == kv_cache.states.num_slots == 4 * (2 + 3) + 5
     assert engine.runner.decode_graphs is None
+    # Swap space: the KV's as asked, the states' at most as many slots as their GPU pool.
+    swapping = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                                                      state_checkpoint_tokens=CHECKPOINT, state_cache_slots=5,
+                                                      preemption_mode="swap", num_cpu_blocks=100))
+    assert swapping.runner.kv_cache.states.cpu_matrix[1].shape[0] == 25
+    assert swapping.block_manager.num_cpu_blocks == 100 + 25
 
 
 def test_greedy_alone_and_batched_in_unaligned_chunks_equals_the_reference(model):
