@@ -1,11 +1,12 @@
 """Recurrent states through the engine, on the toy hybrid model of tests/helpers/recurrent_toy.py (an
 attention layer over the paged KV and a recurrent layer whose output depends on the whole prefix through
 its state), against its plain-torch reference: greedy tokens alone and batched with prefill chunks that do
-not line up with blocks, preemption by recompute and by swap, parallel samples (forks copy the running
-state: each sample's log-probabilities are the reference's over its own tokens), prefix reuse (a second
-request resumes from the last checkpoint and answers as with the cache off), beam search, speculative
-decoding refused at start, and the engine idle with every block and slot back after each run (the
-integrity check after every step)."""
+not line up with blocks, preemption by recompute and by swap (the states go to the CPU and back),
+parallel samples (forks copy the running state: each sample's log-probabilities are the reference's over
+its own tokens) and beams, prefix reuse (a request sharing part of a block resumes from the checkpoint
+before it and answers as with the cache off; a ten-turn conversation resumes each turn from the previous
+prompt's last block boundary), the state flags, speculative decoding refused at start, and the engine idle
+with every block and slot back after each run (the integrity check after every step)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,21 @@ def test_a_conversation_turn_resumes_from_the_previous_prompts_last_boundary(mod
     [next_turn] = turns.run([(history, greedy(6))])
     assert next_turn.num_cached_tokens == 32  # 40 // 16 * 16: the prompt's last boundary, not a policy one
     assert list(next_turn.outputs[0].token_ids) == reference_greedy(model, history, 6)
+
+
+def test_a_ten_turn_conversation_prefills_each_turn_from_the_last_prompts_boundary(model):
+    rng = random.Random(4)
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
+                                                    check_integrity=True))  # default checkpoints: every 512 tokens
+    turns = Turns(engine)
+    history, previous_prompt = [rng.randrange(3, VOCAB) for _ in range(19)], 0
+    for turn in range(10):
+        [result] = turns.run([(history, greedy(4))])
+        # Every turn resumes from the checkpoint at the previous prompt's last block boundary.
+        assert result.num_cached_tokens == previous_prompt // 16 * 16, f"turn {turn}"
+        assert list(result.outputs[0].token_ids) == reference_greedy(model, history, 4), f"turn {turn}"
+        previous_prompt = len(history)
+        history = history + list(result.outputs[0].token_ids) + [rng.randrange(3, VOCAB) for _ in range(7)]
 
 
 def test_parallel_samples_fork_the_state(model):
