@@ -47,6 +47,8 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     """
     config = config or EngineConfig()
     check_speculation(model.config, config.spec_type)
+    if draft_model is not None and config.spec_type == "draft":  # a draft model drafts with a plain KV pool
+        check_speculation(draft_model.config, config.spec_type)
     if config.spec_type == "draft" and draft_model is None:
         raise ValueError("--spec-type draft needs a draft model (-md/--model-draft)")
     if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
@@ -96,7 +98,8 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
 
 def check_speculation(model_config: ModelConfig, spec_type: str | None) -> None:
     """Refuse speculative decoding for a model with recurrent (linear-attention) layers: a rejected drafted
-    token would stay in their state, which cannot be cut back to the last accepted token."""
+    token would stay in their state, which cannot be cut back to the last accepted token (and a draft model
+    drafts over a plain KV pool, without states)."""
     if spec_type is not None and model_config.recurrent_layers:
         flag = "--spec-type ngram" if spec_type == "ngram" else "--spec-type draft / -md"
         raise ValueError(f"{model_config.name} has recurrent (linear-attention) layers "

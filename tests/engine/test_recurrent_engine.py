@@ -10,6 +10,7 @@ with every block and slot back after each run (the integrity check after every s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -204,6 +205,15 @@ def test_speculative_decoding_is_refused_at_start(model, spec_type):
     with pytest.raises(ValueError, match=r"recurrent-toy has recurrent \(linear-attention\) layers \[1\]: "
                                          r"speculative decoding \(--spec-type"):
         build_engine(model, None, EngineConfig(spec_type=spec_type), draft_model=model)
+
+
+def test_a_draft_model_with_recurrent_layers_is_refused(model):
+    target = make_toy_model(seed=2, name="plain-target")
+    # A target without recurrent layers (its config says so; the check reads only configs, before any pool).
+    target.config = dataclasses.replace(target.config, layer_attention=())
+    with pytest.raises(ValueError, match=r"recurrent-toy has recurrent \(linear-attention\) layers \[1\]: "
+                                         r"speculative decoding \(--spec-type draft / -md\)"):
+        build_engine(target, None, EngineConfig(spec_type="draft"), draft_model=model)
 
 
 def test_state_flags_reach_the_config_and_are_checked():
