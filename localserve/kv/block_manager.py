@@ -69,8 +69,9 @@ class SequenceBlocks:
 
     # Its own copy, or (`share_token_ids`) the caller's list, which may run a pending token ahead of `num_tokens`.
     token_ids: list[int]
-    # Per group: GPU block ids (NO_BLOCK where a window group gave the block back), or CPU block ids while
-    # swapped out. The outer list stays the sequence's for its life; an inner one may be replaced.
+    # Per group: GPU block ids (NO_BLOCK where a window group gave the block back or a state group holds no
+    # slot), or CPU block ids while swapped out. The outer list stays the sequence's for its life; an inner
+    # one may be replaced.
     block_tables: list[list[int]]
     num_computed_tokens: int
     block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)

@@ -4,7 +4,8 @@ The block manager (kv/block_manager.py) keeps one pool per layer group (kv/layer
 own block id space. A block is free (in the free queue, nothing worth keeping), cached (in the free
 queue with ref count 0, its key still registered) or used (ref count >= 1). Freed blocks join the
 queue's tail and new ones come from its head, so the least recently freed cached block is overwritten
-first. Block tables may hold `NO_BLOCK` where a window group dropped a block: it is never counted.
+first. Block tables may hold `NO_BLOCK` where a window group dropped a block or a state group keeps no
+slot: it is never counted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from localserve.kv.block_hash import BlockContent
 from localserve.kv.free_queue import FreeBlockQueue
 
 NO_BLOCK = -1
-"""A block-table entry of a window group whose block left the window and was given back."""
+"""A block-table entry with no block: a window group's that left the window and was given back, a state
+group's that holds no slot."""
 
 BlockMove = tuple[int, int, int]
 """A block copy the KV pool makes for the block manager: (source block, destination block, group)."""

@@ -16,8 +16,8 @@ this module, which owns what a table looks like:
   `mark_computed`, `append_token`) extends the table to the target's last block, L entries: a fresh slot at
   each policy checkpoint strictly between r and L - 1, and at L - 1 the slot the step's final state goes
   to. That is X itself, moved forward (entry r becomes `NO_BLOCK`: no new slot) when X is held once,
-  unregistered and not a policy checkpoint; else a fresh slot. When the step writes X in place (its
-  tokens stay in block r) or X receives entry r's checkpoint, a shared X is first copied (copy-on-write).
+  unregistered and not a policy checkpoint; else a fresh slot. A shared X holding part of block r (a fork)
+  is first copied (copy-on-write, by `append_token` only: the step writes it in place, or its checkpoint).
   The slots a table already holds past r (all unwritten) are reused before the pool's.
 - `after_step` (in `mark_computed`): the step wrote its boundary checkpoints and its final state into
   entry L - 1 (kv/state_steps.py); that slot becomes the running slot at entry (n' - 1) // block_size, the
@@ -140,9 +140,14 @@ class StateGroup:
         return max(0, len(layout.reserved) + layout.copy_running - len(self._spare_slots(table, num_computed)))
 
     def _spare_slots(self, table: Sequence[int], num_computed: int) -> list[tuple[int, int]]:
-        """(entry, slot) of the table's own unwritten slots: every real entry but the running slot."""
-        running = self.running_slot(table, num_computed) if num_computed else NO_BLOCK
-        return [(index, slot) for index, slot in enumerate(table) if slot != NO_BLOCK and slot != running]
+        """(entry, slot) of the table's own unwritten slots: every real entry but the running slot (none lies
+        before the running entry, so only the entries from there on are read: a chunk's, not the context's)."""
+        if not num_computed:
+            return [(index, slot) for index, slot in enumerate(table) if slot != NO_BLOCK]
+        running_index = (num_computed - 1) // self.block_size
+        running = self.running_slot(table, num_computed)
+        return [(index, table[index]) for index in range(running_index, len(table))
+                if table[index] != NO_BLOCK and table[index] != running]
 
     def _length_bounds(self, table: Sequence[int], num_computed: int, num_target_tokens: int) -> tuple[int, int]:
         shortest = (num_computed - 1) // self.block_size + 1 if num_computed else 0
@@ -181,6 +186,10 @@ class StateGroup:
     def _apply(self, table: list[int], num_computed: int, layout: _Layout) -> tuple[list[int], list[BlockMove]]:
         pool = self.pool
         spares = self._spare_slots(table, num_computed)
+        laid_out = layout.length == len(table) and not layout.copy_running and (
+            layout.running_index is None or table[layout.running_index] == self.running_slot(table, num_computed))
+        if laid_out and [index for index, _ in spares] == layout.reserved:
+            return table, []  # laid out already (most steps): the same list
         kept = {index: slot for index, slot in spares if index in layout.reserved}
         free_spares = [slot for index, slot in spares if index not in kept]
         new_table = [NO_BLOCK] * layout.length
@@ -197,8 +206,6 @@ class StateGroup:
             new_table[index] = kept.get(index) if index in kept else (
                 free_spares.pop() if free_spares else pool.take_free_block())
         pool.release(free_spares)
-        if new_table == table:
-            return table, moves  # the same list: whoever mirrors tables by list reads nothing again
         return new_table, moves
 
     # ---- after a step ----
@@ -218,7 +225,11 @@ class StateGroup:
                 register(index, table[index])
         if num_computed % block_size == 0 and self.is_checkpoint(running, num_prompt_tokens):
             register(running, final)
-        released = [slot for index, slot in enumerate(table[:running + 1]) if index != final_index]
+        first = (num_before - 1) // block_size if num_before else 0  # no real entry lies before it
+        released = [table[index] for index in range(first, running + 1)
+                    if index != final_index and table[index] != NO_BLOCK]
+        if not released and final_index == running:
+            return table  # a step in place (a decode inside a block): the same list
         new_table = [NO_BLOCK] * running + [final] + table[running + 1:]
         if final_index > running:
             new_table[final_index] = NO_BLOCK

@@ -346,12 +346,38 @@ def test_can_ever_hold_counts_the_first_chunks_slots(num_slots, fits):
     assert bm.can_ever_hold(40, 10) == fits
 
 
-def test_integrity_names_a_bad_state_table():
-    bm = decoding(checkpoint_blocks=3, num_tokens=9)
+@pytest.mark.parametrize("bad_table, problem", [
+    (lambda t: [t[2], _, _], "real entries before entry 2"),  # a slot before the running state
+    (lambda t: [_, _, _], "no slot for the running state"),  # a GPU sequence with computed tokens has its slot
+    (lambda t: [_, _, t[2], 5, _], "no slot for the running state"),  # no slot for the final state
+    (lambda t: [_, _, t[2], 5, 6], "entry 3 holds a slot and is not a policy checkpoint"),
+    (lambda t: [_, _, t[2], _, t[2]], "repeats a slot"),
+])
+def test_integrity_names_a_bad_state_table(bad_table, problem):
+    bm = BlockManager([12], 4, 0, True, (RECURRENT,), None, 3)  # a model of recurrent layers only
+    bm.allocate(1, list(range(20)))
+    bm.mark_computed(1, 9)  # table [_, _, running, _, final]
     seq = bm._seqs[1]
-    seq.block_tables[STATE] = [seq.block_tables[STATE][-1], _, _]
-    with pytest.raises(AssertionError, match="state.*real entries before entry 2"):
+    seq.block_tables[0] = bad_table(seq.block_tables[0])
+    with pytest.raises(AssertionError, match=f"state.*{problem}"):
         bm.check_integrity()
+
+
+def test_slots_past_the_running_state_must_be_the_sequences_own():
+    bm = manager(chunk=8, checkpoint_blocks=2)
+    bm.allocate(1, list(range(20)))
+    run_step(bm, 1, 6)
+    assert state_table(bm, 1) == [_, 0, _, 1]
+    bm._pools[STATE].ref_counts[1] += 1  # as if another table held the slot the step's final state goes to
+    with pytest.raises(AssertionError, match=r"state.*slots past the running state \[1\] are shared or registered"):
+        bm.check_integrity()
+
+
+def test_the_state_pool_shows_in_the_usage_and_the_snapshot():
+    bm = decoding(checkpoint_blocks=3, num_tokens=9)
+    usage = bm.group_usage()[STATE]
+    assert (usage.label, usage.num_blocks, usage.num_used_blocks, usage.num_cached_blocks) == ("state", 12, 1, 1)
+    assert bm.snapshot().group_num_blocks == (40, 12)
 
 
 # ---- the step rule ----
