@@ -125,6 +125,12 @@ class LinearAttentionConfig:
     Queries and keys have `num_key_heads` heads of `key_head_dim`, values `num_value_heads` of
     `value_head_dim` (a multiple of the key heads: each key head serves a group of value heads); a causal
     depthwise convolution of `conv_kernel` taps runs over queries, keys and values together.
+
+    Of the model around these layers (models/layers/hybrid.py): `norm_offset`: its RMSNorms (each layer's
+    two, the final one, the attention's q/k norms; not the mixer's gated norm) scale by (norm_offset + w):
+    1 for Hugging Face checkpoints (zero-centred weights), 0 where the stored weight is the scale itself;
+    `fused_projections`: the mixer's input projections are Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba`
+    (per key head) instead of Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
     """
 
     num_key_heads: int
@@ -132,6 +138,8 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int = 4
+    norm_offset: float = 1.0
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
