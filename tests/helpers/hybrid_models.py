@@ -16,6 +16,7 @@ import torch
 
 BLOCK_SIZE = 16
 VOCAB = 320
+TOLERANCE = 2e-5  # logits' difference from transformers', relative to their largest
 
 
 def text_fields(**changes) -> dict:
@@ -79,6 +80,13 @@ def transformers_logits(hf_model, prompt: list[int]) -> torch.Tensor:
     """transformers' uncached forward logits [P, V]."""
     with torch.no_grad():
         return hf_model(torch.tensor([prompt]), use_cache=False).logits[0].float()
+
+
+def assert_close_logits(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Our logits within TOLERANCE of transformers'; returns the largest difference."""
+    difference = (ours - theirs).abs().max().item()
+    assert difference <= TOLERANCE * theirs.abs().max().item(), (difference, theirs.abs().max().item())
+    return difference
 
 
 @dataclass
