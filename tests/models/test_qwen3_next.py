@@ -65,3 +65,32 @@ def test_chunks_and_a_save_point_inside_one(model):
     for layer in loaded.config.recurrent_layers:
         for saved, own in zip(driver.state(layer, 2), alone.state(layer, 1)):
             torch.testing.assert_close(saved, own, rtol=1e-4, atol=2e-5)
+
+
+def test_stacked_experts_and_mtp_tensors(model, tmp_path):
+    """The same weights with the experts stacked as transformers 5 stores them (`gate_up_proj` [E, 2I, H],
+    gate rows first; `down_proj` [E, H, I]) and multi-token prediction tensors beside (`mtp.*`, as the
+    released checkpoints carry; skipped, and said so): the same logits."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    family, loaded, theirs = model
+    tensors = load_file(loaded.path / "model.safetensors")
+    stacked = {}
+    for layer in range(loaded.config.num_layers):
+        stem = f"model.layers.{layer}.mlp.experts"
+        parts = {p: [tensors.pop(f"{stem}.{e}.{p}_proj.weight") for e in range(4)
+                     if f"{stem}.{e}.{p}_proj.weight" in tensors] for p in ("gate", "up", "down")}
+        if parts["gate"]:
+            stacked[f"{stem}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(parts["gate"], parts["up"])])
+            stacked[f"{stem}.down_proj"] = torch.stack(parts["down"])
+    stacked["mtp.fc.weight"] = torch.ones(4, 4)
+    save_file(tensors | stacked, tmp_path / "model.safetensors")
+    config = json.loads((loaded.path / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shutil.copy(loaded.path / "generation_config.json", tmp_path)
+    restacked = load_model(tmp_path, dtype=torch.float32)
+    assert restacked.config.unloaded_parts == ("multi-token prediction layers",)
+    assert_close_logits(HybridDriver(restacked.model).prefill_in_pieces(PROMPT, [13], TABLE), theirs)
