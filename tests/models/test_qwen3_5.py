@@ -106,6 +106,17 @@ def test_any_chunking_matches_one_pass(dense, cuts, inner):
         assert_close_logits(resumed, theirs[point:])
 
 
+def test_bfloat16_follows_transformers_bfloat16(dense):
+    """In bfloat16 (conv inputs kept in it, matrices in float32), chunked, near transformers' bfloat16."""
+    folder, hf_model, _, _ = dense
+    loaded = load_model(folder, dtype=torch.bfloat16)
+    import copy
+
+    theirs = transformers_logits(copy.deepcopy(hf_model).to(torch.bfloat16), PROMPT)
+    ours = HybridDriver(loaded.model).prefill_in_pieces(PROMPT, [21, 22], TABLE)
+    assert ours.dtype == torch.float32 and (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
 def test_decodes_batched_with_a_prefill(dense):
     """A step of two decodes and a prefill gives each sequence what it gets alone."""
     _, hf_model, loaded, theirs = dense
