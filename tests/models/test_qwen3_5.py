@@ -156,6 +156,8 @@ def test_the_forward_pass_needs_the_step_states(dense):
     loaded = dense[2]
     with pytest.raises(ValueError, match="layer 0 is a linear-attention layer.*ForwardContext.states"):
         loaded.model(torch.tensor([3, 4]), torch.arange(2), ForwardContext(None, None, None))
+    with pytest.raises(ValueError, match=r"save points give sequences of \[4\] tokens, the batch holds 5"):
+        HybridDriver(loaded.model).step([Chunk(PROMPT[:5], 0, -1, [(4, 0)], TABLE)])
 
 
 def hf_dict(**changes) -> dict:
