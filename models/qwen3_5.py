@@ -67,7 +67,7 @@ def linear_attention_of(text: dict[str, Any], source: str, fused: bool = False) 
         return LinearAttentionConfig(
             num_key_heads=int(text["linear_num_key_heads"]), num_value_heads=int(text["linear_num_value_heads"]),
             key_head_dim=int(text["linear_key_head_dim"]), value_head_dim=int(text["linear_value_head_dim"]),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), fused_projections=fused)
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), fused_qkvz=fused, fused_ba=fused)
     except KeyError as exc:
         raise ModelConfigError(f"{source}: missing field {exc.args[0]!r}") from None
     except ModelConfigError as exc:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from localserve.models.layers.gated_deltanet import FusedGatedDeltaNet, GatedDeltaNet
 from localserve.models.layers.mlp import GatedMLP
 from localserve.models.layers.moe import MoE
 
@@ -40,8 +39,9 @@ def test_layers_as_the_config_says(model):
     config, layers = loaded.config, loaded.model.model.layers
     assert config.family == family and config.recurrent_layers == (0, 1, 3)
     assert config.moe.shared_expert_gate and config.moe.shared_intermediate_size == 48 and config.moe.normalize
-    mixer = FusedGatedDeltaNet if family == "qwen3_next" else GatedDeltaNet
-    assert all(type(layers[i].linear_attn) is mixer for i in config.recurrent_layers)
+    fused = family == "qwen3_next"
+    assert config.linear_attention.fused_qkvz == config.linear_attention.fused_ba == fused
+    assert all(hasattr(layers[i].linear_attn, "in_proj_qkvz") == fused for i in config.recurrent_layers)
     dense = [1] if family == "qwen3_next" else []
     assert [i for i, layer in enumerate(layers) if isinstance(layer.mlp, GatedMLP)] == dense
     assert all(isinstance(layer.mlp, MoE) for i, layer in enumerate(layers) if i not in dense)
