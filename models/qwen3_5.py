@@ -99,6 +99,9 @@ def hybrid_config(config: dict[str, Any], source: str, architecture: str, moe: M
         if not fields["eos_token_ids"] and config.get("eos_token_id") is not None:
             eos = config["eos_token_id"]
             fields["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    if not text.get("attn_output_gate", True):
+        raise ModelConfigError(f"{source}: attn_output_gate false is not supported (the full-attention layers' "
+                               "q_proj carries their output gate)")
     activation = text.get("hidden_act", "silu")
     if activation != "silu":
         raise ModelConfigError(f"{source}: hidden_act {activation!r} is not supported (silu)")

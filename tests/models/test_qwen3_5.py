@@ -172,6 +172,7 @@ def hf_dict(**changes) -> dict:
     ({"linear_num_value_heads": 3}, "linear_num_value_heads 3 must be a multiple of linear_num_key_heads 2"),
     ({"linear_key_head_dim": 0}, "key_head_dim must be >= 1"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"attn_output_gate": False}, "attn_output_gate false is not supported"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.01}},
      "partial_rotary_factor 0.01 of head_dim 32 gives 0 rotated values"),
 ])
@@ -192,3 +193,26 @@ def test_layer_types_default_every_fourth_full_and_partial_rotary_from_the_top_l
     del config["layer_types"]
     read = config_from_hf(json.loads(json.dumps(config)))
     assert read.recurrent_layers == (0, 1, 2, 4, 5, 6) and read.rotary_dim == 16
+
+
+@pytest.mark.parametrize(("file", "family", "recurrent", "conv_dim", "billions"), [
+    ("qwen3_6_35b_a3b_config.json", "qwen3_5_moe", 30, 8192, (34.0, 35.0)),
+    ("qwen3_6_27b_config.json", "qwen3_5", 48, 10240, (26.5, 27.0)),
+])
+def test_released_configs(file, family, recurrent, conv_dim, billions):
+    """Qwen3.6's released config.json files: read as their text models (vision tower and MTP layers left
+    unloaded), and their parameters, built on the meta device, as many as the names say (less the vision)."""
+    from pathlib import Path
+
+    from localserve.models.registry import family as family_of
+
+    text = json.loads((Path(__file__).parents[1] / "helpers" / file).read_text())
+    config = config_from_hf(text)
+    assert config.family == family and len(config.recurrent_layers) == recurrent
+    assert config.num_layers == 4 * recurrent // 3
+    assert config.attention_of(0).state.conv_dim == conv_dim and config.rotary_dim == 64
+    assert config.unloaded_parts == ("vision tower", "multi-token prediction layers")
+    assert config.eos_token_ids == (248044,) and not config.tie_word_embeddings
+    with torch.device("meta"):
+        model = family_of(family).model_class(config)
+    assert billions[0] < sum(p.numel() for p in model.parameters()) / 1e9 < billions[1]
