@@ -133,17 +133,21 @@ def test_decodes_batched_with_a_prefill(dense):
     assert_close_logits(logits, torch.cat([theirs[31:], other_logits[41:42]]))
 
 
-def test_multimodal_checkpoint_is_read_as_its_language_model(tmp_path):
-    """`Qwen3_5ForConditionalGeneration` (a tiny vision tower beside): its text part gives transformers'
-    logits, the vision tower is left unloaded and said so."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_multimodal_checkpoint_is_read_as_its_language_model(tmp_path, tied):
+    """`Qwen3_5ForConditionalGeneration` (a tiny vision tower beside; its output head its own, or tied to
+    the embeddings as the small models'): its text part gives transformers' logits, the vision tower is
+    left unloaded and said so."""
     import transformers
 
     config = transformers.Qwen3_5Config(
         text_config=text_fields(), vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
-                                                      out_hidden_size=64, num_position_embeddings=16))
+                                                      out_hidden_size=64, num_position_embeddings=16),
+        tie_word_embeddings=tied)
     hf_model = save_hybrid(tmp_path, config, model_class=transformers.Qwen3_5ForConditionalGeneration)
     loaded = load_model(tmp_path, dtype=torch.float32)
     assert loaded.config.architecture == "Qwen3_5ForConditionalGeneration"
+    assert loaded.config.tie_word_embeddings == tied and hasattr(loaded.model, "lm_head") != tied
     assert loaded.config.unloaded_parts == ("vision tower",)
     prompt = PROMPT[:24]
     ours = HybridDriver(loaded.model).prefill_in_pieces(prompt, [9], TABLE)
