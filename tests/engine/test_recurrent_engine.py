@@ -22,7 +22,7 @@ from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from tests.helpers.engine_checks import StepChecker, run_requests
-from tests.helpers.recurrent_toy import VOCAB, make_toy_model, reference_greedy, reference_logits
+from tests.helpers.recurrent_toy import STATE, VOCAB, make_toy_model, reference_greedy, reference_logits
 
 CHECKPOINT = 32  # tokens between checkpoints in these tests: two blocks
 
@@ -105,6 +105,20 @@ def test_the_engine_has_a_state_group_of_the_recurrent_layer(model):
                                                       preemption_mode="swap", num_cpu_blocks=100))
     assert swapping.runner.kv_cache.states.cpu_matrix[1].shape[0] == 25
     assert swapping.block_manager.num_cpu_blocks == 100 + 25
+
+
+def test_the_facts_show_the_state_pool(model):
+    from localserve.engine.facts import read_facts
+
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                                                    state_checkpoint_tokens=CHECKPOINT, state_cache_slots=5))
+    facts = read_facts(engine)
+    kv_cache = engine.runner.kv_cache
+    full, state = facts.kv_groups
+    assert (full.label, full.num_layers, full.num_blocks, full.slot_bytes) == ("full", 1, 64, 0)
+    assert (state.label, state.num_layers, state.num_blocks, state.bytes_per_token) == ("state", 1, 25, 0)
+    assert state.slot_bytes == kv_cache.states.slot_bytes == STATE.nbytes(8, 4)  # conv float64, matrices float32
+    assert facts.kv_cache_bytes == 64 * 16 * full.bytes_per_token + kv_cache.state_bytes()
 
 
 def test_greedy_alone_and_batched_in_unaligned_chunks_equals_the_reference(model):
