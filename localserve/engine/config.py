@@ -16,8 +16,9 @@ SPEC_TOKENS = 8
 # Tokens between two checkpoints of a recurrent state by default (kv/state_steps.py; a prompt's last block
 # boundary is always one too). One default step budget (512 tokens): a prefix hit that falls between two
 # checkpoints recomputes at most one step's worth, and a prefill step writes at most one checkpoint per sequence
-# besides the running state. Denser checkpoints cost memory: one state of Qwen3.6-27B's shape (48 linear layers,
-# 48 value heads of 128 x 128 in float32) is about 147 MiB, as much as ~2,350 tokens of its KV in 16 bits.
+# besides the running state. Denser checkpoints cost memory: one state (a checkpoint or a running state) of
+# Qwen3.6-27B (48 linear layers, 48 value heads of 128 x 128 in float32, bf16 convolutions) takes 146.8 MiB,
+# as much as 2,349 tokens of its 16-bit KV; of Qwen3.6-35B-A3B (30 layers, 32 heads) 61.4 MiB, 3,144 tokens.
 STATE_CHECKPOINT_TOKENS = 512
 
 
