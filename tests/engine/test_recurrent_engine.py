@@ -251,14 +251,18 @@ def test_state_flags_reach_the_config_and_are_checked():
         config("--state-cache-slots", "-1")
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=3), budget=st.integers(4, 40),
-       checkpoint_blocks=st.integers(1, 3), seed=st.integers(0, 1000))
-def test_any_prompts_and_chunk_budget_give_the_reference(model, lengths, budget, checkpoint_blocks, seed):
+       checkpoint_blocks=st.integers(1, 3), pressure=st.sampled_from([None, "recompute", "swap"]),
+       seed=st.integers(0, 1000))
+def test_any_prompts_chunk_budget_and_pressure_give_the_reference(model, lengths, budget, checkpoint_blocks, pressure,
+                                                                  seed):
     rng = random.Random(seed)
     shared = [rng.randrange(3, VOCAB) for _ in range(60)]
     reqs = [(shared[:length] if index % 2 else [rng.randrange(3, VOCAB) for _ in range(length)], greedy(4))
             for index, length in enumerate(lengths)]
-    results, _ = run(model, reqs, max_num_batched_tokens=max(budget, 4), max_num_seqs=3,
-                     state_checkpoint_tokens=16 * checkpoint_blocks)
+    # Under pressure a pool of 8 blocks holds two of the longest sequences (64 tokens, 4 blocks) at most.
+    pool = {"num_kv_blocks": 8, "num_cpu_blocks": 16, "preemption_mode": pressure} if pressure else {}
+    results, _ = run(model, reqs, max_num_batched_tokens=budget, max_num_seqs=3,
+                     state_checkpoint_tokens=16 * checkpoint_blocks, **pool)
     assert tokens_of(results) == [reference_greedy(model, prompt, 4) for prompt, _ in reqs]
