@@ -137,7 +137,7 @@ class BlockManager:
                                   CheckpointPolicy(block_size, state_checkpoint_blocks, enable_prefix_caching))
                        if group_windows[-1] is RECURRENT else None)
         self.state_checkpoint_blocks = state_checkpoint_blocks
-        self._full_groups = [g for g, window in enumerate(self.group_windows) if window is None]
+        self._kv_pools = self._pools[:-1] if self._state is not None else self._pools  # the groups keeping KV
         cpu_sizes = [num_cpu_blocks] * len(pool_sizes) if isinstance(num_cpu_blocks, int) else list(num_cpu_blocks)
         if len(cpu_sizes) != len(pool_sizes):
             raise ValueError(f"need one swap pool size per group: {len(pool_sizes)} groups, sizes {cpu_sizes}")
@@ -513,9 +513,9 @@ class BlockManager:
                 for index in range(len(seq.block_hashes), num_full_blocks):
                     content = seq.block_payload(index, self.block_size)
                     seq.block_hashes.append(hash_payload(content))
-                    for pool, table, window in zip(self._pools, seq.block_tables, self.group_windows, strict=True):
-                        if window is not RECURRENT:  # the state group registers its checkpoints below
-                            pool.register(table[index], seq.block_hashes[index], content)
+                    # The KV groups (the state group, last, registers its checkpoints below).
+                    for pool, table in zip(self._kv_pools, seq.block_tables):
+                        pool.register(table[index], seq.block_hashes[index], content)
             if self._followers.leads(seq_id):
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)

@@ -99,7 +99,10 @@ def state_pool_slots(block_size: int, max_num_seqs: int, max_model_len: int, chu
 
 
 def layer_bytes_per_token(layer: LayerKV, key_format: KVFormatSpec, value_format: KVFormatSpec) -> int:
-    """Bytes one token's K and V take in one layer (K only where the keys are the values)."""
+    """Bytes one token's K and V take in one layer (K only where the keys are the values; none in a
+    recurrent layer, which keeps a state per sequence instead)."""
+    if getattr(layer, "state", None) is not None:
+        return 0
     key_bytes = key_format.bytes_per_vector(layer.head_dim)
     value_bytes = 0 if layer.keys_are_values else value_format.bytes_per_vector(layer.head_dim)
     return layer.num_kv_heads * (key_bytes + value_bytes)

@@ -111,8 +111,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         group, tokens = self.state_group, self.token_ids[seq_id]
         pool = self.manager.books().pools[group]
-        read, saves = step_state_slots(self.manager.live_block_table(seq_id, group), start, end - start,
-                                       self.block_size)
+        table = self.manager.live_block_table(seq_id, group)
+        # Any step the slots allow works on this table, and reads the same slot.
+        num_slotted = self.manager.num_slotted_tokens(seq_id)
+        assert len({step_state_slots(table, start, num_new, self.block_size)[0]
+                    for num_new in range(1, num_slotted - start + 1)}) == 1
+        read, saves = step_state_slots(table, start, end - start, self.block_size)
         if start == 0:
             assert read == -1, f"seq {seq_id}: a first step reads slot {read}"
         else:

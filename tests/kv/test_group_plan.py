@@ -15,7 +15,7 @@ from localserve.cli import main
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.group_plan import plan_group_pools, state_pool_slots, window_pool_blocks
 from localserve.kv.layer_groups import RECURRENT
-from localserve.kv.memory_plan import plan
+from localserve.kv.memory_plan import kv_bytes_per_token, plan
 from localserve.kv.state_shape import StateShape
 
 HELPERS = Path(__file__).parents[1] / "helpers"
@@ -206,3 +206,7 @@ def test_a_model_of_recurrent_layers_only_has_the_state_pool():
                          layer_attention=layers)
     [state] = plan_group_pools(config, FP16, FP16, 2 ** 30, 16, 2, 4096, 32)
     assert (state.label, state.num_blocks, state.slot_bytes) == ("state", 2 * (2 + 3), SLOT_BYTES // 2)
+
+
+def test_recurrent_layers_keep_no_kv_per_token():
+    assert kv_bytes_per_token(hybrid_config(), FP16, FP16) == 2 * 2 * 32 * 2 * 2  # the two attending layers
