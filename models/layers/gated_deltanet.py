@@ -127,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         g = self.decay_rate() * F.softplus(a.float() + self.dt_bias.float())
         conv_states, matrices = ctx.states.initial(self.layer)
         weight = self.conv1d.weight[:, 0, :]
-        if max(lengths) == 1:
+        if max(lengths) == 1 and all(len(saves) == 1 for saves in ctx.states.saves):  # decodes only
             core = self.decode(mixed, g, beta, conv_states, matrices, weight, ctx)
         else:
             core = self.prefill(lengths, mixed, g, beta, conv_states, matrices, weight, ctx)

@@ -200,7 +200,7 @@ def test_layer_types_default_every_fourth_full_and_partial_rotary_from_the_top_l
 
 
 @pytest.mark.parametrize(("file", "family", "recurrent", "conv_dim", "billions"), [
-    ("qwen3_6_35b_a3b_config.json", "qwen3_5_moe", 30, 8192, (34.0, 35.0)),
+    ("qwen3_6_35b_a3b_config.json", "qwen3_5_moe", 30, 8192, (34.0, 35.0)),  # 3B active
     ("qwen3_6_27b_config.json", "qwen3_5", 48, 10240, (26.5, 27.0)),
 ])
 def test_released_configs(file, family, recurrent, conv_dim, billions):
@@ -209,6 +209,8 @@ def test_released_configs(file, family, recurrent, conv_dim, billions):
     from pathlib import Path
 
     from localserve.models.registry import family as family_of
+
+    from localserve.loading.model_card import parameter_count
 
     text = json.loads((Path(__file__).parents[1] / "helpers" / file).read_text())
     config = config_from_hf(text)
@@ -219,4 +221,6 @@ def test_released_configs(file, family, recurrent, conv_dim, billions):
     assert config.eos_token_ids == (248044,) and not config.tie_word_embeddings
     with torch.device("meta"):
         model = family_of(family).model_class(config)
-    assert billions[0] < sum(p.numel() for p in model.parameters()) / 1e9 < billions[1]
+    count = sum(p.numel() for p in model.parameters())
+    assert billions[0] < count / 1e9 < billions[1]
+    assert parameter_count(config) == count  # the model card's count, from the config alone
