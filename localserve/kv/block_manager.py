@@ -76,11 +76,12 @@ class BlockManager:
     any group takes.
     """
 
-    def __init__(self, num_blocks: int | Sequence[int], block_size: int = 16, num_cpu_blocks: int = 0,
+    def __init__(self, num_blocks: int | Sequence[int], block_size: int = 16, num_cpu_blocks: int | Sequence[int] = 0,
                  enable_prefix_caching: bool = True, group_windows: Sequence[GroupWindow] = (None,),
                  window_chunk_tokens: int | None = None, state_checkpoint_blocks: int = 1) -> None:
         """`group_windows`: each group's sliding window (None: full attention, `RECURRENT`: the state group,
-        last); `num_blocks`: the pool size of each group, or one size for all; `window_chunk_tokens`: see
+        last); `num_blocks`: the pool size of each group, or one size for all (`num_cpu_blocks` likewise, the
+        swap pools'); `window_chunk_tokens`: see
         the module doc (None: a window or state group takes blocks for a whole prompt at admission, as a
         full group does); `state_checkpoint_blocks`: the state group checkpoints every this many blocks
         (kv/state_group.py)."""
@@ -111,7 +112,10 @@ class BlockManager:
                        if group_windows[-1] is RECURRENT else None)
         self.state_checkpoint_blocks = state_checkpoint_blocks
         self._kv_pools = self._pools[:-1] if self._state is not None else self._pools  # the groups keeping KV
-        self._swap_tiers: list[BlockTier] = [CpuSwapPool(num_cpu_blocks) for _ in pool_sizes]
+        cpu_sizes = [num_cpu_blocks] * len(pool_sizes) if isinstance(num_cpu_blocks, int) else list(num_cpu_blocks)
+        if len(cpu_sizes) != len(pool_sizes):
+            raise ValueError(f"need one swap pool size per group: {len(pool_sizes)} groups, sizes {cpu_sizes}")
+        self._swap_tiers: list[BlockTier] = [CpuSwapPool(size) for size in cpu_sizes]
         self._followers = Followers()
         self._seqs: dict[int, SequenceBlocks] = {}
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
@@ -176,7 +180,7 @@ class BlockManager:
 
     @property
     def num_cpu_blocks(self) -> int:
-        """Blocks of the CPU swap pools (one per group, each as large)."""
+        """Blocks of the CPU swap pools (one per group)."""
         return sum(tier.capacity for tier in self._swap_tiers)
 
     @property

@@ -93,10 +93,23 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
         attention += hidden
     if config.qk_norm:
         attention += 2 * config.head_dim
+    if config.linear_attention is not None:  # a hybrid model's full layers gate their output (q_proj twice as wide)
+        attention += hidden * heads
+    mixers = [_linear_attention(config) if config.is_recurrent_layer(layer) else attention
+              for layer in range(config.num_layers)]
     dense_mlp = _gated_mlp(hidden, config.intermediate_size, config.mlp_bias)
     mlps = [_moe(config, active) if config.is_moe_layer(layer) else dense_mlp for layer in range(config.num_layers)]
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return embeddings + config.num_layers * (attention + 2 * hidden) + sum(mlps) + hidden
+    return embeddings + sum(mixers) + config.num_layers * 2 * hidden + sum(mlps) + hidden
+
+
+def _linear_attention(config: ModelConfig) -> int:
+    """A Gated DeltaNet layer: input projections (q, k, v, z, b, a), convolution, decay and step biases,
+    gated norm, output projection."""
+    linear, hidden = config.linear_attention, config.hidden_size
+    heads = linear.num_value_heads
+    inputs = hidden * (linear.conv_dim + linear.value_dim + 2 * heads)
+    return inputs + linear.conv_dim * linear.conv_kernel + 2 * heads + linear.value_head_dim + linear.value_dim * hidden
 
 
 def _gated_mlp(hidden: int, intermediate: int, bias: bool) -> int:

@@ -1,0 +1,114 @@
+"""The engine on tiny Qwen3.5 and Qwen3-Next models (tests/helpers/hybrid_models.py: Gated DeltaNet layers
+with long memory and a gated full-attention layer): greedy tokens alone equal transformers' (whole forward
+passes); the same batched in prefill chunks that cut blocks and checkpoints anywhere, a shared prefix
+resumed from a checkpoint, and under pressure (preemption by recompute and by swap); every
+step checked (tests/helpers/engine_checks.py) and every block and state slot back at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from localserve.engine.builder import build_engine
+from localserve.engine.config import EngineConfig
+from localserve.engine.sampling_params import SamplingParams
+from localserve.loading.hf import load_model
+from tests.helpers.engine_checks import run_requests
+from tests.helpers.hybrid_models import VOCAB, qwen3_5_config, qwen3_next_config, save_hybrid
+
+CHECKPOINT = 32  # tokens between state checkpoints: two blocks
+CONFIGS = {"qwen3_5": qwen3_5_config, "qwen3_next": qwen3_next_config}
+
+
+def workload(seed: int = 0, count: int = 5) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of 5 to 70 tokens, every other one a prefix of one 70-token text (shared prefixes), 6 to 14
+    tokens generated each."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, VOCAB) for _ in range(70)]
+    work = []
+    for index in range(count):
+        length = rng.randint(5, 70)
+        prompt = base[:length] if index % 2 else [rng.randrange(3, VOCAB) for _ in range(length)]
+        work.append((prompt, SamplingParams(temperature=0, max_tokens=rng.randint(6, 14), ignore_eos=True)))
+    return work
+
+
+def run(model, work, **config) -> tuple[list[list[int]], object]:
+    """Each request's tokens from an engine with `config` (every step checked), which ends with every KV
+    block and state slot free."""
+    config = {"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+              "state_checkpoint_tokens": CHECKPOINT, "check_integrity": True} | config
+    engine = build_engine(model, None, EngineConfig(**config))
+    results = run_requests(engine, work, check=True)
+    assert engine.block_manager.num_used_blocks == 0
+    return [list(result.outputs[0].token_ids) for result in results], engine
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = save_hybrid(folder, CONFIGS[request.param]())
+    return hf_model, load_model(folder, dtype=torch.float32).model
+
+
+@pytest.fixture(scope="module")
+def alone(models):
+    return [run(models[1], [item], max_num_seqs=1, enable_prefix_caching=False)[0][0] for item in workload()]
+
+
+def test_alone_gives_transformers_greedy_tokens(models, alone):
+    hf_model = models[0]
+    for (prompt, params), tokens in zip(workload(), alone):
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0, use_cache=False)[0, len(prompt):]
+        assert tokens == expected.tolist()
+
+
+def test_batched_in_unaligned_chunks_with_prefix_caching_equals_alone(models, alone):
+    """Chunks of 13 tokens start and end inside blocks and across checkpoints; shared prefixes resume from
+    a checkpoint."""
+    tokens, engine = run(models[1], workload(), max_num_batched_tokens=13, enable_prefix_caching=True)
+    assert tokens == alone
+    assert max(step.num_seqs for step in engine.step_history) > 1
+
+
+def test_a_shared_prefix_resumes_from_a_checkpoint(models):
+    """A second prompt sharing 70 tokens with a first one resumes from the state saved after 64 (the last
+    checkpoint in the shared part) and gives transformers' tokens."""
+    hf_model, model = models
+    rng = random.Random(4)
+    first = [rng.randrange(3, VOCAB) for _ in range(75)]
+    second = first[:70] + [rng.randrange(3, VOCAB) for _ in range(9)]
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=1, max_num_batched_tokens=64,
+                                                    state_checkpoint_tokens=CHECKPOINT, check_integrity=True))
+    _, reused = run_requests(engine, [(first, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+                                      (second, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))],
+                             check=True)  # one after the other (one sequence at a time)
+    assert reused.num_cached_tokens == 64
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([second]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0, use_cache=False)[0, len(second):]
+    assert list(reused.outputs[0].token_ids) == expected.tolist()
+
+
+@pytest.mark.parametrize("models", ["qwen3_5"], indirect=True)
+def test_preemption_keeps_greedy_output(models):
+    """Short prompts that grow past a pool of 6 blocks: sequences are preempted (their states recomputed, or
+    swapped out and in with their KV) and still give what a roomy pool gives."""
+    rng = random.Random(6)
+    work = [([rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 20))],
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for _ in range(4)]
+    expected, _ = run(models[1], work, num_kv_blocks=64)
+    for mode in ("recompute", "swap"):
+        tokens, engine = run(models[1], work, num_kv_blocks=6, num_cpu_blocks=32, max_num_batched_tokens=24,
+                             preemption_mode=mode)
+        assert engine.num_preemptions > 0, mode
+        assert tokens == expected, mode
+
+
+def test_speculative_decoding_is_refused(models):
+    with pytest.raises(ValueError, match=r"recurrent \(linear-attention\) layers \[0, 1, 3\]"):
+        build_engine(models[1], None, EngineConfig(spec_type="ngram"))
