@@ -23,7 +23,11 @@ class Target:
     experts' gate and up rows: start 0 or 1, step 2);
     `transpose`: the last two axes swapped after the cut (a checkpoint storing [E, in, out]);
     `expert`: the slot of a stacked expert parameter [E, ...] that this (one expert's) tensor fills;
-    `unpermute_heads`: llama.cpp interleaved the rotary halves of this Q or K over that many heads.
+    `unpermute_heads`: llama.cpp interleaved the rotary halves of this Q or K over that many heads;
+    `regroup` (start, outer, inner, size): before the cut, the outer * inner * size entries from `start` along
+    `axis`, read as [outer, inner, size], are put in [inner, outer, size] order (llama.cpp stores Qwen3.5's
+    value heads tiled, [heads per key head, key heads], where the model groups them by key head);
+    `values`: the stored values are a function of the parameter's, undone after the cut (VALUE_MAPS).
     """
 
     name: str
@@ -33,6 +37,17 @@ class Target:
     transpose: bool = False
     expert: int | None = None
     unpermute_heads: int | None = None
+    regroup: tuple[int, int, int, int] | None = None
+    values: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.values is not None and self.values not in VALUE_MAPS:
+            raise ValueError(f"{self.name}: unknown value map {self.values!r} (known: {', '.join(VALUE_MAPS)})")
+
+
+# Stored values -> the parameter's (loading/pieces.py applies them): "log_neg": llama.cpp stores -exp(w)
+# (Qwen3.5's and Qwen3-Next's `A_log` as `ssm_a`), so w = log(-stored).
+VALUE_MAPS = ("log_neg",)
 
 
 class GGUFMetadata(Protocol):
@@ -86,8 +101,9 @@ class Family:
     layer_tensors: dict[str, str] = field(default_factory=lambda: dict(DECODER_LAYER_TENSORS))
     # A checkpoint name -> its targets, where the family's names differ from the model's; None: the name as is.
     hf_targets: Callable[[str, ModelConfig], list[Target] | None] = lambda name, config: None
-    # A GGUF layer tensor (its kind `attn_qkv`, suffix `weight`, our layer prefix `model.layers.N.`) -> its
-    # targets (full names), for the kinds not in `layer_tensors`; None: not one of this family's.
+    # A GGUF layer tensor (its kind `attn_qkv`, suffix `weight` (or "" for a suffix-less name), our layer
+    # prefix `model.layers.N.`) -> its targets (full names), ahead of `layer_tensors` and the shared kinds
+    # (fused `attn_qkv`, experts); None: leave it to those.
     gguf_layer_targets: Callable[[str, str, str, ModelConfig], list[Target] | None] = (
         lambda kind, suffix, prefix, config: None)
     unpermute_rotary: bool = False  # llama.cpp interleaves this family's Q/K rotary halves in its GGUFs
@@ -98,11 +114,17 @@ class Family:
             return []
         if gguf_name in GLOBAL_TENSORS:
             return [Target(GLOBAL_TENSORS[gguf_name])]
-        parts = gguf_name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+        parts = gguf_name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
             return None
-        _, layer, kind, suffix = parts
+        _, layer, rest = parts
+        # `blk.N.kind.suffix`; llama.cpp also writes suffix-less tensors (`blk.N.ssm_a`) and dotted kinds
+        # (`blk.N.nextn.eh_proj.weight`)
+        kind, _, suffix = rest.rpartition(".") if "." in rest else (rest, "", "")
         prefix = f"model.layers.{layer}."
+        own = self.gguf_layer_targets(kind, suffix, prefix, config)  # the family's own names come first
+        if own is not None:
+            return own
         if kind in self.layer_tensors:
             heads = None
             if self.unpermute_rotary and kind in ("attn_q", "attn_k"):
@@ -115,7 +137,7 @@ class Family:
             return [Target(t.name, t.rows, unpermute_heads=h) for t, h in zip(parts, heads)]
         if kind in MOE_LAYER_TENSORS or kind == "ffn_gate_up_exps":
             return moe_gguf_targets(kind, suffix, prefix, config)
-        return self.gguf_layer_targets(kind, suffix, prefix, config)
+        return None
 
 
 def split_rows(names: Sequence[str], sizes: Sequence[int], axis: int = 0) -> list[Target]:
