@@ -13,6 +13,8 @@ from typing import Any
 
 from localserve.models.pooling import PoolingSpec
 
+from localserve.kv.state_shape import StateShape
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 EXPERT_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
@@ -103,7 +105,8 @@ class LayerAttention:
     `keys_are_values`: the layer stores no values and attends with its keys as values (the backends compute
     it; no family sets it yet: Gemma 4's `attention_k_eq_v` layers normalise their values and rotate only
     their keys, so they keep both stores, models/gemma4.py); `rope`/`rotary_dim`: the layer's own rotary
-    embedding (None: the model's).
+    embedding (None: the model's); `state`: a recurrent (linear-attention) layer's per-sequence state: such
+    a layer keeps no KV (its `num_kv_heads`/`head_dim` are the full layers', unused).
     """
 
     num_kv_heads: int
@@ -112,6 +115,60 @@ class LayerAttention:
     keys_are_values: bool = False
     rope: RopeConfig | None = None
     rotary_dim: int | None = None
+    state: StateShape | None = None
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet mixer of a hybrid model's linear-attention layers (Qwen3.5 / Qwen3-Next).
+
+    Queries and keys have `num_key_heads` heads of `key_head_dim`, values `num_value_heads` of
+    `value_head_dim` (a multiple of the key heads: each key head serves a group of value heads); a causal
+    depthwise convolution of `conv_kernel` taps runs over queries, keys and values together.
+
+    Of the model around these layers (models/layers/hybrid.py): `norm_offset`: its RMSNorms (each layer's
+    two, the final one, the attention's q/k norms; not the mixer's gated norm) scale by (norm_offset + w):
+    1 for Hugging Face checkpoints (zero-centred weights), 0 where the stored weight is the scale itself;
+    `fused_projections`: the mixer's input projections are Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba`
+    (per key head) instead of Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    norm_offset: float = 1.0
+    fused_projections: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"linear attention: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ModelConfigError(f"linear attention: linear_num_value_heads {self.num_value_heads} must be a "
+                                   f"multiple of linear_num_key_heads {self.num_key_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        """Width of the query (and of the key) projection."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of the value projection (and of the output gate)."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: queries, keys and values."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state(self) -> StateShape:
+        """The per-sequence state of one such layer."""
+        return StateShape(self.conv_dim, self.conv_kernel, self.num_value_heads, self.key_head_dim,
+                          self.value_head_dim)
 
 
 @dataclass(frozen=True)
@@ -175,11 +232,24 @@ class ModelConfig:
     embedding_scale: float | None = None  # token embeddings times this (in their dtype); None: 1
     final_logit_softcap: float | None = None  # logits squashed to cap * tanh(logits / cap)
     gemma: GemmaOptions | None = None
+    # Hybrid models: the linear-attention mixer, and which layers use it (`layer_attention` entries with a
+    # `state`); None: every layer attends.
+    linear_attention: LinearAttentionConfig | None = None
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state instead of KV (linear-attention layers)."""
+        return tuple(i for i, a in enumerate(self.layer_attention) if a.state is not None)
+
+    def is_recurrent_layer(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention layer (keeps a state, no KV)."""
+        return bool(self.layer_attention) and self.layer_attention[layer].state is not None
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:
-        """Bytes of K and V for one token over all layers in a 16-bit cache."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        """Bytes of K and V for one token over all attending layers in a 16-bit cache (recurrent layers keep
+        no KV)."""
+        return 2 * (self.num_layers - len(self.recurrent_layers)) * self.num_kv_heads * self.head_dim * 2
 
     @property
     def context_length(self) -> int:

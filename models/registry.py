@@ -30,11 +30,18 @@ HF_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # Hugging Face `model_type` -> family module, for a config that names no architecture we know
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
                   "phi3": "phi3", "mistral3": "mistral3", "ministral3": "mistral3", "gpt_oss": "gpt_oss",
-                  "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4"}
+                  "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4", "gemma4": "gemma4",
+                  "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+                  "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 # GGUF `general.architecture` -> family module
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
                       "mistral3": "mistral3", "gpt-oss": "gpt_oss", "gemma3": "gemma3", "gemma4": "gemma4"}

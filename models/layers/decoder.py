@@ -56,10 +56,12 @@ class DecoderForCausalLM(nn.Module):
     its final hidden states are read. Tied to its embeddings it can still compute logits.
     """
 
+    model_class: type[nn.Module] = DecoderModel  # the layers' stack (`model`), built from the config
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = self.model_class(config)
         if not config.tie_word_embeddings and config.pooling is None:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.rotary_dim or config.head_dim)

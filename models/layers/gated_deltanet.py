@@ -1,0 +1,177 @@
+"""The Gated DeltaNet mixer: the linear-attention layers of Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid models.
+
+For each token x of a sequence:
+    qkv = silu(causal depthwise conv over time of in_proj_qkv(x))   (queries, keys, values side by side)
+    z = in_proj_z(x); beta = sigmoid(in_proj_b(x)); g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
+    o = gated delta rule (models/layers/gated_delta.py) over L2-normalised q, k, with decay exp(g), strength beta
+    out = out_proj(rmsnorm(o) * w * silu(z))                        (per value head)
+
+The layer keeps no KV: per sequence it carries the convolution's last `conv_kernel - 1` inputs and one
+delta-rule matrix per value head (LinearAttentionConfig.state). It reads each sequence's starting state
+from `ctx.states` (kv/recurrent_states.py: StepStates) and writes the state at every save point the step
+asks for (a checkpoint inside the chunk, and always the state after its last token): the delta rule runs
+segment by segment between save points, carrying the state, so a saved state is exactly the state of the
+tokens before it. A sequence's query length is its last save point (StepStates.saves).
+
+Parameter names follow transformers' Qwen3.5 (`linear_attn.in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`, `conv1d` [conv_dim, 1, kernel], `A_log`, `dt_bias`, `norm`, `out_proj`). Qwen3-Next's
+checkpoints fuse the input projections per key head (`in_proj_qkvz`, `in_proj_ba`): `FusedGatedDeltaNet`
+keeps them fused as stored and splits their outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from localserve.models.config import LinearAttentionConfig
+from localserve.models.layers.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from localserve.models.protocol import ForwardContext
+from torch import nn
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) * w * silu(gate) per head: normalised in float32, scaled in x's dtype, gated in float32
+    (transformers' Qwen3.5 / Qwen3-Next `RMSNormGated`); `w` is the scale itself (not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        wide = x if x.dtype == torch.float64 else x.float()
+        normed = self.weight * F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (normed * F.silu(gate.to(wide.dtype))).to(x.dtype)
+
+
+def causal_conv(inputs: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu of the causal depthwise convolution of one sequence's inputs [T, C] preceded by its `past`
+    inputs [C, K - 1] (zeros for a fresh sequence), with `weight` [C, K] (tap K - 1 on the newest input);
+    returns [T, C] in the inputs' dtype (computed in the weight's)."""
+    window = torch.cat((past.to(weight.dtype), inputs.t().to(weight.dtype)), dim=1)  # [C, K - 1 + T]
+    out = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    return F.silu(out).t().to(inputs.dtype)
+
+
+def query_lengths(ctx: ForwardContext, num_tokens: int, layer: int) -> list[int]:
+    """Each sequence's tokens in this step (its last save point), checked against the batch's size."""
+    if ctx.states is None:
+        raise ValueError(f"layer {layer} is a linear-attention layer: its forward pass needs the step's "
+                         "recurrent states (ForwardContext.states)")
+    lengths = [seq[-1][0] if seq else 0 for seq in ctx.states.saves]
+    if sum(lengths) != num_tokens or min(lengths, default=1) < 1:
+        raise ValueError(f"layer {layer}: the step's save points give sequences of {lengths} tokens, the batch "
+                         f"holds {num_tokens}: each sequence's last save point must be its whole query")
+    return lengths
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer (module doc), Qwen3.5's parameter layout."""
+
+    def __init__(self, hidden_size: int, linear: LinearAttentionConfig, eps: float, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.linear = linear
+        self.k_heads, self.v_heads = linear.num_key_heads, linear.num_value_heads
+        self.k_dim, self.v_dim = linear.key_head_dim, linear.value_head_dim
+        conv_dim = linear.conv_dim
+        self.make_projections(hidden_size)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, linear.conv_kernel, groups=conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, eps)
+        self.out_proj = nn.Linear(linear.value_dim, hidden_size, bias=False)
+
+    def make_projections(self, hidden_size: int) -> None:
+        linear = self.linear
+        self.in_proj_qkv = nn.Linear(hidden_size, linear.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, linear.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, self.v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> the convolution's inputs [T, conv_dim] (queries, keys, values), the output gate z
+        [T, value_dim], b and a [T, v_heads]."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, H] (the step's sequences one after another) -> [T, H]; reads and saves ctx.states."""
+        num_tokens = x.shape[0]
+        lengths = query_lengths(ctx, num_tokens, self.layer)
+        mixed, z, b, a = self.project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        conv_states, matrices = ctx.states.initial(self.layer)
+        weight = self.conv1d.weight[:, 0, :]
+        if max(lengths) == 1:
+            core = self.decode(mixed, g, beta, conv_states, matrices, weight, ctx)
+        else:
+            core = self.prefill(lengths, mixed, g, beta, conv_states, matrices, weight, ctx)
+        core = core.view(num_tokens, self.v_heads, self.v_dim)
+        gated = self.norm(core, z.view(num_tokens, self.v_heads, self.v_dim))
+        return self.out_proj(gated.reshape(num_tokens, -1))
+
+    def decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_states: torch.Tensor,
+               matrices: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One token per sequence, all sequences at once: mixed [S, conv_dim] -> outputs [S, Hv, Dv]."""
+        window = torch.cat((conv_states, mixed[:, :, None].to(conv_states.dtype)), dim=2)  # [S, C, K]
+        qkv = F.silu((window.to(weight.dtype) * weight).sum(-1)).to(mixed.dtype)
+        out, state = self.delta_rule(qkv[:, None], g[:, None], beta[:, None], matrices)
+        ctx.states.save(self.layer, ctx.states.save_slots(), window[:, :, 1:], state)
+        return out
+
+    def prefill(self, lengths: list[int], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                conv_states: torch.Tensor, matrices: torch.Tensor, weight: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """Sequence after sequence, segment by segment between its save points (module doc)."""
+        outputs, saved_conv, saved_matrix = [], [], []
+        start = 0
+        for seq, length in enumerate(lengths):
+            stop = start + length
+            past = conv_states[seq]
+            qkv = causal_conv(mixed[start:stop], past, weight)
+            history = torch.cat((past, mixed[start:stop].t().to(past.dtype)), dim=1)  # [C, K - 1 + T]
+            state, done = matrices[seq:seq + 1], 0
+            for tokens, _ in ctx.states.saves[seq]:
+                if tokens > done:  # (a save point at 0 tokens saves the state read)
+                    segment = slice(start + done, start + tokens)
+                    out, state = self.delta_rule(qkv[None, done:tokens], g[None, segment], beta[None, segment],
+                                                 state)
+                    outputs.append(out[0])
+                saved_conv.append(history[:, tokens:tokens + past.shape[1]])
+                saved_matrix.append(state[0])
+                done = tokens
+            start = stop
+        ctx.states.save(self.layer, ctx.states.save_slots(), torch.stack(saved_conv), torch.stack(saved_matrix))
+        return torch.cat(outputs)
+
+    def delta_rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segments of B sequences, t tokens each: qkv [B, t, conv_dim], g and beta [B, t, Hv], the states
+        [B, Hv, Dk, Dv] entering them -> their outputs [B, t, Hv, Dv] and the states after them."""
+        linear, (batch, length) = self.linear, qkv.shape[:2]
+        query, key, value = qkv.split((linear.key_dim, linear.key_dim, linear.value_dim), dim=-1)
+        query = query.reshape(batch, length, self.k_heads, self.k_dim)
+        key = key.reshape(batch, length, self.k_heads, self.k_dim)
+        value = value.reshape(batch, length, self.v_heads, self.v_dim)
+        rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
+        return rule(query, key, value, g, beta, state, l2norm_qk=True)
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's layout: `in_proj_qkvz` [per key head: q (Dk), k (Dk), v (Hv/Hk * Dv), z (Hv/Hk * Dv)]
+    and `in_proj_ba` [per key head: b (Hv/Hk), a (Hv/Hk)], kept fused as the checkpoints store them (their
+    rows interleave per key head, which a row range cannot cut out); the outputs are split here."""
+
+    def make_projections(self, hidden_size: int) -> None:
+        linear = self.linear
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * linear.key_dim + 2 * linear.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, group = x.shape[0], self.v_heads // self.k_heads
+        qkvz = self.in_proj_qkvz(x).view(tokens, self.k_heads, -1)
+        query, key, value, z = qkvz.split((self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim), dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, self.k_heads, 2 * group).split((group, group), dim=-1)
+        mixed = torch.cat([part.reshape(tokens, -1) for part in (query, key, value)], dim=-1)
+        return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)
