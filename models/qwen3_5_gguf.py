@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from localserve.models.config import LayerAttention, LinearAttentionConfig, ModelConfig, ModelConfigError, MoEConfig
 from localserve.models.family import GGUFMetadata, Target, gguf_decoder_fields, split_rows
+from localserve.models.layers.attention import check_layers
 
 ARCHITECTURES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
                  "qwen3next": "Qwen3NextForCausalLM"}
@@ -103,13 +104,16 @@ def gguf_config(meta: GGUFMetadata) -> ModelConfig:
                                "no decoder layer beside the nextn_predict_layers")
     linear = linear_attention_config(meta)
     rotary_dim = int(meta.get("rope.dimension_count", fields["head_dim"]))
-    layers = tuple(LayerAttention(fields["num_kv_heads"], fields["head_dim"], state=linear.state if recurrent else None)
+    layers = tuple(LayerAttention(fields["num_kv_heads"], fields["head_dim"], rotary_dim=rotary_dim,
+                                  state=linear.state if recurrent else None)
                    for recurrent in recurrent_layers(meta, num_layers))
     moe = moe_config(meta, num_layers)
     unloaded = ("multi-token prediction layers",) if num_layers < fields["num_layers"] else ()
-    return ModelConfig(architecture=architecture, **fields | {"num_layers": num_layers, "qk_norm": True},
-                       rotary_dim=rotary_dim if rotary_dim < fields["head_dim"] else None, layer_attention=layers,
-                       linear_attention=linear, moe=moe, unloaded_parts=unloaded)
+    read = ModelConfig(architecture=architecture, **fields | {"num_layers": num_layers, "qk_norm": True},
+                       rotary_dim=rotary_dim, layer_attention=layers, linear_attention=linear, moe=moe,
+                       unloaded_parts=unloaded)
+    check_layers(read, meta.source)
+    return read
 
 
 def gguf_layer_targets(kind: str, suffix: str, prefix: str, config: ModelConfig) -> list[Target] | None:

@@ -1,0 +1,255 @@
+"""GGUFs of the hybrid families made by llama.cpp's own converter (`qwen35`, `qwen35moe`, `qwen3next`) out of
+tiny random transformers models: the config they read equals the Hugging Face folder's (but for where the
+norms' 1 and Qwen3-Next's fused projections went), every tensor lands where the folder's does, and the
+logits equal transformers' with the prompt prefilled in two chunks. One file of each family, converted
+once per module."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import pytest
+import torch
+from localserve.models.config import ModelConfigError
+from localserve.models.registry import family
+from safetensors.torch import load_file, save_file
+
+from localserve.loading.hf import load_model, read_model_config
+from tests.helpers.gguf_convert import convert, rewrite_gguf, write_bpe_tokenizer
+from tests.helpers.hybrid_models import (
+    Chunk,
+    HybridDriver,
+    qwen3_5_config,
+    qwen3_5_moe_config,
+    qwen3_next_config,
+    save_hybrid,
+    transformers_logits,
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PROMPT = torch.randint(3, 320, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+# llama.cpp's qwen3next has experts in every layer (its converter cannot name a dense MLP's tensors)
+CONFIGS = {"qwen35": qwen3_5_config, "qwen35moe": qwen3_5_moe_config,
+           "qwen3next": lambda: qwen3_next_config(mlp_only_layers=[])}
+
+
+def add_mtp_block(folder) -> None:
+    """Give a saved Qwen3.5 folder one multi-token-prediction block (`mtp.*`, as the real checkpoints carry;
+    transformers neither makes nor reads them): a copy of the full-attention layer 2 and its projections."""
+    weights = load_file(folder / "model.safetensors")
+    hidden = weights["model.norm.weight"].shape[0]
+    for name, tensor in list(weights.items()):
+        if name.startswith("model.layers.2."):
+            weights["mtp.layers.0." + name.removeprefix("model.layers.2.")] = tensor.clone()
+    weights |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden),
+                "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden),
+                "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden)}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 1}))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def converted(request, tmp_path_factory):
+    """(architecture, HF folder, transformers model, f32 GGUF); the qwen35 one with an MTP block."""
+    arch = request.param
+    folder = tmp_path_factory.mktemp(arch)
+    hf_model = save_hybrid(folder, CONFIGS[arch](), seed=len(arch))
+    write_bpe_tokenizer(folder, 320, SPECIALS)
+    options = ["--outtype", "f32"]
+    if arch == "qwen35":
+        add_mtp_block(folder)
+    else:
+        options.append("--no-mtp")  # the converter wants MTP tensors unless told there are none
+    path = convert(folder, tmp_path_factory.mktemp("gguf") / f"{arch}.gguf", *options, pre_tokenizer="qwen2")
+    return arch, folder, hf_model, path
+
+
+def test_config_equals_the_folders(converted):
+    arch, folder, _, path = converted
+    assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
+    theirs, _ = read_model_config(folder)
+    ours, _ = read_model_config(path)
+    assert ours.linear_attention.norm_offset == 0.0 and not ours.linear_attention.fused_projections
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
+    linear = dataclasses.replace(ours.linear_attention, norm_offset=1.0,
+                                 fused_projections=theirs.linear_attention.fused_projections)
+    same = dataclasses.replace(ours, name=theirs.name, linear_attention=linear, rms_norm_eps=theirs.rms_norm_eps)
+    assert same == theirs
+    assert ours.recurrent_layers == (0, 1, 3) and ours.rotary_dim == 8
+    if arch == "qwen35":
+        assert gguf.GGUFReader(path).fields["qwen35.block_count"].contents() == 5
+        assert ours.num_layers == 4 and ours.unloaded_parts == ("multi-token prediction layers",)
+
+
+def test_every_tensor_lands_where_the_folders_does(converted):
+    """Each parameter loaded from the GGUF equals the one loaded from the folder: the norms by 1 + w where
+    the folder's model adds the 1, Qwen3-Next's fused projections cut as its model cuts their outputs."""
+    arch, folder, _, path = converted
+    ours = dict(load_model(path, dtype=torch.float32).model.named_parameters())
+    theirs = dict(load_model(folder, dtype=torch.float32).model.named_parameters())
+    if arch == "qwen3next":
+        theirs = split_fused(theirs, read_model_config(folder)[0])
+    assert set(ours) == set(theirs)
+    for name, param in ours.items():
+        expected = theirs[name]
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            expected = expected + 1
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def split_fused(params: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` as Qwen3.5's four projections."""
+    linear = config.linear_attention
+    group = linear.num_value_heads // linear.num_key_heads
+    out = {}
+    for name, param in params.items():
+        mixer = name.rpartition("in_proj_")[0]
+        if name.endswith("in_proj_qkvz.weight"):
+            sizes = (linear.key_head_dim, linear.key_head_dim, group * linear.value_head_dim,
+                     group * linear.value_head_dim)
+            q, k, v, z = param.view(linear.num_key_heads, -1, param.shape[-1]).split(sizes, dim=1)
+            flat = [part.reshape(-1, param.shape[-1]) for part in (q, k, v, z)]
+            out[mixer + "in_proj_qkv.weight"] = torch.cat(flat[:3])
+            out[mixer + "in_proj_z.weight"] = flat[3]
+        elif name.endswith("in_proj_ba.weight"):
+            b, a = param.view(linear.num_key_heads, 2 * group, -1).split((group, group), dim=1)
+            out[mixer + "in_proj_b.weight"] = b.reshape(-1, param.shape[-1])
+            out[mixer + "in_proj_a.weight"] = a.reshape(-1, param.shape[-1])
+        else:
+            out[name] = param
+    return out
+
+
+def test_logits_equal_transformers_prefilled_in_two_chunks(converted):
+    _, _, hf_model, path = converted
+    driver = HybridDriver(load_model(path, dtype=torch.float32).model)
+    ours = driver.prefill_in_pieces(PROMPT, [13], [0, 1, 2])
+    theirs = transformers_logits(hf_model, PROMPT)
+    assert (ours - theirs).abs().max().item() < 1e-4
+    step = driver.step([Chunk([int(ours[-1].argmax())], len(PROMPT), 0, [(1, 0)], [0, 1, 2])])
+    expected = transformers_logits(hf_model, [*PROMPT, int(theirs[-1].argmax())])[-1]
+    assert (step[0] - expected).abs().max().item() < 1e-4
+
+
+def test_f16_matrices_load_as_their_rounded_values(converted, tmp_path):
+    """The file's matrices rewritten in F16 (as `--outtype f16` stores them): each parameter is the f32
+    file's rounded to f16, moved the same way (a model this wide and random turns f16's rounding into logit
+    differences of ~1, so the weights are compared, not the logits)."""
+    arch, _, _, path = converted
+
+    def to_f16(name, values):
+        if values.ndim < 2:
+            return None
+        return [(name, values.astype("float16"), gguf.GGMLQuantizationType.F16)]
+
+    lowered = rewrite_gguf(path, tmp_path / f"{arch}-f16.gguf", to_f16)
+    assert {t.tensor_type.name for t in gguf.GGUFReader(lowered).tensors if len(t.shape) > 1} == {"F16"}
+    ours = dict(load_model(lowered, dtype=torch.float32).model.named_parameters())
+    full = dict(load_model(path, dtype=torch.float32).model.named_parameters())
+    for name, param in ours.items():
+        matrix = "norm" not in name and param.dim() > 1 and not name.endswith("conv1d.weight")
+        expected = full[name].half().float() if matrix or name.endswith("conv1d.weight") else full[name]
+        assert torch.equal(param, expected), name
+
+
+def test_quantized_blocks_move_by_whole_rows(meta):
+    """A mixer's quantized input projection stays in its blocks, its value rows regrouped as the dense
+    values would be; its output projection (columns regrouped) and `ssm_a` (values mapped) do not stay."""
+    from localserve.models.layers.linear import QuantizedTensor
+
+    from localserve.loading.gguf import keeps_quantized
+    from localserve.loading.pieces import take
+
+    config = family("qwen3_5_moe").gguf_config(meta)
+    found = family("qwen3_5_moe")
+    (qkv,) = found.gguf_targets("blk.0.attn_qkv.weight", config)
+    assert qkv.regroup == (32, 2, 2, 8)  # after q and k (2 key heads of 8 each): 2 per key head x 2 key heads
+    values = torch.randn(64, 64)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    blocks = torch.from_numpy(gguf.quants.quantize(values.numpy(), q8))
+    kept = take(QuantizedTensor(blocks, "Q8_0", (64, 64)), qkv)
+    dense = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), q8))
+    moved = torch.from_numpy(gguf.quants.dequantize(kept.blocks.numpy(), q8))
+    assert torch.equal(moved, take(dense, qkv)) and not torch.equal(moved, dense)
+
+    class Tensor:  # what keeps_quantized reads of a GGUF tensor
+        tensor_type, shape = q8, (64, 64)
+
+    assert keeps_quantized(Tensor, [qkv])
+    assert not keeps_quantized(Tensor, found.gguf_targets("blk.0.ssm_out.weight", config))
+    assert not keeps_quantized(Tensor, found.gguf_targets("blk.0.ssm_a", config))
+    with pytest.raises(ValueError, match="by whole rows"):
+        take(QuantizedTensor(blocks, "Q8_0", (64, 64)), found.gguf_targets("blk.0.ssm_out.weight", config)[0])
+
+
+class Overridden:
+    """A GGUF's metadata with some of its architecture's keys changed (None: absent)."""
+
+    def __init__(self, meta, **keys) -> None:
+        self.meta, self.keys = meta, {key.replace("__", "."): value for key, value in keys.items()}
+        self.architecture, self.source, self.tensor_names = meta.architecture, meta.source, meta.tensor_names
+
+    def get(self, key, default=None):
+        value = self.keys[key] if key in self.keys else self.meta.get(key)
+        return default if value is None else value
+
+    def general(self, key, default=None):
+        return self.meta.general(key, default)
+
+    def tensor_shape(self, name):
+        return self.meta.tensor_shape(name)
+
+    def tensor_values(self, name):
+        return self.meta.tensor_values(name)
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    """The metadata of a converted qwen35moe file (its own small conversion, kept apart from `converted`)."""
+    from localserve.loading.gguf import ReaderMetadata, open_gguf
+
+    folder = tmp_path_factory.mktemp("meta")
+    save_hybrid(folder, qwen3_5_moe_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
+    write_bpe_tokenizer(folder, 320, SPECIALS)
+    path = convert(folder, tmp_path_factory.mktemp("gguf") / "meta.gguf", "--outtype", "f32", "--no-mtp",
+                   pre_tokenizer="qwen2")
+    return ReaderMetadata(open_gguf(path), path)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"ssm__group_count": None}, r"needs qwen35moe\.ssm\.group_count"),
+    ({"ssm__inner_size": 30}, r"ssm\.inner_size 30 is not a multiple of ssm\.time_step_rank 4"),
+    ({"ssm__time_step_rank": 3, "ssm__inner_size": 24}, "must be a multiple of linear_num_key_heads"),
+    ({"attention__recurrent_layers": [True]}, r"recurrent_layers has 1 entries for 2 layers"),
+    ({"attention__recurrent_layers": None, "full_attention_interval": 0}, r"full_attention_interval must be >= 1"),
+    ({"expert_used_count": None}, r"needs qwen35moe\.expert_used_count"),
+    ({"nextn_predict_layers": 2}, "leaves no decoder layer"),
+])
+def test_bad_metadata_is_named(meta, keys, message):
+    with pytest.raises(ModelConfigError, match=message):
+        family("qwen3_5_moe").gguf_config(Overridden(meta, **keys))
+
+
+def test_layer_kinds_without_the_recurrent_list_follow_the_interval(meta):
+    from localserve.models.qwen3_5_gguf import recurrent_layers
+
+    assert recurrent_layers(meta, 2) == [True, False]
+    older = Overridden(meta, attention__recurrent_layers=None, full_attention_interval=2)
+    assert recurrent_layers(older, 4) == [True, False, True, False]
+    config = family("qwen3_5_moe").gguf_config(Overridden(meta, attention__recurrent_layers=None,
+                                                          full_attention_interval=2))
+    assert config.recurrent_layers == (0,)
+
+
+def test_unknown_and_mtp_tensors(meta):
+    config = family("qwen3_5_moe").gguf_config(meta)
+    found = family("qwen3_5_moe")
+    assert found.gguf_targets("blk.0.ssm_unknown.weight", config) is None
+    assert found.gguf_targets("blk.2.nextn.eh_proj.weight", config) == []  # past the decoder: an MTP block
+    assert found.gguf_targets("blk.0.ssm_a", config)[0].values == "log_neg"
+    # the attention layer's fused attn_qkv (no such file from the converter) splits as any decoder's
+    assert [t.name for t in found.gguf_targets("blk.1.attn_qkv.weight", config)] == [
+        f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
