@@ -17,6 +17,7 @@ from localserve.models.registry import family
 from safetensors.torch import load_file, save_file
 
 from localserve.loading.hf import load_model, read_model_config
+from localserve.loading.plan_model import load_plan_model
 from tests.helpers.gguf_convert import convert, rewrite_gguf, write_bpe_tokenizer
 from tests.helpers.hybrid_models import (
     Chunk,
@@ -79,9 +80,13 @@ def test_config_equals_the_folders(converted):
     same = dataclasses.replace(ours, name=theirs.name, linear_attention=linear, rms_norm_eps=theirs.rms_norm_eps)
     assert same == theirs
     assert ours.recurrent_layers == (0, 1, 3) and ours.rotary_dim == 8
-    if arch == "qwen35":
-        assert gguf.GGUFReader(path).fields["qwen35.block_count"].contents() == 5
+    if arch == "qwen35":  # its MTP block: counted in the file, neither loaded nor planned
+        reader = gguf.GGUFReader(path)
+        assert reader.fields["qwen35.block_count"].contents() == 5
         assert ours.num_layers == 4 and ours.unloaded_parts == ("multi-token prediction layers",)
+        _, planned, _ = load_plan_model(str(path), bytes_per_param=2.0)
+        decoder = [t for t in reader.tensors if not t.name.startswith("blk.4.")]
+        assert len(decoder) < len(reader.tensors) and planned == sum(int(t.n_elements) * 2 for t in decoder)
 
 
 def test_every_tensor_lands_where_the_folders_does(converted):
