@@ -154,7 +154,7 @@ def gguf_layer_targets(kind: str, suffix: str, prefix: str, config: ModelConfig)
     if kind == "ssm_a":  # stored as -exp(A_log), without a suffix
         return [Target(f"{mixer}A_log", regroup=regroup, values="log_neg")]
     full = f"{mixer}dt_bias" if kind == "ssm_dt" else f"{mixer}{name}.{suffix}"
-    return [Target(full, axis=1 if kind == "ssm_out" else 0, regroup=regroup)]
+    return [Target(full, axis=1 if kind == "ssm_out" and regroup else 0, regroup=regroup)]  # out_proj: columns
 
 
 MIXER_KINDS = ("attn_qkv", "attn_gate", "ssm_ba", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ssm_norm", "ssm_out",

@@ -13,6 +13,7 @@ import gguf
 import pytest
 import torch
 from localserve.models.config import ModelConfigError
+from localserve.models.layers.linear import QuantizedLinear
 from localserve.models.registry import family
 from safetensors.torch import load_file, save_file
 
@@ -158,6 +159,30 @@ def test_f16_matrices_load_as_their_rounded_values(converted, tmp_path):
         matrix = "norm" not in name and param.dim() > 1 and not name.endswith("conv1d.weight")
         expected = full[name].half().float() if matrix or name.endswith("conv1d.weight") else full[name]
         assert torch.equal(param, expected), name
+
+
+def test_mixer_projections_kept_in_their_blocks_give_the_dequantized_logits(converted, tmp_path):
+    """The mixers' and attention's projections in Q8_0, kept in their blocks (the kernels in Triton's
+    interpreter): the input projections stay quantized with their rows regrouped, `out_proj` (columns
+    regrouped in a qwen35 file) is dequantized; the logits equal the dequantized model's."""
+    arch, _, _, path = converted
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    kinds = (".attn_qkv.", ".attn_gate.", ".ssm_beta.", ".ssm_alpha.", ".ssm_ba.", ".ssm_out.", ".attn_q.")
+
+    def quantize(name, values):
+        if not any(kind in name for kind in kinds):
+            return None
+        return [(name, gguf.quants.quantize(values, q8), q8)]
+
+    quantized = rewrite_gguf(path, tmp_path / f"{arch}-q8.gguf", quantize)
+    kept = load_model(quantized, dtype=torch.float32, keep_quantized_weights=True).model
+    dense = load_model(quantized, dtype=torch.float32, keep_quantized_weights=False).model
+    mixer = kept.model.layers[0].linear_attn
+    assert isinstance(mixer.in_proj_qkv, QuantizedLinear) and isinstance(mixer.in_proj_z, QuantizedLinear)
+    assert isinstance(mixer.out_proj, QuantizedLinear) == (arch == "qwen3next")  # no column regroup there
+    ours = HybridDriver(kept).prefill_in_pieces(PROMPT[:20], [7], [0, 1])
+    reference = HybridDriver(dense).prefill_in_pieces(PROMPT[:20], [7], [0, 1])
+    assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
 
 
 def test_quantized_blocks_move_by_whole_rows(meta):
