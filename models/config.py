@@ -126,11 +126,19 @@ class LinearAttentionConfig:
     `value_head_dim` (a multiple of the key heads: each key head serves a group of value heads); a causal
     depthwise convolution of `conv_kernel` taps runs over queries, keys and values together.
 
+    How a checkpoint lays the layer out (models/layers/gated_deltanet.py), Qwen3.5's Hugging Face layout by
+    default: `fused_qkvz`: one `in_proj_qkvz` whose rows go, per key head, q, k, then its value heads' v
+    and z (Qwen3-Next) instead of `in_proj_qkv` (all q, all k, all v) and `in_proj_z`; `fused_ba`: one
+    `in_proj_ba` whose rows go, per key head, its value heads' b then a (Qwen3-Next, and llama.cpp's
+    qwen3next GGUFs) instead of `in_proj_b` and `in_proj_a`; `tiled_value_heads`: value head j is served
+    by key head j % num_key_heads (llama.cpp's qwen35 GGUFs reorder the value heads so) instead of
+    j // (num_value_heads / num_key_heads); `log_decay_rate`: the parameter `A_log` holds log(A) (g =
+    -A * softplus(.)), else the parameter `A` holds -A itself (llama.cpp's `ssm_a`).
+
     Of the model around these layers (models/layers/hybrid.py): `norm_offset`: its RMSNorms (each layer's
     two, the final one, the attention's q/k norms; not the mixer's gated norm) scale by (norm_offset + w):
-    1 for Hugging Face checkpoints (zero-centred weights), 0 where the stored weight is the scale itself;
-    `fused_projections`: the mixer's input projections are Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba`
-    (per key head) instead of Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    1 for Hugging Face checkpoints (zero-centred weights), 0 where the stored weight is the scale itself
+    (llama.cpp's GGUFs add the 1).
     """
 
     num_key_heads: int
@@ -138,8 +146,11 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int = 4
+    fused_qkvz: bool = False
+    fused_ba: bool = False
+    tiled_value_heads: bool = False
+    log_decay_rate: bool = True
     norm_offset: float = 1.0
-    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):

@@ -68,7 +68,7 @@ def linear_attention_of(text: dict[str, Any], source: str, fused: bool = False) 
         return LinearAttentionConfig(
             num_key_heads=int(text["linear_num_key_heads"]), num_value_heads=int(text["linear_num_value_heads"]),
             key_head_dim=int(text["linear_key_head_dim"]), value_head_dim=int(text["linear_value_head_dim"]),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), fused_projections=fused)
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), fused_qkvz=fused, fused_ba=fused)
     except KeyError as exc:
         raise ModelConfigError(f"{source}: missing field {exc.args[0]!r}") from None
     except ModelConfigError as exc:
@@ -100,6 +100,9 @@ def hybrid_config(config: dict[str, Any], source: str, architecture: str, moe: M
         if not fields["eos_token_ids"] and config.get("eos_token_id") is not None:
             eos = config["eos_token_id"]
             fields["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    if not text.get("attn_output_gate", True):
+        raise ModelConfigError(f"{source}: attn_output_gate false is not supported (the full-attention layers' "
+                               "q_proj carries their output gate)")
     activation = text.get("hidden_act", "silu")
     if activation != "silu":
         raise ModelConfigError(f"{source}: hidden_act {activation!r} is not supported (silu)")

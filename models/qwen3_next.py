@@ -3,7 +3,7 @@
 
 - The linear layers' input projections are fused per key head, `linear_attn.in_proj_qkvz` (q, k, v, z)
   and `linear_attn.in_proj_ba` (b, a): kept fused in the model as stored (LinearAttentionConfig
-  `fused_projections`; models/layers/gated_deltanet.py's FusedGatedDeltaNet splits their outputs).
+  `fused_qkvz`, `fused_ba`; models/layers/gated_deltanet.py splits their outputs).
 - MLPs: a mixture of experts (softmax top k, renormalised where `norm_topk_prob`, a shared expert scaled by
   sigmoid(`mlp.shared_expert_gate` . x)) on the layers off `mlp_only_layers` and on the
   `decoder_sparse_step`; a dense MLP (`intermediate_size`) on the others, or everywhere without experts.

@@ -15,8 +15,10 @@ tokens before it. A sequence's query length is its last save point (StepStates.s
 
 Parameter names follow transformers' Qwen3.5 (`linear_attn.in_proj_qkv`, `in_proj_z`, `in_proj_b`,
 `in_proj_a`, `conv1d` [conv_dim, 1, kernel], `A_log`, `dt_bias`, `norm`, `out_proj`). Qwen3-Next's
-checkpoints fuse the input projections per key head (`in_proj_qkvz`, `in_proj_ba`): `FusedGatedDeltaNet`
-keeps them fused as stored and splits their outputs.
+checkpoints fuse the input projections per key head (`in_proj_qkvz`, `in_proj_ba`): kept fused as stored
+(their rows interleave per key head, which a row range cannot cut out), their outputs split here. The
+other layouts llama.cpp's GGUFs use (value heads tiled, `A` stored as -exp(A_log)) are
+LinearAttentionConfig's switches too.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def query_lengths(ctx: ForwardContext, num_tokens: int, layer: int) -> list[int]
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention layer (module doc), Qwen3.5's parameter layout."""
+    """One linear-attention layer (module doc), its parameters laid out as LinearAttentionConfig says."""
 
     def __init__(self, hidden_size: int, linear: LinearAttentionConfig, eps: float, layer: int) -> None:
         super().__init__()
@@ -74,25 +76,47 @@ class GatedDeltaNet(nn.Module):
         self.linear = linear
         self.k_heads, self.v_heads = linear.num_key_heads, linear.num_value_heads
         self.k_dim, self.v_dim = linear.key_head_dim, linear.value_head_dim
-        conv_dim = linear.conv_dim
-        self.make_projections(hidden_size)
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, linear.conv_kernel, groups=conv_dim, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        if linear.fused_qkvz:
+            self.in_proj_qkvz = nn.Linear(hidden_size, linear.conv_dim + linear.value_dim, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, linear.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, linear.value_dim, bias=False)
+        if linear.fused_ba:
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * self.v_heads, bias=False)
+        else:
+            self.in_proj_b = nn.Linear(hidden_size, self.v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, self.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(linear.conv_dim, linear.conv_dim, linear.conv_kernel, groups=linear.conv_dim,
+                                bias=False)
+        if linear.log_decay_rate:
+            self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        else:
+            self.A = nn.Parameter(torch.empty(self.v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, eps)
         self.out_proj = nn.Linear(linear.value_dim, hidden_size, bias=False)
 
-    def make_projections(self, hidden_size: int) -> None:
-        linear = self.linear
-        self.in_proj_qkv = nn.Linear(hidden_size, linear.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, linear.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, self.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, self.v_heads, bias=False)
-
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> the convolution's inputs [T, conv_dim] (queries, keys, values), the output gate z
-        [T, value_dim], b and a [T, v_heads]."""
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        """x [T, H] -> the convolution's inputs [T, conv_dim] (all queries, all keys, all values), the output
+        gate z [T, value_dim], b and a [T, v_heads]: split out of the fused projections where they are."""
+        tokens, group = x.shape[0], self.v_heads // self.k_heads
+        if self.linear.fused_qkvz:
+            qkvz = self.in_proj_qkvz(x).view(tokens, self.k_heads, -1)
+            parts = qkvz.split((self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim), dim=-1)
+            mixed = torch.cat([part.reshape(tokens, -1) for part in parts[:3]], dim=-1)
+            z = parts[3].reshape(tokens, -1)
+        else:
+            mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        if self.linear.fused_ba:
+            b, a = self.in_proj_ba(x).view(tokens, self.k_heads, 2 * group).split((group, group), dim=-1)
+            b, a = b.reshape(tokens, -1), a.reshape(tokens, -1)
+        else:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        return mixed, z, b, a
+
+    def decay_rate(self) -> torch.Tensor:
+        """-A per value head [Hv] in float32 (g = -A * softplus(a + dt_bias))."""
+        return -self.A_log.float().exp() if self.linear.log_decay_rate else self.A.float()
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, H] (the step's sequences one after another) -> [T, H]; reads and saves ctx.states."""
@@ -100,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         lengths = query_lengths(ctx, num_tokens, self.layer)
         mixed, z, b, a = self.project(x)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = self.decay_rate() * F.softplus(a.float() + self.dt_bias.float())
         conv_states, matrices = ctx.states.initial(self.layer)
         weight = self.conv1d.weight[:, 0, :]
         if max(lengths) == 1:
@@ -153,25 +177,9 @@ class GatedDeltaNet(nn.Module):
         query, key, value = qkv.split((linear.key_dim, linear.key_dim, linear.value_dim), dim=-1)
         query = query.reshape(batch, length, self.k_heads, self.k_dim)
         key = key.reshape(batch, length, self.k_heads, self.k_dim)
+        if linear.tiled_value_heads and self.v_heads != self.k_heads:  # value head j reads key head j % Hk
+            repeats = self.v_heads // self.k_heads
+            query, key = query.repeat(1, 1, repeats, 1), key.repeat(1, 1, repeats, 1)
         value = value.reshape(batch, length, self.v_heads, self.v_dim)
         rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
         return rule(query, key, value, g, beta, state, l2norm_qk=True)
-
-
-class FusedGatedDeltaNet(GatedDeltaNet):
-    """Qwen3-Next's layout: `in_proj_qkvz` [per key head: q (Dk), k (Dk), v (Hv/Hk * Dv), z (Hv/Hk * Dv)]
-    and `in_proj_ba` [per key head: b (Hv/Hk), a (Hv/Hk)], kept fused as the checkpoints store them (their
-    rows interleave per key head, which a row range cannot cut out); the outputs are split here."""
-
-    def make_projections(self, hidden_size: int) -> None:
-        linear = self.linear
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * linear.key_dim + 2 * linear.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.v_heads, bias=False)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens, group = x.shape[0], self.v_heads // self.k_heads
-        qkvz = self.in_proj_qkvz(x).view(tokens, self.k_heads, -1)
-        query, key, value, z = qkvz.split((self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim), dim=-1)
-        b, a = self.in_proj_ba(x).view(tokens, self.k_heads, 2 * group).split((group, group), dim=-1)
-        mixed = torch.cat([part.reshape(tokens, -1) for part in (query, key, value)], dim=-1)
-        return mixed, z.reshape(tokens, -1), b.reshape(tokens, -1), a.reshape(tokens, -1)

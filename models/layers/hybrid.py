@@ -19,7 +19,7 @@ import torch
 from localserve.models.config import ModelConfig
 from localserve.models.layers.attention import Attention, RopeTables, rotate
 from localserve.models.layers.decoder import DecoderForCausalLM, make_mlp
-from localserve.models.layers.gated_deltanet import FusedGatedDeltaNet, GatedDeltaNet
+from localserve.models.layers.gated_deltanet import GatedDeltaNet
 from localserve.models.layers.linear import QuantizedLinear
 from localserve.models.layers.norms import GemmaRMSNorm
 from localserve.models.protocol import ForwardContext
@@ -57,8 +57,7 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps, offset)
         self.recurrent = config.is_recurrent_layer(layer)
         if self.recurrent:
-            mixer = FusedGatedDeltaNet if config.linear_attention.fused_projections else GatedDeltaNet
-            self.linear_attn = mixer(config.hidden_size, config.linear_attention, eps, layer)
+            self.linear_attn = GatedDeltaNet(config.hidden_size, config.linear_attention, eps, layer)
         else:
             self.self_attn = GatedAttention(config, layer)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps, offset)

@@ -16,6 +16,7 @@ import torch
 
 BLOCK_SIZE = 16
 VOCAB = 320
+TOLERANCE = 2e-5  # logits' difference from transformers', relative to their largest
 
 
 def text_fields(**changes) -> dict:
@@ -81,6 +82,13 @@ def transformers_logits(hf_model, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt]), use_cache=False).logits[0].float()
 
 
+def assert_close_logits(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Our logits within TOLERANCE of transformers'; returns the largest difference."""
+    difference = (ours - theirs).abs().max().item()
+    assert difference <= TOLERANCE * theirs.abs().max().item(), (difference, theirs.abs().max().item())
+    return difference
+
+
 @dataclass
 class Chunk:
     """One sequence's part of a step: its new tokens from `start`, the slot its state is read from (-1:
@@ -97,17 +105,17 @@ class HybridDriver:
     """Our loaded model run step by step on hand-built contexts (module doc)."""
 
     def __init__(self, model, num_blocks: int = 32, num_slots: int = 16) -> None:
+        """KV and conv inputs in the model's dtype, the delta-rule matrices in float32."""
         from localserve.attention.torch_backend import TorchAttentionBackend
         from localserve.engine.builder import layer_kv_shapes
         from localserve.kv.cache import PagedKVCache
         from localserve.kv.recurrent_states import RecurrentStateCache
 
-        config = model.config
+        config, dtype = model.config, next(model.parameters()).dtype
         self.model = model
         self.kv_cache = PagedKVCache(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads,
-                                     config.head_dim, torch.float32, layer_shapes=layer_kv_shapes(config))
-        self.states = RecurrentStateCache(config.recurrent_layers, config.linear_attention.state, num_slots,
-                                          torch.float32)
+                                     config.head_dim, dtype, layer_shapes=layer_kv_shapes(config))
+        self.states = RecurrentStateCache(config.recurrent_layers, config.linear_attention.state, num_slots, dtype)
         self.backend = TorchAttentionBackend()
 
     @torch.inference_mode()
