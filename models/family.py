@@ -23,11 +23,7 @@ class Target:
     experts' gate and up rows: start 0 or 1, step 2);
     `transpose`: the last two axes swapped after the cut (a checkpoint storing [E, in, out]);
     `expert`: the slot of a stacked expert parameter [E, ...] that this (one expert's) tensor fills;
-    `unpermute_heads`: llama.cpp interleaved the rotary halves of this Q or K over that many heads;
-    `regroup` (start, outer, inner, size): before the cut, the outer * inner * size entries from `start` along
-    `axis`, read as [outer, inner, size], are put in [inner, outer, size] order (llama.cpp stores Qwen3.5's
-    value heads tiled, [heads per key head, key heads], where the model groups them by key head);
-    `values`: the stored values are a function of the parameter's, undone after the cut (VALUE_MAPS).
+    `unpermute_heads`: llama.cpp interleaved the rotary halves of this Q or K over that many heads.
     """
 
     name: str
@@ -37,17 +33,6 @@ class Target:
     transpose: bool = False
     expert: int | None = None
     unpermute_heads: int | None = None
-    regroup: tuple[int, int, int, int] | None = None
-    values: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.values is not None and self.values not in VALUE_MAPS:
-            raise ValueError(f"{self.name}: unknown value map {self.values!r} (known: {', '.join(VALUE_MAPS)})")
-
-
-# Stored values -> the parameter's (loading/pieces.py applies them): "log_neg": llama.cpp stores -exp(w)
-# (Qwen3.5's and Qwen3-Next's `A_log` as `ssm_a`), so w = log(-stored).
-VALUE_MAPS = ("log_neg",)
 
 
 class GGUFMetadata(Protocol):

@@ -8,31 +8,28 @@ of each head in `rope.dimension_count`, the Gated DeltaNet mixer in `ssm.*` (`gr
 layer attends), the multi-token-prediction blocks appended after the decoder's in `nextn_predict_layers`
 (not loaded), the experts in `expert_*`.
 
-What the converter changes and the loader puts back (models/family.py's Target):
-- Every RMSNorm but the mixer's gated one is stored as 1 + w (the checkpoints' zero-centred w): the config
-  says `norm_offset` 0, the model scales by the stored value itself.
-- `A_log` is stored as -exp(A_log) (`ssm_a`, no `.weight`): the value map "log_neg".
+How the model reads what the converter changed (LinearAttentionConfig's layout switches), so that every
+tensor loads as stored (and a quantized one stays in its blocks):
+- Every RMSNorm but the mixer's gated one is stored as 1 + w (the checkpoints' zero-centred w):
+  `norm_offset` 0, the model scales by the stored value itself.
+- `A_log` is stored as -exp(A_log) (`ssm_a`, no `.weight`): the model's parameter `A` holds it
+  (`log_decay_rate` False).
 - The convolution [C, 1, K] is stored as [C, K] (the loader reshapes).
 - Qwen3-Next's fused `in_proj_qkvz` (per key head q, k, v, z) is stored as `attn_qkv` (all q, all k, all v)
-  and `attn_gate` (all z), the layout of Qwen3.5's `in_proj_qkv` and `in_proj_z`: such a file is served
-  by the unfused mixer (`fused_projections` False). Its `in_proj_ba` (per key head b, a) is stored as is
-  (`ssm_ba`), and regrouped and cut into `in_proj_b` and `in_proj_a`.
-- Qwen3.5's value heads (where there are more than key heads) are stored tiled, [heads per key head, key
-  heads], where the model groups them by key head: the value rows of `in_proj_qkv` and of the convolution,
-  `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log`, `dt_bias` and the columns of `out_proj` are regrouped.
-  A quantized `out_proj` so reordered cannot stay in its blocks (its columns move): it is dequantized.
+  and `attn_gate` (all z), the layout of Qwen3.5's `in_proj_qkv` and `in_proj_z` (`fused_qkvz` False); its
+  `in_proj_ba` (per key head b, a) as is (`ssm_ba`, `fused_ba`).
+- Qwen3.5's value heads are stored tiled (value head j served by key head j % key heads, where the
+  checkpoints group them by key head): `tiled_value_heads`.
 """
 
 from __future__ import annotations
 
 from localserve.models.config import LayerAttention, LinearAttentionConfig, ModelConfig, ModelConfigError, MoEConfig
-from localserve.models.family import GGUFMetadata, Target, gguf_decoder_fields, split_rows
+from localserve.models.family import GGUFMetadata, Target, gguf_decoder_fields
 from localserve.models.layers.attention import check_layers
 
 ARCHITECTURES = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
                  "qwen3next": "Qwen3NextForCausalLM"}
-# Where the value heads are stored tiled (module doc): Qwen3.5's, not Qwen3-Next's.
-TILED_VALUE_HEADS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 SSM_KEYS = ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size", "ssm.conv_kernel")
 
 
@@ -44,15 +41,17 @@ def _required(meta: GGUFMetadata, key: str) -> int:
 
 
 def linear_attention_config(meta: GGUFMetadata) -> LinearAttentionConfig:
-    """The Gated DeltaNet mixer from `ssm.*`, unfused, its norms' offset already in the weights."""
+    """The Gated DeltaNet mixer from `ssm.*`, in the layout the file stores (module doc)."""
     key_heads, value_heads, key_dim, inner, kernel = (_required(meta, key) for key in SSM_KEYS)
     if inner % value_heads:
         raise ModelConfigError(f"{meta.source}: {meta.architecture}.ssm.inner_size {inner} is not a multiple of "
                                f"ssm.time_step_rank {value_heads} (the value heads)")
     try:
         return LinearAttentionConfig(num_key_heads=key_heads, num_value_heads=value_heads, key_head_dim=key_dim,
-                                     value_head_dim=inner // value_heads, conv_kernel=kernel, norm_offset=0.0,
-                                     fused_projections=False)
+                                     value_head_dim=inner // value_heads, conv_kernel=kernel,
+                                     fused_ba=meta.architecture == "qwen3next",
+                                     tiled_value_heads=meta.architecture != "qwen3next", log_decay_rate=False,
+                                     norm_offset=0.0)
     except ModelConfigError as exc:
         raise ModelConfigError(f"{meta.source}: {exc}") from None
 
@@ -124,38 +123,16 @@ def gguf_layer_targets(kind: str, suffix: str, prefix: str, config: ModelConfig)
         return []  # a multi-token-prediction block (`nextn_predict_layers`), not loaded
     if kind == "post_attention_norm":
         return [Target(f"{prefix}post_attention_layernorm.{suffix}")]
-    linear = config.linear_attention
-    if linear is None or config.layer_attention[layer].state is None or kind not in MIXER_KINDS:
+    if config.linear_attention is None or config.layer_attention[layer].state is None:
         return None
     mixer = f"{prefix}linear_attn."
-    per_key = linear.num_value_heads // linear.num_key_heads
-    tiled = config.architecture in TILED_VALUE_HEADS and per_key > 1
-
-    def heads(start: int, size: int) -> tuple[int, int, int, int] | None:
-        """The value heads of `size` entries from `start`, tiled in the file, grouped in the model."""
-        return (start, per_key, linear.num_key_heads, size) if tiled else None
-
-    if kind == "ssm_ba":  # per key head [b, a] (Qwen3-Next): regrouped to [all b, all a], then cut
-        regroup = (0, linear.num_key_heads, 2, per_key)
-        return [Target(t.name, t.rows, regroup=regroup)
-                for t in split_rows([f"{mixer}in_proj_b.{suffix}", f"{mixer}in_proj_a.{suffix}"],
-                                    [linear.num_value_heads] * 2)]
-    name, regroup = {
-        "attn_qkv": ("in_proj_qkv", heads(2 * linear.key_dim, linear.value_head_dim)),
-        "attn_gate": ("in_proj_z", heads(0, linear.value_head_dim)),
-        "ssm_beta": ("in_proj_b", heads(0, 1)),
-        "ssm_alpha": ("in_proj_a", heads(0, 1)),
-        "ssm_conv1d": ("conv1d", heads(2 * linear.key_dim, linear.value_head_dim)),
-        "ssm_norm": ("norm", None),
-        "ssm_out": ("out_proj", heads(0, linear.value_head_dim)),
-        "ssm_dt": ("dt_bias", heads(0, 1)),
-        "ssm_a": ("A_log", heads(0, 1)),
-    }[kind]
-    if kind == "ssm_a":  # stored as -exp(A_log), without a suffix
-        return [Target(f"{mixer}A_log", regroup=regroup, values="log_neg")]
-    full = f"{mixer}dt_bias" if kind == "ssm_dt" else f"{mixer}{name}.{suffix}"
-    return [Target(full, axis=1 if kind == "ssm_out" and regroup else 0, regroup=regroup)]  # out_proj: columns
+    if kind in MIXER_PARAMETERS:
+        return [Target(mixer + MIXER_PARAMETERS[kind])]
+    return [Target(f"{mixer}{MIXER_TENSORS[kind]}.{suffix}")] if kind in MIXER_TENSORS else None
 
 
-MIXER_KINDS = ("attn_qkv", "attn_gate", "ssm_ba", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ssm_norm", "ssm_out",
-               "ssm_dt", "ssm_a")
+# A linear layer's GGUF tensors -> our modules after `model.layers.N.linear_attn.` (`.weight` beside)
+MIXER_TENSORS = {"attn_qkv": "in_proj_qkv", "attn_gate": "in_proj_z", "ssm_ba": "in_proj_ba", "ssm_beta": "in_proj_b",
+                 "ssm_alpha": "in_proj_a", "ssm_conv1d": "conv1d", "ssm_norm": "norm", "ssm_out": "out_proj"}
+# ... and those that are a parameter of the mixer itself: `ssm_dt.bias`, `ssm_a` (no suffix)
+MIXER_PARAMETERS = {"ssm_dt": "dt_bias", "ssm_a": "A"}

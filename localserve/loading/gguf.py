@@ -107,14 +107,9 @@ def tensor_targets(tensor, found: Family, config: ModelConfig, path: Path) -> li
 
 def keeps_quantized(tensor, targets: list[Target]) -> bool:
     """Whether a GGUF tensor (a ReaderTensor) stays in its blocks under --keep-quantized-weights: the
-    weight of a linear layer, of the embeddings or of the experts, in a type the kernels read, and cut or
-    reordered by whole rows only (`take`)."""
+    weight of a linear layer, of the embeddings or of the experts, in a type the kernels read."""
     return (tensor.tensor_type.name in QUANT_FORMATS and len(tensor.shape) in (2, 3) and bool(targets)
-            and all(_is_matrix(t.name) and _by_rows(t, len(tensor.shape)) for t in targets))
-
-
-def _by_rows(target: Target, dims: int) -> bool:
-    return target.values is None and (target.regroup is None or target.axis < dims - 1)
+            and all(_is_matrix(t.name) for t in targets))
 
 
 def _is_matrix(name: str) -> bool:

@@ -1,6 +1,5 @@
 """A checkpoint tensor cut to the part a `Target` names (rows of a fused tensor, Q/K rows put back in the
-rotate-half order, head groups put back in the model's order, stored values mapped back), dense or as
-quantized blocks (whole rows, so blocks are cut and moved as they are)."""
+rotate-half order), dense or as quantized blocks (whole rows, so blocks are cut and moved as they are)."""
 
 from __future__ import annotations
 
@@ -26,32 +25,15 @@ def take(tensor: torch.Tensor | QuantizedTensor, target: Target) -> torch.Tensor
     """The part of `tensor` that `target` names (a quantized tensor's blocks cut by whole rows, never
     transposed)."""
     if isinstance(tensor, QuantizedTensor):
-        if target.transpose or target.axis == tensor.blocks.dim() - 1 or target.values is not None:
-            raise ValueError(f"{target.name}: quantized blocks are cut and reordered by whole rows, never "
-                             "transposed or mapped")
+        if target.transpose or target.axis == tensor.blocks.dim() - 1:
+            raise ValueError(f"{target.name}: quantized blocks are cut by whole rows, never transposed")
         blocks = _take_rows(tensor.blocks, target)
         shape = (*blocks.shape[:-1], tensor.shape[-1])
         return QuantizedTensor(blocks, tensor.qtype, shape)
     return _take_rows(tensor, target)
 
 
-def regroup(tensor: torch.Tensor, axis: int, start: int, outer: int, inner: int, size: int) -> torch.Tensor:
-    """`tensor` with the outer * inner * size entries from `start` along `axis`, read as [outer, inner, size],
-    put in [inner, outer, size] order (the rest as it was)."""
-    stop = start + outer * inner * size
-    if stop > tensor.shape[axis]:
-        raise ValueError(f"regroup of {outer} x {inner} x {size} from {start} runs past {tensor.shape[axis]} "
-                         f"entries along axis {axis}")
-    part = tensor.narrow(axis, start, stop - start)
-    shape = list(part.shape)
-    grouped = part.reshape(*shape[:axis], outer, inner, size, *shape[axis + 1:]).transpose(axis, axis + 1)
-    after = tensor.narrow(axis, stop, tensor.shape[axis] - stop)
-    return torch.cat([tensor.narrow(axis, 0, start), grouped.reshape(shape), after], dim=axis)
-
-
 def _take_rows(tensor: torch.Tensor, target: Target) -> torch.Tensor:
-    if target.regroup is not None:
-        tensor = regroup(tensor, target.axis, *target.regroup)
     if target.rows is not None:
         start, stop = target.rows
         index = [slice(None)] * tensor.dim()
@@ -61,10 +43,4 @@ def _take_rows(tensor: torch.Tensor, target: Target) -> torch.Tensor:
         tensor = tensor.transpose(-1, -2)
     if target.unpermute_heads is not None:
         tensor = unpermute_rotary(tensor, target.unpermute_heads)
-    if target.values is not None:
-        tensor = VALUE_MAPS[target.values](tensor)
     return tensor.contiguous()
-
-
-# models/family.py's VALUE_MAPS: the stored values -> the parameter's.
-VALUE_MAPS = {"log_neg": lambda stored: torch.log(-stored)}

@@ -1,8 +1,8 @@
 """GGUFs of the hybrid families made by llama.cpp's own converter (`qwen35`, `qwen35moe`, `qwen3next`) out of
-tiny random transformers models: the config they read equals the Hugging Face folder's (but for where the
-norms' 1 and Qwen3-Next's fused projections went), every tensor lands where the folder's does, and the
-logits equal transformers' with the prompt prefilled in two chunks. One file of each family, converted
-once per module."""
+tiny random transformers models: the config they read equals the Hugging Face folder's but for the layout
+switches of the linear layers (the file's layout is read as stored), every tensor equals the folder's in
+that layout, and the logits equal transformers' with the prompt prefilled in two chunks. One file of each
+family, converted once per module."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import gguf
 import pytest
 import torch
 from localserve.models.config import ModelConfigError
+from localserve.models.family import Target
 from localserve.models.layers.linear import QuantizedLinear
 from localserve.models.registry import family
 from safetensors.torch import load_file, save_file
@@ -74,10 +75,12 @@ def test_config_equals_the_folders(converted):
     assert gguf.GGUFReader(path).fields["general.architecture"].contents() == arch
     theirs, _ = read_model_config(folder)
     ours, _ = read_model_config(path)
-    assert ours.linear_attention.norm_offset == 0.0 and not ours.linear_attention.fused_projections
+    layout = {name: getattr(ours.linear_attention, name) for name in LAYOUT}
+    assert layout == {"norm_offset": 0.0, "log_decay_rate": False, "fused_qkvz": False,
+                      "fused_ba": arch == "qwen3next", "tiled_value_heads": arch != "qwen3next"}
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
-    linear = dataclasses.replace(ours.linear_attention, norm_offset=1.0,
-                                 fused_projections=theirs.linear_attention.fused_projections)
+    linear = dataclasses.replace(ours.linear_attention, **{name: getattr(theirs.linear_attention, name)
+                                                           for name in LAYOUT})
     same = dataclasses.replace(ours, name=theirs.name, linear_attention=linear, rms_norm_eps=theirs.rms_norm_eps)
     assert same == theirs
     assert ours.recurrent_layers == (0, 1, 3) and ours.rotary_dim == 8
@@ -90,41 +93,59 @@ def test_config_equals_the_folders(converted):
         assert len(decoder) < len(reader.tensors) and planned == sum(int(t.n_elements) * 2 for t in decoder)
 
 
-def test_every_tensor_lands_where_the_folders_does(converted):
-    """Each parameter loaded from the GGUF equals the one loaded from the folder: the norms by 1 + w where
-    the folder's model adds the 1, Qwen3-Next's fused projections cut as its model cuts their outputs."""
+LAYOUT = ("norm_offset", "log_decay_rate", "fused_qkvz", "fused_ba", "tiled_value_heads")
+
+
+def test_every_tensor_equals_the_folders_in_the_files_layout(converted):
+    """Each parameter loaded from the GGUF equals the folder's put in the file's layout here, independently
+    of the converter: norms 1 + w, A = -exp(A_log), Qwen3.5's value heads tiled, Qwen3-Next's q, k, v, z
+    unfused."""
     arch, folder, _, path = converted
     ours = dict(load_model(path, dtype=torch.float32).model.named_parameters())
     theirs = dict(load_model(folder, dtype=torch.float32).model.named_parameters())
-    if arch == "qwen3next":
-        theirs = split_fused(theirs, read_model_config(folder)[0])
-    assert set(ours) == set(theirs)
+    expected = file_layout(theirs, read_model_config(folder)[0].linear_attention, tiled=arch != "qwen3next")
+    assert set(ours) == set(expected)
     for name, param in ours.items():
-        expected = theirs[name]
-        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-            expected = expected + 1
-        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(param, expected[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
-def split_fused(params: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` as Qwen3.5's four projections."""
-    linear = config.linear_attention
-    group = linear.num_value_heads // linear.num_key_heads
+def file_layout(params: dict[str, torch.Tensor], linear, tiled: bool) -> dict[str, torch.Tensor]:
+    """A Hugging Face layout model's parameters in llama.cpp's layout (see the module doc)."""
+    k_heads, group = linear.num_key_heads, linear.num_value_heads // linear.num_key_heads
+    key_dim, v_dim = linear.key_dim, linear.value_head_dim
+
+    def tile(tensor, head_dim, dim=0, start=0):  # value heads [Hk, group, d] -> [group, Hk, d] along dim
+        if not tiled:
+            return tensor
+        head, part = tensor.split((start, tensor.shape[dim] - start), dim=dim) if dim == 0 else (None, tensor)
+        moved = part.movedim(dim, 0)
+        moved = moved.reshape(k_heads, group, head_dim, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+        part = moved.movedim(0, dim)
+        return part if head is None else torch.cat([head, part])
+
     out = {}
     for name, param in params.items():
-        mixer = name.rpartition("in_proj_")[0]
-        if name.endswith("in_proj_qkvz.weight"):
-            sizes = (linear.key_head_dim, linear.key_head_dim, group * linear.value_head_dim,
-                     group * linear.value_head_dim)
-            q, k, v, z = param.view(linear.num_key_heads, -1, param.shape[-1]).split(sizes, dim=1)
-            flat = [part.reshape(-1, param.shape[-1]) for part in (q, k, v, z)]
-            out[mixer + "in_proj_qkv.weight"] = torch.cat(flat[:3])
-            out[mixer + "in_proj_z.weight"] = flat[3]
-        elif name.endswith("in_proj_ba.weight"):
-            b, a = param.view(linear.num_key_heads, 2 * group, -1).split((group, group), dim=1)
-            out[mixer + "in_proj_b.weight"] = b.reshape(-1, param.shape[-1])
-            out[mixer + "in_proj_a.weight"] = a.reshape(-1, param.shape[-1])
-        else:
+        mixer, _, leaf = name.partition("linear_attn.")
+        if not leaf:
+            is_norm = name.endswith("norm.weight")
+            out[name] = param + 1 if is_norm else param
+        elif leaf == "A_log":
+            out[mixer + "linear_attn.A"] = tile(-param.exp(), 1)
+        elif leaf == "dt_bias" or leaf.startswith(("in_proj_b.", "in_proj_a.")):
+            out[name] = tile(param, 1)
+        elif leaf.startswith(("in_proj_qkv.", "conv1d.")):
+            out[name] = tile(param, v_dim, start=2 * key_dim)
+        elif leaf.startswith("in_proj_z."):
+            out[name] = tile(param, v_dim)
+        elif leaf.startswith("out_proj."):
+            out[name] = tile(param, v_dim, dim=1)
+        elif leaf == "in_proj_qkvz.weight":  # per key head q, k, v, z -> all q, all k, all v; all z
+            sizes = (linear.key_head_dim, linear.key_head_dim, group * v_dim, group * v_dim)
+            q, k, v, z = param.view(k_heads, -1, param.shape[-1]).split(sizes, dim=1)
+            out[mixer + "linear_attn.in_proj_qkv.weight"] = torch.cat(
+                [part.reshape(-1, param.shape[-1]) for part in (q, k, v)])
+            out[mixer + "linear_attn.in_proj_z.weight"] = z.reshape(-1, param.shape[-1])
+        else:  # the gated norm, in_proj_ba: as stored
             out[name] = param
     return out
 
@@ -163,8 +184,7 @@ def test_f16_matrices_load_as_their_rounded_values(converted, tmp_path):
 
 def test_mixer_projections_kept_in_their_blocks_give_the_dequantized_logits(converted, tmp_path):
     """The mixers' and attention's projections in Q8_0, kept in their blocks (the kernels in Triton's
-    interpreter): the input projections stay quantized with their rows regrouped, `out_proj` (columns
-    regrouped in a qwen35 file) is dequantized; the logits equal the dequantized model's."""
+    interpreter), as the file stores them: the logits equal the dequantized model's."""
     arch, _, _, path = converted
     q8 = gguf.GGMLQuantizationType.Q8_0
     kinds = (".attn_qkv.", ".attn_gate.", ".ssm_beta.", ".ssm_alpha.", ".ssm_ba.", ".ssm_out.", ".attn_q.")
@@ -178,41 +198,12 @@ def test_mixer_projections_kept_in_their_blocks_give_the_dequantized_logits(conv
     kept = load_model(quantized, dtype=torch.float32, keep_quantized_weights=True).model
     dense = load_model(quantized, dtype=torch.float32, keep_quantized_weights=False).model
     mixer = kept.model.layers[0].linear_attn
-    assert isinstance(mixer.in_proj_qkv, QuantizedLinear) and isinstance(mixer.in_proj_z, QuantizedLinear)
-    assert isinstance(mixer.out_proj, QuantizedLinear) == (arch == "qwen3next")  # no column regroup there
+    projections = ("in_proj_qkv", "in_proj_z", "out_proj") + (("in_proj_ba",) if arch == "qwen3next" else
+                                                              ("in_proj_b", "in_proj_a"))
+    assert all(isinstance(getattr(mixer, name), QuantizedLinear) for name in projections)
     ours = HybridDriver(kept).prefill_in_pieces(PROMPT[:20], [7], [0, 1])
     reference = HybridDriver(dense).prefill_in_pieces(PROMPT[:20], [7], [0, 1])
     assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
-
-
-def test_quantized_blocks_move_by_whole_rows(meta):
-    """A mixer's quantized input projection stays in its blocks, its value rows regrouped as the dense
-    values would be; its output projection (columns regrouped) and `ssm_a` (values mapped) do not stay."""
-    from localserve.models.layers.linear import QuantizedTensor
-
-    from localserve.loading.gguf import keeps_quantized
-    from localserve.loading.pieces import take
-
-    config = family("qwen3_5_moe").gguf_config(meta)
-    found = family("qwen3_5_moe")
-    (qkv,) = found.gguf_targets("blk.0.attn_qkv.weight", config)
-    assert qkv.regroup == (32, 2, 2, 8)  # after q and k (2 key heads of 8 each): 2 per key head x 2 key heads
-    values = torch.randn(64, 64)
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    blocks = torch.from_numpy(gguf.quants.quantize(values.numpy(), q8))
-    kept = take(QuantizedTensor(blocks, "Q8_0", (64, 64)), qkv)
-    dense = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), q8))
-    moved = torch.from_numpy(gguf.quants.dequantize(kept.blocks.numpy(), q8))
-    assert torch.equal(moved, take(dense, qkv)) and not torch.equal(moved, dense)
-
-    class Tensor:  # what keeps_quantized reads of a GGUF tensor
-        tensor_type, shape = q8, (64, 64)
-
-    assert keeps_quantized(Tensor, [qkv])
-    assert not keeps_quantized(Tensor, found.gguf_targets("blk.0.ssm_out.weight", config))
-    assert not keeps_quantized(Tensor, found.gguf_targets("blk.0.ssm_a", config))
-    with pytest.raises(ValueError, match="by whole rows"):
-        take(QuantizedTensor(blocks, "Q8_0", (64, 64)), found.gguf_targets("blk.0.ssm_out.weight", config)[0])
 
 
 class Overridden:
@@ -279,7 +270,8 @@ def test_unknown_and_mtp_tensors(meta):
     found = family("qwen3_5_moe")
     assert found.gguf_targets("blk.0.ssm_unknown.weight", config) is None
     assert found.gguf_targets("blk.2.nextn.eh_proj.weight", config) == []  # past the decoder: an MTP block
-    assert found.gguf_targets("blk.0.ssm_a", config)[0].values == "log_neg"
+    assert found.gguf_targets("blk.0.ssm_a", config) == [Target("model.layers.0.linear_attn.A")]
+    assert found.gguf_targets("blk.0.ssm_dt.bias", config) == [Target("model.layers.0.linear_attn.dt_bias")]
     # the attention layer's fused attn_qkv (no such file from the converter) splits as any decoder's
     assert [t.name for t in found.gguf_targets("blk.1.attn_qkv.weight", config)] == [
         f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
