@@ -58,19 +58,25 @@ def linear_attention_config(meta: GGUFMetadata) -> LinearAttentionConfig:
 
 def recurrent_layers(meta: GGUFMetadata, num_layers: int) -> list[bool]:
     """Which of the decoder's layers are linear: `attention.recurrent_layers` (one bool a block, the MTP
-    blocks after the decoder's included), else all but every `full_attention_interval`-th."""
+    blocks after the decoder's included), else all but every `full_attention_interval`-th; at least one
+    must attend (as for a Hugging Face config, models/qwen3_5.py)."""
     flags = meta.get("attention.recurrent_layers")
     if flags is not None:
         flags = [bool(flag) for flag in flags]
         if len(flags) < num_layers:
             raise ModelConfigError(f"{meta.source}: {meta.architecture}.attention.recurrent_layers has "
                                    f"{len(flags)} entries for {num_layers} layers")
-        return flags[:num_layers]
-    interval = int(meta.get("full_attention_interval", 4))
-    if interval < 1:
-        raise ModelConfigError(f"{meta.source}: {meta.architecture}.full_attention_interval must be >= 1, "
-                               f"got {interval}")
-    return [(layer + 1) % interval != 0 for layer in range(num_layers)]
+        flags = flags[:num_layers]
+    else:
+        interval = int(meta.get("full_attention_interval", 4))
+        if interval < 1:
+            raise ModelConfigError(f"{meta.source}: {meta.architecture}.full_attention_interval must be >= 1, "
+                                   f"got {interval}")
+        flags = [(layer + 1) % interval != 0 for layer in range(num_layers)]
+    if all(flags):
+        raise ModelConfigError(f"{meta.source}: no full-attention layer among the {num_layers} layers; this project "
+                               "serves hybrid models with at least one")
+    return flags
 
 
 def moe_config(meta: GGUFMetadata, num_layers: int) -> MoEConfig | None:

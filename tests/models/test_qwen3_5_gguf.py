@@ -12,6 +12,8 @@ import json
 import gguf
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from localserve.models.config import ModelConfigError
 from localserve.models.family import Target
 from localserve.models.layers.linear import QuantizedLinear
@@ -248,6 +250,7 @@ def meta(tmp_path_factory):
     ({"attention__recurrent_layers": None, "full_attention_interval": 0}, r"full_attention_interval must be >= 1"),
     ({"expert_used_count": None}, r"needs qwen35moe\.expert_used_count"),
     ({"nextn_predict_layers": 2}, "leaves no decoder layer"),
+    ({"attention__recurrent_layers": [True, True]}, "no full-attention layer among the 2 layers"),
 ])
 def test_bad_metadata_is_named(meta, keys, message):
     with pytest.raises(ModelConfigError, match=message):
@@ -275,3 +278,23 @@ def test_unknown_and_mtp_tensors(meta):
     # the attention layer's fused attn_qkv (no such file from the converter) splits as any decoder's
     assert [t.name for t in found.gguf_targets("blk.1.attn_qkv.weight", config)] == [
         f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(num_layers=st.integers(1, 12), mtp=st.integers(0, 2), interval=st.integers(1, 6))
+def test_layer_kinds_and_mtp_blocks_for_generated_counts(meta, num_layers, mtp, interval):
+    """A file of `num_layers` decoder blocks and `mtp` MTP blocks after them, its layer kinds by the interval
+    alone (an older converter's file): the decoder's layers and kinds, and every MTP tensor left out."""
+    older = Overridden(meta, block_count=num_layers + mtp, nextn_predict_layers=mtp, full_attention_interval=interval,
+                       attention__recurrent_layers=None)
+    if num_layers < interval:
+        with pytest.raises(ModelConfigError, match="no full-attention layer"):
+            family("qwen3_5_moe").gguf_config(older)
+        return
+    config = family("qwen3_5_moe").gguf_config(older)
+    assert config.num_layers == num_layers
+    assert config.recurrent_layers == tuple(layer for layer in range(num_layers) if (layer + 1) % interval)
+    assert ("multi-token prediction layers" in config.unloaded_parts) == (mtp > 0)
+    for layer in range(num_layers, num_layers + mtp):
+        for name in ("attn_norm.weight", "attn_q.weight", "nextn.eh_proj.weight", "ssm_a"):
+            assert family("qwen3_5_moe").gguf_targets(f"blk.{layer}.{name}", config) == []
