@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localserve.engine.config import SPEC_TOKENS, EngineConfig
+from localserve.engine.config import SPEC_TOKENS, STATE_CHECKPOINT_TOKENS, EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
 from localserve.server.wire.connection_phases import PhaseBounds
@@ -66,6 +66,16 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     e.add_argument("--attention-backend", default="auto",
                    help="attention implementation: auto (the fastest that supports the device and KV formats), "
                         "torch, triton")
+    e.add_argument("--state-checkpoint-tokens", type=int, default=STATE_CHECKPOINT_TOKENS,
+                   help="models with linear-attention layers (Qwen3.5/3.6, Qwen3-Next): checkpoint each sequence's "
+                        "recurrent state every this many tokens (a multiple of --block-size) and at its prompt's "
+                        "last block boundary, for prefix reuse; a hit between checkpoints recomputes up to this "
+                        "many tokens, denser checkpoints cost a whole state each (about 60-150 MiB on Qwen3.6 "
+                        f"models; default {STATE_CHECKPOINT_TOKENS}: one default step budget)")
+    e.add_argument("--state-cache-slots", type=int,
+                   help="models with linear-attention layers: state slots kept for cached checkpoints besides "
+                        "those the running sequences need (default: one per --parallel slot, so each "
+                        "conversation's last checkpoint can survive the others' turns)")
     e.add_argument("--max-step-ms", default="auto",
                    help="time budget of one step: prompts are prefilled beside the decodes only as far as keeps a "
                         "step within it; auto (twice a stream's usual gap), a number of ms, or off "
@@ -97,7 +107,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.parallel, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend, max_step_ms=max_step_ms(args.max_step_ms),
-        spec_type=args.spec_type or ("draft" if args.model_draft else None), spec_tokens=args.spec_tokens)
+        spec_type=args.spec_type or ("draft" if args.model_draft else None), spec_tokens=args.spec_tokens,
+        state_checkpoint_tokens=args.state_checkpoint_tokens, state_cache_slots=args.state_cache_slots)
 
 
 def max_step_ms(value: str) -> float | str | None:

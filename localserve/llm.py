@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from localserve.engine.builder import build_engine
+from localserve.engine.builder import build_engine, check_speculation
 from localserve.engine.config import EngineConfig
 from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.outputs import RequestOutput
@@ -68,6 +68,8 @@ class LLM:
         loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
         self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
+        if engine_config is not None:  # before a draft model is loaded for nothing
+            check_speculation(loaded.config, engine_config.spec_type)
         self.tokenizer = read_tokenizer(path, loaded.gguf_reader)
         draft = None
         if draft_model is not None:

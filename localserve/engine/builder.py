@@ -5,6 +5,7 @@ and the model runner built, and handed to `LLMEngine`, which only runs them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -27,6 +28,7 @@ from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
 from localserve.kv.group_plan import GroupPool, plan_group_pools, window_pool_blocks
 from localserve.kv.memory_plan import human_size, kv_budget_bytes
+from localserve.kv.recurrent_states import RecurrentStateCache
 from localserve.models.config import ModelConfig
 from localserve.models.protocol import CausalLM
 
@@ -40,10 +42,11 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     caller that loads both, `localserve.llm.check_same_tokenizer`).
 
     Raises ValueError when the backend asked for cannot run here with these formats, the pool's memory
-    budget holds no block, or the draft model is missing or has another vocabulary; all before the pool is
-    allocated.
+    budget holds no block, the draft model is missing or has another vocabulary, or speculation is asked of
+    a model with recurrent layers; all before the pool is allocated.
     """
     config = config or EngineConfig()
+    check_speculation(model.config, config.spec_type)
     if config.spec_type == "draft" and draft_model is None:
         raise ValueError("--spec-type draft needs a draft model (-md/--model-draft)")
     if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
@@ -67,9 +70,13 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
         config.num_kv_blocks if scheduler_config.preemption_mode == "swap" else 0)
     kv_cache = build_kv_cache(model, tokenizer, key_format, value_format, config.num_kv_blocks, config.block_size,
                               num_cpu_blocks, pools)
+    if kv_cache.states is not None:
+        log.info("recurrent states: %d slots of %s (%s), a checkpoint every %d tokens", kv_cache.states.num_slots,
+                 human_size(kv_cache.states.slot_bytes), human_size(kv_cache.state_bytes()),
+                 config.state_checkpoint_tokens)
     block_manager = BlockManager([pool.num_blocks for pool in pools], config.block_size, num_cpu_blocks,
-                                 config.enable_prefix_caching, [pool.group.sliding_window for pool in pools],
-                                 window_chunk_tokens(config))
+                                 config.enable_prefix_caching, [pool.group.group_window for pool in pools],
+                                 window_chunk_tokens(config), config.state_checkpoint_blocks)
     events = EventLog()
     step_cost = StepCostModel() if config.spec_type or config.max_step_ms is not None else None
     step_budget = None
@@ -84,6 +91,16 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
                           step_cost=step_cost)
     return LLMEngine(config, ModelRunner(model, kv_cache, backend, max_model_len), block_manager, scheduler, events,
                      tokenizer, max_model_len=max_model_len)
+
+
+def check_speculation(model_config: ModelConfig, spec_type: str | None) -> None:
+    """Refuse speculative decoding for a model with recurrent (linear-attention) layers: a rejected drafted
+    token would stay in their state, which cannot be cut back to the last accepted token."""
+    if spec_type is not None and model_config.recurrent_layers:
+        flag = "--spec-type ngram" if spec_type == "ngram" else "--spec-type draft / -md"
+        raise ValueError(f"{model_config.name} has recurrent (linear-attention) layers "
+                         f"{list(model_config.recurrent_layers)}: speculative decoding ({flag}) cannot run on it, "
+                         "since a rejected draft token would stay in their state; start it without speculation")
 
 
 def build_draft_drafter(draft_model: CausalLM, config: EngineConfig) -> DraftModelDrafter:
@@ -111,6 +128,10 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
     model_config = model.config
     calibration = rope = None
     layer_shapes = layer_kv_shapes(model_config)
+    if (key_format.needs_calibration or value_format.needs_calibration) and model_config.recurrent_layers:
+        raise ValueError(f"the calibrated KV formats ({key_format} / {value_format}) calibrate over every layer's "
+                         f"keys; {model_config.name}'s layers {list(model_config.recurrent_layers)} are recurrent "
+                         "(use q8_0 or q4_rot:-mean,-key_transform)")
     if key_format.needs_calibration or value_format.needs_calibration:
         own = next((i for i, layer in enumerate(model_config.layer_attention)
                     if (layer.num_kv_heads, layer.head_dim, layer.keys_are_values, layer.rope, layer.rotary_dim)
@@ -124,14 +145,29 @@ def build_kv_cache(model: CausalLM, tokenizer, key_format: KVFormatSpec, value_f
                              f"over whole heads; this model turns {model_config.rotary_dim} of {model_config.head_dim}")
         calibration = load_or_calibrate(model, tokenizer)
         rope = lambda positions: model.rotary(positions, torch.float32)  # noqa: E731
-    layer_groups = group_numbers = None
+    layer_groups = group_numbers = states = None
     if pools is not None and len(pools) > 1:
         group_of = {layer: index for index, pool in enumerate(pools) for layer in pool.group.layers}
         layer_groups = [group_of[layer] for layer in range(model_config.num_layers)]
         group_numbers = [pool.num_blocks for pool in pools]
+        states = build_state_cache(model_config, pools[-1], param.dtype, param.device, num_cpu_blocks)
     return PagedKVCache(model_config.num_layers, num_blocks, block_size, model_config.num_kv_heads,
                         model_config.head_dim, param.dtype, param.device, num_cpu_blocks, key_format, value_format,
-                        calibration, rope, layer_shapes, layer_groups, group_numbers)
+                        calibration, rope, layer_shapes, layer_groups, group_numbers, states)
+
+
+def build_state_cache(model_config: ModelConfig, pool: GroupPool, dtype: torch.dtype, device: torch.device,
+                      num_cpu_slots: int) -> RecurrentStateCache | None:
+    """The slots of `pool` when it is the state group (its layers' states, convolution inputs in `dtype`,
+    matrices in float32), with `num_cpu_slots` swap slots (the block manager's swap tier of every group
+    has as many); None for another group. Raises ValueError when the recurrent layers' states differ."""
+    if not pool.group.recurrent:
+        return None
+    shapes = {model_config.attention_of(layer).state for layer in pool.group.layers}
+    if len(shapes) != 1:
+        raise ValueError(f"the recurrent layers of {model_config.name} keep states of different shapes: {shapes}")
+    return RecurrentStateCache(pool.group.layers, shapes.pop(), pool.num_blocks, dtype, device,
+                               num_cpu_slots=num_cpu_slots)
 
 
 def layer_kv_shapes(config: ModelConfig) -> list[LayerKVShape] | None:
@@ -151,7 +187,8 @@ def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVForma
                 max_model_len: int) -> list[GroupPool]:
     """The KV pool of each layer group (kv/group_plan.py), group 0 first: from `config`'s byte budget, else
     from its fraction of the CUDA device less what is already allocated there (the weights), else
-    `num_kv_blocks` for the full group (a window group: its rule's blocks, at most that many)."""
+    `num_kv_blocks` for the full group (a window group: its rule's blocks, at most that many; a state group:
+    its rule's slots, whatever the budget)."""
     device = next(model.parameters()).device
     budget = config.kv_cache_memory_bytes
     if budget is None and config.gpu_memory_utilization:
@@ -159,20 +196,27 @@ def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVForma
             raise ValueError("--gpu-memory-utilization needs a CUDA device; give a KV budget in bytes instead")
         budget = kv_budget_bytes(torch.cuda.get_device_properties(device).total_memory,
                                  torch.cuda.memory_allocated(device), config.gpu_memory_utilization)
+    plan = functools.partial(plan_group_pools, model.config, key_format, value_format, block_size=config.block_size,
+                             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                             chunk_tokens=window_chunk_tokens(config),
+                             state_checkpoint_blocks=config.state_checkpoint_blocks,
+                             state_cache_slots=config.num_state_cache_slots,
+                             state_conv_bytes=next(model.parameters()).dtype.itemsize)
     if budget is None:  # --num-kv-blocks: the full group's pool; a window group's by its rule, at most that
-        pools = plan_group_pools(model.config, key_format, value_format, 0, config.block_size,
-                                 config.max_num_seqs, max_model_len, window_chunk_tokens(config))
-        has_full_group = pools[0].group.sliding_window is None
+        pools = plan(kv_budget=None)
+        has_full_group = pools[0].group.sliding_window is None and not pools[0].group.recurrent
 
-        def num_blocks(window: int | None) -> int:
+        def num_blocks(pool: GroupPool) -> int:
+            if pool.group.recurrent:
+                return pool.num_blocks
+            window = pool.group.sliding_window
             if window is None or not has_full_group:
                 return config.num_kv_blocks
             return min(config.num_kv_blocks, window_pool_blocks(window, config.block_size, config.max_num_seqs,
                                                                 max_model_len, window_chunk_tokens(config)))
 
-        return [dataclasses.replace(pool, num_blocks=num_blocks(pool.group.sliding_window)) for pool in pools]
-    pools = plan_group_pools(model.config, key_format, value_format, budget, config.block_size,
-                             config.max_num_seqs, max_model_len, window_chunk_tokens(config))
+        return [dataclasses.replace(pool, num_blocks=num_blocks(pool)) for pool in pools]
+    pools = plan(kv_budget=budget)
     if min(pool.num_blocks for pool in pools) == 0:
         block_bytes = sum(pool.bytes_per_token for pool in pools) * config.block_size
         raise ValueError(f"a KV budget of {human_size(budget)} holds no block of {config.block_size} tokens "

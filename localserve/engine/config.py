@@ -13,6 +13,12 @@ SPEC_TYPES = ("ngram", "draft")  # speculative decoding's drafters (engine/specu
 # Drafted tokens a step at most, by default: K = 8 gave document Q&A 2.04-2.13x on the dev CPU where K = 4
 # gave 1.80-1.99x (docs/BENCHMARKS.md); K adapts per sequence below it, so free text drafts less.
 SPEC_TOKENS = 8
+# Tokens between two checkpoints of a recurrent state by default (kv/state_steps.py; a prompt's last block
+# boundary is always one too). One default step budget (512 tokens): a prefix hit that falls between two
+# checkpoints recomputes at most one step's worth, and a prefill step writes at most one checkpoint per sequence
+# besides the running state. Denser checkpoints cost memory: one state of Qwen3.6-27B's shape (48 linear layers,
+# 48 value heads of 128 x 128 in float32) is about 147 MiB, as much as ~2,350 tokens of its KV in 16 bits.
+STATE_CHECKPOINT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,21 @@ class EngineConfig:
     # The step budget in time (--max-step-ms): None off (the library's default: offline generation has no
     # stream to keep steady); "auto": twice a stream's usual gap (engine/step_budget.py); a number of ms.
     max_step_ms: float | str | None = None
+    # Models with recurrent (linear-attention) layers (--state-checkpoint-tokens, --state-cache-slots): their
+    # state is checkpointed every `state_checkpoint_tokens` tokens of a sequence (a multiple of block_size) and
+    # at its prompt's last block boundary, for the prefix cache; the state pool holds, besides what the running
+    # sequences need, `state_cache_slots` slots for cached checkpoints (None: one per running sequence, so
+    # each conversation's last checkpoint can outlive the next max_num_seqs - 1 requests).
+    state_checkpoint_tokens: int = STATE_CHECKPOINT_TOKENS
+    state_cache_slots: int | None = None
 
     def __post_init__(self) -> None:
         self.scheduler_config()  # validates the scheduler's fields now, not at the first step
+        if self.state_checkpoint_tokens < self.block_size or self.state_checkpoint_tokens % self.block_size:
+            raise ValueError(f"state_checkpoint_tokens must be a positive multiple of the block size "
+                             f"{self.block_size}, got {self.state_checkpoint_tokens}")
+        if self.state_cache_slots is not None and self.state_cache_slots < 0:
+            raise ValueError(f"state_cache_slots must be >= 0 (or None), got {self.state_cache_slots}")
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
             raise ValueError(f"spec_type must be one of {', '.join(SPEC_TYPES)} (or None), got {self.spec_type!r}")
         if self.spec_tokens < 1:
@@ -84,6 +102,16 @@ class EngineConfig:
     def model_len(self, context_length: int) -> int:
         """The context a model of `context_length` tokens is served with: `max_model_len`, at most its own."""
         return min(self.max_model_len or context_length, context_length)
+
+    @property
+    def state_checkpoint_blocks(self) -> int:
+        """Blocks between two policy checkpoints of a recurrent state."""
+        return self.state_checkpoint_tokens // self.block_size
+
+    @property
+    def num_state_cache_slots(self) -> int:
+        """State slots kept for cached checkpoints beyond the running sequences' need."""
+        return self.max_num_seqs if self.state_cache_slots is None else self.state_cache_slots
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,

@@ -32,12 +32,14 @@ class KvCapacity:
 
 @dataclass(frozen=True)
 class KvGroupFacts:
-    """One layer group's pool (kv/layer_groups.py): "full" or "window W", its layers and blocks."""
+    """One layer group's pool (kv/layer_groups.py): "full", "window W" or "state", its layers and blocks (a
+    state group's blocks are its slots, each one recurrent state of its layers)."""
 
     label: str
     num_layers: int
     num_blocks: int
-    bytes_per_token: int  # K and V of its layers, in the pool's formats
+    bytes_per_token: int  # K and V of its layers, in the pool's formats (0 in a state group)
+    slot_bytes: int = 0  # a state group's: one slot's state over its layers
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ class EngineFacts:
     def kv_cache_bytes(self) -> int:
         """The GPU pool's size in bytes (every group's)."""
         if self.kv_groups:
-            return sum(group.num_blocks * self.block_size * group.bytes_per_token for group in self.kv_groups)
+            return sum(group.num_blocks * (self.block_size * group.bytes_per_token + group.slot_bytes)
+                       for group in self.kv_groups)
         return self.num_gpu_blocks * self.block_size * self.kv_bytes_per_token
 
 
@@ -102,6 +105,7 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
         cache_type_k=str(kv_cache.key_format), cache_type_v=str(kv_cache.value_format),
         kv_bytes_per_token=bytes_per_token, capacity=tuple(capacity), embedding=embedding,
         kv_groups=tuple(KvGroupFacts(usage.label, kv_cache.layer_groups.count(group), usage.num_blocks,
-                                     group_bytes[group])
+                                     group_bytes[group], kv_cache.states.slot_bytes
+                                     if group == kv_cache.state_group else 0)
                         for group, usage in enumerate(engine.block_manager.group_usage())) if len(group_bytes) > 1
         else ())

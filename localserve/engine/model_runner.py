@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate, chain
 from operator import attrgetter
 
@@ -10,8 +11,10 @@ import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
-from localserve.engine.step import StepInput
+from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
+from localserve.kv.recurrent_states import StepStates
+from localserve.kv.state_steps import step_state_slots
 from localserve.models.protocol import CausalLM, ForwardContext
 
 _start_pos, _seq_id, _block_table, _token_ids, _needs_logits = map(
@@ -23,6 +26,10 @@ class ModelRunner:
 
     On CUDA with the Triton backend, decode-only steps replay captured CUDA graphs (engine/cuda_graphs.py)
     when `max_model_len` is given and the model allows it (`supports_cuda_graphs`); other steps run eagerly.
+
+    With a state group (a model with recurrent layers, `kv_cache.states`), every forward pass gets the
+    step's `StepStates`, built from each chunk's state-group table by `step_state_slots`; that group has no
+    K/V, so the attention inputs carry only the other groups' tables, and decodes run eagerly.
     """
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
@@ -31,12 +38,14 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = next(model.parameters()).device
-        self.num_groups = len(kv_cache.group_num_blocks)
-        self.block_tables = [BlockTableRows() for _ in range(self.num_groups)]  # a mirror per layer group
+        self.state_group = kv_cache.state_group  # always the last group (PagedKVCache checks it)
+        # The groups whose layers keep K and V: every group but the state group.
+        self.num_groups = len(kv_cache.group_num_blocks) - (self.state_group is not None)
+        self.block_tables = [BlockTableRows() for _ in range(self.num_groups)]  # a mirror per K/V group
         self.decode_graphs = None
-        # The captured graphs carry one group's tables: a pool with layer groups decodes eagerly.
+        # The captured graphs carry one group's tables and no states: a pool with layer groups decodes eagerly.
         if (self.device.type == "cuda" and backend.name == "triton" and max_model_len and model.supports_cuda_graphs
-                and self.num_groups == 1):
+                and len(kv_cache.group_num_blocks) == 1):
             from localserve.engine.cuda_graphs import DecodeGraphs  # imports triton: only where it runs
 
             self.decode_graphs = DecodeGraphs(model, kv_cache, backend, max_model_len)
@@ -57,7 +66,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self.decode_graphs.run(step)
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
-        return self._forward(input_ids, inputs, logit_rows)
+        return self._forward(input_ids, inputs, logit_rows, self.step_states(step))
 
     @torch.inference_mode()
     def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +78,7 @@ class ModelRunner:
         self.kv_cache.swap_in(step.swap_in)
         self.kv_cache.copy_blocks(step.block_copies)
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
-        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs))
+        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), self.step_states(step))
         hidden = self.model(input_ids, inputs.positions, ctx)
         ends = list(accumulate(len(chunk.token_ids) for chunk in step.chunks))
         pooled_rows = np.concatenate([np.arange(end - len(chunk.token_ids), end)
@@ -120,14 +129,45 @@ class ModelRunner:
         return (inputs, torch.from_numpy(input_ids).to(device),
                 None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64, device=device))
 
-    @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        """Logits at every position of one prompt run as a single chunk: [len(token_ids), vocab]."""
-        inputs = AttentionInputs.for_prompt(len(token_ids), block_table, self.kv_cache.block_size, self.device)
-        return self._forward(torch.tensor(token_ids, device=self.device), inputs, None)
+    def step_states(self, step: StepInput) -> StepStates | None:
+        """The step's recurrent-state reads and writes, chunk after chunk (None without a state group): each
+        chunk's from its state-group table, its computed tokens (`start_pos`) and its new ones."""
+        if self.state_group is None:
+            return None
+        block_size, group = self.kv_cache.block_size, self.state_group
+        read_slots, saves = [], []
+        for chunk in step.chunks:
+            if chunk.num_draft_tokens:
+                raise ValueError("a model with recurrent layers cannot verify drafted tokens: its state would keep "
+                                 "the rejected ones")
+            read, writes = step_state_slots(chunk.group_block_tables[group], chunk.start_pos, len(chunk.token_ids),
+                                            block_size)
+            read_slots.append(read)
+            saves.append(writes)
+        return StepStates(self.kv_cache.states, torch.tensor(read_slots, dtype=torch.int64, device=self.device),
+                          saves)
 
-    def _forward(self, input_ids: torch.Tensor, inputs: AttentionInputs,
-                 logit_rows: torch.Tensor | None) -> torch.Tensor:
-        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs))
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], block_table: list[int],
+                      group_block_tables: Sequence[list[int]] = ()) -> torch.Tensor:
+        """Logits at every position of one prompt run as a single chunk from position 0: [len(token_ids), vocab].
+
+        `group_block_tables`: the prompt's table in each layer group (SeqChunk's field; group 0's is
+        `block_table`); empty: every layer reads group 0's table. A model with recurrent layers needs them: its
+        state group's table must have a slot at the prompt's last entry (the running state), distinct from
+        any checkpoint slot it has before (NO_BLOCK elsewhere keeps just the running state)."""
+        if not group_block_tables and self.state_group is None:
+            inputs = AttentionInputs.for_prompt(len(token_ids), block_table, self.kv_cache.block_size, self.device)
+            return self._forward(torch.tensor(token_ids, device=self.device), inputs, None)
+        if len(group_block_tables) != len(self.kv_cache.group_num_blocks):
+            raise ValueError(f"prompt_logits: a pool of {len(self.kv_cache.group_num_blocks)} layer groups needs a "
+                             f"table per group, got {len(group_block_tables)}")
+        step = StepInput([SeqChunk(list(token_ids), 0, block_table, group_block_tables=group_block_tables)])
+        inputs, input_ids, _ = self.prepare_inputs(step)
+        return self._forward(input_ids, inputs, None, self.step_states(step))
+
+    def _forward(self, input_ids: torch.Tensor, inputs: AttentionInputs, logit_rows: torch.Tensor | None,
+                 states: StepStates | None = None) -> torch.Tensor:
+        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), states)
         hidden = self.model(input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])

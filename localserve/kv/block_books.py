@@ -15,7 +15,7 @@ from typing import Protocol
 from localserve.kv.block_hash import BlockContent
 from localserve.kv.block_pool import BlockPool
 from localserve.kv.followers import FollowerLink
-from localserve.kv.layer_groups import group_label
+from localserve.kv.layer_groups import GroupWindow, group_label
 
 
 class SequenceView(Protocol):
@@ -32,11 +32,17 @@ class SequenceView(Protocol):
         ...
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Its prompt's tokens (where the state group's last checkpoint of the prompt lies)."""
+        ...
+
+    @property
     def shares_token_ids(self) -> bool: ...
 
     @property
     def block_tables(self) -> Sequence[Sequence[int]]:
-        """Per group: GPU block ids (NO_BLOCK where a window group gave one back), or CPU ids while swapped out."""
+        """Per group: GPU block ids (NO_BLOCK where a window or state group holds none), or CPU ids while swapped
+        out."""
         ...
 
     @property
@@ -67,7 +73,7 @@ class SequenceView(Protocol):
 class PoolBooks:
     """One group's pool as it is now: its window and the books of its GPU and CPU blocks."""
 
-    sliding_window: int | None  # None: full attention
+    sliding_window: GroupWindow  # None: full attention; RECURRENT: the state group
     num_blocks: int
     ref_counts: Sequence[int]  # per GPU block: the block tables pointing at it
     block_hashes: Sequence[bytes | None]  # per GPU block: its prefix-cache key, while it has one
@@ -78,7 +84,7 @@ class PoolBooks:
     swap_holder_counts: Sequence[int]  # per CPU swap-pool block: the swapped-out tables pointing at it
 
     @classmethod
-    def of(cls, pool: BlockPool, sliding_window: int | None, swap_holder_counts: Sequence[int]) -> PoolBooks:
+    def of(cls, pool: BlockPool, sliding_window: GroupWindow, swap_holder_counts: Sequence[int]) -> PoolBooks:
         return cls(sliding_window, pool.num_blocks, pool.ref_counts, pool.block_hashes, pool.block_contents,
                    MappingProxyType(pool.hash_to_block), pool.free_queue, pool.num_cached_blocks, swap_holder_counts)
 
@@ -92,6 +98,7 @@ class BlockBooks:
     pools: tuple[PoolBooks, ...]  # per layer group, group 0 first
     sequences: Mapping[int, SequenceView]  # by sequence id
     followers: Mapping[int, FollowerLink]  # follower id -> its leader and the blocks they share
+    state_checkpoint_blocks: int = 1  # the state group's checkpoint spacing (kv/state_group.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sequences", MappingProxyType(self.sequences))
@@ -101,7 +108,7 @@ class BlockBooks:
 class GroupUsage:
     """One group's pool in numbers, for the monitor and /metrics."""
 
-    sliding_window: int | None  # None: full attention
+    sliding_window: GroupWindow  # None: full attention; RECURRENT: the state group
     num_blocks: int
     num_used_blocks: int
     num_cached_blocks: int

@@ -22,6 +22,12 @@ that many tokens past its computed ones at a time: at admission for its first pr
 computed. The tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk, and a
 window pool of max_num_seqs x (ceil((W + chunk - 1) / block_size) + 1) blocks always has room for them.
 
+A state group (`RECURRENT`, recurrent layers: at most one, last) holds state slots, not KV: its tables are
+`NO_BLOCK` but at checkpoints, the running state and the slot a step's final state goes to; it grants
+slots a chunk at a time like a window group, and kv/state_group.py keeps its rules (which checkpoints,
+when the running slot moves, which prefix hits it accepts); kv/state_steps.py reads its tables. With a
+state group, `truncate` is refused (a recurrent state cannot be cut back) and so is `allocate_sharing`.
+
 The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
 `num_cpu_blocks` blocks holding the sequences preempted by swap, with no prefix cache; the followers
@@ -44,14 +50,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from localserve.kv.allocation_plan import AllocationPlan, num_hits_dropped, plan_allocation
 from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, GroupUsage, PoolBooks, pool_snapshot
-from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_payload, hash_block, hash_payload
+from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_payload, hash_payload
 from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
 from localserve.kv.block_tier import BlockTier
 from localserve.kv.followers import Followers
 from localserve.kv.integrity import check_integrity
-from localserve.kv.layer_groups import num_blocks_out_of_window
+from localserve.kv.layer_groups import RECURRENT, GroupWindow, num_blocks_out_of_window
 from localserve.kv.out_of_blocks import OutOfBlocksError
+from localserve.kv.state_group import CheckpointPolicy, StateGroup
 from localserve.kv.swap_pool import CpuSwapPool
 
 
@@ -68,6 +76,7 @@ class SequenceBlocks:
     block_hashes: list[bytes]  # keys of the full computed blocks (with prefix caching only)
     extra_key: bytes
     num_tokens: int  # tokens the manager has of token_ids
+    num_prompt_tokens: int = 0  # its prompt's, where the state group's last checkpoint of the prompt lies
     shares_token_ids: bool = False
     is_swapped: bool = False
     # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
@@ -78,15 +87,6 @@ class SequenceBlocks:
         """What the key of its block `index` is the hash of: the previous block's key, its extra key, its tokens."""
         parent_hash = self.block_hashes[index - 1] if index else ROOT_HASH
         return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size], self.extra_key)
-
-
-@dataclass(slots=True)
-class _AllocationPlan:
-    """A prompt's prefix hits as every group accepts them, and what each group takes from its free queue."""
-
-    hit_hashes: list[bytes]  # keys of the hit blocks, one per block before the hit point
-    group_hits: list[list[int]]  # per group: the hit blocks it holds (a window group: those in its window)
-    num_blocks_to_take: list[int]  # per group
 
 
 class BlockManager:
@@ -102,27 +102,39 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int | Sequence[int], block_size: int = 16, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, group_windows: Sequence[int | None] = (None,),
-                 window_chunk_tokens: int | None = None) -> None:
-        """`group_windows`: each group's sliding window (None: full attention); `num_blocks`: the pool size
-        of each group, or one size for all; `window_chunk_tokens`: see the module doc (None: a window group
-        takes blocks for a whole prompt at admission, as a full group does)."""
+                 enable_prefix_caching: bool = True, group_windows: Sequence[GroupWindow] = (None,),
+                 window_chunk_tokens: int | None = None, state_checkpoint_blocks: int = 1) -> None:
+        """`group_windows`: each group's sliding window (None: full attention, `RECURRENT`: the state group,
+        last); `num_blocks`: the pool size of each group, or one size for all; `window_chunk_tokens`: see
+        the module doc (None: a window or state group takes blocks for a whole prompt at admission, as a
+        full group does); `state_checkpoint_blocks`: the state group checkpoints every this many blocks
+        (kv/state_group.py)."""
         if window_chunk_tokens is not None and window_chunk_tokens < 1:
             raise ValueError(f"window_chunk_tokens must be >= 1, got {window_chunk_tokens}")
+        if state_checkpoint_blocks < 1:
+            raise ValueError(f"state_checkpoint_blocks must be >= 1, got {state_checkpoint_blocks}")
         self.window_chunk_tokens = window_chunk_tokens
         pool_sizes = [num_blocks] * len(group_windows) if isinstance(num_blocks, int) else list(num_blocks)
         if not group_windows or len(pool_sizes) != len(group_windows):
             raise ValueError(f"need one pool size per group: {len(group_windows)} groups, sizes {pool_sizes}")
         if min(pool_sizes) < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {pool_sizes}, {block_size}")
-        for window in group_windows:
-            if window is not None and window < 1:
+        for group, window in enumerate(group_windows):
+            if window is RECURRENT:
+                if group != len(group_windows) - 1:
+                    raise ValueError(f"the state group (RECURRENT) must be the last group, got {list(group_windows)}")
+            elif window is not None and window < 1:
                 raise ValueError(f"a group's sliding window must be >= 1, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = tuple(group_windows)
         self._pools = [BlockPool(size) for size in pool_sizes]
-        self._window_groups = [g for g, window in enumerate(self.group_windows) if window is not None]
+        self._window_groups = [g for g, window in enumerate(self.group_windows)
+                               if window is not None and window is not RECURRENT]
+        self._state = (StateGroup(len(pool_sizes) - 1, self._pools[-1],
+                                  CheckpointPolicy(block_size, state_checkpoint_blocks, enable_prefix_caching))
+                       if group_windows[-1] is RECURRENT else None)
+        self.state_checkpoint_blocks = state_checkpoint_blocks
         self._full_groups = [g for g, window in enumerate(self.group_windows) if window is None]
         self._swap_tiers: list[BlockTier] = [CpuSwapPool(num_cpu_blocks) for _ in pool_sizes]
         self._followers = Followers()
@@ -239,7 +251,8 @@ class BlockManager:
         pools = tuple(PoolBooks.of(pool, window, tier.holder_counts)
                       for pool, window, tier in zip(self._pools, self.group_windows, self._swap_tiers, strict=True))
         return BlockBooks(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching, pools=pools,
-                          sequences=self._seqs, followers=self._followers.links)
+                          sequences=self._seqs, followers=self._followers.links,
+                          state_checkpoint_blocks=self.state_checkpoint_blocks)
 
     def snapshot(self) -> BlockPoolSnapshot:
         """The state of every GPU and CPU block, group after group (see `BlockPoolSnapshot`)."""
@@ -247,29 +260,42 @@ class BlockManager:
 
     def can_ever_hold(self, num_prompt_tokens: int, num_peak_blocks: int) -> bool:
         """True when a sequence of this prompt, growing to `num_peak_blocks` blocks, fits the pools when
-        alone: a full group holds all its blocks, a window group its first chunk's (module doc)."""
+        alone: a full group holds all its blocks, a window group its first chunk's, a state group its first
+        chunk's slots and, to pass a checkpoint, two (module doc)."""
         num_first_blocks = self._num_blocks_for(self._slot_target(num_prompt_tokens, 0))
+        if self._state is not None:
+            num_first_slots = self._state.num_slots_to_grant([], 0, num_prompt_tokens,
+                                                             self._slot_target(num_prompt_tokens, 0))
+            if self._state.pool.num_blocks < max(num_first_slots, min(2, num_peak_blocks)):
+                return False
         return all(pool.num_blocks >= (num_peak_blocks if window is None else min(num_first_blocks, num_peak_blocks))
-                   for pool, window in zip(self._pools, self.group_windows, strict=True))
+                   for pool, window in zip(self._pools, self.group_windows, strict=True) if window is not RECURRENT)
 
     @property
     def shares_uncomputed_blocks(self) -> bool:
         """Whether `allocate_sharing` shares a leader's blocks: not where window groups give slots a chunk at a
-        time (a leader's window table does not reach the blocks it has not computed yet)."""
-        return not (self._window_groups and self.window_chunk_tokens is not None)
+        time (a leader's window table does not reach the blocks it has not computed yet), nor with a state
+        group (a follower would need the leader's states at blocks it has not computed yet)."""
+        return not (self._window_groups and self.window_chunk_tokens is not None) and self._state is None
 
     def make_slots(self, seq_id: int) -> int:
-        """Give the sequence's window groups blocks up to `window_chunk_tokens` past its computed tokens, as
-        far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
-        self._extend_windows(self._gpu_seq(seq_id))
+        """Give the sequence's window and state groups slots up to `window_chunk_tokens` past its computed
+        tokens, as far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
+        seq = self._gpu_seq(seq_id)
+        self._extend_windows(seq)
+        self._extend_states(seq)
         return self.num_slotted_tokens(seq_id)
 
     def num_slotted_tokens(self, seq_id: int) -> int:
         """Leading tokens of the sequence with a KV slot in every group: a prefill chunk ends there at most."""
         seq = self._seqs[seq_id]
-        if not self._window_groups:
-            return seq.num_tokens
-        return min(seq.num_tokens, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
+        num_slotted = seq.num_tokens
+        if self._window_groups:
+            num_slotted = min(num_slotted, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
+        if self._state is not None:
+            num_slotted = min(num_slotted, self._state.coverage(seq.block_tables[self._state.group],
+                                                                seq.num_computed_tokens, seq.num_tokens))
+        return num_slotted
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
@@ -317,14 +343,20 @@ class BlockManager:
             # Hits leave the free queue before new blocks are taken from its head, which could evict them.
             for block_id in hits:
                 pool.hold(block_id)
-            num_dropped = num_blocks_out_of_window(num_cached_tokens, window, self.block_size)
+            num_dropped = num_hits_dropped(plan.num_hits, window, self.block_size)
+            if window is RECURRENT:
+                block_tables.append(self._state.grant([NO_BLOCK] * num_dropped + hits, num_cached_tokens,
+                                                      len(token_ids),
+                                                      self._slot_target(len(token_ids), num_cached_tokens),
+                                                      exact=True)[0])
+                continue
             num_new_blocks = self._num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
             block_tables.append([NO_BLOCK] * num_dropped + hits
                                 + [pool.take_free_block() for _ in range(num_new_blocks)])
         self._seqs[seq_id] = SequenceBlocks(
             token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
-            num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes,
-            extra_key=extra_key, num_tokens=len(token_ids), shares_token_ids=share_token_ids)
+            num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes, extra_key=extra_key,
+            num_tokens=len(token_ids), num_prompt_tokens=len(token_ids), shares_token_ids=share_token_ids)
         if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
@@ -344,6 +376,9 @@ class BlockManager:
         need (the leader's prefix hit reaches past the shared blocks), the sequence shares nothing and is
         allocated alone (`allocate`, prefix hits included) instead.
         """
+        if self._state is not None:
+            raise ValueError("allocate_sharing: a manager with a state group shares no uncomputed blocks "
+                             "(shares_uncomputed_blocks is False); allocate each sequence alone")
         leader = self._gpu_seq(leader_id)
         num_shared_tokens = num_shared_blocks * self.block_size
         if seq_id in self._seqs:
@@ -373,7 +408,8 @@ class BlockManager:
             block_tables.append(table + [pool.take_free_block() for _ in range(num_new_blocks)])
         seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
                              num_computed_tokens=0, block_hashes=[], extra_key=leader.extra_key,
-                             num_tokens=len(token_ids), shares_token_ids=share_token_ids)
+                             num_tokens=len(token_ids), num_prompt_tokens=len(token_ids),
+                             shares_token_ids=share_token_ids)
         self._seqs[seq_id] = seq
         self._take_computed_blocks(seq, leader, num_computed_blocks)
         if num_computed_blocks < num_shared_blocks:
@@ -406,7 +442,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id}: append token {num_tokens} to the shared token list first")
         needs_new_block = num_tokens % self.block_size == 0
         pools = self._pools
-        # A window group whose table stops short of the tokens (a prompt not yet computed) gives no slot here.
+        # A window or state group whose table stops short of the tokens (a prompt not yet computed) gives no
+        # slot here.
         covers = [len(table) * self.block_size >= num_tokens for table in seq.block_tables]
         if not needs_new_block and (not seq.may_share_last_block or all(
                 pool.ref_counts[table[-1]] == 1 for pool, table, covered in zip(pools, seq.block_tables, covers,
@@ -416,13 +453,25 @@ class BlockManager:
             return []
         writes_copy = [covered and (needs_new_block or pool.ref_counts[table[-1]] > 1)
                        for pool, table, covered in zip(pools, seq.block_tables, covers, strict=True)]
-        if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)):
+        state = self._state
+        grants_state = state is not None and writes_copy[state.group]
+        if grants_state:
+            writes_copy[state.group] = False  # the state group's rules, below
+        if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)) or (
+                grants_state and state.num_slots_to_grant(seq.block_tables[state.group], seq.num_computed_tokens,
+                                                          seq.num_prompt_tokens, num_tokens + 1)
+                > state.pool.num_available_blocks):
             if not seq.shares_token_ids:
                 seq.token_ids.pop()  # changes nothing
             raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
         seq.num_tokens = num_tokens + 1
         seq.may_share_last_block = False  # a new block, or a copy of its last: its own
         copies = []
+        if grants_state:
+            seq.block_tables[state.group], copies = state.grant(
+                seq.block_tables[state.group], seq.num_computed_tokens, seq.num_prompt_tokens, num_tokens + 1,
+                exact=True)
+            self.cow_copies += len(copies)
         for group, (pool, block_table) in enumerate(zip(pools, seq.block_tables, strict=True)):
             if not writes_copy[group]:
                 continue
@@ -459,13 +508,22 @@ class BlockManager:
                 for index in range(len(seq.block_hashes), num_full_blocks):
                     content = seq.block_payload(index, self.block_size)
                     seq.block_hashes.append(hash_payload(content))
-                    for pool, table in zip(self._pools, seq.block_tables, strict=True):
-                        pool.register(table[index], seq.block_hashes[index], content)
+                    for pool, table, window in zip(self._pools, seq.block_tables, self.group_windows, strict=True):
+                        if window is not RECURRENT:  # the state group registers its checkpoints below
+                            pool.register(table[index], seq.block_hashes[index], content)
             if self._followers.leads(seq_id):
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
+        if self._state is not None:
+            group = self._state.group
+            pool = self._pools[group]
+            seq.block_tables[group] = self._state.after_step(
+                seq.block_tables[group], num_before, num_computed_tokens, seq.num_prompt_tokens,
+                lambda index, slot: pool.register(slot, seq.block_hashes[index],
+                                                  seq.block_payload(index, self.block_size)))
         self._slide_windows(seq, num_before)
         self._extend_windows(seq)
+        self._extend_states(seq)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
@@ -478,6 +536,9 @@ class BlockManager:
         (`share_token_ids`) is its owner's to shorten; a copy is shortened here.
         """
         seq = self._gpu_seq(seq_id)
+        if self._state is not None:
+            raise ValueError(f"sequence {seq_id}: truncate is refused with a state group (recurrent layers): the "
+                             f"running state of the dropped tokens cannot be taken back (no speculative decoding)")
         if not max(1, seq.num_computed_tokens) <= num_tokens <= seq.num_tokens:
             raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
                              f"{seq.num_tokens}] tokens, got {num_tokens}")
@@ -516,8 +577,8 @@ class BlockManager:
             token_ids=tokens if child_token_ids is None else child_token_ids,
             block_tables=[list(table) for table in parent.block_tables],
             num_computed_tokens=parent.num_computed_tokens, block_hashes=list(parent.block_hashes),
-            extra_key=parent.extra_key, num_tokens=parent.num_tokens, shares_token_ids=child_token_ids is not None,
-            may_share_last_block=True)
+            extra_key=parent.extra_key, num_tokens=parent.num_tokens, num_prompt_tokens=parent.num_prompt_tokens,
+            shares_token_ids=child_token_ids is not None, may_share_last_block=True)
         parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
@@ -595,7 +656,8 @@ class BlockManager:
                     if block_id != NO_BLOCK:
                         pool.ref_counts[block_id] += 1
                 for index, block_hash in enumerate(seq.block_hashes):
-                    if table[index] != NO_BLOCK:
+                    if table[index] != NO_BLOCK and (self.group_windows[group] is not RECURRENT
+                                                     or self._state.is_checkpoint(index, seq.num_prompt_tokens)):
                         pool.register(table[index], block_hash, seq.block_payload(index, self.block_size))
             moves += [(cpu_block, gpu_block, group) for cpu_block, gpu_block in cpu_to_gpu.items()
                       if cpu_block != NO_BLOCK]
@@ -627,43 +689,12 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return seq
 
-    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool) -> _AllocationPlan:
-        """The prefix hits every group accepts, and the blocks the prompt takes from each free queue.
-
-        A hit of k blocks needs, in a full group, each of the k blocks in its prefix cache and, in a window
-        group, those the window of the query at position k * block_size covers: so the full groups bound k
-        by their first miss, and the window groups may then lower it.
-        """
-        block_size = self.block_size
-        hashes: list[bytes] = []
-        found: list[list[int | None]] = []  # per hashed block: its block id in each group, None: not cached
-        if self.enable_prefix_caching and use_prefix_cache:
-            block_hash = ROOT_HASH
-            for index in range((len(token_ids) - 1) // block_size):
-                # Chained: the previous block's key is this one's parent.
-                block_hash = hash_block(block_hash, token_ids[index * block_size:(index + 1) * block_size], extra_key)
-                block_ids = [pool.hash_to_block.get(block_hash) for pool in self._pools]
-                if any(block_ids[group] is None for group in self._full_groups):
-                    break
-                # Without a full group, a miss does not end the search: a later window may still be cached.
-                hashes.append(block_hash)
-                found.append(block_ids)
-        num_hits = len(hashes)
-        while num_hits and not all(
-                None not in [found[index][group] for index in range(
-                    num_blocks_out_of_window(num_hits * block_size, self.group_windows[group], block_size), num_hits)]
-                for group in self._window_groups):
-            num_hits -= 1
-        group_hits = []
-        num_blocks_to_take = []
-        for group, (pool, window) in enumerate(zip(self._pools, self.group_windows, strict=True)):
-            num_dropped = num_blocks_out_of_window(num_hits * block_size, window, block_size)
-            hits = [found[index][group] for index in range(num_dropped, num_hits)]
-            group_hits.append(hits)
-            num_hits_in_use = sum(1 for block_id in hits if pool.ref_counts[block_id] > 0)
-            num_table_blocks = self._num_table_blocks(window, len(token_ids), num_hits * block_size)
-            num_blocks_to_take.append(num_table_blocks - num_dropped - num_hits_in_use)
-        return _AllocationPlan(hashes[:num_hits], group_hits, num_blocks_to_take)
+    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool) -> AllocationPlan:
+        """The prefix hits every group accepts, and the blocks the prompt takes from each free queue
+        (kv/allocation_plan.py)."""
+        return plan_allocation(self._pools, self.group_windows, self.block_size, token_ids, extra_key,
+                               self.enable_prefix_caching and use_prefix_cache, self._state, self._num_table_blocks,
+                               self._slot_target)
 
     def _num_blocks_to_append(self, seq_ids: Iterable[int]) -> list[int]:
         """Per group, what `num_blocks_to_append` counts."""
@@ -674,6 +705,11 @@ class BlockManager:
             if seq.is_swapped:
                 self._gpu_seq(seq_id)  # raises
             covers = [len(table) * self.block_size >= seq.num_tokens for table in seq.block_tables]
+            state = self._state
+            if state is not None and covers[state.group] and seq.num_tokens % self.block_size == 0:
+                covers[state.group] = False  # a new block's slot: the state group's rules
+                num_blocks[state.group] += state.num_slots_to_grant(
+                    seq.block_tables[state.group], seq.num_computed_tokens, seq.num_prompt_tokens, seq.num_tokens + 1)
             if seq.num_tokens % self.block_size == 0:
                 num_blocks = [count + covered for count, covered in zip(num_blocks, covers, strict=True)]
             elif seq.may_share_last_block:
@@ -709,6 +745,15 @@ class BlockManager:
         for group, table in zip(self._window_groups, tables, strict=True):
             pool = self._pools[group]
             table += [pool.take_free_block() for _ in range(num_new_blocks)]
+
+    def _extend_states(self, seq: SequenceBlocks) -> None:
+        """The state group gives the sequence slots up to `window_chunk_tokens` past its computed tokens, as
+        many as its pool has now (kv/state_group.py)."""
+        if self._state is not None:
+            group = self._state.group
+            seq.block_tables[group] = self._state.grant(
+                seq.block_tables[group], seq.num_computed_tokens, seq.num_prompt_tokens,
+                self._slot_target(seq.num_tokens, seq.num_computed_tokens), exact=False)[0]
 
     def _slide_windows(self, seq: SequenceBlocks, num_computed_before: int) -> None:
         """Window groups give back the sequence's blocks that its computed tokens moved out of the window,

@@ -14,6 +14,7 @@ from localserve.kv.block_pool import BlockMove
 from localserve.kv.calibration import KVCalibration
 from localserve.kv.codecs import KVCodec, RopeFn, dtype_format, make_codec
 from localserve.kv.formats import KVFormatSpec
+from localserve.kv.recurrent_states import RecurrentStateCache
 
 
 class HostTransfers:
@@ -82,6 +83,10 @@ class PagedKVCache:
     `num_blocks`. Block moves name their group: (source, destination, group), and touch only its layers.
     `layer_shapes`: one `LayerKVShape` per layer where layers differ (KV heads, head size, keys as
     values); None: every layer `num_kv_heads` x `head_dim` with its own values.
+
+    `states`: the slots of a state group (kv/recurrent_states.py), for a model with recurrent layers. Those
+    layers (`states.layers`) keep no K or V here (their stores are empty); they form the last group, whose
+    "blocks" are the states' slots, and its block moves copy and swap slots there.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -89,14 +94,17 @@ class PagedKVCache:
                  key_format: KVFormatSpec | None = None, value_format: KVFormatSpec | None = None,
                  calibration: KVCalibration | None = None, rope: RopeFn | None = None,
                  layer_shapes: Sequence[LayerKVShape] | None = None, layer_groups: Sequence[int] | None = None,
-                 group_num_blocks: Sequence[int] | None = None) -> None:
+                 group_num_blocks: Sequence[int] | None = None, states: RecurrentStateCache | None = None) -> None:
         self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
         self.group_num_blocks = list(group_num_blocks) if group_num_blocks is not None else [num_blocks]
         if len(self.layer_groups) != num_layers or not set(self.layer_groups) <= set(range(len(self.group_num_blocks))):
             raise ValueError(f"layer groups {self.layer_groups} do not match {num_layers} layers and "
                              f"{len(self.group_num_blocks)} groups")
+        self.states = states
+        self.state_group = self._state_group(states)
         self.num_blocks = self.group_num_blocks[0]
         self.block_size = block_size
+        self.device = torch.device(device)
         self.key_format = key_format or dtype_format(dtype)
         self.value_format = value_format or dtype_format(dtype)
         if layer_shapes is None:
@@ -119,11 +127,32 @@ class PagedKVCache:
         self.transfers = HostTransfers(device)
         pin = self.transfers.pinned
         layer_blocks = [self.group_num_blocks[group] for group in self.layer_groups]
-        self.key_stores = [self._allocate(c, n, device) for c, n in zip(self.key_codecs, layer_blocks, strict=True)]
+        self.key_stores = [self._allocate(c, n, device, layer=i)
+                           for i, (c, n) in enumerate(zip(self.key_codecs, layer_blocks, strict=True))]
         self.value_stores = self._value_stores(self.key_stores, layer_blocks, device)
         # The swap space: the same layout in CPU memory (pinned when the pool is on a GPU).
-        self.cpu_key_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin) for c in self.key_codecs]
+        self.cpu_key_stores = [self._allocate(c, num_cpu_blocks, "cpu", pin, layer=i)
+                               for i, c in enumerate(self.key_codecs)]
         self.cpu_value_stores = self._value_stores(self.cpu_key_stores, [num_cpu_blocks] * num_layers, "cpu", pin)
+
+    def _state_group(self, states: RecurrentStateCache | None) -> int | None:
+        """The group of `states`' layers, checked: those layers and no other, the last group, one block per slot."""
+        if states is None:
+            return None
+        groups = {self.layer_groups[layer] for layer in states.layers if 0 <= layer < len(self.layer_groups)}
+        last = len(self.group_num_blocks) - 1
+        members = tuple(layer for layer, group in enumerate(self.layer_groups) if group == last)
+        if groups != {last} or members != states.layers:
+            raise ValueError(f"the recurrent layers {list(states.layers)} must form the last layer group alone; "
+                             f"layer groups are {self.layer_groups}")
+        if self.group_num_blocks[last] != states.num_slots:
+            raise ValueError(f"the state group has {self.group_num_blocks[last]} blocks but its cache "
+                             f"{states.num_slots} slots")
+        return last
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether `layer` keeps a recurrent state (in `states`) instead of K and V."""
+        return self.state_group is not None and self.layer_groups[layer] == self.state_group
 
     def keys_are_values(self, layer: int) -> bool:
         """Whether `layer` keeps no value store (its value store is its key store)."""
@@ -133,11 +162,15 @@ class PagedKVCache:
                       pin: bool = False) -> list[dict[str, torch.Tensor]]:
         """Each layer's value store of `layer_blocks[layer]` blocks: its key store itself where its keys are its
         values."""
-        return [key_store if shape.keys_are_values else self._allocate(codec, num_blocks, device, pin)
-                for shape, codec, key_store, num_blocks in zip(self.layer_shapes, self.value_codecs, key_stores,
-                                                               layer_blocks, strict=True)]
+        return [key_store if shape.keys_are_values else self._allocate(codec, num_blocks, device, pin, layer)
+                for layer, (shape, codec, key_store, num_blocks) in enumerate(
+                    zip(self.layer_shapes, self.value_codecs, key_stores, layer_blocks, strict=True))]
 
-    def _allocate(self, codec: KVCodec, num_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
+    def _allocate(self, codec: KVCodec, num_blocks: int, device, pin: bool = False,
+                  layer: int | None = None) -> dict[str, torch.Tensor]:
+        """A store of `num_blocks` blocks in `codec`'s layout; none (an empty dict) for a recurrent layer."""
+        if layer is not None and self.is_recurrent(layer):
+            return {}
         return {name: torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=device,
                                   pin_memory=pin)
                 for name, (shape, dtype) in codec.storage().items()}
@@ -145,16 +178,24 @@ class PagedKVCache:
     def group_bytes_per_token(self) -> list[int]:
         """Bytes one token occupies in each layer group's layers, K and V (K only where keys are values)."""
         per_group = [0] * len(self.group_num_blocks)
-        for layer, (key_codec, value_codec, shape) in enumerate(
-                zip(self.key_codecs, self.value_codecs, self.layer_shapes, strict=True)):
-            per_group[self.layer_groups[layer]] += key_codec.bytes_per_token() + (
-                0 if shape.keys_are_values else value_codec.bytes_per_token())
+        for layer in range(len(self.layer_shapes)):
+            per_group[self.layer_groups[layer]] += self._layer_bytes_per_token(layer)
         return per_group
 
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in the pool, K and V of every layer (K only where keys are values)."""
-        return sum(k.bytes_per_token() + (0 if shape.keys_are_values else v.bytes_per_token())
-                   for shape, k, v in zip(self.layer_shapes, self.key_codecs, self.value_codecs, strict=True))
+        """Bytes one token occupies in the pool, K and V of every layer (K only where keys are values; nothing
+        in a recurrent layer: its state does not grow with tokens, `state_bytes`)."""
+        return sum(map(self._layer_bytes_per_token, range(len(self.layer_shapes))))
+
+    def _layer_bytes_per_token(self, layer: int) -> int:
+        if self.is_recurrent(layer):
+            return 0
+        value_bytes = 0 if self.keys_are_values(layer) else self.value_codecs[layer].bytes_per_token()
+        return self.key_codecs[layer].bytes_per_token() + value_bytes
+
+    def state_bytes(self) -> int:
+        """Bytes of the state group's slots on the device (0 without one)."""
+        return 0 if self.states is None else self.states.num_slots * self.states.slot_bytes
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor,
               positions: torch.Tensor | None = None) -> None:
@@ -236,6 +277,13 @@ class PagedKVCache:
         stores += [value_stores[layer] for layer in layers if value_stores[layer] is not key_stores[layer]]
         return [t for store in stores for t in store.values()]
 
+    def _state_moves(self, moves: Sequence[BlockMove]) -> tuple[list[BlockMove], list[BlockMove]]:
+        """The moves of K/V blocks, and those of the state group's slots."""
+        if self.state_group is None:
+            return list(moves), []
+        kv_moves = [move for move in moves if move[2] != self.state_group]
+        return kv_moves, [move for move in moves if move[2] == self.state_group]
+
     def _by_group(self, moves: Sequence[BlockMove]) -> dict[int, tuple[list[int], list[int]]]:
         """The moves' sources and destinations, by group."""
         by_group: dict[int, tuple[list[int], list[int]]] = {}
@@ -246,11 +294,14 @@ class PagedKVCache:
         return by_group
 
     def copy_blocks(self, moves: Sequence[BlockMove]) -> None:
-        """Copy whole blocks (copy-on-write) in every layer of their group: each (source, destination, group)."""
-        device = next(iter(self.key_stores[0].values())).device
+        """Copy whole blocks (copy-on-write) in every layer of their group: each (source, destination, group);
+        the state group's are slots of `states`."""
+        moves, state_moves = self._state_moves(moves)
+        if state_moves:
+            self.states.copy_slots(state_moves)
         for group, (sources, destinations) in self._by_group(moves).items():
-            src = torch.tensor(sources, device=device)
-            dst = torch.tensor(destinations, device=device)
+            src = torch.tensor(sources, device=self.device)
+            dst = torch.tensor(destinations, device=self.device)
             for cache in self._group_tensors(self.key_stores, self.value_stores, group):
                 cache[dst] = cache[src]
 
@@ -259,8 +310,11 @@ class PagedKVCache:
         of the group.
 
         Gathered on the device, copied into host staging buffers, and only once those copies have
-        completed scattered into the CPU pool.
+        completed scattered into the CPU pool. The state group's moves copy slots of `states`.
         """
+        moves, state_moves = self._state_moves(moves)
+        if state_moves:
+            self.states.swap_out(state_moves)
         by_group = self._by_group(moves)
         staged = {}
         for group, (sources, _) in by_group.items():
@@ -284,8 +338,11 @@ class PagedKVCache:
         """Copy blocks back from the CPU pool: each (cpu_block, gpu_block, group), in every layer of the group.
 
         Gathered on the host into staging buffers, copied to the device and scattered there, all in
-        order with the compute stream; the host does not wait.
+        order with the compute stream; the host does not wait. The state group's moves copy slots of `states`.
         """
+        moves, state_moves = self._state_moves(moves)
+        if state_moves:
+            self.states.swap_in(state_moves)
         for group, (sources, destinations) in self._by_group(moves).items():
             stores = self._group_tensors(self.key_stores, self.value_stores, group)
             cpu_stores = self._group_tensors(self.cpu_key_stores, self.cpu_value_stores, group)

@@ -12,6 +12,15 @@ than the full group has:
   one longest prompt, ceil(max_model_len / block_size).
 
 Where a model has only window groups, they share the budget like layers of one pool.
+
+A state group (recurrent layers, kv/state_group.py) holds slots, not tokens: its pool's bytes come off the
+budget first, `state_pool_slots` of them, max_num_seqs x (ceil(chunk_tokens / (checkpoint_blocks x
+block_size)) + 3) + state_cache_slots (without chunked prefill: max_model_len instead of chunk_tokens). A
+sequence holds at most that many while it prefills a chunk: the periodic checkpoints inside the chunk, the
+prompt's last boundary, its running state and the slot the step's final state goes to; the
+`state_cache_slots` more keep checkpoints of finished prompts for the prefix cache (freed checkpoints
+stay cached in any free slot besides). A slot is one state of every recurrent layer: its convolution's
+inputs in the model's dtype and its delta-rule matrices in float32 (`GroupPool.slot_bytes`).
 """
 
 from __future__ import annotations
@@ -20,16 +29,21 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from localserve.kv.formats import KVFormatSpec
-from localserve.kv.layer_groups import KVGroup, group_label, group_layers, max_blocks_in_window
+from localserve.kv.layer_groups import RECURRENT, GroupWindow, KVGroup, group_layers, max_blocks_in_window
+from localserve.kv.state_shape import StateShape
+
+MATRIX_BYTES = 4
+"""Bytes of one delta-rule matrix element: the states keep float32 (kv/recurrent_states.py)."""
 
 
 class LayerKV(Protocol):
-    """What sizes one layer's KV (a models.config.LayerAttention has it)."""
+    """What sizes one layer's KV or state (a models.config.LayerAttention has it)."""
 
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None
     keys_are_values: bool
+    state: StateShape | None  # a recurrent layer: no KV, this state per slot
 
 
 class LayeredShape(Protocol):
@@ -42,20 +56,46 @@ class LayeredShape(Protocol):
 
 @dataclass(frozen=True)
 class GroupPool:
-    """One group's pool as planned: its layers, bytes per token over them, and its blocks."""
+    """One group's pool as planned: its layers, bytes per token over them, and its blocks (a state group:
+    no bytes per token, its slots and `slot_bytes`, one slot's bytes over its layers)."""
 
     group: KVGroup
     bytes_per_token: int
     num_blocks: int
+    slot_bytes: int = 0
 
     @property
     def label(self) -> str:
-        return group_label(self.group.sliding_window)
+        return self.group.label
+
+    def pool_bytes(self, block_size: int) -> int:
+        """The pool's bytes with blocks of `block_size` tokens (a state group: its slots')."""
+        return self.num_blocks * (self.slot_bytes if self.group.recurrent else self.bytes_per_token * block_size)
 
 
-def layer_windows(shape: LayeredShape) -> list[int | None]:
-    """Each layer's sliding window (None: full attention)."""
-    return [shape.attention_of(layer).sliding_window for layer in range(shape.num_layers)]
+def layer_windows(shape: LayeredShape) -> list[GroupWindow]:
+    """Each layer's sliding window (None: full attention, `RECURRENT`: a recurrent layer)."""
+    kinds = []
+    for layer in range(shape.num_layers):
+        attention = shape.attention_of(layer)
+        kinds.append(RECURRENT if getattr(attention, "state", None) is not None else attention.sliding_window)
+    return kinds
+
+
+def state_slot_bytes(shape: LayeredShape, layers: tuple[int, ...], conv_bytes: int) -> int:
+    """Bytes of one state slot over these recurrent layers: conv inputs at `conv_bytes` (the model's dtype),
+    matrices in float32."""
+    return sum(shape.attention_of(layer).state.nbytes(conv_bytes, MATRIX_BYTES) for layer in layers)
+
+
+def state_pool_slots(block_size: int, max_num_seqs: int, max_model_len: int, chunk_tokens: int | None,
+                     checkpoint_blocks: int, cache_slots: int = 0) -> int:
+    """Slots a state group's pool needs (the module doc's rule; `chunk_tokens` None: no chunked prefill)."""
+    if checkpoint_blocks < 1 or cache_slots < 0:
+        raise ValueError(f"need state checkpoint blocks >= 1 and state cache slots >= 0, got {checkpoint_blocks}, "
+                         f"{cache_slots}")
+    tokens = max_model_len if chunk_tokens is None else chunk_tokens
+    return max_num_seqs * (-(-tokens // (checkpoint_blocks * block_size)) + 3) + cache_slots
 
 
 def layer_bytes_per_token(layer: LayerKV, key_format: KVFormatSpec, value_format: KVFormatSpec) -> int:
@@ -74,11 +114,42 @@ def window_pool_blocks(sliding_window: int, block_size: int, max_num_seqs: int, 
 
 
 def plan_group_pools(shape: LayeredShape, key_format: KVFormatSpec, value_format: KVFormatSpec,
-                     kv_budget: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                     chunk_tokens: int | None) -> list[GroupPool]:
-    """Each group's pool in `kv_budget` bytes, group 0 first: window groups by the rule, capped at the full
-    group's size, the full group the rest. Raises ValueError when a format cannot store a layer's heads."""
+                     kv_budget: int | None, block_size: int, max_num_seqs: int, max_model_len: int,
+                     chunk_tokens: int | None, state_checkpoint_blocks: int = 1, state_cache_slots: int = 0,
+                     state_conv_bytes: int = 2) -> list[GroupPool]:
+    """Each group's pool in `kv_budget` bytes, group 0 first: the state group's slots by its rule off the
+    budget first, window groups by theirs, capped at the full group's size, the full group the rest.
+    `kv_budget` None: the groups and the state pool only, every KV group 0 blocks (the caller sizes them).
+    Raises ValueError when a format cannot store a layer's heads, or the budget cannot hold the state pool
+    (saying by how much)."""
     groups = group_layers(layer_windows(shape))
+    state_pools = []
+    if groups[-1].recurrent:
+        state_group = groups.pop()
+        slot_bytes = state_slot_bytes(shape, state_group.layers, state_conv_bytes)
+        num_slots = state_pool_slots(block_size, max_num_seqs, max_model_len, chunk_tokens, state_checkpoint_blocks,
+                                     state_cache_slots)
+        state_pools.append(GroupPool(state_group, 0, num_slots, slot_bytes))
+        if kv_budget is not None:
+            if num_slots * slot_bytes > kv_budget:
+                need = num_slots * slot_bytes
+                raise ValueError(
+                    f"the recurrent state pool needs {num_slots} slots of {slot_bytes:,} bytes, {need:,} bytes "
+                    f"({need / 2 ** 20:,.1f} MiB: {max_num_seqs} sequences, a state checkpoint every "
+                    f"{state_checkpoint_blocks * block_size} tokens, {state_cache_slots} cache slots): "
+                    f"{need - kv_budget:,} bytes more than the KV budget of {kv_budget:,} bytes; give more memory, "
+                    f"fewer sequences, shorter prefill chunks or more tokens between state checkpoints")
+            kv_budget -= num_slots * slot_bytes
+        if not groups:
+            return state_pools
+    return _plan_kv_pools(shape, groups, key_format, value_format, kv_budget or 0, block_size, max_num_seqs,
+                          max_model_len, chunk_tokens) + state_pools
+
+
+def _plan_kv_pools(shape: LayeredShape, groups: list[KVGroup], key_format: KVFormatSpec, value_format: KVFormatSpec,
+                   kv_budget: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                   chunk_tokens: int | None) -> list[GroupPool]:
+    """The full and window groups' pools in `kv_budget` bytes (`plan_group_pools`)."""
     per_token = [sum(layer_bytes_per_token(shape.attention_of(layer), key_format, value_format)
                      for layer in group.layers) for group in groups]
     if groups[0].sliding_window is not None or len(groups) == 1:  # one pool's worth: every group alike

@@ -10,7 +10,8 @@ from __future__ import annotations
 from localserve.kv.block_books import BlockBooks, PoolBooks
 from localserve.kv.block_hash import hash_payload
 from localserve.kv.block_pool import NO_BLOCK
-from localserve.kv.layer_groups import max_blocks_in_window, num_blocks_out_of_window
+from localserve.kv.layer_groups import RECURRENT, max_blocks_in_window, num_blocks_out_of_window
+from localserve.kv.state_group import CheckpointPolicy
 
 
 def check_integrity(books: BlockBooks) -> None:
@@ -23,7 +24,10 @@ def check_integrity(books: BlockBooks) -> None:
     group's: at least its computed ones, at most all); in a window group exactly the blocks wholly before
     the window of its next query are given back (`NO_BLOCK`, a prefix of the table), so it holds at most
     ceil((W + n - 1) / block_size) + 1 blocks with n tokens slotted but uncomputed (ceil(W / block_size) + 1
-    in a decode); a follower shares its leader's blocks and has not caught up yet.
+    in a decode); a state group's table is as kv/state_group.py lays it out (no real entry before the
+    running one, a slot for the running state, slots between only at policy checkpoints, those past the
+    running state its own and unregistered, a registered one only at a computed policy checkpoint); a
+    follower shares its leader's blocks and has not caught up yet.
     """
     block_size = books.block_size
     for seq_id, seq in books.sequences.items():
@@ -54,29 +58,10 @@ def _check_pool(books: BlockBooks, group: int, pool: PoolBooks) -> None:
     block_size, window = books.block_size, pool.sliding_window
     where = f"group {group}" if len(books.pools) > 1 else "pool"
     table_refs = {False: [0] * pool.num_blocks, True: [0] * len(pool.swap_holder_counts)}  # by is_swapped
-    for seq_id, seq in books.sequences.items():
-        table = seq.block_tables[group]
-        num_dropped = num_blocks_out_of_window(seq.num_computed_tokens, window, block_size)
-        held = table[num_dropped:]
-        _check(all(block_id == NO_BLOCK for block_id in table[:num_dropped]) and NO_BLOCK not in held,
-               f"{where}, seq {seq_id}: table {list(table)} should give back exactly its first {num_dropped} "
-               f"blocks ({seq.num_computed_tokens} computed tokens, window {window})")
-        num_blocks = -(-seq.num_tokens // block_size)
-        # A window group's table may stop short of the tokens, never of the computed ones (its slots).
-        min_blocks = num_blocks if window is None else -(-seq.num_computed_tokens // block_size)
-        _check(min_blocks <= len(table) <= num_blocks and len(set(held)) == len(held),
-               f"{where}, seq {seq_id}: {len(table)} blocks ({len(set(held))} distinct held) for "
-               f"{seq.num_tokens} tokens, {seq.num_computed_tokens} computed")
-        if window is not None:
-            num_slotted = min(seq.num_tokens, len(table) * block_size)
-            bound = max_blocks_in_window(window, block_size, max(1, num_slotted - seq.num_computed_tokens))
-            _check(len(held) <= bound, f"{where}, seq {seq_id}: holds {len(held)} blocks, more than the window "
-                   f"of {window} tokens needs ({bound})")
-        for index, block_id in enumerate(held, start=num_dropped):
-            table_refs[seq.is_swapped][block_id] += 1
-            registered_hash = None if seq.is_swapped else pool.block_hashes[block_id]
-            _check(registered_hash is None or seq.block_hashes[index:index + 1] == [registered_hash],
-                   f"{where}, seq {seq_id}: block {block_id} is registered under another key")
+    if window is RECURRENT:
+        _check_state_tables(books, group, pool, table_refs)
+    else:
+        _check_kv_tables(books, group, pool, table_refs)
     for seq_id, seq in books.sequences.items():
         table = seq.block_tables[group]
         covers_tokens = len(table) * block_size >= seq.num_tokens and table and table[-1] != NO_BLOCK
@@ -106,6 +91,60 @@ def _check_pool(books: BlockBooks, group: int, pool: PoolBooks) -> None:
            f"{where}: free {num_free} + cached {num_cached} + used {num_used} != {pool.num_blocks}")
     _check(list(pool.swap_holder_counts) == table_refs[True],
            f"{where}: CPU ref counts {list(pool.swap_holder_counts)}, tables pointing at each block {table_refs[True]}")
+
+
+def _check_kv_tables(books: BlockBooks, group: int, pool: PoolBooks, table_refs: dict[bool, list[int]]) -> None:
+    """Each sequence's table in a full or window group, counted into `table_refs`."""
+    block_size, window = books.block_size, pool.sliding_window
+    where = f"group {group}" if len(books.pools) > 1 else "pool"
+    for seq_id, seq in books.sequences.items():
+        table = seq.block_tables[group]
+        num_dropped = num_blocks_out_of_window(seq.num_computed_tokens, window, block_size)
+        held = table[num_dropped:]
+        _check(all(block_id == NO_BLOCK for block_id in table[:num_dropped]) and NO_BLOCK not in held,
+               f"{where}, seq {seq_id}: table {list(table)} should give back exactly its first {num_dropped} "
+               f"blocks ({seq.num_computed_tokens} computed tokens, window {window})")
+        num_blocks = -(-seq.num_tokens // block_size)
+        # A window group's table may stop short of the tokens, never of the computed ones (its slots).
+        min_blocks = num_blocks if window is None else -(-seq.num_computed_tokens // block_size)
+        _check(min_blocks <= len(table) <= num_blocks and len(set(held)) == len(held),
+               f"{where}, seq {seq_id}: {len(table)} blocks ({len(set(held))} distinct held) for "
+               f"{seq.num_tokens} tokens, {seq.num_computed_tokens} computed")
+        if window is not None:
+            num_slotted = min(seq.num_tokens, len(table) * block_size)
+            bound = max_blocks_in_window(window, block_size, max(1, num_slotted - seq.num_computed_tokens))
+            _check(len(held) <= bound, f"{where}, seq {seq_id}: holds {len(held)} blocks, more than the window "
+                   f"of {window} tokens needs ({bound})")
+        for index, block_id in enumerate(held, start=num_dropped):
+            table_refs[seq.is_swapped][block_id] += 1
+            registered_hash = None if seq.is_swapped else pool.block_hashes[block_id]
+            _check(registered_hash is None or seq.block_hashes[index:index + 1] == [registered_hash],
+                   f"{where}, seq {seq_id}: block {block_id} is registered under another key")
+
+
+def _check_state_tables(books: BlockBooks, group: int, pool: PoolBooks, table_refs: dict[bool, list[int]]) -> None:
+    """Each sequence's table in the state group, counted into `table_refs`."""
+    policy = CheckpointPolicy(books.block_size, books.state_checkpoint_blocks, books.enable_prefix_caching)
+    where = f"group {group} (state)"
+
+    def own(slot: int) -> bool:
+        return pool.ref_counts[slot] == 1 and pool.block_hashes[slot] is None
+
+    for seq_id, seq in books.sequences.items():
+        table = seq.block_tables[group]
+        problem = policy.table_problem(table, seq.num_computed_tokens, seq.num_tokens, seq.num_prompt_tokens,
+                                       None if seq.is_swapped else own)
+        _check(problem is None, f"{where}, seq {seq_id}: table {list(table)}: {problem}")
+        held = [slot for slot in table if slot != NO_BLOCK]
+        _check(len(set(held)) == len(held), f"{where}, seq {seq_id}: table {list(table)} repeats a slot")
+        for index, slot in enumerate(table):
+            if slot == NO_BLOCK:
+                continue
+            table_refs[seq.is_swapped][slot] += 1
+            registered_hash = None if seq.is_swapped else pool.block_hashes[slot]
+            # A hit may be another prompt's checkpoint: registered under this block's key, if not this policy's.
+            _check(registered_hash is None or seq.block_hashes[index:index + 1] == [registered_hash],
+                   f"{where}, seq {seq_id}: slot {slot} is registered under another key")
 
 
 def _check(condition: bool, message: str) -> None:

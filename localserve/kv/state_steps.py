@@ -1,15 +1,20 @@
 """Which state slots one step of a sequence reads and writes, from its state group's block table. No torch.
 
-A state group's table (kv/layer_groups.py, kind "state") has one entry per logical block like any group,
-`NO_BLOCK` except at: checkpoints (entry i: the state after the first (i + 1) * block_size tokens, kept
-for the prefix cache) and the running state. With `num_computed` tokens computed and `num_new` to compute
-this step:
+A state group's table (kv/layer_groups.py, kind "state"; kv/state_group.py keeps it) has one entry per
+logical block like any group, `NO_BLOCK` except at: checkpoints (entry i: the state after the first
+(i + 1) * block_size tokens, kept for the prefix cache), the running state and, last, the slot the step's
+final state goes to. With `num_computed` tokens computed and `num_new` to compute this step, and f the
+table's last entry (the table reaches the step's last block, (num_computed + num_new - 1) // block_size):
 
 - read: nothing (-1, zeros) when num_computed == 0; else entry r = (num_computed - 1) // block_size where it
   is a slot; else the running slot was moved ahead by the block manager (it gave the sequence no new slot):
-  the step reads and updates it in place at the last entry f = (num_computed + num_new - 1) // block_size.
-- write: for each block boundary strictly inside the step's tokens whose entry is a slot, the state after
-  that boundary (a checkpoint); last, always, the state after all the step's tokens into entry f.
+  the step reads and updates it in place at entry f.
+- write: for each block boundary strictly inside the step's tokens whose entry is a slot other than f, the
+  state after that boundary (a checkpoint); last, always, the state after all the step's tokens into entry f.
+
+Entry f is the step's last block's entry whenever the step computes every token the table has slots for
+(each decode; a prefill chunk the step's token budget does not cut short); a step that ends earlier leaves
+its state in f, and `BlockManager.mark_computed` then puts that slot at the entry of the step's last block.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ def step_state_slots(table: Sequence[int], num_computed: int, num_new: int,
     if num_new < 1:
         raise ValueError(f"a step computes at least one token, got {num_new}")
     end = num_computed + num_new
-    last = (end - 1) // block_size
-    if last >= len(table) or table[last] == NO_BLOCK:
-        raise ValueError(f"state table {list(table)} has no slot for the running state at entry {last}")
+    last = len(table) - 1
+    if last < (end - 1) // block_size or table[last] == NO_BLOCK:
+        raise ValueError(f"state table {list(table)} has no slot for the running state after token {end} "
+                         f"(its last entry must be a slot at block {(end - 1) // block_size} or later)")
     if num_computed == 0:
         read = -1
     else:

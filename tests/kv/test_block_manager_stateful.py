@@ -10,6 +10,12 @@ in the prefix cache must then hold the KV of exactly the tokens its key names.
 The pool has one to three layer groups (full attention and sliding windows of 1-6 tokens): each group
 has its own pool and its own KV model; a sequence reads, in a window group, only the KV of its window,
 and the integrity check holds each window group to the blocks of its window at every step.
+
+Some managers have a state group last (recurrent layers): its model keeps, per slot, the tokens folded
+into the state it holds. Each step reads and writes the slots `step_state_slots` names on the manager's
+table (it must never raise there, whatever the step's length): the read slot must hold exactly the
+state of the computed tokens, no write may land in a shared or registered slot, and a registered
+checkpoint holds the state of the tokens its key names. Such a manager refuses `truncate`.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from localserve.kv.block_manager import BlockManager
 from localserve.kv.block_pool import NO_BLOCK
-from localserve.kv.layer_groups import window_start
+from localserve.kv.layer_groups import RECURRENT, window_start
 from localserve.kv.out_of_blocks import OutOfBlocksError
+from localserve.kv.state_steps import step_state_slots
 
 SMALL_VOCAB = st.integers(0, 2)  # few distinct tokens, so prompts often share prefixes by chance
 MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool for decoding
@@ -33,14 +40,17 @@ MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool 
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(data=st.data(), block_size=st.sampled_from([1, 2, 4]),
                 num_cpu_blocks=st.integers(0, 16), enable_prefix_caching=st.booleans(),
-                group_windows=st.sampled_from([(None,), (None, "w"), ("w",), (None, "w", "w")]),
-                window_chunk_tokens=st.sampled_from([None, 1, 3, 8]))
+                group_windows=st.sampled_from([(None,), (None, "w"), ("w",), (None, "w", "w"), (None, "s"),
+                                               (None, "w", "s"), ("s",)]),
+                window_chunk_tokens=st.sampled_from([None, 1, 3, 8]), state_checkpoint_blocks=st.integers(1, 3))
     def create_manager(self, data, block_size, num_cpu_blocks, enable_prefix_caching, group_windows,
-                       window_chunk_tokens):
-        group_windows = tuple(window and data.draw(st.integers(1, 6)) for window in group_windows)
+                       window_chunk_tokens, state_checkpoint_blocks):
+        group_windows = tuple(RECURRENT if window == "s" else window and data.draw(st.integers(1, 6))
+                              for window in group_windows)
         pool_sizes = [data.draw(st.integers(4, 40)) for _ in group_windows]
         self.manager = BlockManager(pool_sizes, block_size, num_cpu_blocks, enable_prefix_caching, group_windows,
-                                    window_chunk_tokens)
+                                    window_chunk_tokens, state_checkpoint_blocks)
+        self.state_group = len(group_windows) - 1 if group_windows[-1] is RECURRENT else None
         self.group_windows = group_windows
         self.num_groups = len(group_windows)
         self.block_size = block_size
@@ -49,9 +59,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.token_ids: dict[int, list[int]] = {}  # sequence id -> its tokens
         self.num_computed: dict[int, int] = {}
         self.past_prompts: list[list[int]] = [[0] * 8]
-        # Per group, per block, per slot: the tokens whose KV it holds.
-        self.gpu_kv = [[[None] * block_size for _ in range(num_blocks)] for num_blocks in pool_sizes]
-        self.cpu_kv = [[[None] * block_size for _ in range(num_cpu_blocks)] for _ in pool_sizes]
+        # Per group, per block, per slot: the tokens whose KV it holds (a state group: one slot per block, the
+        # tokens folded into its state).
+        self.gpu_kv = [[[None] * (1 if window is RECURRENT else block_size) for _ in range(num_blocks)]
+                       for num_blocks, window in zip(pool_sizes, group_windows)]
+        self.cpu_kv = [[[None] * (1 if window is RECURRENT else block_size) for _ in range(num_cpu_blocks)]
+                       for window in group_windows]
         self.next_id = 0
 
     # ---- helpers ----
@@ -72,6 +85,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             end = min(num_computed, self.manager.make_slots(seq_id))
             if end <= self.num_computed[seq_id]:
                 return False
+            self.step_states(seq_id, self.num_computed[seq_id], end)
             self.write_kv(seq_id, self.num_computed[seq_id], end)
             self.manager.mark_computed(seq_id, end)
             self.num_computed[seq_id] = end
@@ -81,12 +95,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """The forward pass writes the KV of positions [start, end) in every group, marking nothing computed."""
         tokens = self.token_ids[seq_id]
         for group in range(self.num_groups):
+            if group == self.state_group:
+                continue
             table = self.manager.block_table(seq_id, group)
             for position in range(start, end):
                 block_id = table[position // self.block_size]
                 assert block_id != NO_BLOCK, f"group {group}: no block for new token {position}"
                 assert self.manager.ref_count(block_id, group) == 1, f"KV written into shared block {block_id}"
                 self.gpu_kv[group][block_id][position % self.block_size] = tuple(tokens[:position + 1])
+
+    def step_states(self, seq_id: int, start: int, end: int) -> None:
+        """The recurrent layers' part of a step over positions [start, end): read the state of `start`
+        tokens, write the checkpoints inside the step and the final state where `step_state_slots` says."""
+        if self.state_group is None:
+            return
+        group, tokens = self.state_group, self.token_ids[seq_id]
+        pool = self.manager.books().pools[group]
+        read, saves = step_state_slots(self.manager.live_block_table(seq_id, group), start, end - start,
+                                       self.block_size)
+        if start == 0:
+            assert read == -1, f"seq {seq_id}: a first step reads slot {read}"
+        else:
+            held = self.gpu_kv[group][read][0]
+            assert held == tuple(tokens[:start]), f"seq {seq_id}: reads the state of {held}, not of {start} tokens"
+        assert [after for after, _ in saves] == sorted({after for after, _ in saves}) and saves[-1][0] == end - start
+        for after, slot in saves:
+            assert pool.ref_counts[slot] == 1 and pool.block_hashes[slot] is None, \
+                f"seq {seq_id}: writes slot {slot}, shared or registered"
+            self.gpu_kv[group][slot][0] = tuple(tokens[:start + after])
 
     def admit(self, token_ids: list[int]) -> None:
         manager = self.manager
@@ -182,6 +218,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_id = data.draw(st.sampled_from(self.requests[request_id]))
         manager, tokens = self.manager, self.token_ids[seq_id]
+        if self.state_group is not None:  # no speculation over recurrent layers
+            with pytest.raises(ValueError, match="state group"):
+                manager.truncate(seq_id, len(tokens))
+            return
         if not self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1)) \
                 or manager.make_slots(seq_id) < len(tokens):
             return  # not decoding yet: its window groups have no slots for the rest of its prompt now
@@ -308,6 +348,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for block_id, content in enumerate(pool.block_contents):
                 if content is not None:
                     tokens = struct.unpack(f"<{self.block_size}q", content[-8 * self.block_size:])
+                    if group == self.state_group:  # the state of the tokens up to the block's end
+                        state = self.gpu_kv[group][block_id][0]
+                        assert state is not None and len(state) % self.block_size == 0 \
+                            and state[-self.block_size:] == tokens, f"checkpoint {block_id} holds {state}"
+                        continue
                     held = [slot[-1] if slot else None for slot in self.gpu_kv[group][block_id]]
                     assert held == list(tokens), (f"group {group}: block {block_id} holds the KV of {held}, "
                                                   f"its key names {tokens}")
@@ -322,6 +367,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.manager.num_computed_tokens(seq_id) == self.num_computed[seq_id]
                 for group, window in enumerate(self.group_windows):
                     table = self.manager.block_table(seq_id, group)
+                    if window is RECURRENT:  # its running slot holds the state of the computed tokens
+                        num_computed = self.num_computed[seq_id]
+                        if num_computed:
+                            slot = table[(num_computed - 1) // self.block_size]
+                            slot = slot if slot != NO_BLOCK else table[-1]  # moved ahead for the next step
+                            assert kv[group][slot][0] == tuple(tokens[:num_computed]), f"seq {seq_id}: state"
+                        continue
                     num_blocks = -(-len(tokens) // self.block_size)
                     # A window group's table may stop short of the tokens (slots a chunk at a time).
                     assert len(table) == num_blocks if window is None else len(table) <= num_blocks

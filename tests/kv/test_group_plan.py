@@ -13,8 +13,10 @@ from localserve.models.config import LayerAttention, ModelConfig
 
 from localserve.cli import main
 from localserve.kv.formats import KVFormatSpec
-from localserve.kv.group_plan import plan_group_pools, window_pool_blocks
+from localserve.kv.group_plan import plan_group_pools, state_pool_slots, window_pool_blocks
+from localserve.kv.layer_groups import RECURRENT
 from localserve.kv.memory_plan import plan
+from localserve.kv.state_shape import StateShape
 
 HELPERS = Path(__file__).parents[1] / "helpers"
 GPT_OSS_20B = HELPERS / "gpt_oss_20b_config.json"
@@ -136,3 +138,71 @@ def test_plan_counts_a_folders_mxfp4_experts_at_their_stored_size(capsys, tmp_pa
     assert "no room for a KV pool" not in out and "window 128 (12 layers)" in out
     assert main(["plan", "-m", str(folder), "--no-keep-quantized-weights"]) == 1
     assert "no room for a KV pool" in capsys.readouterr().out
+
+
+# ---- the state group (recurrent layers) ----
+STATE = StateShape(conv_dim=64, conv_width=4, num_heads=4, key_dim=16, value_dim=16)
+SLOT_BYTES = 6 * (64 * 3 * 2 + 4 * 16 * 16 * 4)  # 6 recurrent layers: conv inputs in 16 bits, matrices in float32
+
+
+def hybrid_config(windows: tuple[int | None, ...] = (None, None)) -> ModelConfig:
+    """8 layers: every 4th attends (with `windows[i]` for the i-th of them), the others are recurrent."""
+    attending = iter(windows)
+    layers = tuple(LayerAttention(2, 32, next(attending)) if layer % 4 == 3 else LayerAttention(2, 32, state=STATE)
+                   for layer in range(8))
+    return ModelConfig(architecture="Hybrid", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=8,
+                       num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096, layer_attention=layers)
+
+
+@pytest.mark.parametrize("chunk_tokens, max_model_len, checkpoint_blocks, slots", [
+    (64, 4096, 2, 4 * (2 + 3) + 4),  # 64-token chunks hold two 32-token checkpoint spans
+    (65, 4096, 2, 4 * (3 + 3) + 4),  # one token more: a third
+    (None, 1024, 2, 4 * (32 + 3) + 4),  # no chunked prefill: the longest prompt's checkpoints
+    (None, 1025, 2, 4 * (33 + 3) + 4),
+    (64, 4096, 1, 4 * (4 + 3) + 4),
+])
+def test_state_pool_slots_follow_the_rule(chunk_tokens, max_model_len, checkpoint_blocks, slots):
+    assert state_pool_slots(16, 4, max_model_len, chunk_tokens, checkpoint_blocks, 4) == slots
+    with pytest.raises(ValueError, match="state checkpoint blocks >= 1"):
+        state_pool_slots(16, 4, max_model_len, chunk_tokens, 0)
+
+
+def test_the_state_pool_comes_off_the_budget_first_and_the_full_group_takes_the_rest():
+    budget = 2 ** 20
+    full, state = plan_group_pools(hybrid_config(), FP16, FP16, budget, 16, 4, 4096, 64, state_checkpoint_blocks=2,
+                                   state_cache_slots=4)
+    assert (full.group.layers, full.label, full.bytes_per_token) == ((3, 7), "full", 2 * 2 * 32 * 2 * 2)
+    assert (state.group.layers, state.label, state.group.recurrent) == ((0, 1, 2, 4, 5, 6), "state", True)
+    assert (state.bytes_per_token, state.slot_bytes, state.num_blocks) == (0, SLOT_BYTES, 24)
+    assert full.num_blocks == (budget - 24 * SLOT_BYTES) // (16 * full.bytes_per_token) == 49
+    assert state.pool_bytes(16) == 24 * SLOT_BYTES and full.pool_bytes(16) == 49 * 16 * 512
+
+
+@pytest.mark.parametrize("short_by", [0, 1])
+def test_a_budget_short_of_the_state_pool_is_refused_naming_the_shortfall(short_by):
+    budget = 24 * SLOT_BYTES - short_by
+    args = (hybrid_config(), FP16, FP16, budget, 16, 4, 4096, 64)
+    if not short_by:
+        full, state = plan_group_pools(*args, state_checkpoint_blocks=2, state_cache_slots=4)
+        assert (full.num_blocks, state.num_blocks) == (0, 24)
+        return
+    with pytest.raises(ValueError, match=f"24 slots of {SLOT_BYTES:,} bytes.*: 1 bytes more than the KV budget"):
+        plan_group_pools(*args, state_checkpoint_blocks=2, state_cache_slots=4)
+
+
+def test_without_a_budget_the_plan_gives_the_groups_and_the_state_pool():
+    full, windowed, state = plan_group_pools(hybrid_config((None, 64)), FP16, FP16, None, 16, 4, 4096, 64,
+                                             state_checkpoint_blocks=4)
+    assert [pool.label for pool in (full, windowed, state)] == ["full", "window 64", "state"]
+    # The KV groups get nothing (a window pool is held to the full group's size), the state pool its rule's.
+    assert (full.num_blocks, windowed.num_blocks, state.num_blocks) == (0, 0, 4 * (1 + 3))
+    assert [pool.group.group_window for pool in (full, windowed, state)] == [None, 64, RECURRENT]
+
+
+def test_a_model_of_recurrent_layers_only_has_the_state_pool():
+    layers = tuple(LayerAttention(2, 32, state=STATE) for _ in range(3))
+    config = ModelConfig(architecture="Recurrent", vocab_size=100, hidden_size=64, intermediate_size=128,
+                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+                         layer_attention=layers)
+    [state] = plan_group_pools(config, FP16, FP16, 2 ** 30, 16, 2, 4096, 32)
+    assert (state.label, state.num_blocks, state.slot_bytes) == ("state", 2 * (2 + 3), SLOT_BYTES // 2)
