@@ -298,3 +298,25 @@ def test_layer_kinds_and_mtp_blocks_for_generated_counts(meta, num_layers, mtp, 
     for layer in range(num_layers, num_layers + mtp):
         for name in ("attn_norm.weight", "attn_q.weight", "nextn.eh_proj.weight", "ssm_a"):
             assert family("qwen3_5_moe").gguf_targets(f"blk.{layer}.{name}", config) == []
+
+
+def test_greedy_tokens_through_the_engine_equal_transformers(converted):
+    """Two prompts batched through the engine, prefilled in chunks of 24 tokens (off the 16-token blocks),
+    with a state checkpoint every two blocks: each one's greedy tokens are transformers' own."""
+    from localserve.engine.builder import build_engine
+    from localserve.engine.config import EngineConfig
+    from localserve.engine.sampling_params import SamplingParams
+    from tests.helpers.engine_checks import run_requests
+
+    _, _, hf_model, path = converted
+    model = load_model(path, dtype=torch.float32).model
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=24,
+                                                    state_checkpoint_tokens=32, check_integrity=True))
+    prompts = [PROMPT, PROMPT[5:25]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = run_requests(engine, [(prompt, params) for prompt in prompts], check=True)
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(output.outputs[0].token_ids) == expected
