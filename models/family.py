@@ -86,8 +86,9 @@ class Family:
     layer_tensors: dict[str, str] = field(default_factory=lambda: dict(DECODER_LAYER_TENSORS))
     # A checkpoint name -> its targets, where the family's names differ from the model's; None: the name as is.
     hf_targets: Callable[[str, ModelConfig], list[Target] | None] = lambda name, config: None
-    # A GGUF layer tensor (its kind `attn_qkv`, suffix `weight`, our layer prefix `model.layers.N.`) -> its
-    # targets (full names), for the kinds not in `layer_tensors`; None: not one of this family's.
+    # A GGUF layer tensor (its kind `attn_qkv`, suffix `weight` (or "" for a suffix-less name), our layer
+    # prefix `model.layers.N.`) -> its targets (full names), ahead of `layer_tensors` and the shared kinds
+    # (fused `attn_qkv`, experts); None: leave it to those.
     gguf_layer_targets: Callable[[str, str, str, ModelConfig], list[Target] | None] = (
         lambda kind, suffix, prefix, config: None)
     unpermute_rotary: bool = False  # llama.cpp interleaves this family's Q/K rotary halves in its GGUFs
@@ -98,11 +99,17 @@ class Family:
             return []
         if gguf_name in GLOBAL_TENSORS:
             return [Target(GLOBAL_TENSORS[gguf_name])]
-        parts = gguf_name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+        parts = gguf_name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
             return None
-        _, layer, kind, suffix = parts
+        _, layer, rest = parts
+        # `blk.N.kind.suffix`; llama.cpp also writes suffix-less tensors (`blk.N.ssm_a`) and dotted kinds
+        # (`blk.N.nextn.eh_proj.weight`)
+        kind, _, suffix = rest.rpartition(".") if "." in rest else (rest, "", "")
         prefix = f"model.layers.{layer}."
+        own = self.gguf_layer_targets(kind, suffix, prefix, config)  # the family's own names come first
+        if own is not None:
+            return own
         if kind in self.layer_tensors:
             heads = None
             if self.unpermute_rotary and kind in ("attn_q", "attn_k"):
@@ -115,7 +122,7 @@ class Family:
             return [Target(t.name, t.rows, unpermute_heads=h) for t, h in zip(parts, heads)]
         if kind in MOE_LAYER_TENSORS or kind == "ffn_gate_up_exps":
             return moe_gguf_targets(kind, suffix, prefix, config)
-        return self.gguf_layer_targets(kind, suffix, prefix, config)
+        return None
 
 
 def split_rows(names: Sequence[str], sizes: Sequence[int], axis: int = 0) -> list[Target]:

@@ -29,6 +29,7 @@ from localserve.models.config import (
 from localserve.models.family import Family, Target
 from localserve.models.layers.attention import check_layers
 from localserve.models.layers.hybrid import HybridForCausalLM
+from localserve.models.qwen3_5_gguf import gguf_config, gguf_layer_targets
 from localserve.models.qwen3_moe import hf_targets as expert_targets
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -140,4 +141,5 @@ def hf_targets(name: str, config: ModelConfig) -> list[Target] | None:
     return [Target(name)]
 
 
-FAMILY = Family(name="qwen3_5", model_class=Qwen3_5ForCausalLM, hf_config=hf_config, hf_targets=hf_targets)
+FAMILY = Family(name="qwen3_5", model_class=Qwen3_5ForCausalLM, hf_config=hf_config, hf_targets=hf_targets,
+                gguf_config=gguf_config, gguf_layer_targets=gguf_layer_targets)

@@ -14,6 +14,7 @@ from localserve.models.config import ModelConfig, ModelConfigError, MoEConfig
 from localserve.models.family import Family
 from localserve.models.layers.hybrid import HybridForCausalLM
 from localserve.models.qwen3_5 import hf_targets, hybrid_config
+from localserve.models.qwen3_5_gguf import gguf_config, gguf_layer_targets
 
 
 class Qwen3_5MoeForCausalLM(HybridForCausalLM):
@@ -39,4 +40,5 @@ def hf_config(config: dict[str, Any], source: str) -> ModelConfig:
     return hybrid_config(config, source, config["architectures"][0], moe=shared_expert_moe(text, source, True))
 
 
-FAMILY = Family(name="qwen3_5_moe", model_class=Qwen3_5MoeForCausalLM, hf_config=hf_config, hf_targets=hf_targets)
+FAMILY = Family(name="qwen3_5_moe", model_class=Qwen3_5MoeForCausalLM, hf_config=hf_config, hf_targets=hf_targets,
+                gguf_config=gguf_config, gguf_layer_targets=gguf_layer_targets)

@@ -17,6 +17,7 @@ from localserve.models.config import ModelConfig
 from localserve.models.family import Family
 from localserve.models.layers.hybrid import HybridForCausalLM
 from localserve.models.qwen3_5 import hf_targets, hybrid_config
+from localserve.models.qwen3_5_gguf import gguf_config, gguf_layer_targets
 from localserve.models.qwen3_5_moe import shared_expert_moe
 
 
@@ -36,4 +37,5 @@ def hf_config(config: dict[str, Any], source: str) -> ModelConfig:
     return hybrid_config(config, source, "Qwen3NextForCausalLM", moe=moe, fused=True)
 
 
-FAMILY = Family(name="qwen3_next", model_class=Qwen3NextForCausalLM, hf_config=hf_config, hf_targets=hf_targets)
+FAMILY = Family(name="qwen3_next", model_class=Qwen3NextForCausalLM, hf_config=hf_config, hf_targets=hf_targets,
+                gguf_config=gguf_config, gguf_layer_targets=gguf_layer_targets)

@@ -44,7 +44,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 # GGUF `general.architecture` -> family module
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
-                      "mistral3": "mistral3", "gpt-oss": "gpt_oss", "gemma3": "gemma3", "gemma4": "gemma4"}
+                      "mistral3": "mistral3", "gpt-oss": "gpt_oss", "gemma3": "gemma3", "gemma4": "gemma4",
+                      "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
 
 
 def family(name: str) -> Family:
