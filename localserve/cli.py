@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING
 
 from localserve.engine.config import SPEC_TOKENS, STATE_CHECKPOINT_TOKENS, EngineConfig
 from localserve.engine.sampling_params import SamplingParams
-from localserve.kv.memory_plan import DEFAULT_UTILIZATION, format_plan, human_size, kv_budget_bytes, parse_size, plan
+from localserve.kv.memory_plan import (
+    DEFAULT_UTILIZATION,
+    PLAN_FORMATS,
+    describe_state_pool,
+    format_plan,
+    human_size,
+    kv_budget_bytes,
+    parse_size,
+    plan,
+    uncalibrated,
+)
 from localserve.server.wire.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
@@ -410,6 +420,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="a step's tokens: the prefill chunk a window layer group's pool holds per slot "
                              "(default 512; 0: no chunked prefill)")
+    parser.add_argument("--state-checkpoint-tokens", type=int, default=STATE_CHECKPOINT_TOKENS,
+                        help="recurrent layers: tokens between two state checkpoints, as the server's flag "
+                             f"(default {STATE_CHECKPOINT_TOKENS})")
+    parser.add_argument("--state-cache-slots", type=int,
+                        help="recurrent layers: state slots kept for cached checkpoints (default: one per -np slot)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -432,8 +447,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{config.name}: {config.num_layers} layers x {config.num_kv_heads} KV heads x head_dim "
           f"{config.head_dim}; {where}; blocks of {args.block_size} tokens")
     chunk = args.max_num_batched_tokens or None
-    rows = plan(config, budget, args.block_size, max_num_seqs=args.parallel, max_model_len=args.ctx_size,
-                chunk_tokens=chunk)
+    formats = PLAN_FORMATS
+    if config.recurrent_layers:  # the calibration runs attention layers only: the 4-bit format without it
+        formats = tuple(tuple(uncalibrated(f) for f in pair) for pair in PLAN_FORMATS)
+    if args.state_checkpoint_tokens < args.block_size or args.state_checkpoint_tokens % args.block_size:
+        print(f"--state-checkpoint-tokens must be a positive multiple of --block-size {args.block_size}")
+        return 2
+    try:
+        rows = plan(config, budget, args.block_size, formats, max_num_seqs=args.parallel, max_model_len=args.ctx_size,
+                    chunk_tokens=chunk, state_checkpoint_blocks=args.state_checkpoint_tokens // args.block_size,
+                    state_cache_slots=args.state_cache_slots)
+    except ValueError as exc:
+        print(exc)
+        return 1
+    if rows[0].state_pool is not None:
+        print(describe_state_pool(config, rows[0], budget, args.block_size))
     if rows[0].window_pools:
         num_full_layers = config.num_layers - sum(len(pool.group.layers) for pool in rows[0].window_pools)
         rule = (f"(ceil((W + {chunk} - 1) / {args.block_size}) + 1) blocks" if chunk else

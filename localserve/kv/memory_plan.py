@@ -5,12 +5,14 @@ Everything is computed from the model's real shapes (each layer's KV heads and h
 keys are its values, its sliding window) and each format's exact storage layout, so the plan and the
 pool the engine allocates agree byte for byte. Where layers have sliding windows, each layer group gets
 its own pool (kv/group_plan.py): the window pools are bounded, and "tokens that fit" counts the full
-group's pool, what the rest of the budget holds. Sizes such as `24GB` are read as binary units (GiB):
-that is what a "24 GB" card has.
+group's pool, what the rest of the budget holds. Where layers are recurrent (Gated DeltaNet), their
+states take a pool of slots off the budget first (kv/group_plan.py); the KV of the attention layers gets
+the rest. Sizes such as `24GB` are read as binary units (GiB): that is what a "24 GB" card has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -22,6 +24,14 @@ PLAN_FORMATS = tuple((KVFormatSpec.parse(k), KVFormatSpec.parse(v))
                      for k, v in (("fp16", "fp16"), ("q8_0", "q8_0"), ("q8_0", "q4_rot"), ("q4_rot", "q4_rot")))
 CONTEXTS = (8192, 32768)
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def uncalibrated(spec: KVFormatSpec) -> KVFormatSpec:
+    """The format without the model's calibrated statistics (the same bytes): what a model whose layers the
+    calibration cannot run (recurrent layers) stores."""
+    if not spec.needs_calibration:
+        return spec
+    return dataclasses.replace(spec, options=dataclasses.replace(spec.options, mean=False, key_transform=False))
 
 
 def parse_size(text: str) -> int:
@@ -83,6 +93,7 @@ class PlanRow:
     sequences: dict[int, int]  # context length -> sequences that fit at that length
     window_pools: tuple[GroupPool, ...] = ()  # with a full group beside window groups: theirs
     tokens_without_windows: int = 0  # what would fit if every layer kept every token
+    state_pool: GroupPool | None = None  # the recurrent layers' state slots, off the budget first
 
     @property
     def label(self) -> str:
@@ -94,23 +105,45 @@ class PlanRow:
 def plan(shape: KVShape, kv_budget: int, block_size: int = 16,
          formats: tuple[tuple[KVFormatSpec, KVFormatSpec], ...] = PLAN_FORMATS,
          contexts: tuple[int, ...] = CONTEXTS, max_num_seqs: int = 16, max_model_len: int | None = None,
-         chunk_tokens: int | None = 512) -> list[PlanRow]:
+         chunk_tokens: int | None = 512, state_checkpoint_blocks: int = 32, state_cache_slots: int | None = None,
+         state_conv_bytes: int = 2) -> list[PlanRow]:
     """What fits in `kv_budget` bytes of KV pool for each (K format, V format). Window groups' pools are
     sized for `max_num_seqs` slots, prefill chunks of `chunk_tokens` (None: no chunked prefill) and prompts of
-    `max_model_len` tokens (None: the model's context): kv/group_plan.py."""
+    `max_model_len` tokens (None: the model's context); a state group's pool for `max_num_seqs` sequences, a
+    checkpoint every `state_checkpoint_blocks` blocks and `state_cache_slots` cached checkpoints (None: one
+    per sequence, the engine's default): kv/group_plan.py. Raises ValueError when the budget cannot hold the
+    state pool."""
     rows = []
+    cache_slots = max_num_seqs if state_cache_slots is None else state_cache_slots
     for key_format, value_format in formats:
         per_token = kv_bytes_per_token(shape, key_format, value_format)
-        tokens_without_windows = num_kv_blocks(kv_budget, per_token, block_size) * block_size
         pools = plan_group_pools(shape, key_format, value_format, kv_budget, block_size, max_num_seqs,
-                                 max_model_len or shape.context_length, chunk_tokens)
+                                 max_model_len or shape.context_length, chunk_tokens, state_checkpoint_blocks,
+                                 cache_slots, state_conv_bytes)
+        state_pool = pools.pop() if pools[-1].group.recurrent else None
+        kv_left = kv_budget - (state_pool.pool_bytes(block_size) if state_pool else 0)
+        tokens_without_windows = num_kv_blocks(kv_left, per_token, block_size) * block_size if per_token else 0
         has_window_pools = pools[0].group.sliding_window is None and len(pools) > 1
         tokens = pools[0].num_blocks * block_size if has_window_pools else tokens_without_windows
         seqs = {ctx: tokens // ctx for ctx in contexts}
         rows.append(PlanRow(key_format, value_format, key_format.bits_per_value(shape.head_dim),
                             value_format.bits_per_value(shape.head_dim), per_token, tokens, seqs,
-                            tuple(pools[1:]) if has_window_pools else (), tokens_without_windows))
+                            tuple(pools[1:]) if has_window_pools else (), tokens_without_windows, state_pool))
     return rows
+
+
+def describe_state_pool(shape: KVShape, row: PlanRow, kv_budget: int, block_size: int = 16) -> str:
+    """One line on a plan's recurrent states: the size of one state (and in tokens of the row's KV), the
+    pool's slots and bytes, and its share of the budget beside the KV's."""
+    pool = row.state_pool
+    state_bytes = pool.pool_bytes(block_size)
+    kv_bytes = kv_budget - state_bytes
+    as_tokens = f" = {pool.slot_bytes // row.bytes_per_token:,} tokens of {row.label} KV" if row.bytes_per_token else ""
+    return (f"recurrent states ({len(pool.group.layers)} of {shape.num_layers} layers): one state (a running "
+            f"sequence or a checkpoint) {human_size(pool.slot_bytes)}{as_tokens}; state pool {pool.num_blocks:,} "
+            f"slots = {human_size(state_bytes)} ({state_bytes / max(kv_budget, 1):.0%} of the pool), KV of the "
+            f"{shape.num_layers - len(pool.group.layers)} attention layers {human_size(kv_bytes)} "
+            f"({kv_bytes / max(kv_budget, 1):.0%})")
 
 
 def human_size(n: float) -> str:
