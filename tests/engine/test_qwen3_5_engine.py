@@ -1,4 +1,4 @@
-"""The engine on tiny Qwen3.5 and Qwen3-Next models (tests/helpers/hybrid_models.py: Gated DeltaNet layers
+"""The engine on tiny Qwen3.5, Qwen3.5-MoE and Qwen3-Next models (tests/helpers/hybrid_models.py: Gated DeltaNet layers
 with long memory and a gated full-attention layer): greedy tokens alone equal transformers' (whole forward
 passes); the same batched in prefill chunks that cut blocks and checkpoints anywhere, a shared prefix
 resumed from a checkpoint, and under pressure (preemption by recompute and by swap); every
@@ -16,10 +16,10 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
 from tests.helpers.engine_checks import run_requests
-from tests.helpers.hybrid_models import VOCAB, qwen3_5_config, qwen3_next_config, save_hybrid
+from tests.helpers.hybrid_models import VOCAB, qwen3_5_config, qwen3_5_moe_config, qwen3_next_config, save_hybrid
 
 CHECKPOINT = 32  # tokens between state checkpoints: two blocks
-CONFIGS = {"qwen3_5": qwen3_5_config, "qwen3_next": qwen3_next_config}
+CONFIGS = {"qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config, "qwen3_next": qwen3_next_config}
 
 
 def workload(seed: int = 0, count: int = 5) -> list[tuple[list[int], SamplingParams]]:
@@ -94,7 +94,6 @@ def test_a_shared_prefix_resumes_from_a_checkpoint(models):
     assert list(reused.outputs[0].token_ids) == expected.tolist()
 
 
-@pytest.mark.parametrize("models", ["qwen3_5"], indirect=True)
 def test_preemption_keeps_greedy_output(models):
     """Short prompts that grow past a pool of 6 blocks: sequences are preempted (their states recomputed, or
     swapped out and in with their KV) and still give what a roomy pool gives."""
