@@ -207,7 +207,8 @@ class Gauges:
 
 
 def _parse_groups(gauges: Any, where: str) -> tuple[GroupBlocks, ...]:
-    """The optional `kv_groups` of the gauges: each {sliding_window (null: full), num_blocks, num_..._blocks}."""
+    """The optional `kv_groups` of the gauges: each {sliding_window (null: full, "state": recurrent layers'
+    state slots), num_blocks, num_..._blocks}."""
     entries = gauges.get("kv_groups", []) if isinstance(gauges, dict) else []
     if not isinstance(entries, list):
         raise FeedError(f"{where}.kv_groups must be a list")
@@ -215,9 +216,11 @@ def _parse_groups(gauges: Any, where: str) -> tuple[GroupBlocks, ...]:
     for index, entry in enumerate(entries):
         at = f"{where}.kv_groups[{index}]"
         window = entry.get("sliding_window") if isinstance(entry, dict) else None
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise FeedError(f"{at}.sliding_window must be null or an int >= 1, got {window!r}")
-        groups.append(_fill(GroupBlocks, entry, at, label="full" if window is None else f"window {window}"))
+        if window is not None and window != "state" and (not isinstance(window, int) or isinstance(window, bool)
+                                                          or window < 1):
+            raise FeedError(f"{at}.sliding_window must be null, \"state\" or an int >= 1, got {window!r}")
+        label = "full" if window is None else "state" if window == "state" else f"window {window}"
+        groups.append(_fill(GroupBlocks, entry, at, label=label))
     return tuple(groups)
 
 

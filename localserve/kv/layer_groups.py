@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 
-class _StateMarker(enum.Enum):
+class _StateMarker(str, enum.Enum):
+    """A str, so that the monitor's JSON carries it as "state" (docs/PROTOCOL.md)."""
+
     RECURRENT = "state"
 
     def __repr__(self) -> str:

@@ -266,3 +266,20 @@ def test_any_prompts_chunk_budget_and_pressure_give_the_reference(model, lengths
     results, _ = run(model, reqs, max_num_batched_tokens=budget, max_num_seqs=3,
                      state_checkpoint_tokens=16 * checkpoint_blocks, **pool)
     assert tokens_of(results) == [reference_greedy(model, prompt, 4) for prompt, _ in reqs]
+
+
+def test_the_monitor_frame_of_a_state_group_is_json(model):
+    """The monitor's snapshot frame (json over /v1/monitor) names the state group's pool by its kind: the
+    block manager's `RECURRENT` marker is no JSON value."""
+    import json
+
+    from localserve.engine.snapshot import read_snapshot
+
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=2,
+                                                    state_checkpoint_tokens=CHECKPOINT, state_cache_slots=5))
+    engine.add_request(list(range(3, 40)), greedy(4))
+    engine.step()
+    frame = json.loads(json.dumps(read_snapshot(engine).to_json()))
+    full, state = frame["gauges"]["kv_groups"]
+    assert (full["sliding_window"], state["sliding_window"]) == (None, "state")
+    assert state["num_blocks"] == engine.block_manager.group_num_blocks[-1] and state["num_used_blocks"] == 1

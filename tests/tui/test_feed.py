@@ -77,17 +77,20 @@ def test_layer_groups_in_the_gauges_parse_with_their_labels():
     hello = parse_hello(hello_frame(64))
     groups = [{"sliding_window": None, "num_blocks": 48, "num_used_blocks": 12, "num_cached_blocks": 0,
                "num_free_blocks": 36},
-              {"sliding_window": 128, "num_blocks": 16, "num_used_blocks": 2, "num_cached_blocks": 3,
-               "num_free_blocks": 11}]
+              {"sliding_window": 128, "num_blocks": 8, "num_used_blocks": 2, "num_cached_blocks": 3,
+               "num_free_blocks": 3},
+              {"sliding_window": "state", "num_blocks": 8, "num_used_blocks": 1, "num_cached_blocks": 2,
+               "num_free_blocks": 5}]
     snapshot = parse_snapshot(snapshot_frame("u" * 14 + "c" * 3 + "." * 47, kv_groups=groups), hello)
     assert [group.describe() for group in snapshot.gauges.kv_groups] == [
-        "full: 12 used, 0 cached, 36 free", "window 128: 2 used, 3 cached, 11 free"]
+        "full: 12 used, 0 cached, 36 free", "window 128: 2 used, 3 cached, 3 free", "state: 1 used, 2 cached, 5 free"]
     assert parse_snapshot(snapshot_frame("." * 64), hello).gauges.kv_groups == ()  # an older server: none
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.pop("gauges"), "monitor.snapshot has no 'gauges'"),
     (lambda f: f["gauges"].update(kv_groups=[{"sliding_window": 0}]), r"kv_groups\[0\].sliding_window must be"),
+    (lambda f: f["gauges"].update(kv_groups=[{"sliding_window": "states"}]), r"must be null, \"state\" or an int"),
     (lambda f: f["gauges"].pop("last_step_s"), "monitor.snapshot.gauges has no 'last_step_s'"),
     (lambda f: f["counters"].update(num_preemptions=True), "counters.num_preemptions must be int, got bool"),
     (lambda f: f["requests"][0].update(state="running"), r"requests\[0\].state must be one of"),

@@ -132,9 +132,10 @@ export class MonitorView {
     Object.assign(this.map.canvas.dataset, { time: frame.time, numSteps: frame.num_steps });
     Object.assign(this.root.dataset, { frameMs: frameMs.toFixed(3), mapMs: mapMs.toFixed(3) });
     const switching = frame.loading ? ` · ⇄ ${describeSwitch(frame.loading)}` : "";
-    // Layer groups (a model with window layers): the map holds their pools one after the other.
+    // Layer groups (a model with window or recurrent layers): the map holds their pools one after the other.
     const groups = (frame.gauges.kv_groups ?? []).map((group) =>
-      ` · ${group.sliding_window === null ? "full" : `window ${group.sliding_window}`}: ` +
+      ` · ${group.sliding_window === null ? "full"
+        : group.sliding_window === "state" ? "state" : `window ${group.sliding_window}`}: ` +
       `${formatCount(group.num_used_blocks)} used, ${formatCount(group.num_cached_blocks)} cached, ` +
       `${formatCount(group.num_free_blocks)} free`).join("");
     this.showStatus(`step ${formatCount(frame.num_steps)} · frame ${frameMs.toFixed(1)} ms${groups}${switching}`);
