@@ -68,9 +68,10 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
                         "torch, triton")
     e.add_argument("--state-checkpoint-tokens", type=int, default=STATE_CHECKPOINT_TOKENS,
                    help="models with linear-attention layers (Qwen3.5/3.6, Qwen3-Next): checkpoint each sequence's "
-                        "recurrent state every this many tokens (a multiple of --block-size) and at its prompt's "
-                        "last block boundary, for prefix reuse; a hit between checkpoints recomputes up to this "
-                        "many tokens, denser checkpoints cost a whole state each (about 60-150 MiB on Qwen3.6 "
+                        "recurrent state every this many tokens (a multiple of --block-size) and at the last block "
+                        "boundary 8 tokens or more before its prompt's end, for prefix reuse; a hit between "
+                        "checkpoints recomputes up to this many tokens, denser checkpoints cost a whole state each "
+                        "(about 60-150 MiB on Qwen3.6 "
                         f"models; default {STATE_CHECKPOINT_TOKENS}: one default step budget)")
     e.add_argument("--state-cache-slots", type=int,
                    help="models with linear-attention layers: state slots kept for cached checkpoints besides "

@@ -13,12 +13,13 @@ SPEC_TYPES = ("ngram", "draft")  # speculative decoding's drafters (engine/specu
 # Drafted tokens a step at most, by default: K = 8 gave document Q&A 2.04-2.13x on the dev CPU where K = 4
 # gave 1.80-1.99x (docs/BENCHMARKS.md); K adapts per sequence below it, so free text drafts less.
 SPEC_TOKENS = 8
-# Tokens between two checkpoints of a recurrent state by default (kv/state_steps.py; a prompt's last block
-# boundary is always one too). One default step budget (512 tokens): a prefix hit that falls between two
-# checkpoints recomputes at most one step's worth, and a prefill step writes at most one checkpoint per sequence
-# besides the running state. Denser checkpoints cost memory: one state (a checkpoint or a running state) of
-# Qwen3.6-27B (48 linear layers, 48 value heads of 128 x 128 in float32, bf16 convolutions) takes 146.8 MiB,
-# as much as 2,349 tokens of its 16-bit KV; of Qwen3.6-35B-A3B (30 layers, 32 heads) 61.4 MiB, 3,144 tokens.
+# Tokens between two checkpoints of a recurrent state by default (kv/state_steps.py; the last block boundary
+# a few tokens before a prompt's end is always one too, kv/state_group.py's PROMPT_TAIL). One default step
+# budget (512 tokens): a prefix hit that falls between two checkpoints recomputes at most one step's worth,
+# and a prefill step writes at most one checkpoint per sequence besides the running state. Denser checkpoints
+# cost memory: one state (a checkpoint or a running state) of Qwen3.6-27B (48 linear layers, 48 value heads
+# of 128 x 128 in float32, bf16 convolutions) takes 146.8 MiB, as much as 2,349 tokens of its 16-bit KV; of
+# Qwen3.6-35B-A3B (30 layers, 32 heads) 61.4 MiB, 3,144 tokens.
 STATE_CHECKPOINT_TOKENS = 512
 
 
@@ -73,9 +74,10 @@ class EngineConfig:
     max_step_ms: float | str | None = None
     # Models with recurrent (linear-attention) layers (--state-checkpoint-tokens, --state-cache-slots): their
     # state is checkpointed every `state_checkpoint_tokens` tokens of a sequence (a multiple of block_size) and
-    # at its prompt's last block boundary, for the prefix cache; the state pool holds, besides what the running
-    # sequences need, `state_cache_slots` slots for cached checkpoints (None: one per running sequence, so
-    # each conversation's last checkpoint can outlive the next max_num_seqs - 1 requests).
+    # at the last block boundary a few tokens before its prompt's end (kv/state_group.py), for the prefix
+    # cache; the state pool holds, besides what the running sequences need, `state_cache_slots` slots for
+    # cached checkpoints (None: one per running sequence, so each conversation's last checkpoint can outlive
+    # the next max_num_seqs - 1 requests).
     state_checkpoint_tokens: int = STATE_CHECKPOINT_TOKENS
     state_cache_slots: int | None = None
 

@@ -17,7 +17,7 @@ A state group (recurrent layers, kv/state_group.py) holds slots, not tokens: its
 budget first, `state_pool_slots` of them, max_num_seqs x (ceil(chunk_tokens / (checkpoint_blocks x
 block_size)) + 3) + state_cache_slots (without chunked prefill: max_model_len instead of chunk_tokens). A
 sequence holds at most that many while it prefills a chunk: the periodic checkpoints inside the chunk, the
-prompt's last boundary, its running state and the slot the step's final state goes to; the
+prompt's end checkpoint, its running state and the slot the step's final state goes to; the
 `state_cache_slots` more keep checkpoints of finished prompts for the prefix cache (freed checkpoints
 stay cached in any free slot besides). A slot is one state of every recurrent layer: its convolution's
 inputs in the model's dtype and its delta-rule matrices in float32 (`GroupPool.slot_bytes`).
