@@ -3,7 +3,7 @@ is made, and so checked, before anything is loaded."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from localserve.attention import check_backend_name
 from localserve.kv.formats import KVFormatSpec
@@ -21,13 +21,16 @@ SPEC_TOKENS = 8
 # of 128 x 128 in float32, bf16 convolutions) takes 146.8 MiB, as much as 2,349 tokens of its 16-bit KV; of
 # Qwen3.6-35B-A3B (30 layers, 32 heads) 61.4 MiB, 3,144 tokens.
 STATE_CHECKPOINT_TOKENS = 512
+# Sequences running at once (-np) when none is given; fewer for a model whose recurrent states would take
+# more than half the KV memory at this many (engine/builder.py, `fit_state_sequences`).
+DEFAULT_MAX_NUM_SEQS = 16
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler needs of EngineConfig."""
 
-    max_num_seqs: int = 16  # -np/--parallel: sequences running at once (samples and beams count)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # -np/--parallel: sequences running at once (samples and beams count)
     max_num_batched_tokens: int = 512  # token budget of one step
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
@@ -51,7 +54,9 @@ class EngineConfig:
     num_cpu_blocks: int = 0  # swap space; defaults to num_kv_blocks in swap mode
     max_model_len: int | None = None  # -c/--ctx-size; None: the model's own context length
     # The scheduler's settings (-np, --max-num-batched-tokens, --enable-chunked-prefill, --preemption-mode).
-    max_num_seqs: int = 16
+    # max_num_seqs None: DEFAULT_MAX_NUM_SEQS, which the builder may lower to fit a model's recurrent states
+    # (an int after the config is made; `max_num_seqs_given` says whether one was given).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
@@ -80,8 +85,12 @@ class EngineConfig:
     # the next max_num_seqs - 1 requests).
     state_checkpoint_tokens: int = STATE_CHECKPOINT_TOKENS
     state_cache_slots: int | None = None
+    max_num_seqs_given: bool = field(init=False, default=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.max_num_seqs_given = self.max_num_seqs is not None
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS
         self.scheduler_config()  # validates the scheduler's fields now, not at the first step
         if self.state_checkpoint_tokens < self.block_size or self.state_checkpoint_tokens % self.block_size:
             raise ValueError(f"state_checkpoint_tokens (--state-checkpoint-tokens) must be a positive multiple of the "

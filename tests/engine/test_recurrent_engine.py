@@ -98,15 +98,15 @@ def test_the_engine_has_a_state_group_of_the_recurrent_layer(model):
     assert kv_cache.layer_groups == [0, 1] and kv_cache.state_group == 1
     assert kv_cache.states.layers == (1,) and kv_cache.key_stores[1] == {}
     assert engine.block_manager.group_num_blocks[0] == 64
-    # The state pool: 4 sequences x (ceil(64 / 32) + 3) slots, and 5 for cached checkpoints.
-    assert engine.block_manager.group_num_blocks[1] == kv_cache.states.num_slots == 4 * (2 + 3) + 5
+    # The state pool: 4 sequences x 2 slots, ceil(64 / 32) + 1 for a first chunk, and 5 for cached checkpoints.
+    assert engine.block_manager.group_num_blocks[1] == kv_cache.states.num_slots == 4 * 2 + 2 + 1 + 5
     assert engine.runner.decode_graphs is None
     # Swap space: the KV's as asked, the states' at most as many slots as their GPU pool.
     swapping = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
                                                       state_checkpoint_tokens=CHECKPOINT, state_cache_slots=5,
                                                       preemption_mode="swap", num_cpu_blocks=100))
-    assert swapping.runner.kv_cache.states.cpu_matrix[1].shape[0] == 25
-    assert swapping.block_manager.num_cpu_blocks == 100 + 25
+    assert swapping.runner.kv_cache.states.cpu_matrix[1].shape[0] == 16
+    assert swapping.block_manager.num_cpu_blocks == 100 + 16
 
 
 def test_the_facts_show_the_state_pool(model):
@@ -118,7 +118,7 @@ def test_the_facts_show_the_state_pool(model):
     kv_cache = engine.runner.kv_cache
     full, state = facts.kv_groups
     assert (full.label, full.num_layers, full.num_blocks, full.slot_bytes) == ("full", 1, 64, 0)
-    assert (state.label, state.num_layers, state.num_blocks, state.bytes_per_token) == ("state", 1, 25, 0)
+    assert (state.label, state.num_layers, state.num_blocks, state.bytes_per_token) == ("state", 1, 16, 0)
     assert state.slot_bytes == kv_cache.states.slot_bytes == STATE.nbytes(8, 4)  # conv float64, matrices float32
     assert facts.kv_cache_bytes == 64 * 16 * full.bytes_per_token + kv_cache.state_bytes()
 
