@@ -47,7 +47,8 @@ next turn's tokens differ from this prompt's 2 tokens before its end with thinki
 checkpoint at the prompt's last boundary lies past that difference whenever the prompt ends fewer tokens
 than that past a boundary (1 turn in 8 to 1 in 4 with 16-token blocks), so the prompt's end checkpoint
 sits at the last boundary at least this many tokens before its end: with 8, the next turn resumes at most
-8 + block_size - 1 tokens before this prompt's end, where the last boundary could sit up to
+8 + block_size - 1 tokens before this prompt's end (16 tokens earlier than the last boundary where that one
+would have held), where a missed end checkpoint fell back to the last periodic one, up to
 `checkpoint_blocks` x block_size tokens back."""
 
 

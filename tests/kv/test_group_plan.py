@@ -186,7 +186,8 @@ def test_a_budget_short_of_the_state_pool_is_refused_naming_the_shortfall(short_
         full, state = plan_group_pools(*args, state_checkpoint_blocks=2, state_cache_slots=4)
         assert (full.num_blocks, state.num_blocks) == (0, 15)
         return
-    with pytest.raises(ValueError, match=f"15 slots of {SLOT_BYTES:,} bytes.*: 1 bytes .* more than the KV budget.* lower -np"):
+    with pytest.raises(ValueError, match=f"15 slots of {SLOT_BYTES:,} bytes.*: 1 bytes .* more than the KV budget"
+                                         ".* lower -np"):
         plan_group_pools(*args, state_checkpoint_blocks=2, state_cache_slots=4)
 
 
