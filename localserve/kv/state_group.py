@@ -41,10 +41,11 @@ from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
 
 PROMPT_TAIL = 8
 """Tokens at a prompt's end that the next request of a conversation may render differently: a chat template
-ends a prompt with the generation prompt (Qwen3.5's `<|im_start|>assistant\\n` and, thinking off, an empty
-`<think>\\n\\n</think>\\n\\n`), which the next turn replaces by the answer as the template renders it; the
-next turn's tokens differ from this prompt's 2 tokens before its end with thinking on, 4 with it off
-(tests/tokenizer/test_qwen3_5_template.py, `test_where_a_resent_conversation_differs`). A
+ends a prompt with the generation prompt (Qwen3.5's `<|im_start|>assistant\\n` then `<think>\\n`, or with
+thinking off an empty `<think>\\n\\n</think>\\n\\n`), whose think block the next turn renders otherwise
+(dropped or rewritten with the answer), so the next turn's tokens differ from this prompt's 2 tokens before its
+end with thinking on, 4 with it off (tests/tokenizer/test_qwen3_5_template.py,
+`test_where_a_resent_conversation_differs`). A
 checkpoint at the prompt's last boundary lies past that difference whenever the prompt ends fewer tokens
 than that past a boundary (1 turn in 8 to 1 in 4 with 16-token blocks), so the prompt's end checkpoint
 sits at the last boundary at least this many tokens before its end: with 8, the next turn resumes at most
