@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localserve.engine.config import SPEC_TOKENS, STATE_CHECKPOINT_TOKENS, EngineConfig
+from localserve.engine.config import DEFAULT_MAX_NUM_SEQS, SPEC_TOKENS, STATE_CHECKPOINT_TOKENS, EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import (
     DEFAULT_UTILIZATION,
@@ -55,7 +55,9 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     g.add_argument("--chat-template-file", type=Path, help="a Jinja chat template replacing the model's")
     e = parser.add_argument_group("engine")
     e.add_argument("-c", "--ctx-size", type=int, help="context length per sequence (default: the model's)")
-    e.add_argument("-np", "--parallel", type=int, default=16, help="sequences running at once (slots)")
+    e.add_argument("-np", "--parallel", type=int,
+                   help=f"sequences running at once (slots; default {DEFAULT_MAX_NUM_SEQS}, fewer for a model whose "
+                        "recurrent states would take more than half the KV memory)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--num-kv-blocks", type=int, default=2048, help="blocks in the KV pool")
@@ -78,9 +80,10 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
                         "torch, triton")
     e.add_argument("--state-checkpoint-tokens", type=int, default=STATE_CHECKPOINT_TOKENS,
                    help="models with linear-attention layers (Qwen3.5/3.6, Qwen3-Next): checkpoint each sequence's "
-                        "recurrent state every this many tokens (a multiple of --block-size) and at its prompt's "
-                        "last block boundary, for prefix reuse; a hit between checkpoints recomputes up to this "
-                        "many tokens, denser checkpoints cost a whole state each (about 60-150 MiB on Qwen3.6 "
+                        "recurrent state every this many tokens (a multiple of --block-size) and at the last block "
+                        "boundary 8 tokens or more before its prompt's end, for prefix reuse; a hit between "
+                        "checkpoints recomputes up to this many tokens, denser checkpoints cost a whole state each "
+                        "(about 60-150 MiB on Qwen3.6 "
                         f"models; default {STATE_CHECKPOINT_TOKENS}: one default step budget)")
     e.add_argument("--state-cache-slots", type=int,
                    help="models with linear-attention layers: state slots kept for cached checkpoints besides "

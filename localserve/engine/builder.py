@@ -26,7 +26,15 @@ from localserve.kv.block_manager import BlockManager
 from localserve.kv.cache import LayerKVShape, PagedKVCache
 from localserve.kv.codecs import dtype_format
 from localserve.kv.formats import KVFormatSpec
-from localserve.kv.group_plan import GroupPool, plan_group_pools, window_pool_blocks
+from localserve.kv.group_plan import (
+    STATE_POOL_SHARE,
+    GroupPool,
+    fit_state_sequences,
+    plan_group_pools,
+    state_pool_slots,
+    state_slot_bytes,
+    window_pool_blocks,
+)
 from localserve.kv.memory_plan import human_size, kv_budget_bytes
 from localserve.kv.recurrent_states import RecurrentStateCache
 from localserve.models.config import ModelConfig
@@ -62,6 +70,7 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
                                   model_config.head_dim, model.attention_geometry())
     log.info("attention backend: %s", why)
     max_model_len = config.model_len(model_config.context_length)
+    config = fit_sequences_to_states(model, config, max_model_len)
     pools = group_pools(model, key_format, value_format, config, max_model_len)
     config = dataclasses.replace(config, num_kv_blocks=pools[0].num_blocks)
     if len(pools) > 1:
@@ -195,12 +204,9 @@ def window_chunk_tokens(config: EngineConfig) -> int | None:
     return config.max_num_batched_tokens if config.enable_chunked_prefill else None
 
 
-def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec, config: EngineConfig,
-                max_model_len: int) -> list[GroupPool]:
-    """The KV pool of each layer group (kv/group_plan.py), group 0 first: from `config`'s byte budget, else
-    from its fraction of the CUDA device less what is already allocated there (the weights), else
-    `num_kv_blocks` for the full group (a window group: its rule's blocks, at most that many; a state group:
-    its rule's slots, whatever the budget)."""
+def kv_budget(model: CausalLM, config: EngineConfig) -> int | None:
+    """The pool's byte budget: `config`'s, else its fraction of the CUDA device less what is already allocated
+    there (the weights); None: no budget (`num_kv_blocks` sizes the pool)."""
     device = next(model.parameters()).device
     budget = config.kv_cache_memory_bytes
     if budget is None and config.gpu_memory_utilization:
@@ -208,6 +214,45 @@ def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVForma
             raise ValueError("--gpu-memory-utilization needs a CUDA device; give a KV budget in bytes instead")
         budget = kv_budget_bytes(torch.cuda.get_device_properties(device).total_memory,
                                  torch.cuda.memory_allocated(device), config.gpu_memory_utilization)
+    return budget
+
+
+def fit_sequences_to_states(model: CausalLM, config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """`config` with fewer sequences (and so fewer default state cache slots) where max_num_seqs was not given
+    and the state pool of a model with recurrent layers would take more than `STATE_POOL_SHARE` of the KV
+    budget at the default (kv/group_plan.py, `fit_state_sequences`), logged in one line; else `config`. A
+    given max_num_seqs stays: `plan_group_pools` refuses a state pool over the whole budget, naming by how
+    much and what to lower."""
+    model_config = model.config
+    if config.max_num_seqs_given or not model_config.recurrent_layers:
+        return config
+    budget = kv_budget(model, config)
+    if budget is None:
+        return config
+    slot_bytes = state_slot_bytes(model_config, tuple(model_config.recurrent_layers),
+                                  next(model.parameters()).dtype.itemsize)
+    chunk_tokens = window_chunk_tokens(config)
+    num_seqs = fit_state_sequences(slot_bytes, budget, config.block_size, config.max_num_seqs, max_model_len,
+                                   chunk_tokens, config.state_checkpoint_blocks, config.state_cache_slots)
+    if num_seqs == config.max_num_seqs:
+        return config
+    fitted = dataclasses.replace(config, max_num_seqs=num_seqs)
+    default_slots, num_slots = (state_pool_slots(config.block_size, each.max_num_seqs, max_model_len, chunk_tokens,
+                                                 config.state_checkpoint_blocks, each.num_state_cache_slots)
+                                for each in (config, fitted))
+    log.info("%s: a recurrent state takes %s, so %d sequences' state pool (%d slots, %s) would take more than "
+             "%d%% of the KV budget of %s: -np lowered to %d (%d slots, %s; give -np to choose)", model_config.name,
+             human_size(slot_bytes), config.max_num_seqs, default_slots, human_size(default_slots * slot_bytes),
+             round(STATE_POOL_SHARE * 100), human_size(budget), num_seqs, num_slots, human_size(num_slots * slot_bytes))
+    return fitted
+
+
+def group_pools(model: CausalLM, key_format: KVFormatSpec, value_format: KVFormatSpec, config: EngineConfig,
+                max_model_len: int) -> list[GroupPool]:
+    """The KV pool of each layer group (kv/group_plan.py), group 0 first: from `config`'s byte budget
+    (`kv_budget`), else `num_kv_blocks` for the full group (a window group: its rule's blocks, at most that
+    many; a state group: its rule's slots, whatever the budget)."""
+    budget = kv_budget(model, config)
     plan = functools.partial(plan_group_pools, model.config, key_format, value_format, block_size=config.block_size,
                              max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                              chunk_tokens=window_chunk_tokens(config),

@@ -3,7 +3,7 @@ is made, and so checked, before anything is loaded."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from localserve.attention import check_backend_name
 from localserve.kv.formats import KVFormatSpec
@@ -13,20 +13,24 @@ SPEC_TYPES = ("ngram", "draft")  # speculative decoding's drafters (engine/specu
 # Drafted tokens a step at most, by default: K = 8 gave document Q&A 2.04-2.13x on the dev CPU where K = 4
 # gave 1.80-1.99x (docs/BENCHMARKS.md); K adapts per sequence below it, so free text drafts less.
 SPEC_TOKENS = 8
-# Tokens between two checkpoints of a recurrent state by default (kv/state_steps.py; a prompt's last block
-# boundary is always one too). One default step budget (512 tokens): a prefix hit that falls between two
-# checkpoints recomputes at most one step's worth, and a prefill step writes at most one checkpoint per sequence
-# besides the running state. Denser checkpoints cost memory: one state (a checkpoint or a running state) of
-# Qwen3.6-27B (48 linear layers, 48 value heads of 128 x 128 in float32, bf16 convolutions) takes 146.8 MiB,
-# as much as 2,349 tokens of its 16-bit KV; of Qwen3.6-35B-A3B (30 layers, 32 heads) 61.4 MiB, 3,144 tokens.
+# Tokens between two checkpoints of a recurrent state by default (kv/state_steps.py; the last block boundary
+# a few tokens before a prompt's end is always one too, kv/state_group.py's PROMPT_TAIL). One default step
+# budget (512 tokens): a prefix hit that falls between two checkpoints recomputes at most one step's worth,
+# and a prefill step writes at most one checkpoint per sequence besides the running state. Denser checkpoints
+# cost memory: one state (a checkpoint or a running state) of Qwen3.6-27B (48 linear layers, 48 value heads
+# of 128 x 128 in float32, bf16 convolutions) takes 146.8 MiB, as much as 2,349 tokens of its 16-bit KV; of
+# Qwen3.6-35B-A3B (30 layers, 32 heads) 61.4 MiB, 3,144 tokens.
 STATE_CHECKPOINT_TOKENS = 512
+# Sequences running at once (-np) when none is given; fewer for a model whose recurrent states would take
+# more than half the KV memory at this many (engine/builder.py, `fit_state_sequences`).
+DEFAULT_MAX_NUM_SEQS = 16
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler needs of EngineConfig."""
 
-    max_num_seqs: int = 16  # -np/--parallel: sequences running at once (samples and beams count)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # -np/--parallel: sequences running at once (samples and beams count)
     max_num_batched_tokens: int = 512  # token budget of one step
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
@@ -50,7 +54,9 @@ class EngineConfig:
     num_cpu_blocks: int = 0  # swap space; defaults to num_kv_blocks in swap mode
     max_model_len: int | None = None  # -c/--ctx-size; None: the model's own context length
     # The scheduler's settings (-np, --max-num-batched-tokens, --enable-chunked-prefill, --preemption-mode).
-    max_num_seqs: int = 16
+    # max_num_seqs None: DEFAULT_MAX_NUM_SEQS, which the builder may lower to fit a model's recurrent states
+    # (an int after the config is made; `max_num_seqs_given` says whether one was given).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
@@ -73,13 +79,18 @@ class EngineConfig:
     max_step_ms: float | str | None = None
     # Models with recurrent (linear-attention) layers (--state-checkpoint-tokens, --state-cache-slots): their
     # state is checkpointed every `state_checkpoint_tokens` tokens of a sequence (a multiple of block_size) and
-    # at its prompt's last block boundary, for the prefix cache; the state pool holds, besides what the running
-    # sequences need, `state_cache_slots` slots for cached checkpoints (None: one per running sequence, so
-    # each conversation's last checkpoint can outlive the next max_num_seqs - 1 requests).
+    # at the last block boundary a few tokens before its prompt's end (kv/state_group.py), for the prefix
+    # cache; the state pool holds, besides what the running sequences need, `state_cache_slots` slots for
+    # cached checkpoints (None: one per running sequence, so each conversation's last checkpoint can outlive
+    # the next max_num_seqs - 1 requests).
     state_checkpoint_tokens: int = STATE_CHECKPOINT_TOKENS
     state_cache_slots: int | None = None
+    max_num_seqs_given: bool = field(init=False, default=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.max_num_seqs_given = self.max_num_seqs is not None
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS
         self.scheduler_config()  # validates the scheduler's fields now, not at the first step
         if self.state_checkpoint_tokens < self.block_size or self.state_checkpoint_tokens % self.block_size:
             raise ValueError(f"state_checkpoint_tokens (--state-checkpoint-tokens) must be a positive multiple of the "

@@ -14,13 +14,19 @@ than the full group has:
 Where a model has only window groups, they share the budget like layers of one pool.
 
 A state group (recurrent layers, kv/state_group.py) holds slots, not tokens: its pool's bytes come off the
-budget first, `state_pool_slots` of them, max_num_seqs x (ceil(chunk_tokens / (checkpoint_blocks x
-block_size)) + 3) + state_cache_slots (without chunked prefill: max_model_len instead of chunk_tokens). A
-sequence holds at most that many while it prefills a chunk: the periodic checkpoints inside the chunk, the
-prompt's last boundary, its running state and the slot the step's final state goes to; the
-`state_cache_slots` more keep checkpoints of finished prompts for the prefix cache (freed checkpoints
-stay cached in any free slot besides). A slot is one state of every recurrent layer: its convolution's
-inputs in the model's dtype and its delta-rule matrices in float32 (`GroupPool.slot_bytes`).
+budget first, `state_pool_slots` of them, max_num_seqs x 2 + ceil(chunk_tokens / (checkpoint_blocks x
+block_size)) + 1 + state_cache_slots (without chunked prefill: max_model_len instead of chunk_tokens). A
+sequence at rest holds one slot, its running state, and the scheduler admits a request only while each pool
+keeps one more per running sequence (engine/admission.py: a decode's headroom); a sequence prefilling a
+chunk holds at most ceil(chunk_tokens / (checkpoint_blocks x block_size)) + 2 more (the periodic
+checkpoints inside the chunk, the prompt's end checkpoint, the slot the step's final state goes to). So
+max_num_seqs sequences run at once when the last one's first chunk fits beside the others' 2 x
+(max_num_seqs - 1): 2 x max_num_seqs + ceil(...) + 1. Fewer slots never break a sequence, only
+concurrency: admission takes a first chunk's slots all or none (else the request waits), later chunks are
+cut to the slots there are, and a decode short of a slot preempts (kv/state_group.py). The
+`state_cache_slots` more keep checkpoints of finished prompts for the prefix cache (freed checkpoints stay
+cached in any free slot besides). A slot is one state of every recurrent layer: its convolution's inputs in
+the model's dtype and its delta-rule matrices in float32 (`GroupPool.slot_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from localserve.kv.state_shape import StateShape
 
 MATRIX_BYTES = 4
 """Bytes of one delta-rule matrix element: the states keep float32 (kv/recurrent_states.py)."""
+
+STATE_POOL_SHARE = 0.5
+"""The most of the KV budget a state pool may take for sequences the user did not ask for: a recurrent state is
+60-150 MiB on Qwen3.6 models, so the default 16 sequences' pool would leave a 24 GB card no KV for their
+attention layers (or not fit at all); `fit_state_sequences` runs fewer then, and the other half stays for KV."""
 
 
 class LayerKV(Protocol):
@@ -95,7 +106,28 @@ def state_pool_slots(block_size: int, max_num_seqs: int, max_model_len: int, chu
         raise ValueError(f"need state checkpoint blocks >= 1 and state cache slots >= 0, got {checkpoint_blocks}, "
                          f"{cache_slots}")
     tokens = max_model_len if chunk_tokens is None else chunk_tokens
-    return max_num_seqs * (-(-tokens // (checkpoint_blocks * block_size)) + 3) + cache_slots
+    return 2 * max_num_seqs + -(-tokens // (checkpoint_blocks * block_size)) + 1 + cache_slots
+
+
+def fit_state_sequences(slot_bytes: int, kv_budget: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                        chunk_tokens: int | None, checkpoint_blocks: int, cache_slots: int | None,
+                        share: float = STATE_POOL_SHARE) -> int:
+    """The most sequences, at most `max_num_seqs` and at least 1, whose state pool (`state_pool_slots`, with
+    `cache_slots` cache slots; None: one per sequence) of `slot_bytes` slots takes at most `share` of
+    `kv_budget` bytes (1 when even one sequence's takes more: the plan then says whether it fits at all)."""
+    if slot_bytes <= 0 or kv_budget < 0 or not 0 < share <= 1 or max_num_seqs < 1:
+        raise ValueError(f"need slot bytes > 0, a budget >= 0, a share in (0, 1] and max_num_seqs >= 1; got "
+                         f"{slot_bytes}, {kv_budget}, {share}, {max_num_seqs}")
+
+    def pool_bytes(num_seqs: int) -> int:
+        slots = state_pool_slots(block_size, num_seqs, max_model_len, chunk_tokens, checkpoint_blocks,
+                                 num_seqs if cache_slots is None else cache_slots)
+        return slots * slot_bytes
+
+    num_seqs = max_num_seqs
+    while num_seqs > 1 and pool_bytes(num_seqs) > kv_budget * share:
+        num_seqs -= 1
+    return num_seqs
 
 
 def layer_bytes_per_token(layer: LayerKV, key_format: KVFormatSpec, value_format: KVFormatSpec) -> int:
@@ -140,8 +172,9 @@ def plan_group_pools(shape: LayeredShape, key_format: KVFormatSpec, value_format
                     f"the recurrent state pool needs {num_slots} slots of {slot_bytes:,} bytes, {need:,} bytes "
                     f"({need / 2 ** 20:,.1f} MiB: {max_num_seqs} sequences, a state checkpoint every "
                     f"{state_checkpoint_blocks * block_size} tokens, {state_cache_slots} cache slots): "
-                    f"{need - kv_budget:,} bytes more than the KV budget of {kv_budget:,} bytes; give more memory, "
-                    f"fewer sequences, shorter prefill chunks or more tokens between state checkpoints")
+                    f"{need - kv_budget:,} bytes ({(need - kv_budget) / 2 ** 20:,.1f} MiB) more than the KV budget of "
+                    f"{kv_budget:,} bytes; give more memory, or lower -np (fewer sequences), --state-cache-slots, "
+                    f"--max-num-batched-tokens (shorter prefill chunks) or raise --state-checkpoint-tokens")
             kv_budget -= num_slots * slot_bytes
         if not groups:
             return state_pools

@@ -6,9 +6,10 @@ kv/state_steps.py reads or writes a slot. The block manager (kv/block_manager.py
 this module, which owns what a table looks like:
 
 - Policy checkpoints (with prefix caching): entry i, the state after (i + 1) * block_size tokens, is one
-  when (i + 1) % checkpoint_blocks == 0 or (i + 1) == num_prompt_tokens // block_size (the prompt's last
-  boundary). Only they are registered in the prefix cache, under block i's chained key; without prefix
-  caching there are none.
+  when (i + 1) % checkpoint_blocks == 0 or (i + 1) == (num_prompt_tokens - PROMPT_TAIL) // block_size (the
+  prompt's end checkpoint: the last boundary at least `PROMPT_TAIL` tokens before the prompt's end, none
+  for a prompt shorter than a block and the tail). Only they are registered in the prefix cache, under
+  block i's chained key; without prefix caching there are none.
 - At rest (after `allocate` or `mark_computed`) with n tokens computed, n > 0: every entry before
   r = (n - 1) // block_size is `NO_BLOCK` (released; a registered checkpoint stays cached, evictable like any
   free cached block) and entry r holds the running slot X, the state after n tokens.
@@ -22,7 +23,7 @@ this module, which owns what a table looks like:
   table already holds past r (all unwritten) are reused before the pool's; admission and `append_token`
   take all the slots or raise, `make_slots` and `mark_computed` as many blocks' worth as the pool has.
   So a sequence holds at most ceil(chunk / (checkpoint_blocks x block_size)) + 3 slots: the checkpoints
-  inside its chunk, the prompt's last boundary, X and the final state's slot (kv/group_plan.py).
+  inside its chunk, the prompt's end checkpoint, X and the final state's slot (kv/group_plan.py).
 - `after_step` (in `mark_computed`): the step wrote its boundary checkpoints and its final state into
   entry L - 1 (kv/state_steps.py); that slot becomes the running slot at entry (n' - 1) // block_size, the
   checkpoints it completed are registered, and the entries before the new running slot are released.
@@ -37,6 +38,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
+
+PROMPT_TAIL = 8
+"""Tokens at a prompt's end that the next request of a conversation may render differently: a chat template
+ends a prompt with the generation prompt (Qwen3.5's `<|im_start|>assistant\\n` then `<think>\\n`, or with
+thinking off an empty `<think>\\n\\n</think>\\n\\n`), whose think block the next turn renders otherwise
+(dropped or rewritten with the answer), so the next turn's tokens differ from this prompt's 2 tokens before its
+end with thinking on, 4 with it off (tests/tokenizer/test_qwen3_5_template.py,
+`test_where_a_resent_conversation_differs`). A
+checkpoint at the prompt's last boundary lies past that difference whenever the prompt ends fewer tokens
+than that past a boundary (1 turn in 8 to 1 in 4 with 16-token blocks), so the prompt's end checkpoint
+sits at the last boundary at least this many tokens before its end: with 8, the next turn resumes at most
+8 + block_size - 1 tokens before this prompt's end (16 tokens earlier than the last boundary where that one
+would have held), where a missed end checkpoint fell back to the last periodic one, up to
+`checkpoint_blocks` x block_size tokens back."""
 
 
 @dataclass(slots=True)
@@ -64,7 +79,12 @@ class CheckpointPolicy:
     def is_checkpoint(self, index: int, num_prompt_tokens: int) -> bool:
         """Whether entry `index` (the state after (index + 1) * block_size tokens) is a policy checkpoint."""
         return self.checkpoints and ((index + 1) % self.checkpoint_blocks == 0
-                                     or index + 1 == num_prompt_tokens // self.block_size)
+                                     or index + 1 == self.prompt_end_blocks(num_prompt_tokens))
+
+    def prompt_end_blocks(self, num_prompt_tokens: int) -> int:
+        """The blocks before a prompt's end checkpoint: the last boundary at least `PROMPT_TAIL` tokens before
+        its end (0: none, the prompt is shorter than a block and the tail)."""
+        return max(0, num_prompt_tokens - PROMPT_TAIL) // self.block_size
 
     def table_problem(self, table: Sequence[int], num_computed: int, num_tokens: int, num_prompt_tokens: int,
                       own: Callable[[int], bool] | None) -> str | None:

@@ -5,8 +5,9 @@ not line up with blocks, preemption by recompute and by swap (the states go to t
 parallel samples (forks copy the running state: each sample's log-probabilities are the reference's over
 its own tokens) and beams, prefix reuse (a request sharing part of a block resumes from the checkpoint
 before it and answers as with the cache off; a ten-turn conversation resumes each turn from the previous
-prompt's last block boundary), the state flags, speculative decoding refused at start, and the engine idle
-with every block and slot back after each run (the integrity check after every step)."""
+prompt's end checkpoint, its last block boundary at least PROMPT_TAIL tokens before its end), the state
+flags, speculative decoding refused at start, and the engine idle with every block and slot back after each
+run (the integrity check after every step)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
+from localserve.kv.state_group import PROMPT_TAIL
 from tests.helpers.engine_checks import StepChecker, run_requests
 from tests.helpers.recurrent_toy import STATE, VOCAB, make_toy_model, reference_greedy, reference_logits
 
@@ -96,15 +98,15 @@ def test_the_engine_has_a_state_group_of_the_recurrent_layer(model):
     assert kv_cache.layer_groups == [0, 1] and kv_cache.state_group == 1
     assert kv_cache.states.layers == (1,) and kv_cache.key_stores[1] == {}
     assert engine.block_manager.group_num_blocks[0] == 64
-    # The state pool: 4 sequences x (ceil(64 / 32) + 3) slots, and 5 for cached checkpoints.
-    assert engine.block_manager.group_num_blocks[1] == kv_cache.states.num_slots == 4 * (2 + 3) + 5
+    # The state pool: 4 sequences x 2 slots, ceil(64 / 32) + 1 for a first chunk, and 5 for cached checkpoints.
+    assert engine.block_manager.group_num_blocks[1] == kv_cache.states.num_slots == 4 * 2 + 2 + 1 + 5
     assert engine.runner.decode_graphs is None
     # Swap space: the KV's as asked, the states' at most as many slots as their GPU pool.
     swapping = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
                                                       state_checkpoint_tokens=CHECKPOINT, state_cache_slots=5,
                                                       preemption_mode="swap", num_cpu_blocks=100))
-    assert swapping.runner.kv_cache.states.cpu_matrix[1].shape[0] == 25
-    assert swapping.block_manager.num_cpu_blocks == 100 + 25
+    assert swapping.runner.kv_cache.states.cpu_matrix[1].shape[0] == 16
+    assert swapping.block_manager.num_cpu_blocks == 100 + 16
 
 
 def test_the_facts_show_the_state_pool(model):
@@ -116,7 +118,7 @@ def test_the_facts_show_the_state_pool(model):
     kv_cache = engine.runner.kv_cache
     full, state = facts.kv_groups
     assert (full.label, full.num_layers, full.num_blocks, full.slot_bytes) == ("full", 1, 64, 0)
-    assert (state.label, state.num_layers, state.num_blocks, state.bytes_per_token) == ("state", 1, 25, 0)
+    assert (state.label, state.num_layers, state.num_blocks, state.bytes_per_token) == ("state", 1, 16, 0)
     assert state.slot_bytes == kv_cache.states.slot_bytes == STATE.nbytes(8, 4)  # conv float64, matrices float32
     assert facts.kv_cache_bytes == 64 * 16 * full.bytes_per_token + kv_cache.state_bytes()
 
@@ -154,15 +156,15 @@ def test_a_second_request_resumes_from_the_last_checkpoint_and_answers_as_withou
     turns = Turns(engine)
     turns.run([(first, greedy(5))])
     [reused] = turns.run([(second, greedy(8))])
-    # Checkpoints after 32 and 64 tokens (every 32) and after 64 (the first prompt's last boundary): the
-    # shared 70 tokens resume from 64.
+    # Checkpoints after 32 and 64 tokens (every 32 tokens; 64 is also the first prompt's end checkpoint, the
+    # last boundary 8 tokens before its end): the shared 70 tokens resume from 64.
     assert reused.num_cached_tokens == 64
     without, _ = run(model, [(second, greedy(8))], enable_prefix_caching=False)
     assert without[0].num_cached_tokens == 0
     assert list(reused.outputs[0].token_ids) == tokens_of(without)[0] == reference_greedy(model, second, 8)
 
 
-def test_a_conversation_turn_resumes_from_the_previous_prompts_last_boundary(model):
+def test_a_conversation_turn_resumes_from_the_previous_prompts_end_checkpoint(model):
     rng = random.Random(3)
     turn = [rng.randrange(3, VOCAB) for _ in range(40)]
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
@@ -171,11 +173,11 @@ def test_a_conversation_turn_resumes_from_the_previous_prompts_last_boundary(mod
     [answer] = turns.run([(turn, greedy(6))])
     history = turn + list(answer.outputs[0].token_ids) + [rng.randrange(3, VOCAB) for _ in range(5)]
     [next_turn] = turns.run([(history, greedy(6))])
-    assert next_turn.num_cached_tokens == 32  # 40 // 16 * 16: the prompt's last boundary, not a policy one
+    assert next_turn.num_cached_tokens == 32  # (40 - 8) // 16 * 16: the prompt's end checkpoint, no periodic one
     assert list(next_turn.outputs[0].token_ids) == reference_greedy(model, history, 6)
 
 
-def test_a_ten_turn_conversation_prefills_each_turn_from_the_last_prompts_boundary(model):
+def test_a_ten_turn_conversation_prefills_each_turn_from_the_last_prompts_end_checkpoint(model):
     rng = random.Random(4)
     engine = build_engine(model, None, EngineConfig(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64,
                                                     check_integrity=True))  # default checkpoints: every 512 tokens
@@ -183,11 +185,14 @@ def test_a_ten_turn_conversation_prefills_each_turn_from_the_last_prompts_bounda
     history, previous_prompt = [rng.randrange(3, VOCAB) for _ in range(19)], 0
     for turn in range(10):
         [result] = turns.run([(history, greedy(4))])
-        # Every turn resumes from the checkpoint at the previous prompt's last block boundary.
-        assert result.num_cached_tokens == previous_prompt // 16 * 16, f"turn {turn}"
+        # Every turn resumes from the checkpoint at the previous prompt's last boundary PROMPT_TAIL tokens or
+        # more before its end, though it renders that prompt's last 2 tokens anew (as a chat template does).
+        assert result.num_cached_tokens == max(0, previous_prompt - PROMPT_TAIL) // 16 * 16, f"turn {turn}"
         assert list(result.outputs[0].token_ids) == reference_greedy(model, history, 4), f"turn {turn}"
         previous_prompt = len(history)
-        history = history + list(result.outputs[0].token_ids) + [rng.randrange(3, VOCAB) for _ in range(7)]
+        re_rendered = [3 + (token - 2) % (VOCAB - 3) for token in history[-2:]]  # other tokens than these
+        history = history[:-2] + re_rendered + list(result.outputs[0].token_ids) + [
+            rng.randrange(3, VOCAB) for _ in range(7)]
 
 
 def test_parallel_samples_fork_the_state(model):

@@ -2,12 +2,15 @@
 its bound and one past it, and of the step rule of kv/state_steps.py on the tables the manager makes.
 
 Blocks of 4 tokens throughout; group 0 is a full-attention group of 40 blocks, group 1 the state group.
+The examples put a prompt's end checkpoint at its last boundary (`PROMPT_TAIL` 0, the fixture below), which
+keeps them a few blocks long; where the tail puts it is tests/kv/test_state_checkpoint_policy.py's.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from localserve.kv import state_group
 from localserve.kv.block_manager import BlockManager
 from localserve.kv.block_pool import NO_BLOCK
 from localserve.kv.layer_groups import RECURRENT, group_label, group_layers
@@ -17,6 +20,12 @@ from localserve.kv.state_steps import step_state_slots
 
 STATE = 1
 _ = NO_BLOCK
+
+
+@pytest.fixture(autouse=True)
+def no_prompt_tail(monkeypatch):
+    """The prompt's end checkpoint at its last boundary: these examples' tables stay short."""
+    monkeypatch.setattr(state_group, "PROMPT_TAIL", 0)
 
 
 def manager(num_slots: int = 12, checkpoint_blocks: int = 3, chunk: int | None = None, caching: bool = True,

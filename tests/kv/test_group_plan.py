@@ -155,11 +155,11 @@ def hybrid_config(windows: tuple[int | None, ...] = (None, None)) -> ModelConfig
 
 
 @pytest.mark.parametrize("chunk_tokens, max_model_len, checkpoint_blocks, slots", [
-    (64, 4096, 2, 4 * (2 + 3) + 4),  # 64-token chunks hold two 32-token checkpoint spans
-    (65, 4096, 2, 4 * (3 + 3) + 4),  # one token more: a third
-    (None, 1024, 2, 4 * (32 + 3) + 4),  # no chunked prefill: the longest prompt's checkpoints
-    (None, 1025, 2, 4 * (33 + 3) + 4),
-    (64, 4096, 1, 4 * (4 + 3) + 4),
+    (64, 4096, 2, 4 * 2 + 2 + 1 + 4),  # 64-token chunks hold two 32-token checkpoint spans
+    (65, 4096, 2, 4 * 2 + 3 + 1 + 4),  # one token more: a third
+    (None, 1024, 2, 4 * 2 + 32 + 1 + 4),  # no chunked prefill: the longest prompt's checkpoints
+    (None, 1025, 2, 4 * 2 + 33 + 1 + 4),
+    (64, 4096, 1, 4 * 2 + 4 + 1 + 4),
 ])
 def test_state_pool_slots_follow_the_rule(chunk_tokens, max_model_len, checkpoint_blocks, slots):
     assert state_pool_slots(16, 4, max_model_len, chunk_tokens, checkpoint_blocks, 4) == slots
@@ -173,20 +173,21 @@ def test_the_state_pool_comes_off_the_budget_first_and_the_full_group_takes_the_
                                    state_cache_slots=4)
     assert (full.group.layers, full.label, full.bytes_per_token) == ((3, 7), "full", 2 * 2 * 32 * 2 * 2)
     assert (state.group.layers, state.label, state.group.recurrent) == ((0, 1, 2, 4, 5, 6), "state", True)
-    assert (state.bytes_per_token, state.slot_bytes, state.num_blocks) == (0, SLOT_BYTES, 24)
-    assert full.num_blocks == (budget - 24 * SLOT_BYTES) // (16 * full.bytes_per_token) == 49
-    assert state.pool_bytes(16) == 24 * SLOT_BYTES and full.pool_bytes(16) == 49 * 16 * 512
+    assert (state.bytes_per_token, state.slot_bytes, state.num_blocks) == (0, SLOT_BYTES, 15)
+    assert full.num_blocks == (budget - 15 * SLOT_BYTES) // (16 * full.bytes_per_token) == 78
+    assert state.pool_bytes(16) == 15 * SLOT_BYTES and full.pool_bytes(16) == 78 * 16 * 512
 
 
 @pytest.mark.parametrize("short_by", [0, 1])
 def test_a_budget_short_of_the_state_pool_is_refused_naming_the_shortfall(short_by):
-    budget = 24 * SLOT_BYTES - short_by
+    budget = 15 * SLOT_BYTES - short_by
     args = (hybrid_config(), FP16, FP16, budget, 16, 4, 4096, 64)
     if not short_by:
         full, state = plan_group_pools(*args, state_checkpoint_blocks=2, state_cache_slots=4)
-        assert (full.num_blocks, state.num_blocks) == (0, 24)
+        assert (full.num_blocks, state.num_blocks) == (0, 15)
         return
-    with pytest.raises(ValueError, match=f"24 slots of {SLOT_BYTES:,} bytes.*: 1 bytes more than the KV budget"):
+    with pytest.raises(ValueError, match=f"15 slots of {SLOT_BYTES:,} bytes.*: 1 bytes .* more than the KV budget"
+                                         ".* lower -np"):
         plan_group_pools(*args, state_checkpoint_blocks=2, state_cache_slots=4)
 
 
@@ -195,7 +196,7 @@ def test_without_a_budget_the_plan_gives_the_groups_and_the_state_pool():
                                              state_checkpoint_blocks=4)
     assert [pool.label for pool in (full, windowed, state)] == ["full", "window 64", "state"]
     # The KV groups get nothing (a window pool is held to the full group's size), the state pool its rule's.
-    assert (full.num_blocks, windowed.num_blocks, state.num_blocks) == (0, 0, 4 * (1 + 3))
+    assert (full.num_blocks, windowed.num_blocks, state.num_blocks) == (0, 0, 4 * 2 + 1 + 1)
     assert [pool.group.group_window for pool in (full, windowed, state)] == [None, 64, RECURRENT]
 
 
@@ -205,7 +206,7 @@ def test_a_model_of_recurrent_layers_only_has_the_state_pool():
                          num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
                          layer_attention=layers)
     [state] = plan_group_pools(config, FP16, FP16, 2 ** 30, 16, 2, 4096, 32)
-    assert (state.label, state.num_blocks, state.slot_bytes) == ("state", 2 * (2 + 3), SLOT_BYTES // 2)
+    assert (state.label, state.num_blocks, state.slot_bytes) == ("state", 2 * 2 + 2 + 1, SLOT_BYTES // 2)
 
 
 def test_recurrent_layers_keep_no_kv_per_token():
