@@ -37,11 +37,17 @@ WORDS = "the river runs past the old mill where we talked about stars, trains an
 
 
 class SeenEngineThread(EngineThread):
-    """Keeps every request's prompt ids and, once it finishes, its output ids (in submission order)."""
+    """Keeps every request's prompt ids and, once it finishes, its output ids (in submission order); counts
+    the prompt tokens its engine has prefilled."""
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
-        self.seen: list[dict] = engine.seen
+        self.seen: list[dict] = []
+        engine.seen_thread = self
+
+    def prefilled(self) -> int:
+        """Prompt tokens computed so far, every step (read between two steps)."""
+        return self.call(lambda engine: sum(step.num_prefill_tokens for step in engine.step_history)).result(30)
 
     def submit(self, prompt_token_ids, params, on_output, request_id=None):
         record = {"prompt": list(prompt_token_ids), "output": None}
@@ -92,15 +98,14 @@ def folder(tmp_path_factory):
 @contextmanager
 def serve(folder, **config):
     """A server of the model in `folder` (served as "qwen3.5") with the Qwen3.5 family's tokenizer and
-    template, on a recording engine thread; yields (server, what its engine saw)."""
+    template, on a recording engine thread; yields (server, that thread)."""
     loaded = load_model(folder, dtype=torch.float32, device="cpu")
     tokenizer = family_tokenizer("qwen3.5")
     engine = build_engine(loaded.model, tokenizer, EngineConfig(num_kv_blocks=128, max_num_seqs=4,
                                                                 max_num_batched_tokens=256, **config))
-    engine.seen = []
     llm = SimpleNamespace(engine=engine, tokenizer=tokenizer, model_config=loaded.config, model_path=folder)
     with running_server(llm, engine_thread_type=SeenEngineThread, model_alias="qwen3.5") as server:
-        yield server, engine.seen
+        yield server, engine.seen_thread
 
 
 def chat(client, messages: list[dict]):
@@ -116,22 +121,26 @@ def user_message(turn: int) -> str:
 @pytest.fixture(scope="module")
 def conversation(folder):
     """The ten turns sent to a server with the cache on, and each turn's request to one with it off:
-    (answers on, answers off, seen on)."""
-    messages, on, off = [], [], []
+    (answers on, answers off, what the cached server's engine saw, the clients, the prompt tokens its engine
+    computed for each turn)."""
+    messages, on, off, prefilled = [], [], [], []
     with serve(folder) as (cached_server, seen), serve(folder, enable_prefix_caching=False) as (plain_server, _), \
             openai_client(cached_server.port) as cached_client, openai_client(plain_server.port) as plain_client:
         for turn in range(TURNS):
             messages.append({"role": "user", "content": user_message(turn)})
+            before = seen.prefilled()
             on.append(chat(cached_client, messages))
+            prefilled.append(seen.prefilled() - before)
             off.append(chat(plain_client, messages))
             messages.append({"role": "assistant", "content": on[-1].choices[0].message.content})
-        yield on, off, seen, cached_client, plain_client
+        yield on, off, seen.seen, cached_client, plain_client, prefilled
 
 
 def test_each_turn_resumes_from_the_last_checkpoint_it_shares(conversation):
-    on, off, seen, *_ = conversation
+    on, off, seen, *_, prefilled = conversation
     assert [len(record["prompt"]) for record in seen] == [answer.usage.prompt_tokens for answer in on]
     assert on[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert prefilled[0] == len(seen[0]["prompt"])
     resumed_from_previous = 0
     for turn in range(1, TURNS):
         prompt, previous = seen[turn]["prompt"], seen[turn - 1]["prompt"]
@@ -139,6 +148,7 @@ def test_each_turn_resumes_from_the_last_checkpoint_it_shares(conversation):
         cached = on[turn].usage.prompt_tokens_details.cached_tokens
         assert cached == expected, f"turn {turn}"
         assert cached > 0 and cached % BLOCK_SIZE == 0, f"turn {turn}"
+        assert prefilled[turn] == len(prompt) - cached, f"turn {turn}"  # what the engine computed
         # Only the tokens past the boundary are prefilled: past the previous prompt's last boundary whenever
         # the previous generation prompt (4 tokens) lies inside its last block.
         if len(previous) % BLOCK_SIZE >= 4:
@@ -157,7 +167,7 @@ def test_answers_equal_the_cache_off_servers(conversation):
 
 
 def test_a_prompt_sharing_part_of_a_block_resumes_from_the_boundary_before_it(conversation):
-    on, off, seen, cached_client, plain_client = conversation
+    on, off, seen, cached_client, plain_client, _ = conversation
     last = seen[TURNS - 1]["prompt"]
     boundary = len(last) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt's last checkpoint
     assert boundary + 7 < len(last)
