@@ -6,11 +6,10 @@ here from the token ids the engine saw (the last checkpoint at or before the fir
 leaves an earlier sequence), and each answer is the one a server with prefix caching off gives. A prompt
 sharing only part of a block with a cached one resumes from the boundary before it.
 
-Checkpoints (kv/state_group.py): the state after every `state_checkpoint_tokens` tokens and after a prompt's
-last whole block. A turn's prompt leaves the previous one where the previous generation prompt began
-(`<think>\\n\\n</think>\\n\\n`, four tokens, is not how the template renders a past answer), so a turn resumes
-from the previous prompt's last boundary when that prompt's last block holds at least four tokens, and from
-an older turn's boundary otherwise.
+Checkpoints (kv/state_group.py): the state after every `state_checkpoint_tokens` tokens and at the last
+boundary `PROMPT_TAIL` (8) tokens or more before a prompt's end. A turn's prompt leaves the previous one
+where the previous generation prompt began (`<think>\\n\\n</think>\\n\\n`, four tokens, is not how the template
+renders a past answer), which lies past that checkpoint: every turn resumes from the previous prompt's.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 from localserve.engine.builder import build_engine
 from localserve.engine.config import STATE_CHECKPOINT_TOKENS, EngineConfig
 from localserve.engine.engine_thread import EngineThread
+from localserve.kv.state_group import PROMPT_TAIL
 from localserve.loading.hf import load_model
 from tests.helpers.chat_families import family_tokenizer
 from tests.helpers.hybrid_models import BLOCK_SIZE, qwen3_5_config, save_hybrid
@@ -33,6 +33,7 @@ from tests.helpers.server import openai_client, running_server
 QWEN35_VOCAB = 151_936
 ANSWER_TOKENS = 10
 TURNS = 10
+SYSTEM = "You are a patient guide to the countryside. Answer in short sentences and ask one question back."
 WORDS = "the river runs past the old mill where we talked about stars, trains and the price of bread".split()
 
 
@@ -63,9 +64,11 @@ class SeenEngineThread(EngineThread):
 
 def checkpoints(prompt: list[int], output: list[int], interval: int = STATE_CHECKPOINT_TOKENS) -> set[int]:
     """The boundaries whose states a finished sequence left in the cache: every `interval` tokens of what
-    was computed (all but the last output token) and its prompt's last whole block."""
+    was computed (all but the last output token) and the last boundary `PROMPT_TAIL` tokens or more before
+    its prompt's end (what a template re-renders of a generation prompt lies after it)."""
     computed = len(prompt) + max(len(output) - 1, 0)
-    return set(range(interval, computed + 1, interval)) | ({len(prompt) // BLOCK_SIZE * BLOCK_SIZE} - {0})
+    end = max(0, len(prompt) - PROMPT_TAIL) // BLOCK_SIZE * BLOCK_SIZE
+    return set(range(interval, computed + 1, interval)) | ({end} - {0})
 
 
 def shared_length(a: list[int], b: list[int]) -> int:
@@ -123,7 +126,7 @@ def conversation(folder):
     """The ten turns sent to a server with the cache on, and each turn's request to one with it off:
     (answers on, answers off, what the cached server's engine saw, the clients, the prompt tokens its engine
     computed for each turn)."""
-    messages, on, off, prefilled = [], [], [], []
+    messages, on, off, prefilled = [{"role": "system", "content": SYSTEM}], [], [], []
     with serve(folder) as (cached_server, seen), serve(folder, enable_prefix_caching=False) as (plain_server, _), \
             openai_client(cached_server.port) as cached_client, openai_client(plain_server.port) as plain_client:
         for turn in range(TURNS):
@@ -149,12 +152,10 @@ def test_each_turn_resumes_from_the_last_checkpoint_it_shares(conversation):
         assert cached == expected, f"turn {turn}"
         assert cached > 0 and cached % BLOCK_SIZE == 0, f"turn {turn}"
         assert prefilled[turn] == len(prompt) - cached, f"turn {turn}"  # what the engine computed
-        # Only the tokens past the boundary are prefilled: past the previous prompt's last boundary whenever
-        # the previous generation prompt (4 tokens) lies inside its last block.
-        if len(previous) % BLOCK_SIZE >= 4:
-            assert cached == len(previous) // BLOCK_SIZE * BLOCK_SIZE, f"turn {turn}"
-            resumed_from_previous += 1
-    assert resumed_from_previous >= TURNS // 2  # most turns; the others resume from an older turn
+        # Only the tokens past the previous prompt's end checkpoint are prefilled: the template re-renders
+        # the previous generation prompt (its last 4 tokens), which lies past that checkpoint.
+        resumed_from_previous += cached >= (len(previous) - PROMPT_TAIL) // BLOCK_SIZE * BLOCK_SIZE
+    assert resumed_from_previous == TURNS - 1
 
 
 def test_answers_equal_the_cache_off_servers(conversation):
@@ -169,7 +170,7 @@ def test_answers_equal_the_cache_off_servers(conversation):
 def test_a_prompt_sharing_part_of_a_block_resumes_from_the_boundary_before_it(conversation):
     on, off, seen, cached_client, plain_client, _ = conversation
     last = seen[TURNS - 1]["prompt"]
-    boundary = len(last) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt's last checkpoint
+    boundary = (len(last) - PROMPT_TAIL) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt's end checkpoint
     assert boundary + 7 < len(last)
     # The last prompt's text up to 7 tokens into the block after its last checkpoint, then other words.
     text = family_tokenizer("qwen3.5").decode(last[:boundary + 7], skip_special_tokens=False)
