@@ -88,3 +88,19 @@ def test_a_checkpoint_spacing_off_the_blocks_is_refused(capsys):
 def test_the_plan_without_recurrent_layers_prints_no_state_line(capsys):
     assert main(["plan", "-m", str(HELPERS / "llama31_8b_config.json")]) == 0
     assert "recurrent states" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_without_np_the_plan_runs_the_sequences_the_server_would(name, capsys):
+    """The server lowers its default 16 sequences where their states would take over half the KV pool; the
+    plan shows the same: the most n whose pool, 2n + ceil(chunk / spacing) + 1 slots and n cache slots,
+    fits in half the budget."""
+    path, weights, num_linear, _ = MODELS[name]
+    one_state = state_bytes(text_shapes(path), num_linear)
+    budget = int(24 * GIB * 0.9) - int(float(weights[:-2]) * GIB)
+    expected = max(n for n in range(1, 17) if (3 * n + 2) * one_state <= budget / 2)
+    assert expected < 16
+    assert main(["plan", "-m", str(path), "--weights", weights]) == 0
+    out = capsys.readouterr().out
+    assert f"-np not given: {expected} sequences" in out
+    assert f"state pool {3 * expected + 2:,} slots" in out
