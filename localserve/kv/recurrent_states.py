@@ -97,6 +97,16 @@ class StepStates:
         matrix = self.cache.matrix[layer][slots].masked_fill(fresh.unsqueeze(-1), 0)
         return conv, matrix
 
+    def initial_conv(self, layer: int) -> torch.Tensor:
+        """`initial`'s conv inputs alone, for a step that updates the matrices in the pool itself (a decode
+        through `recurrent_gated_delta_rule_slots`)."""
+        fresh = (self.read_slots < 0).view(-1, 1, 1)
+        return self.cache.conv[layer][self.read_slots.clamp(min=0)].masked_fill(fresh, 0)
+
+    def save_conv(self, layer: int, slots: torch.Tensor, conv: torch.Tensor) -> None:
+        """`save`'s conv inputs alone."""
+        self.cache.conv[layer].index_copy_(0, slots, conv.to(self.cache.dtype))
+
     def save(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, matrix: torch.Tensor) -> None:
         """Write states into `slots` [N]: conv [N, conv_dim, conv_width - 1], matrices [N, heads, key_dim,
         value_dim] (cast to the cache's dtypes)."""

@@ -26,7 +26,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from localserve.models.config import LinearAttentionConfig
-from localserve.models.layers.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from localserve.models.layers.gated_delta import (
+    chunked_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_slots,
+)
 from localserve.models.protocol import ForwardContext
 from torch import nn
 
@@ -125,23 +129,29 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.project(x)
         beta = b.sigmoid()
         g = self.decay_rate() * F.softplus(a.float() + self.dt_bias.float())
-        conv_states, matrices = ctx.states.initial(self.layer)
         weight = self.conv1d.weight[:, 0, :]
         if max(lengths) == 1 and all(len(saves) == 1 for saves in ctx.states.saves):  # decodes only
-            core = self.decode(mixed, g, beta, conv_states, matrices, weight, ctx)
+            core = self.decode(mixed, g, beta, ctx.states.initial_conv(self.layer), weight, ctx)
         else:
+            conv_states, matrices = ctx.states.initial(self.layer)
             core = self.prefill(lengths, mixed, g, beta, conv_states, matrices, weight, ctx)
         core = core.view(num_tokens, self.v_heads, self.v_dim)
         gated = self.norm(core, z.view(num_tokens, self.v_heads, self.v_dim))
         return self.out_proj(gated.reshape(num_tokens, -1))
 
     def decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_states: torch.Tensor,
-               matrices: torch.Tensor, weight: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """One token per sequence, all sequences at once: mixed [S, conv_dim] -> outputs [S, Hv, Dv]."""
+               weight: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One token per sequence, all sequences at once: mixed [S, conv_dim] -> outputs [S, Hv, Dv]. The
+        delta-rule matrices are read from and written to the state pool in place (on CUDA one kernel, no
+        copy of a state out of the pool and back)."""
         window = torch.cat((conv_states, mixed[:, :, None].to(conv_states.dtype)), dim=2)  # [S, C, K]
         qkv = F.silu((window.to(weight.dtype) * weight).sum(-1)).to(mixed.dtype)
-        out, state = self.delta_rule(qkv[:, None], g[:, None], beta[:, None], matrices)
-        ctx.states.save(self.layer, ctx.states.save_slots(), window[:, :, 1:], state)
+        query, key, value = self.heads(qkv[:, None])
+        slots = ctx.states.save_slots()
+        out = recurrent_gated_delta_rule_slots(query, key, value, g[:, None], beta[:, None],
+                                               ctx.states.cache.matrix[self.layer], ctx.states.read_slots, slots,
+                                               l2norm_qk=True)
+        ctx.states.save_conv(self.layer, slots, window[:, :, 1:])
         return out
 
     def prefill(self, lengths: list[int], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -173,6 +183,13 @@ class GatedDeltaNet(nn.Module):
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Segments of B sequences, t tokens each: qkv [B, t, conv_dim], g and beta [B, t, Hv], the states
         [B, Hv, Dk, Dv] entering them -> their outputs [B, t, Hv, Dv] and the states after them."""
+        query, key, value = self.heads(qkv)
+        rule = recurrent_gated_delta_rule if qkv.shape[1] == 1 else chunked_gated_delta_rule
+        return rule(query, key, value, g, beta, state, l2norm_qk=True)
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, t, conv_dim] -> query, key [B, t, Hv or Hk, Dk] (one per value head where the checkpoint
+        tiles them) and value [B, t, Hv, Dv]."""
         linear, (batch, length) = self.linear, qkv.shape[:2]
         query, key, value = qkv.split((linear.key_dim, linear.key_dim, linear.value_dim), dim=-1)
         query = query.reshape(batch, length, self.k_heads, self.k_dim)
@@ -180,6 +197,4 @@ class GatedDeltaNet(nn.Module):
         if linear.tiled_value_heads and self.v_heads != self.k_heads:  # value head j reads key head j % Hk
             repeats = self.v_heads // self.k_heads
             query, key = query.repeat(1, 1, repeats, 1), key.repeat(1, 1, repeats, 1)
-        value = value.reshape(batch, length, self.v_heads, self.v_dim)
-        rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
-        return rule(query, key, value, g, beta, state, l2norm_qk=True)
+        return query, key, value.reshape(batch, length, self.v_heads, self.v_dim)
