@@ -320,3 +320,29 @@ def test_greedy_tokens_through_the_engine_equal_transformers(converted):
             expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert list(output.outputs[0].token_ids) == expected
+
+
+def test_preemption_through_the_engine_keeps_the_roomy_pools_tokens(converted):
+    """Four short prompts growing past a pool of 6 blocks: running sequences are preempted (recomputed, or
+    swapped out and in with their states) and each still gives what a roomy pool gives it."""
+    from localserve.engine.builder import build_engine
+    from localserve.engine.config import EngineConfig
+    from localserve.engine.sampling_params import SamplingParams
+    from tests.helpers.engine_checks import run_requests
+
+    model = load_model(converted[3], dtype=torch.float32).model
+    work = [(PROMPT[start:start + length], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            for start, length in ((0, 6), (6, 10), (16, 14), (19, 18))]
+
+    def tokens(**config) -> tuple[list[list[int]], int]:
+        engine = build_engine(model, None, EngineConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 24,
+                                                           "state_checkpoint_tokens": 32, "check_integrity": True,
+                                                           **config}))
+        outputs = run_requests(engine, work, check=True)
+        return [list(output.outputs[0].token_ids) for output in outputs], engine.num_preemptions
+
+    expected, _ = tokens(num_kv_blocks=32)
+    for mode in ("recompute", "swap"):
+        got, preemptions = tokens(num_kv_blocks=6, num_cpu_blocks=32, preemption_mode=mode)
+        assert preemptions > 0, mode
+        assert got == expected, mode
