@@ -19,6 +19,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class InputEmbeds:
+    """Input embeddings that replace some tokens' own (an image's, engine/multimodal.py): the rows of the step's
+    flat batch [K] (int64, on the model's device) and their embeddings [K, hidden_size]. Each family places
+    them after whatever it does to token embeddings (models/layers/decoder.py, `place_input_embeds`)."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
 class ForwardContext:
     """What attention needs besides activations; passed down explicitly, never held in globals."""
 
@@ -27,6 +37,8 @@ class ForwardContext:
     metadata: Any  # what backend.build_metadata made for this step
     # The step's recurrent-state reads and writes (kv/recurrent_states.py) where the model has recurrent layers.
     states: StepStates | None = None
+    # Rows whose input embeddings are given rather than looked up (image tokens); None: every row is a token's.
+    input_embeds: InputEmbeds | None = None
 
 
 class CausalLM(Protocol):

@@ -104,7 +104,9 @@ class Admission:
         leader, others = seqs[0], seqs[1:]
         num_shared_blocks = self._num_shared_blocks(seqs)
         use_prefix_cache = request.uses_prefix_cache
-        group_blocks = bm.group_blocks_to_allocate(leader.token_ids, use_prefix_cache=use_prefix_cache)
+        block_keys = request.block_extra_keys  # its images' content (engine/multimodal.py)
+        group_blocks = bm.group_blocks_to_allocate(leader.token_ids, use_prefix_cache=use_prefix_cache,
+                                                   block_extra_keys=block_keys)
         others_blocks = sum(_num_blocks_for(seq.num_tokens, bm.block_size) - num_shared_blocks for seq in others)
         if not self.fits(request, [num_blocks + others_blocks for num_blocks in group_blocks], slots_in_use):
             return False
@@ -112,13 +114,14 @@ class Admission:
             seq.decode_row = None  # a readmitted sequence's block table is another list now
         # share_token_ids: the block manager keeps each sequence's token list itself (one list, not two).
         leader.num_computed_tokens = bm.allocate(leader.seq_id, leader.token_ids, share_token_ids=True,
-                                                 use_prefix_cache=use_prefix_cache)
+                                                 use_prefix_cache=use_prefix_cache, block_extra_keys=block_keys)
         for seq in others:
             if num_shared_blocks:
                 seq.num_computed_tokens = bm.allocate_sharing(seq.seq_id, seq.token_ids, leader.seq_id,
                                                               num_shared_blocks, share_token_ids=True)
             else:
-                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids, share_token_ids=True)
+                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.token_ids, share_token_ids=True,
+                                                      block_extra_keys=block_keys)
         request.followers = [seq for seq in others if bm.awaits_leader(seq.seq_id)]
         if request.num_preemptions == 0:
             request.num_cached_tokens = leader.num_computed_tokens

@@ -152,15 +152,17 @@ class BatchFiller:
         chunk = SeqChunk(seq.token_ids[start:start + num_tokens], start,
                          self.block_manager.live_block_table(seq.seq_id),
                          needs_logits=num_tokens == remaining and not pooled, seq_id=seq.seq_id, needs_hidden=pooled,
-                         group_block_tables=self._group_tables(seq.seq_id))
+                         group_block_tables=self._group_tables(seq.seq_id), multimodal=request.multimodal)
         batch.add(ScheduledRow(request, seq, num_tokens, chunk))
         self.events.append(EventKind.PREFILL_CHUNK, request.label, num_tokens=num_tokens, num_computed_tokens=start)
 
     def _decode_row(self, request: Request, seq: Sequence) -> ScheduledRow:
         """A decoding sequence's row, rewritten each step. The block manager's table in its chunk stays
         the same list until the sequence is readmitted, which drops the row (engine/admission.py)."""
+        # Its images too: a prompt whose last token alone is left to compute (a prefix hit) decodes it.
         chunk = SeqChunk([0], 0, self.block_manager.live_block_table(seq.seq_id), needs_logits=True,
-                         seq_id=seq.seq_id, group_block_tables=self._group_tables(seq.seq_id))
+                         seq_id=seq.seq_id, group_block_tables=self._group_tables(seq.seq_id),
+                         multimodal=request.multimodal)
         return ScheduledRow(request, seq, 1, chunk)
 
     def _group_tables(self, seq_id: int) -> list[list[int]]:

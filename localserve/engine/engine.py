@@ -25,6 +25,7 @@ from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.grammar_masks import GrammarMasks
 from localserve.engine.model_runner import ModelRunner
+from localserve.engine.multimodal import MultiModalInputs, block_extra_keys, validate_multimodal
 from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.pooling import PromptPooling
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -97,23 +98,29 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, multimodal: MultiModalInputs | None = None) -> str:
         """Queue a request; raises ValueError (before any block is taken) if it can never run.
 
         With `EmbeddingParams` it is an embedding request: its prompt is prefilled (in chunks, batched with
         the rest), pooled, and its final output carries the vector (`RequestOutput.embedding`); nothing is
-        sampled, and its blocks go back as soon as the prompt is done."""
+        sampled, and its blocks go back as soon as the prompt is done.
+
+        `multimodal`: the prompt's images (engine/multimodal.py): spans of placeholder tokens whose input
+        embeddings are the images', and those embeddings (or a callable making them on first use)."""
         arrival = next(self._arrivals)
         request_id = request_id if request_id is not None else f"req-{arrival}"
         try:
-            self.validate(prompt_token_ids, params)
+            self.validate(prompt_token_ids, params, multimodal)
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
         except ValueError as exc:
             self.events.append(EventKind.REJECTED, f"r{arrival}", reason=str(exc))
             raise
+        if multimodal is not None and not multimodal.spans:
+            multimodal = None
         if isinstance(params, EmbeddingParams):
-            return self._add_embedding_request(prompt_token_ids, params, request_id, arrival)
+            return self._add_request(self._add_embedding_request(prompt_token_ids, params, request_id, arrival),
+                                     multimodal)
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), params.seed,
                                  with_decoder=not params.beam_search, skip_special_tokens=params.skip_special_tokens)
         seq.grammar = self.grammars.matcher(params)
@@ -121,28 +128,36 @@ class LLMEngine:
         request = Request(request_id, arrival, list(prompt_token_ids), params, [seq],
                           eos_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
-        self.requests[request_id] = request
+        return self._add_request(request, multimodal)
+
+    def _add_request(self, request: Request, multimodal: MultiModalInputs | None) -> str:
+        """Queue a made request, its images with it (each block's key part they make, kv/block_hash.py)."""
+        if multimodal is not None:
+            request.multimodal = multimodal
+            request.block_extra_keys = block_extra_keys(multimodal.spans, self.config.block_size)
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
-        return request_id
+        return request.request_id
 
     def _add_embedding_request(self, prompt_token_ids: list[int], params: EmbeddingParams, request_id: str,
-                               arrival: int) -> str:
+                               arrival: int) -> Request:
         seq = self._new_sequence(list(prompt_token_ids), len(prompt_token_ids), None, with_decoder=False)
         pooling = PromptPooling(self.model_config.pooling, params.dimensions)
         request = Request(request_id, arrival, list(prompt_token_ids), PROMPT_ONLY, [seq],
                           max_num_tokens=len(prompt_token_ids), pooling=pooling,
                           uses_prefix_cache=not pooling.spec.method.reads_every_token)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        return request
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
+                 multimodal: MultiModalInputs | None = None) -> None:
         """The checks add_request makes, usable on their own by a server before it commits to a request."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        if multimodal is not None:
+            validate_multimodal(multimodal, len(prompt_token_ids), self.model_config.hidden_size)
         if isinstance(params, EmbeddingParams):
             return self._validate_embedding(prompt_token_ids, params)
         if not self.runner.model.can_generate:

@@ -11,14 +11,15 @@ import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
+from localserve.engine.multimodal import DEFAULT_CACHE_BYTES, EmbeddingCache, gather_input_embeds
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.recurrent_states import StepStates
 from localserve.kv.state_steps import step_state_slots
-from localserve.models.protocol import CausalLM, ForwardContext
+from localserve.models.protocol import CausalLM, ForwardContext, InputEmbeds
 
-_start_pos, _seq_id, _block_table, _token_ids, _needs_logits = map(
-    attrgetter, ("start_pos", "seq_id", "block_table", "token_ids", "needs_logits"))
+_start_pos, _seq_id, _block_table, _token_ids, _needs_logits, _multimodal = map(
+    attrgetter, ("start_pos", "seq_id", "block_table", "token_ids", "needs_logits", "multimodal"))
 
 
 class ModelRunner:
@@ -30,10 +31,14 @@ class ModelRunner:
     With a state group (a model with recurrent layers, `kv_cache.states`), every forward pass gets the
     step's `StepStates`, built from each chunk's state-group table by `step_state_slots`; that group has no
     K/V, so the attention inputs carry only the other groups' tables, and decodes run eagerly.
+
+    Chunks with images (`SeqChunk.multimodal`) hand the model their image tokens' embeddings
+    (engine/multimodal.py), made once per image while `image_embeds` (an `EmbeddingCache` of
+    `image_cache_bytes`) keeps them; such a step runs eagerly.
     """
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, image_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -43,6 +48,9 @@ class ModelRunner:
         self.num_groups = len(kv_cache.group_num_blocks) - (self.state_group is not None)
         self.block_tables = [BlockTableRows() for _ in range(self.num_groups)]  # a mirror per K/V group
         self.decode_graphs = None
+        self.image_embeds = EmbeddingCache(image_cache_bytes)
+        # The dtype image embeddings are handed over in: the model's (its first floating-point weights').
+        self.embeds_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         # The captured graphs carry one group's tables and no states: a pool with layer groups decodes eagerly.
         if (self.device.type == "cuda" and backend.name == "triton" and max_model_len and model.supports_cuda_graphs
                 and len(kv_cache.group_num_blocks) == 1):
@@ -63,10 +71,11 @@ class ModelRunner:
         self.kv_cache.copy_blocks(step.block_copies)
         if not step.chunks:
             return torch.empty(0)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+        input_embeds = self.input_embeds(step)
+        if input_embeds is None and self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self.decode_graphs.run(step)
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
-        return self._forward(input_ids, inputs, logit_rows, self.step_states(step))
+        return self._forward(input_ids, inputs, logit_rows, self.step_states(step), input_embeds)
 
     @torch.inference_mode()
     def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +87,8 @@ class ModelRunner:
         self.kv_cache.swap_in(step.swap_in)
         self.kv_cache.copy_blocks(step.block_copies)
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
-        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), self.step_states(step))
+        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), self.step_states(step),
+                             self.input_embeds(step))
         hidden = self.model(input_ids, inputs.positions, ctx)
         ends = list(accumulate(len(chunk.token_ids) for chunk in step.chunks))
         pooled_rows = np.concatenate([np.arange(end - len(chunk.token_ids), end)
@@ -129,6 +139,13 @@ class ModelRunner:
         return (inputs, torch.from_numpy(input_ids).to(device),
                 None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64, device=device))
 
+    def input_embeds(self, step: StepInput) -> InputEmbeds | None:
+        """The step's image-token rows and their embeddings (engine/multimodal.py); None: text only."""
+        if not any(map(_multimodal, step.chunks)):  # the common case, checked at C speed
+            return None
+        return gather_input_embeds(step.chunks, self.image_embeds, self.model.config.hidden_size, self.device,
+                                   self.embeds_dtype)
+
     def step_states(self, step: StepInput) -> StepStates | None:
         """The step's recurrent-state reads and writes, chunk after chunk (None without a state group): each
         chunk's from its state-group table, its computed tokens (`start_pos`) and its new ones."""
@@ -167,7 +184,7 @@ class ModelRunner:
         return self._forward(input_ids, inputs, None, self.step_states(step))
 
     def _forward(self, input_ids: torch.Tensor, inputs: AttentionInputs, logit_rows: torch.Tensor | None,
-                 states: StepStates | None = None) -> torch.Tensor:
-        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), states)
+                 states: StepStates | None = None, input_embeds: InputEmbeds | None = None) -> torch.Tensor:
+        ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), states, input_embeds)
         hidden = self.model(input_ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])

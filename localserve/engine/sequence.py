@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from localserve.engine.constraints import SequenceGrammar
+    from localserve.engine.multimodal import MultiModalInputs
     from localserve.engine.pooling import PromptPooling
     from localserve.engine.sampler import SamplingRow
 
@@ -161,6 +162,10 @@ class Request:
     stop_strings: list[str] = field(init=False)
     reasoning_end: str | None = field(init=False)
     beam_search: bool = field(init=False)
+    # Its prompt's images (engine/multimodal.py), shared by its samples and beams, kept through preemptions, and
+    # each block's own prefix-cache key part they make (`block_extra_keys`).
+    multimodal: MultiModalInputs | None = None
+    block_extra_keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         params = self.params

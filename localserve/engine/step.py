@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from localserve.engine.multimodal import MultiModalInputs
 
 
 @dataclass(slots=True)
@@ -33,6 +37,9 @@ class SeqChunk:
     # With layer groups (kv/layer_groups.py): the block manager's list of the sequence's tables, one per group
     # (group 0's is `block_table`), read like it; empty: one group.
     group_block_tables: Sequence[list[int]] = ()
+    # Its request's images (engine/multimodal.py): the runner gives the model the embeddings of the chunk's tokens
+    # inside a span instead of the tokens'. None: text only.
+    multimodal: MultiModalInputs | None = None
 
     @property
     def context_len(self) -> int:

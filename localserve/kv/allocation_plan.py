@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from localserve.kv.block_hash import ROOT_HASH, hash_block
+from localserve.kv.block_hash import ROOT_HASH, block_extra_key, hash_block
 from localserve.kv.block_pool import NO_BLOCK, BlockPool
 from localserve.kv.layer_groups import RECURRENT, GroupWindow, num_blocks_out_of_window
 from localserve.kv.state_group import StateGroup
@@ -42,11 +42,13 @@ def num_hits_dropped(num_hits: int, window: GroupWindow, block_size: int) -> int
 def plan_allocation(pools: Sequence[BlockPool], group_windows: Sequence[GroupWindow], block_size: int,
                     token_ids: Sequence[int], extra_key: bytes, look_up: bool, state: StateGroup | None,
                     num_table_blocks: Callable[[int | None, int, int], int],
-                    slot_target: Callable[[int, int], int]) -> AllocationPlan:
+                    slot_target: Callable[[int, int], int],
+                    block_extra_keys: Sequence[bytes] = ()) -> AllocationPlan:
     """The prefix hits every group accepts (module doc) and the blocks the prompt takes from each free queue.
 
     `look_up` False: no hits. `num_table_blocks(window, num_tokens, num_computed)`: entries of a new table in
-    a full or window group; `slot_target(num_tokens, num_computed)`: the tokens the state group slots first."""
+    a full or window group; `slot_target(num_tokens, num_computed)`: the tokens the state group slots first;
+    `block_extra_keys`: each block's own extra key (block_hash.block_extra_key)."""
     full_groups = [group for group, window in enumerate(group_windows) if window is None]
     window_groups = [group for group, window in enumerate(group_windows) if window is not None
                      and window is not RECURRENT]
@@ -56,7 +58,8 @@ def plan_allocation(pools: Sequence[BlockPool], group_windows: Sequence[GroupWin
         block_hash = ROOT_HASH
         for index in range((len(token_ids) - 1) // block_size):
             # Chained: the previous block's key is this one's parent.
-            block_hash = hash_block(block_hash, token_ids[index * block_size:(index + 1) * block_size], extra_key)
+            block_hash = hash_block(block_hash, token_ids[index * block_size:(index + 1) * block_size],
+                                    block_extra_key(extra_key, block_extra_keys, index))
             block_ids = [pool.hash_to_block.get(block_hash) for pool in pools]
             if any(block_ids[group] is None for group in full_groups):
                 break

@@ -32,6 +32,20 @@ def hash_payload(payload: BlockContent) -> bytes:
     return hashlib.blake2b(payload, digest_size=32).digest()
 
 
+def block_extra_key(extra_key: bytes, block_extra_keys: Sequence[bytes], index: int) -> bytes:
+    """The extra key of block `index`: the sequence's `extra_key`, joined by the block's own (an image's content
+    where the block covers image tokens, engine/multimodal.py) where it has one.
+
+    A block with no key of its own (none given past the end of `block_extra_keys`, or an empty one) keeps
+    `extra_key` as it is, so text-only keys never change. Else the sequence's part is length-prefixed, so
+    that the two parts cannot run into each other.
+    """
+    block_key = block_extra_keys[index] if index < len(block_extra_keys) else b""
+    if not block_key:
+        return extra_key
+    return len(extra_key).to_bytes(8, "little") + extra_key + block_key
+
+
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
     """Prefix-cache key of a full block: BLAKE2b-256 of its parent's key, `extra_key` and its tokens.
 

@@ -283,31 +283,35 @@ class BlockManager:
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
-                               use_prefix_cache: bool = True) -> int:
+                               use_prefix_cache: bool = True, block_extra_keys: Sequence[bytes] = ()) -> int:
         """Blocks that admitting this prompt now would take out of the free queue of the group taking most:
         every block of the prompt except prefix hits on blocks in use and blocks a window group drops (a hit
         on a cached block counts, as it leaves the free queue too)."""
-        return max(self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take)
+        return max(self._plan_allocation(token_ids, extra_key, use_prefix_cache, block_extra_keys).num_blocks_to_take)
 
     def group_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
-                                 use_prefix_cache: bool = True) -> list[int]:
+                                 use_prefix_cache: bool = True, block_extra_keys: Sequence[bytes] = ()) -> list[int]:
         """`num_blocks_to_allocate` of each group, group 0 first."""
-        return self._plan_allocation(token_ids, extra_key, use_prefix_cache).num_blocks_to_take
+        return self._plan_allocation(token_ids, extra_key, use_prefix_cache, block_extra_keys).num_blocks_to_take
 
-    def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"") -> bool:
+    def can_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
+                     block_extra_keys: Sequence[bytes] = ()) -> bool:
         """True when `allocate` of this prompt would succeed now."""
-        plan = self._plan_allocation(token_ids, extra_key, True)
+        plan = self._plan_allocation(token_ids, extra_key, True, block_extra_keys)
         return self._has_room(plan.num_blocks_to_take)
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: bytes = b"",
-                 share_token_ids: bool = False, use_prefix_cache: bool = True) -> int:
+                 share_token_ids: bool = False, use_prefix_cache: bool = True,
+                 block_extra_keys: Sequence[bytes] = ()) -> int:
         """Give a new sequence blocks for its whole prompt in every group; returns its number of cached tokens.
 
         Leading full blocks found in the prefix cache are shared (ref count + 1, taken out of the free
         queue if they sat there), at most (len(token_ids) - 1) // block_size of them so that the last
         prompt token is always computed, and only as many as every group accepts (module doc). The return
         value, a multiple of block_size, is where the prefill starts. `extra_key` is mixed into every
-        block's key. With `share_token_ids` the manager keeps the list `token_ids` itself, not a copy: the
+        block's key, `block_extra_keys[i]` into block i's besides (kv/block_hash.py, `block_extra_key`: the
+        content of the image whose tokens the block covers); they stay the sequence's, its forks' and
+        followers'. With `share_token_ids` the manager keeps the list `token_ids` itself, not a copy: the
         caller appends each token to it, then names it to `append_token` (one token list per sequence, not
         two), and never changes the tokens before. `use_prefix_cache` False: no hits are looked up (every
         token is computed; an embedding prompt whose pooling reads them all); its full blocks still enter
@@ -317,7 +321,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        plan = self._plan_allocation(token_ids, extra_key, use_prefix_cache)
+        plan = self._plan_allocation(token_ids, extra_key, use_prefix_cache, block_extra_keys)
         if not self._has_room(plan.num_blocks_to_take):
             raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {plan.num_blocks_to_take} blocks "
                                    f"per group, {[pool.num_available_blocks for pool in self._pools]} available")
@@ -340,7 +344,8 @@ class BlockManager:
         self._seqs[seq_id] = SequenceBlocks(
             token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
             num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes, extra_key=extra_key,
-            num_tokens=len(token_ids), num_prompt_tokens=len(token_ids), shares_token_ids=share_token_ids)
+            num_tokens=len(token_ids), num_prompt_tokens=len(token_ids), shares_token_ids=share_token_ids,
+            block_extra_keys=tuple(block_extra_keys))
         if self.enable_prefix_caching and use_prefix_cache:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached_tokens
@@ -378,7 +383,8 @@ class BlockManager:
                                                     self.block_size)
             leader_table = leader.block_tables[group]
             if len(leader_table) < num_shared_blocks or NO_BLOCK in leader_table[first_needed:num_shared_blocks]:
-                return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids)
+                return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids,
+                                     block_extra_keys=leader.block_extra_keys)
         num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
         if not self._has_room([num_new_blocks] * self.num_groups):
             raise OutOfBlocksError(f"{num_new_blocks} blocks needed per group, "
@@ -393,7 +399,7 @@ class BlockManager:
         seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
                              num_computed_tokens=0, block_hashes=[], extra_key=leader.extra_key,
                              num_tokens=len(token_ids), num_prompt_tokens=len(token_ids),
-                             shares_token_ids=share_token_ids)
+                             shares_token_ids=share_token_ids, block_extra_keys=leader.block_extra_keys)
         self._seqs[seq_id] = seq
         self._take_computed_blocks(seq, leader, num_computed_blocks)
         if num_computed_blocks < num_shared_blocks:
@@ -562,7 +568,8 @@ class BlockManager:
             block_tables=[list(table) for table in parent.block_tables],
             num_computed_tokens=parent.num_computed_tokens, block_hashes=list(parent.block_hashes),
             extra_key=parent.extra_key, num_tokens=parent.num_tokens, num_prompt_tokens=parent.num_prompt_tokens,
-            shares_token_ids=child_token_ids is not None, may_share_last_block=True)
+            shares_token_ids=child_token_ids is not None, may_share_last_block=True,
+            block_extra_keys=parent.block_extra_keys)
         parent.may_share_last_block = True
 
     def free(self, seq_id: int) -> None:
@@ -645,12 +652,13 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} is swapped out")
         return seq
 
-    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool) -> AllocationPlan:
+    def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool,
+                         block_extra_keys: Sequence[bytes] = ()) -> AllocationPlan:
         """The prefix hits every group accepts, and the blocks the prompt takes from each free queue
         (kv/allocation_plan.py)."""
         return plan_allocation(self._pools, self.group_windows, self.block_size, token_ids, extra_key,
                                self.enable_prefix_caching and use_prefix_cache, self._state, self._num_table_blocks,
-                               self._slot_target)
+                               self._slot_target, block_extra_keys)
 
     def _num_blocks_to_append(self, seq_ids: Iterable[int]) -> list[int]:
         """Per group, what `num_blocks_to_append` counts."""

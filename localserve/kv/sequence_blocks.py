@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_payload
+from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_extra_key, block_payload
 
 
 @dataclass(slots=True, eq=False)
@@ -30,8 +30,12 @@ class SequenceBlocks:
     # Set by `fork`, the one operation sharing a block that is not full: an append reads the last block's
     # count only then. Clear: the last block, if partly filled, is the sequence's own.
     may_share_last_block: bool = False
+    # Per block (index): its own extra key besides `extra_key` (block_hash.block_extra_key), e.g. the content
+    # of the image whose tokens it covers; none past the end.
+    block_extra_keys: tuple[bytes, ...] = ()
 
     def block_payload(self, index: int, block_size: int) -> BlockContent:
         """What the key of its block `index` is the hash of: the previous block's key, its extra key, its tokens."""
         parent_hash = self.block_hashes[index - 1] if index else ROOT_HASH
-        return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size], self.extra_key)
+        return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size],
+                             block_extra_key(self.extra_key, self.block_extra_keys, index))

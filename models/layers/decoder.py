@@ -28,6 +28,18 @@ def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
     return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 
+def place_input_embeds(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """`x` [T, hidden] (the tokens' input embeddings, each family's scale applied) with the rows that
+    `ctx.input_embeds` gives (an image's tokens) replaced by its embeddings, as they are: the hook each family's
+    forward calls once it has its token embeddings. A family whose image embeddings need a scale of their own
+    applies it here, before; Gemma 3 applies none (transformers scatters the image features into the
+    already scaled token embeddings)."""
+    given = ctx.input_embeds
+    if given is None:
+        return x
+    return x.index_copy(0, given.rows, given.values.to(x.dtype))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -72,7 +84,7 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size] after the final norm."""
-        x = self.model.embed_tokens(input_ids)
+        x = place_input_embeds(self.model.embed_tokens(input_ids), ctx)
         rope = RopeTables(*self.rotary(positions, x.dtype), self.rotary.query_scale(positions, x.dtype))
         for layer in self.model.layers:
             x = layer(x, rope, ctx)

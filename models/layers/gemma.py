@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from localserve.models.config import ModelConfig, MoEConfig
 from localserve.models.layers.attention import RopeTables, rotate
-from localserve.models.layers.decoder import DecoderForCausalLM
+from localserve.models.layers.decoder import DecoderForCausalLM, place_input_embeds
 from localserve.models.layers.linear import QuantizedLinear
 from localserve.models.layers.mlp import GatedMLP
 from localserve.models.layers.moe import RoutedExperts, fused_moe_kernel, run_experts
@@ -161,6 +161,7 @@ class GemmaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        x = place_input_embeds(x, ctx)  # after the scale: Gemma 3's image embeddings are not scaled
         tables = [RopeTables(*rotary(positions, x.dtype)) for rotary in self.rotaries]
         for layer, kind in zip(self.model.layers, self.layer_rope):
             x = layer(x, tables[kind], ctx)

@@ -1,0 +1,207 @@
+"""Image inputs on the engine side: which prompt tokens take their input embeddings from an image, the
+prefix-cache keys of the blocks covering them, and the embeddings of recently seen images.
+
+A request's image is a span of placeholder tokens in its prompt (`ImageSpan`: offset, length and a hash of
+the image's content); the server puts as many placeholder ids there as the model's encoder makes rows.
+The engine never reads pixels: it is handed each span's embeddings ([length, hidden size], the encoder's
+output already projected into the language model's space) or a callable making them on first use.
+
+- Prefix cache: a full block overlapping a span gets, besides its tokens, the span's content hash and the
+  block's place in the span in its key (`block_extra_keys`, kv/block_hash.py's `block_extra_key`), so
+  the same placeholder ids with other pixels never hit, and the same pixels do (the next turn, another
+  client). Text-only blocks keep their keys byte for byte.
+- The forward pass: for each step's tokens inside a span (a prefill chunk may start or end inside one),
+  the model runner hands the model those rows of the span's embeddings (`gather_input_embeds`, a
+  `models.protocol.InputEmbeds`) in place of the token embeddings. Each family places them
+  (models/layers/decoder.py, `place_input_embeds`) after its own token-embedding scale: Gemma 3 scales
+  token embeddings by sqrt(hidden size) and not the image's (transformers' Gemma3Model scatters the image
+  features into the scaled embeddings).
+- `EmbeddingCache`: an image's embeddings by content hash, least recently used first out, bounded in bytes,
+  so an image seen recently (the same request's later chunks, a preemption's recompute, another turn) is
+  not encoded again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from localserve.models.protocol import InputEmbeds
+
+DEFAULT_CACHE_BYTES = 256 << 20
+"""The embeddings cache's default bound: a few hundred images of a 24 GB model's size (256 rows of 4 KiB)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """The prompt's tokens [offset, offset + length) are placeholders whose input embeddings come from an
+    image; `content_hash` names the image's content (a hash of its decoded pixels and size, not of its file)."""
+
+    offset: int
+    length: int
+    content_hash: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+EmbeddingsSource = Callable[[int], torch.Tensor] | Sequence[torch.Tensor]
+"""Each span's embeddings [length, hidden size]: a tensor per span, or a callable span index -> tensor, called
+at most once per image while its embeddings stay in the engine's cache."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MultiModalInputs:
+    """A request's images: its spans, in prompt order, and their embeddings (`EmbeddingsSource`)."""
+
+    spans: tuple[ImageSpan, ...]
+    embeddings: EmbeddingsSource
+
+    def span_embeddings(self, index: int) -> torch.Tensor:
+        """Span `index`'s embeddings as its source gives them (unchecked: see `check_span_embeddings`)."""
+        source = self.embeddings
+        return source(index) if callable(source) else source[index]
+
+
+def describe_span(index: int, span: ImageSpan) -> str:
+    """How errors name a span: its index and its tokens."""
+    return f"image span {index} (tokens [{span.offset}, {span.end}))"
+
+
+def validate_multimodal(multimodal: MultiModalInputs, num_prompt_tokens: int, hidden_size: int) -> None:
+    """Raise ValueError naming the span unless each span lies inside the prompt, after the previous one
+    without overlap, with a non-empty content hash, and (where given as tensors) embeddings of [length,
+    hidden size]. A callable's tensors are checked when it makes them (`check_span_embeddings`)."""
+    if not isinstance(multimodal, MultiModalInputs):
+        raise ValueError(f"multimodal: expected MultiModalInputs, got {type(multimodal).__name__}")
+    spans, source = multimodal.spans, multimodal.embeddings
+    if not callable(source) and len(source) != len(spans):
+        raise ValueError(f"multimodal: {len(spans)} image spans but {len(source)} embeddings tensors")
+    previous_end = 0
+    for index, span in enumerate(spans):
+        name = describe_span(index, span)
+        if not isinstance(span, ImageSpan):
+            raise ValueError(f"multimodal: span {index} is a {type(span).__name__}, not an ImageSpan")
+        if span.length < 1:
+            raise ValueError(f"{name}: its length must be at least 1")
+        if span.offset < 0 or span.end > num_prompt_tokens:
+            raise ValueError(f"{name} lies outside the prompt of {num_prompt_tokens} tokens")
+        if span.offset < previous_end:
+            raise ValueError(f"{name} overlaps the span before it or comes before it (spans go in prompt order)")
+        if not isinstance(span.content_hash, bytes) or not span.content_hash:
+            raise ValueError(f"{name}: its content_hash must be non-empty bytes")
+        if not callable(source):
+            check_span_embeddings(source[index], index, span, hidden_size)
+        previous_end = span.end
+
+
+def check_span_embeddings(embeddings: object, index: int, span: ImageSpan, hidden_size: int) -> None:
+    """Raise ValueError naming the span unless `embeddings` is a floating tensor of [span.length, hidden_size]."""
+    name = describe_span(index, span)
+    if not isinstance(embeddings, torch.Tensor) or not embeddings.is_floating_point():
+        raise ValueError(f"{name}: its embeddings must be a floating-point tensor, got {type(embeddings).__name__}")
+    if tuple(embeddings.shape) != (span.length, hidden_size):
+        raise ValueError(f"{name}: embeddings of shape {tuple(embeddings.shape)}, expected ({span.length}, "
+                         f"{hidden_size}) (a row per token, the model's hidden size)")
+
+
+def block_extra_keys(spans: Sequence[ImageSpan], block_size: int) -> tuple[bytes, ...]:
+    """Each block's own prefix-cache key part, up to the last block a span overlaps (empty: no span there).
+
+    A block's part holds, for each span it overlaps: the span's content hash, its length, and where the
+    overlap starts in the span and in the block. So two blocks with the same placeholder ids have equal
+    keys only when the same pixels sit at the same places in them."""
+    if not spans:
+        return ()
+    keys = [bytearray() for _ in range(-(-spans[-1].end // block_size))]
+    for span in spans:
+        for block in range(span.offset // block_size, -(-span.end // block_size)):
+            start = max(span.offset, block * block_size)
+            keys[block] += (len(span.content_hash).to_bytes(4, "little") + span.content_hash
+                            + b"".join(value.to_bytes(8, "little") for value in
+                                       (span.length, start - span.offset, start - block * block_size)))
+    return tuple(bytes(key) for key in keys)
+
+
+class EmbeddingCache:
+    """Images' embeddings by content hash, least recently used evicted first once over `max_bytes`.
+
+    An entry bigger than the bound is used but not kept. `num_encoded` counts the embeddings made (the
+    source called), `num_hits` those found here."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.num_encoded = 0
+        self.num_hits = 0
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, content_hash: bytes) -> bool:
+        return content_hash in self._entries
+
+    def get(self, multimodal: MultiModalInputs, index: int, hidden_size: int, device: torch.device,
+            dtype: torch.dtype) -> torch.Tensor:
+        """Span `index`'s embeddings on `device` in `dtype`: from the cache, else made by its source, checked
+        (ValueError naming the span) and kept."""
+        span = multimodal.spans[index]
+        cached = self._entries.get(span.content_hash)
+        if cached is not None and cached.shape[0] == span.length:
+            self._entries.move_to_end(span.content_hash)
+            self.num_hits += 1
+            return cached
+        embeddings = multimodal.span_embeddings(index)
+        self.num_encoded += 1
+        check_span_embeddings(embeddings, index, span, hidden_size)
+        embeddings = embeddings.to(device=device, dtype=dtype)
+        self._put(span.content_hash, embeddings)
+        return embeddings
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.num_bytes = 0
+
+    def _put(self, content_hash: bytes, embeddings: torch.Tensor) -> None:
+        size = embeddings.numel() * embeddings.element_size()
+        old = self._entries.pop(content_hash, None)
+        if old is not None:
+            self.num_bytes -= old.numel() * old.element_size()
+        if size > self.max_bytes:
+            return
+        while self._entries and self.num_bytes + size > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.num_bytes -= evicted.numel() * evicted.element_size()
+        self._entries[content_hash] = embeddings
+        self.num_bytes += size
+
+
+def gather_input_embeds(chunks: Sequence, cache: EmbeddingCache, hidden_size: int, device: torch.device,
+                        dtype: torch.dtype) -> InputEmbeds | None:
+    """The step's rows (in the flat batch of the chunks' tokens, chunk after chunk) that fall inside an image
+    span of their chunk's `multimodal`, and those rows of the spans' embeddings; None where there are none."""
+    rows: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    base = 0
+    for chunk in chunks:
+        start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
+        multimodal = chunk.multimodal
+        if multimodal is not None and start < multimodal.spans[-1].end:  # decodes past the images: nothing
+            for index, span in enumerate(multimodal.spans):
+                low, high = max(start, span.offset), min(end, span.end)
+                if low >= high:
+                    continue
+                embeddings = cache.get(multimodal, index, hidden_size, device, dtype)
+                rows.append(torch.arange(base + low - start, base + high - start, dtype=torch.int64))
+                values.append(embeddings[low - span.offset:high - span.offset])
+        base += end - start
+    if not rows:
+        return None
+    return InputEmbeds(torch.cat(rows).to(device), torch.cat(values))
