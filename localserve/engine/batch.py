@@ -17,7 +17,9 @@ lower the token budget the prefill chunks get (engine/step_budget.py, `limit_pre
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from localserve.engine.drafting import DraftRequest
 from localserve.engine.events import EventKind, EventLog
@@ -25,6 +27,8 @@ from localserve.engine.sequence import Request, ScheduledRow, Sequence
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.engine.step_budget import StepShape
 from localserve.kv.block_manager import BlockManager
+
+_multimodal = attrgetter("multimodal")
 
 
 @dataclass(eq=False, slots=True)
@@ -61,6 +65,19 @@ class Batch:
             self.num_prefill_tokens += row.query_len
         if row.chunk.needs_hidden:
             self.num_pooled_tokens += row.query_len
+
+    @property
+    def has_images(self) -> bool:
+        """Whether a chunk of the closed step has images (engine/multimodal.py); at C speed, every step asks."""
+        return any(map(_multimodal, self.step_input.chunks))
+
+    def drop_requests(self, requests: Iterable[Request]) -> None:
+        """Take the rows of these requests out of the closed step (their images failed: engine.py)."""
+        dropped = {id(request) for request in requests}
+        kept = [row for row in self.rows if id(row.request) not in dropped]
+        self.num_tokens -= sum(row.query_len for row in self.rows if id(row.request) in dropped)
+        self.rows = kept
+        self.step_input.chunks = [row.chunk for row in kept]
 
     def limit_prefill(self, num_tokens: int | None) -> None:
         """Let the prefill chunks and admissions to come take at most `num_tokens` more (None: no new limit)."""

@@ -249,6 +249,8 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         drafting_s = self._draft(batch) if batch.drafting is not None else 0.0
+        if batch.has_images:
+            self._encode_images(batch)
         masks = self.grammar_masks.start(batch.rows)  # filled while the model runs
         if batch.num_pooled_tokens:
             logits, hidden = self.runner.execute_pooled(batch.step_input)
@@ -265,6 +267,27 @@ class LLMEngine:
         if self.config.check_integrity:
             self.block_manager.check_integrity()
         return outputs
+
+    def _encode_images(self, batch: Batch) -> None:
+        """Make the embeddings of the images the step's chunks overlap before the forward pass; a request whose
+        images fail (its encoder raises, or gives embeddings of the wrong shape) fails alone: its rows leave
+        the step."""
+        failed: dict[str, tuple[Request, str]] = {}
+        for row in batch.rows:
+            request = row.request
+            if row.chunk.multimodal is None or request.request_id in failed:
+                continue
+            try:
+                self.runner.encode_images(row.chunk)
+            except Exception as exc:
+                log.exception("the images of request %s failed", request.request_id)
+                reason = str(exc) if isinstance(exc, ValueError) else f"image encoder: {type(exc).__name__}: {exc}"
+                failed[request.request_id] = (request, reason)
+        if failed:
+            batch.drop_requests(request for request, _ in failed.values())
+            for request, reason in failed.values():
+                self._fail(request, reason)
+                batch.failed.append(request)
 
     def _draft(self, batch: Batch) -> float:
         """The drafts the schedule asked for (engine/speculation.py), made by its drafter (a draft model's

@@ -11,7 +11,7 @@ import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
-from localserve.engine.multimodal import DEFAULT_CACHE_BYTES, EmbeddingCache, gather_input_embeds
+from localserve.engine.multimodal import DEFAULT_CACHE_BYTES, EmbeddingCache, chunk_spans, gather_input_embeds
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.recurrent_states import StepStates
@@ -145,6 +145,13 @@ class ModelRunner:
             return None
         return gather_input_embeds(step.chunks, self.image_embeds, self.model.config.hidden_size, self.device,
                                    self.embeds_dtype)
+
+    def encode_images(self, chunk: SeqChunk) -> None:
+        """Make (or find in `image_embeds`) the embeddings of every image the chunk's tokens overlap; raises
+        (a ValueError naming the span for embeddings of the wrong shape) what their source raises."""
+        for index, _, _, _ in chunk_spans(chunk):
+            self.image_embeds.get(chunk.multimodal, index, self.model.config.hidden_size, self.device,
+                                  self.embeds_dtype)
 
     def step_states(self, step: StepInput) -> StepStates | None:
         """The step's recurrent-state reads and writes, chunk after chunk (None without a state group): each

@@ -24,11 +24,12 @@ output already projected into the language model's space) or a callable making t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from localserve.engine.step import SeqChunk
 from localserve.models.protocol import InputEmbeds
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -130,8 +131,8 @@ def block_extra_keys(spans: Sequence[ImageSpan], block_size: int) -> tuple[bytes
 class EmbeddingCache:
     """Images' embeddings by content hash, least recently used evicted first once over `max_bytes`.
 
-    An entry bigger than the bound is used but not kept. `num_encoded` counts the embeddings made (the
-    source called), `num_hits` those found here."""
+    An entry bigger than the bound is used but not kept (so made again when the step's forward pass reads
+    it). `num_encoded` counts the embeddings made (the source called), `num_hits` those found here."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if max_bytes < 0:
@@ -149,14 +150,14 @@ class EmbeddingCache:
         return content_hash in self._entries
 
     def get(self, multimodal: MultiModalInputs, index: int, hidden_size: int, device: torch.device,
-            dtype: torch.dtype) -> torch.Tensor:
-        """Span `index`'s embeddings on `device` in `dtype`: from the cache, else made by its source, checked
-        (ValueError naming the span) and kept."""
+            dtype: torch.dtype, count_hit: bool = True) -> torch.Tensor:
+        """Span `index`'s embeddings on `device` in `dtype`: from the cache (a hit, counted if `count_hit`),
+        else made by its source, checked (ValueError naming the span) and kept."""
         span = multimodal.spans[index]
         cached = self._entries.get(span.content_hash)
         if cached is not None and cached.shape[0] == span.length:
             self._entries.move_to_end(span.content_hash)
-            self.num_hits += 1
+            self.num_hits += count_hit
             return cached
         embeddings = multimodal.span_embeddings(index)
         self.num_encoded += 1
@@ -183,7 +184,20 @@ class EmbeddingCache:
         self.num_bytes += size
 
 
-def gather_input_embeds(chunks: Sequence, cache: EmbeddingCache, hidden_size: int, device: torch.device,
+def chunk_spans(chunk: SeqChunk) -> Iterator[tuple[int, ImageSpan, int, int]]:
+    """(index, span, low, high) for each image span of the chunk's request that the chunk's tokens overlap:
+    positions [low, high) of the prompt."""
+    multimodal = chunk.multimodal
+    start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
+    if multimodal is None or start >= multimodal.spans[-1].end:  # decodes past the images: nothing
+        return
+    for index, span in enumerate(multimodal.spans):
+        low, high = max(start, span.offset), min(end, span.end)
+        if low < high:
+            yield index, span, low, high
+
+
+def gather_input_embeds(chunks: Sequence[SeqChunk], cache: EmbeddingCache, hidden_size: int, device: torch.device,
                         dtype: torch.dtype) -> InputEmbeds | None:
     """The step's rows (in the flat batch of the chunks' tokens, chunk after chunk) that fall inside an image
     span of their chunk's `multimodal`, and those rows of the spans' embeddings; None where there are none."""
@@ -191,17 +205,12 @@ def gather_input_embeds(chunks: Sequence, cache: EmbeddingCache, hidden_size: in
     values: list[torch.Tensor] = []
     base = 0
     for chunk in chunks:
-        start, end = chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
-        multimodal = chunk.multimodal
-        if multimodal is not None and start < multimodal.spans[-1].end:  # decodes past the images: nothing
-            for index, span in enumerate(multimodal.spans):
-                low, high = max(start, span.offset), min(end, span.end)
-                if low >= high:
-                    continue
-                embeddings = cache.get(multimodal, index, hidden_size, device, dtype)
-                rows.append(torch.arange(base + low - start, base + high - start, dtype=torch.int64))
-                values.append(embeddings[low - span.offset:high - span.offset])
-        base += end - start
+        for index, span, low, high in chunk_spans(chunk):
+            # Found where the engine made them before the step (ModelRunner.encode_images, where hits count).
+            embeddings = cache.get(chunk.multimodal, index, hidden_size, device, dtype, count_hit=False)
+            rows.append(torch.arange(base + low - chunk.start_pos, base + high - chunk.start_pos, dtype=torch.int64))
+            values.append(embeddings[low - span.offset:high - span.offset])
+        base += len(chunk.token_ids)
     if not rows:
         return None
     return InputEmbeds(torch.cat(rows).to(device), torch.cat(values))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 
 import pytest
 import torch
@@ -233,12 +234,22 @@ def test_bad_spans_are_refused_naming_the_span(tiny64, spans, embeddings, messag
     assert not engine.has_unfinished_requests()
 
 
-def test_a_callables_wrong_embeddings_are_refused_naming_the_span(tiny64):
-    engine = make_engine(tiny64)
-    engine.add_request([PLACEHOLDER] * 10, SamplingParams(max_tokens=2),
-                       multimodal=MultiModalInputs((ImageSpan(2, 4, b"a"),), lambda index: torch.zeros(5, HIDDEN)))
-    with pytest.raises(ValueError, match=r"image span 0 \(tokens \[2, 6\)\): embeddings of shape \(5, 64\)"):
-        engine.step()
+@pytest.mark.parametrize("embeddings, message", [
+    (lambda index: torch.zeros(5, HIDDEN), r"image span 0 \(tokens \[2, 6\)\): embeddings of shape \(5, 64\)"),
+    (lambda index: 1 / 0, "image encoder: ZeroDivisionError"),
+])
+def test_an_encoder_that_fails_fails_its_request_alone(tiny64, alone, embeddings, message):
+    engine = make_engine(tiny64, budget=16)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    encoder = StandInEncoder()
+    good = [engine.add_request(tokens, params, multimodal=encoder.inputs(spans) if spans else None)
+            for tokens, spans in WORK[:2]]
+    bad = engine.add_request([PLACEHOLDER] * 10, params,
+                             multimodal=MultiModalInputs((ImageSpan(2, 4, b"a"),), embeddings))
+    final = engine.run_to_completion()
+    assert engine.is_idle_and_clean()
+    assert final[bad].error is not None and re.search(message, final[bad].error)
+    assert [list(final[request_id].token_ids) for request_id in good] == alone[:2]
 
 
 def test_text_only_block_keys_are_unchanged():
