@@ -317,3 +317,18 @@ def test_span_layouts_and_budgets_give_the_one_pass_tokens_and_every_block_back(
     expected = [list(output.token_ids) for output in run(reference, [prompt_a, prompt_b], StandInEncoder(), 3)]
     assert outputs == [expected[0], expected[1], expected[0], expected[1]]
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_gemma3_takes_image_embeddings_unscaled_as_transformers_does(tmp_path):
+    """Gemma 3 scales token embeddings by sqrt(hidden) and not the image's (transformers' Gemma3Model scatters
+    the image features into the scaled embeddings): the engine's tokens equal transformers' forward given
+    those input embeddings, over images that cross its 16-token windows, in chunks of 9."""
+    from localserve.loading.hf import load_model
+    from tests.helpers.gemma_models import gemma3_config
+    from tests.helpers.models import save_random_model
+
+    hf_model = save_random_model(tmp_path, gemma3_config()).to(torch.float64)
+    model = load_model(tmp_path, dtype=torch.float64).model
+    tokens, spans = image_prompt([[3, 5], (20, CAT), [11, 12, 13], (10, DOG), [40, 41]])
+    [output] = run(make_engine(model, budget=9), [(tokens, spans)], StandInEncoder())
+    assert list(output.token_ids) == greedy_reference(hf_model, tokens, spans, StandInEncoder(), 6)
