@@ -25,6 +25,7 @@ from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.engine import LLMEngine
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts, read_facts
+from localserve.engine.multimodal import MultiModalInputs
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.snapshot import EngineSnapshot, EngineStats
@@ -90,17 +91,18 @@ class EngineThread:
             self._inbox.put(command)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams, on_output: OutputCallback,
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, multimodal: MultiModalInputs | None = None) -> str:
         """Queue a request (with EmbeddingParams an embedding request, whose one output is its final one,
-        holding the vector); raises ValueError at once if it can never run, EngineStopped once the thread
-        has stopped. Returns its id."""
+        holding the vector; with `multimodal`, its images: LLMEngine.add_request); raises ValueError at once
+        if it can never run, EngineStopped once the thread has stopped. Returns its id. A callable making
+        image embeddings is called on the engine thread."""
         if self._stopped:
             raise EngineStopped("the engine thread has stopped")
-        self.engine.validate(prompt_token_ids, params)  # reads only immutable settings: thread-safe
+        self.engine.validate(prompt_token_ids, params, multimodal)  # reads only immutable settings: thread-safe
         if request_id is None:
             with self._id_lock:
                 request_id = f"req-{next(self._ids)}"
-        self._put(("add", request_id, list(prompt_token_ids), params, on_output))
+        self._put(("add", request_id, list(prompt_token_ids), params, on_output, multimodal))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -157,9 +159,9 @@ class EngineThread:
             return
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, on_output = command
+            _, request_id, prompt, params, on_output, multimodal = command
             try:
-                self.engine.add_request(prompt, params, request_id)
+                self.engine.add_request(prompt, params, request_id, multimodal)
                 self._callbacks[request_id] = on_output
             except Exception as exc:  # only this request is refused, whatever went wrong
                 if not isinstance(exc, ValueError):

@@ -332,3 +332,30 @@ def test_gemma3_takes_image_embeddings_unscaled_as_transformers_does(tmp_path):
     tokens, spans = image_prompt([[3, 5], (20, CAT), [11, 12, 13], (10, DOG), [40, 41]])
     [output] = run(make_engine(model, budget=9), [(tokens, spans)], StandInEncoder())
     assert list(output.token_ids) == greedy_reference(hf_model, tokens, spans, StandInEncoder(), 6)
+
+
+def test_the_engine_thread_takes_images_and_refuses_bad_spans_at_once(tiny64, alone):
+    import threading
+
+    from localserve.engine.engine_thread import EngineThread
+
+    thread = EngineThread(make_engine(tiny64))
+    thread.start()
+    try:
+        done = threading.Event()
+        final = []
+
+        def on_output(output):
+            if output.finished:
+                final.append(output)
+                done.set()
+
+        tokens, spans = WORK[0]
+        thread.submit(tokens, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), on_output,
+                      multimodal=StandInEncoder().inputs(spans))
+        assert done.wait(30) and list(final[0].token_ids) == alone[0]
+        with pytest.raises(ValueError, match="image span 0 .* lies outside the prompt"):
+            thread.submit([1, 2], SamplingParams(max_tokens=2), on_output,
+                          multimodal=MultiModalInputs((ImageSpan(1, 4, b"a"),), [torch.zeros(4, HIDDEN)]))
+    finally:
+        thread.stop()
