@@ -81,6 +81,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.model_config = runner.model.config
         self.device = runner.device
+        self.image_embeds = runner.image_embeds  # the embeddings of recent images (engine/multimodal.py)
         self.sampler = Sampler()
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.grammars = GrammarCompiler(tokenizer.backend if tokenizer else None, self.model_config.vocab_size,

@@ -23,6 +23,7 @@ output already projected into the language model's space) or a callable making t
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -132,7 +133,8 @@ class EmbeddingCache:
     """Images' embeddings by content hash, least recently used evicted first once over `max_bytes`.
 
     An entry bigger than the bound is used but not kept (so made again when the step's forward pass reads
-    it). `num_encoded` counts the embeddings made (the source called), `num_hits` those found here."""
+    it). `num_encoded` counts the embeddings made (the source called), `num_hits` those found here,
+    `encode_s` the seconds the sources took (the encoder's time, on the engine thread)."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if max_bytes < 0:
@@ -141,6 +143,7 @@ class EmbeddingCache:
         self.num_bytes = 0
         self.num_encoded = 0
         self.num_hits = 0
+        self.encode_s = 0.0  # seconds in the sources (the encoder)
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     def __len__(self) -> int:
@@ -159,7 +162,11 @@ class EmbeddingCache:
             self._entries.move_to_end(span.content_hash)
             self.num_hits += count_hit
             return cached
-        embeddings = multimodal.span_embeddings(index)
+        start = time.perf_counter()
+        try:
+            embeddings = multimodal.span_embeddings(index)
+        finally:
+            self.encode_s += time.perf_counter() - start
         self.num_encoded += 1
         check_span_embeddings(embeddings, index, span, hidden_size)
         embeddings = embeddings.to(device=device, dtype=dtype)

@@ -17,6 +17,7 @@ from localserve.kv.block_books import GroupUsage
 
 if TYPE_CHECKING:
     from localserve.engine.events import EventLog
+    from localserve.engine.multimodal import EmbeddingCache
     from localserve.engine.scheduler import Scheduler
     from localserve.engine.sequence import Request
     from localserve.kv.block_manager import BlockManager
@@ -92,6 +93,11 @@ class Counters:
     spec_num_drafts: int = 0  # verify rows
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Images (engine/multimodal.py): embeddings made (the encoder run), found in the embeddings cache, and the
+    # seconds the encoder took.
+    num_images_encoded: int = 0
+    num_image_cache_hits: int = 0
+    image_encode_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class RequestSnapshot:
     num_reasoning_seqs: int  # live sequences inside their reasoning block (SamplingParams.reasoning_end)
     spec_acceptance_rate: float = 0.0  # its sequences' accepted over drafted tokens (0: no draft yet)
     spec_mean_accepted_length: float = 0.0  # tokens per verification (0: none yet)
+    image_spans: tuple[tuple[int, int], ...] = ()  # (offset, length) of each image's tokens in its prompt
 
 
 @dataclass(frozen=True)
@@ -150,8 +157,13 @@ def read_stats(engine: EngineState) -> EngineStats:
                         preemption.num_swap_fallbacks, bm.prefix_query_tokens, bm.prefix_hit_tokens,
                         engine.num_prompt_tokens, engine.num_generation_tokens, bm.cow_copies,
                         bm.cached_block_evictions, engine.num_requests_finished, engine.num_requests_failed,
-                        spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                        spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                        *_image_counters(getattr(engine, "image_embeds", None)))
     return EngineStats(gauges, counters)
+
+
+def _image_counters(cache: EmbeddingCache | None) -> tuple[int, int, float]:
+    return (cache.num_encoded, cache.num_hits, cache.encode_s) if cache is not None else (0, 0, 0.0)
 
 
 def _request_snapshot(engine: EngineState, request: Request, queue: str, now: float) -> RequestSnapshot:
@@ -176,7 +188,9 @@ def _request_snapshot(engine: EngineState, request: Request, queue: str, now: fl
                            num_output / elapsed if elapsed > 0 else 0.0,
                            tables if queue == "running" else [], tables if queue == "swapped" else [],
                            request.params.grammar is not None, sum(seq.in_reasoning for seq in live),
-                           spec.acceptance_rate, spec.mean_accepted_length)
+                           spec.acceptance_rate, spec.mean_accepted_length,
+                           tuple((span.offset, span.length) for span in request.multimodal.spans)
+                           if request.multimodal is not None else ())
 
 
 def read_snapshot(engine: EngineState) -> EngineSnapshot:
