@@ -101,8 +101,8 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
         speculation = Speculation(drafter, config.spec_tokens, block_manager, config.max_num_seqs, step_cost, events)
     scheduler = Scheduler(scheduler_config, block_manager, events, speculation=speculation, step_budget=step_budget,
                           step_cost=step_cost)
-    return LLMEngine(config, ModelRunner(model, kv_cache, backend, max_model_len), block_manager, scheduler, events,
-                     tokenizer, max_model_len=max_model_len)
+    runner = ModelRunner(model, kv_cache, backend, max_model_len, config.image_cache_bytes)
+    return LLMEngine(config, runner, block_manager, scheduler, events, tokenizer, max_model_len=max_model_len)
 
 
 def check_speculation(model_config: ModelConfig, spec_type: str | None) -> None:

@@ -24,6 +24,9 @@ STATE_CHECKPOINT_TOKENS = 512
 # Sequences running at once (-np) when none is given; fewer for a model whose recurrent states would take
 # more than half the KV memory at this many (engine/builder.py, `fit_state_sequences`).
 DEFAULT_MAX_NUM_SEQS = 16
+IMAGE_CACHE_BYTES = 256 << 20
+"""The image embeddings cache's default bound (engine/multimodal.py): a few hundred images of a 24 GB model's
+size (256 rows of 4 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class EngineConfig:
     # the next max_num_seqs - 1 requests).
     state_checkpoint_tokens: int = STATE_CHECKPOINT_TOKENS
     state_cache_slots: int | None = None
+    # The embeddings of recently seen images are kept up to this many bytes (engine/multimodal.py).
+    image_cache_bytes: int = IMAGE_CACHE_BYTES
     max_num_seqs_given: bool = field(init=False, default=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +100,8 @@ class EngineConfig:
         if self.state_checkpoint_tokens < self.block_size or self.state_checkpoint_tokens % self.block_size:
             raise ValueError(f"state_checkpoint_tokens (--state-checkpoint-tokens) must be a positive multiple of the "
                              f"block size {self.block_size}, got {self.state_checkpoint_tokens}")
+        if self.image_cache_bytes < 0:
+            raise ValueError(f"image_cache_bytes must be >= 0, got {self.image_cache_bytes}")
         if self.state_cache_slots is not None and self.state_cache_slots < 0:
             raise ValueError(f"state_cache_slots (--state-cache-slots) must be >= 0, got {self.state_cache_slots}")
         if self.spec_type is not None and self.spec_type not in SPEC_TYPES:

@@ -11,7 +11,8 @@ import torch
 
 from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
-from localserve.engine.multimodal import DEFAULT_CACHE_BYTES, EmbeddingCache, chunk_spans, gather_input_embeds
+from localserve.engine.config import IMAGE_CACHE_BYTES
+from localserve.engine.multimodal import EmbeddingCache, chunk_spans, gather_input_embeds
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.recurrent_states import StepStates
@@ -38,7 +39,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
-                 max_model_len: int | None = None, image_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 max_model_len: int | None = None, image_cache_bytes: int = IMAGE_CACHE_BYTES) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend

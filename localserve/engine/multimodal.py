@@ -30,11 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from localserve.engine.config import IMAGE_CACHE_BYTES
 from localserve.engine.step import SeqChunk
 from localserve.models.protocol import InputEmbeds
-
-DEFAULT_CACHE_BYTES = 256 << 20
-"""The embeddings cache's default bound: a few hundred images of a 24 GB model's size (256 rows of 4 KiB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +86,8 @@ def validate_multimodal(multimodal: MultiModalInputs, num_prompt_tokens: int, hi
         name = describe_span(index, span)
         if not isinstance(span, ImageSpan):
             raise ValueError(f"multimodal: span {index} is a {type(span).__name__}, not an ImageSpan")
+        if not all(isinstance(value, int) and not isinstance(value, bool) for value in (span.offset, span.length)):
+            raise ValueError(f"{name}: its offset and length must be ints")
         if span.length < 1:
             raise ValueError(f"{name}: its length must be at least 1")
         if span.offset < 0 or span.end > num_prompt_tokens:
@@ -136,7 +136,7 @@ class EmbeddingCache:
     it). `num_encoded` counts the embeddings made (the source called), `num_hits` those found here,
     `encode_s` the seconds the sources took (the encoder's time, on the engine thread)."""
 
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes

@@ -9,6 +9,10 @@ or used (ref count >= 1: that many block tables point at it; shared when > 1). B
 to 0 join the free queue's tail and new blocks come from its head, so the least recently freed cached
 block is overwritten first.
 
+A full block's prefix-cache key (kv/block_hash.py) hashes its parent's key, its tokens, the sequence's extra
+key and the block's own extra key where it has one (`block_extra_keys`: the content of the image whose
+tokens it covers, engine/multimodal.py); a text-only block's key is that of its tokens alone.
+
 A window group gives back the blocks that fall wholly before the window of the sequence's next query
 (positions < num_computed_tokens - W + 1) as soon as they do: their entries become `NO_BLOCK`, always a
 prefix of the table, and the blocks join the free queue still cached, so a later prompt with the same

@@ -225,6 +225,7 @@ def test_another_image_of_the_same_size_never_hits(tiny64, changed):
     ([ImageSpan(0, 4, b"")], [torch.zeros(4, HIDDEN)], "image span 0 .* content_hash"),
     ([ImageSpan(0, 4, b"a")], [torch.zeros(4, HIDDEN, dtype=torch.int64)], "image span 0 .* floating-point"),
     ([ImageSpan(0, 4, b"a")], [], "1 image spans but 0 embeddings"),
+    ([ImageSpan(0, 4.0, b"a")], [torch.zeros(4, HIDDEN)], "image span 0 .* must be ints"),
 ])
 def test_bad_spans_are_refused_naming_the_span(tiny64, spans, embeddings, message):
     engine = make_engine(tiny64)
@@ -359,3 +360,12 @@ def test_the_engine_thread_takes_images_and_refuses_bad_spans_at_once(tiny64, al
                           multimodal=MultiModalInputs((ImageSpan(1, 4, b"a"),), [torch.zeros(4, HIDDEN)]))
     finally:
         thread.stop()
+
+
+def test_without_an_embeddings_cache_images_are_encoded_again_and_give_the_same_tokens(tiny64, alone):
+    encoder = StandInEncoder()
+    engine = build_engine(tiny64, None, EngineConfig(num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=8,
+                                                     image_cache_bytes=0, check_integrity=True))
+    [output] = run(engine, [WORK[0]], encoder)
+    assert list(output.token_ids) == alone[0]
+    assert encoder.num_calls > 2 and len(engine.image_embeds) == 0
