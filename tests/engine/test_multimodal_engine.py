@@ -369,3 +369,28 @@ def test_without_an_embeddings_cache_images_are_encoded_again_and_give_the_same_
     [output] = run(engine, [WORK[0]], encoder)
     assert list(output.token_ids) == alone[0]
     assert encoder.num_calls > 2 and len(engine.image_embeds) == 0
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_embedding_request_with_images_pools_transformers_hidden_states(tmp_path, pooling):
+    """Embedding requests (prefilled, pooled: ModelRunner.execute_pooled) take images too, in chunks of 8."""
+    from localserve.engine.embedding_params import EmbeddingParams
+    from localserve.llm import LLM
+    from tests.helpers.embedding_models import cosine, write_tiny_embedding_model
+
+    reference = write_tiny_embedding_model(tmp_path, pooling)
+    llm = LLM(str(tmp_path), device="cpu", engine_config=EngineConfig(
+        num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=8, check_integrity=True))
+    tokens, spans = image_prompt([[5, 6, 9], (20, CAT), [11, 12], (6, DOG), [30]])
+    engine = llm.engine
+    request_id = engine.add_request(tokens, EmbeddingParams(), multimodal=StandInEncoder().inputs(spans))
+    vector = engine.run_to_completion()[request_id].embedding
+    assert engine.is_idle_and_clean()
+    encoder = StandInEncoder()
+    with torch.no_grad():
+        embeds = reference.embed_tokens(torch.tensor([tokens])).double()
+        for offset, length, image in spans:
+            embeds[0, offset:offset + length] = encoder.embed(image, length)
+        hidden = reference.double()(inputs_embeds=embeds).last_hidden_state[0]
+    expected = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=0)
+    assert cosine(vector, expected) > 0.9999
