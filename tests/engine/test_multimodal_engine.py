@@ -143,7 +143,7 @@ def test_a_batch_with_images_equals_each_request_alone(tiny64, alone, budget, nu
     pressed = num_blocks < 100  # the pool holds a fraction of the work: longer outputs outgrow it
     outputs = run(engine, WORK, StandInEncoder(), max_tokens=40 if pressed else 6)
     if pressed:
-        assert engine.num_preemptions > 0
+        assert engine.scheduler.preemption.num_preemptions_by_mode[mode] > 0
         expected = [list(run(make_engine(tiny64, prefix=False), [item], StandInEncoder(), max_tokens=40)[0].token_ids)
                     for item in WORK]
     else:
@@ -296,21 +296,22 @@ def test_the_embeddings_cache_evicts_least_recently_used_by_bytes():
 
 @st.composite
 def layouts(draw):
-    """Prompts of up to 3 images (1-20 tokens, two possible contents each) among text parts, and a budget."""
+    """Prompts of up to 3 images (1-20 tokens, two possible contents each) among text parts, a step budget and
+    a preemption mode."""
     parts: list = []
     for _ in range(draw(st.integers(1, 3))):
         parts.append(draw(st.lists(st.integers(10, 255), max_size=9)))
         parts.append((draw(st.integers(1, 20)), draw(st.sampled_from([CAT, DOG]))))
     parts.append(draw(st.lists(st.integers(10, 255), min_size=1, max_size=5)))
-    return image_prompt(parts), draw(st.integers(1, 40))
+    return image_prompt(parts), draw(st.integers(1, 40)), draw(st.sampled_from(["recompute", "swap"]))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first=layouts(), second=layouts())
 def test_span_layouts_and_budgets_give_the_one_pass_tokens_and_every_block_back(tiny64, first, second):
-    (prompt_a, budget), (prompt_b, _) = first, second
+    (prompt_a, budget, mode), (prompt_b, _, _) = first, second
     encoder = StandInEncoder()
-    engine = make_engine(tiny64, budget=budget, num_blocks=12)
+    engine = make_engine(tiny64, budget=budget, num_blocks=12, mode=mode)
     # Twice each: the second run of a prompt hits the blocks the first left cached.
     outputs = [list(output.token_ids) for output in run(engine, [prompt_a, prompt_b, prompt_a], encoder, 3)]
     outputs += [list(output.token_ids) for output in run(engine, [prompt_b], encoder, 3)]
