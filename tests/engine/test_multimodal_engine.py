@@ -302,7 +302,7 @@ def layouts(draw):
     for _ in range(draw(st.integers(1, 3))):
         parts.append(draw(st.lists(st.integers(10, 255), max_size=9)))
         parts.append((draw(st.integers(1, 20)), draw(st.sampled_from([CAT, DOG]))))
-    parts.append(draw(st.lists(st.integers(10, 255), min_size=1, max_size=5)))
+    parts.append(draw(st.lists(st.integers(10, 255), max_size=5)))  # none: an image ends the prompt
     return image_prompt(parts), draw(st.integers(1, 40)), draw(st.sampled_from(["recompute", "swap"]))
 
 
@@ -395,3 +395,16 @@ def test_an_embedding_request_with_images_pools_transformers_hidden_states(tmp_p
         hidden = reference.double()(inputs_embeds=embeds).last_hidden_state[0]
     expected = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=0)
     assert cosine(vector, expected) > 0.9999
+
+
+def test_an_image_ending_the_prompt_whose_last_token_alone_is_left(tiny64, hf64):
+    """A prompt ending with an image whose last token alone is left to compute, after a chunk of 32 (it runs
+    as a decode row) or after a prefix hit of 32 (a one-token prefill chunk): it takes its image row."""
+    prompt = image_prompt([list(range(20, 36)), (17, CAT)])  # 33 tokens
+    expected = greedy_reference(hf64, *prompt, StandInEncoder(), 6)
+    engine = make_engine(tiny64, budget=32)
+    encoder = StandInEncoder()
+    [first] = run(engine, [prompt], encoder)
+    [second] = run(engine, [prompt], encoder)
+    assert second.num_cached_tokens == 32
+    assert list(first.token_ids) == list(second.token_ids) == expected
