@@ -48,7 +48,8 @@ class CausalLM(Protocol):
     rotary: RotaryEmbedding  # the rotary embedding of its keys (the 4-bit KV format rotates its key mean by it)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden_size] after the final norm."""
+        """input_ids, positions [T] -> hidden states [T, hidden_size] after the final norm. The rows that
+        `ctx.input_embeds` names take its embeddings instead of their tokens' (images)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], in float32 at least."""
