@@ -28,16 +28,17 @@ def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
     return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 
-def place_input_embeds(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-    """`x` [T, hidden] (the tokens' input embeddings, each family's scale applied) with the rows that
-    `ctx.input_embeds` gives (an image's tokens) replaced by its embeddings, as they are: the hook each family's
-    forward calls once it has its token embeddings. A family whose image embeddings need a scale of their own
-    applies it here, before; Gemma 3 applies none (transformers scatters the image features into the
-    already scaled token embeddings)."""
+def place_input_embeds(x: torch.Tensor, ctx: ForwardContext, scale: float | None = None) -> torch.Tensor:
+    """`x` [T, hidden] (the tokens' input embeddings, the family's own scale applied) with the rows that
+    `ctx.input_embeds` names (an image's tokens) replaced by its embeddings, times `scale` where the family
+    scales them (None: as they are). The hook each family's forward calls once it has its token embeddings:
+    Gemma 3 calls it after its sqrt(hidden) scale with none (transformers scatters the image features into
+    the scaled token embeddings)."""
     given = ctx.input_embeds
     if given is None:
         return x
-    return x.index_copy(0, given.rows, given.values.to(x.dtype))
+    values = given.values.to(x.dtype)
+    return x.index_copy(0, given.rows, values if scale is None else values * scale)
 
 
 class DecoderLayer(nn.Module):
