@@ -306,7 +306,7 @@ def layouts(draw):
     return image_prompt(parts), draw(st.integers(1, 40)), draw(st.sampled_from(["recompute", "swap"]))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first=layouts(), second=layouts())
 def test_span_layouts_and_budgets_give_the_one_pass_tokens_and_every_block_back(tiny64, first, second):
     (prompt_a, budget, mode), (prompt_b, _, _) = first, second
