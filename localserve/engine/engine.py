@@ -250,8 +250,7 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         drafting_s = self._draft(batch) if batch.drafting is not None else 0.0
-        if batch.has_images:
-            self._encode_images(batch)
+        encoding_s = self._encode_images(batch) if batch.has_images else 0.0
         masks = self.grammar_masks.start(batch.rows)  # filled while the model runs
         if batch.num_pooled_tokens:
             logits, hidden = self.runner.execute_pooled(batch.step_input)
@@ -262,17 +261,19 @@ class LLMEngine:
         outputs = self._postprocess(batch, logits, hidden)
         self.num_steps += 1
         duration = time.perf_counter() - start
-        self.scheduler.observe_step(batch, duration - drafting_s)  # the drafter's cost is learnt apart
+        # The drafter's cost is learnt apart; the image encoder's is not the step's tokens' either.
+        self.scheduler.observe_step(batch, duration - drafting_s - encoding_s)
         self.step_history.append(StepRecord(batch.num_tokens, batch.num_prefill_tokens, len(batch.rows),
                                             len(batch.preempted), duration))
         if self.config.check_integrity:
             self.block_manager.check_integrity()
         return outputs
 
-    def _encode_images(self, batch: Batch) -> None:
+    def _encode_images(self, batch: Batch) -> float:
         """Make the embeddings of the images the step's chunks overlap before the forward pass; a request whose
         images fail (its encoder raises, or gives embeddings of the wrong shape) fails alone: its rows leave
-        the step."""
+        the step. Returns the seconds it took."""
+        start = time.perf_counter()
         failed: dict[str, tuple[Request, str]] = {}
         for row in batch.rows:
             request = row.request
@@ -289,6 +290,7 @@ class LLMEngine:
             for request, reason in failed.values():
                 self._fail(request, reason)
                 batch.failed.append(request)
+        return time.perf_counter() - start
 
     def _draft(self, batch: Batch) -> float:
         """The drafts the schedule asked for (engine/speculation.py), made by its drafter (a draft model's
