@@ -17,6 +17,7 @@ from localserve.engine.config import DEFAULT_MAX_NUM_SEQS, SPEC_TOKENS, STATE_CH
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import parse_size
 from localserve.plan_command import add_plan_args, cmd_plan
+from localserve.server.request.images import ImageBounds
 from localserve.server.wire.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
@@ -257,13 +258,28 @@ def server_config(args: argparse.Namespace):
     import os
 
     from localserve.server.config import ServerConfig
+    from localserve.server.request.generation_request import RequestLimits
 
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
                         allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
                         max_connections=args.max_connections,
                         max_unfinished_connections=args.max_unfinished_connections,
                         phase_bounds=phase_bounds(args), default_max_output_tokens=args.max_tokens,
-                        monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui)
+                        monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui,
+                        limits=RequestLimits(images=image_bounds(args)))
+
+
+def image_bounds(args: argparse.Namespace) -> ImageBounds:
+    """The ImageBounds of `localserve serve`'s flags (--max-image-bytes, --max-images, ...); a bound below 1 is
+    an error naming its flag."""
+    flags = {"max_bytes": "--max-image-bytes", "max_total_bytes": "--max-request-image-bytes",
+             "max_images": "--max-images", "max_pixels": "--max-image-pixels"}
+    values = {"max_bytes": args.max_image_bytes, "max_total_bytes": args.max_request_image_bytes,
+              "max_images": args.max_images, "max_pixels": args.max_image_pixels}
+    for name, flag in flags.items():
+        if values[name] < 1:
+            raise SystemExit(f"localserve: {flag} must be >= 1, got {values[name]}")
+    return ImageBounds(**values)
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict[str, float | int]:
@@ -359,6 +375,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, help="min_p of a request that sets none (default: the model's, else 0.05)")
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
+    images = ImageBounds()
+    g.add_argument("--max-image-bytes", type=int, default=images.max_bytes, metavar="BYTES",
+                   help="the largest image file a request may carry (decoded from base64)")
+    g.add_argument("--max-request-image-bytes", type=int, default=images.max_total_bytes, metavar="BYTES",
+                   help="every image of one request together (the request body may grow by their base64)")
+    g.add_argument("--max-images", type=int, default=images.max_images, metavar="N",
+                   help="images in one request")
+    g.add_argument("--max-image-pixels", type=int, default=images.max_pixels, metavar="N",
+                   help="width x height of one image, read from its header before it is decoded "
+                        "(decompression bombs are refused)")
     g.add_argument("--no-webui", action="store_true",
                    help="serve no web page at / (the chat and monitor page; / is then a 404)")
     g.add_argument("--no-tui", action="store_true",

@@ -70,7 +70,7 @@ class HttpExchange:
 
     async def read_request(self, wire: WireFormat, config: ServerConfig) -> GenerationRequest:
         """The body within the server's bounds, checked by `wire`'s field map into the one request model."""
-        return parse_request(await self.read_json(config.max_message_bytes, config.http_body_timeout_s), wire,
+        return parse_request(await self.read_json(config.max_body_bytes, config.http_body_timeout_s), wire,
                              config.limits)
 
     async def _read_body(self, max_bytes: int, timeout_s: float) -> bytes:
