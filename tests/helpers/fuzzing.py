@@ -54,27 +54,34 @@ def _bomb_png(width: int, height: int) -> bytes:
         b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
-def _image_strategies() -> tuple[st.SearchStrategy, st.SearchStrategy, st.SearchStrategy]:
+def _image_strategies() -> tuple[st.SearchStrategy, ...]:
     valid = [_image_file(kind, size) for kind, size in (("PNG", (4, 3)), ("JPEG", (8, 8)), ("WEBP", (2, 5)),
                                                           ("GIF", (3, 3)))]
     broken = [valid[0][:30], valid[1][:-20], b"GIF89a", b"\x89PNG\r\n\x1a\n", _image_file("BMP", (2, 2)),
               _bomb_png(100_000, 100_000), _bomb_png(0, 7)]
-    files = st.sampled_from(valid) | st.sampled_from(broken) | st.binary(max_size=24)
-    texts = files.map(lambda data: base64.b64encode(data).decode()) | st.sampled_from(
+    good_texts = st.sampled_from([base64.b64encode(data).decode() for data in valid])
+    texts = good_texts | (st.sampled_from(broken) | st.binary(max_size=24)).map(
+        lambda data: base64.b64encode(data).decode()) | st.sampled_from(
         ["", "%%%", "aGk=", "AAAA\n", "data:image/png;base64,AAAA"])
     mimes = st.sampled_from(["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp", "text/plain", ""])
-    urls = st.builds(lambda mime, text: f"data:{mime};base64,{text}", mimes, texts) | st.sampled_from(
+    good_urls = good_texts.map(lambda text: f"data:image/png;base64,{text}")
+    urls = good_urls | st.builds(lambda mime, text: f"data:{mime};base64,{text}", mimes, texts) | st.sampled_from(
         ["https://example.com/a.png", "http://127.0.0.1/x.png", "file:///etc/passwd", "data:image/png,raw", ""])
-    return texts, mimes, urls
+    return good_texts, texts, mimes, good_urls, urls
 
 
-IMAGE_BASE64, IMAGE_MEDIA_TYPES, IMAGE_URLS = _image_strategies()
-# an image part as each API spells it, valid or broken (tiny files: they fit the fuzzers' small bodies)
+GOOD_BASE64, IMAGE_BASE64, IMAGE_MEDIA_TYPES, GOOD_URLS, IMAGE_URLS = _image_strategies()
+# an image part as each API spells it, valid (often: the model's own refusal must come) or broken; tiny files,
+# which fit the fuzzers' small bodies
 chat_image_parts = st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
-    {"url": IMAGE_URLS}, optional={"detail": st.sampled_from(["auto", "low", "high", "huge"])}) | st.just("x")})
-responses_image_parts = st.fixed_dictionaries({"type": st.just("input_image")}, optional={
-    "image_url": IMAGE_URLS, "detail": st.sampled_from(["auto", "high", 5]), "file_id": st.just("file-1")})
-anthropic_image_blocks = st.fixed_dictionaries({"type": st.just("image"), "source": st.fixed_dictionaries({
-    "type": st.sampled_from(["base64", "base64", "url", "file"]), "media_type": IMAGE_MEDIA_TYPES,
-    "data": IMAGE_BASE64}) | st.just({"type": "url", "url": "https://example.com/a.png"})})
-ollama_images = st.lists(IMAGE_BASE64, max_size=3)
+    {"url": GOOD_URLS})}) | st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
+        {"url": IMAGE_URLS}, optional={"detail": st.sampled_from(["auto", "low", "high", "huge"])}) | st.just("x")})
+responses_image_parts = st.fixed_dictionaries({"type": st.just("input_image"), "image_url": GOOD_URLS}) | \
+    st.fixed_dictionaries({"type": st.just("input_image")}, optional={
+        "image_url": IMAGE_URLS, "detail": st.sampled_from(["auto", "high", 5]), "file_id": st.just("file-1")})
+PNG_BASE64 = base64.b64encode(_image_file("PNG", (3, 2))).decode()
+anthropic_image_blocks = st.fixed_dictionaries({"type": st.just("image"), "source": st.just(
+    {"type": "base64", "media_type": "image/png", "data": PNG_BASE64}) | st.fixed_dictionaries(
+        {"type": st.sampled_from(["base64", "base64", "url", "file"]), "media_type": IMAGE_MEDIA_TYPES,
+         "data": IMAGE_BASE64}) | st.just({"type": "url", "url": "https://example.com/a.png"})})
+ollama_images = st.lists(GOOD_BASE64, min_size=1, max_size=2) | st.lists(IMAGE_BASE64, min_size=1, max_size=3)
