@@ -171,3 +171,32 @@ def test_a_model_that_takes_images_says_so_and_passes_the_check():
         blind.check_images(request)
     assert caught.value.param == "messages[0].images[0]"
     blind.check_images(GenerationRequest(input_messages=[{"role": "user", "content": "x"}]))
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_with_the_same_answers(server):
+    large = chat_with(URL)
+    large["messages"][0]["content"][0]["text"] = "see " * 80_000  # 320 KB: over INLINE_PARSE_BYTES
+    status, error = send_json(server.port, "/v1/chat/completions", large)
+    assert (status, error["error"]["code"], error["error"]["param"]) == (
+        400, "model_takes_no_images", "messages[0].content[1]"), error
+    large["messages"][0]["content"][1]["image_url"]["url"] = "https://example.com/a.png"
+    status, error = send_json(server.port, "/v1/chat/completions", large)
+    assert (status, error["error"]["code"]) == (400, "invalid_image_url"), error
+    still_serves(server)
+
+
+def test_the_image_flags_set_the_bounds():
+    import argparse
+
+    from localserve.cli import add_server_args, server_config
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    defaults = server_config(parser.parse_args([]))
+    assert defaults.limits.images == ImageBounds()
+    assert defaults.max_body_bytes == defaults.max_message_bytes + ImageBounds().max_body_bytes
+    config = server_config(parser.parse_args(["--max-image-bytes", "100", "--max-request-image-bytes", "300",
+                                              "--max-images", "3", "--max-image-pixels", "64"]))
+    assert config.limits.images == ImageBounds(max_bytes=100, max_total_bytes=300, max_images=3, max_pixels=64)
+    with pytest.raises(SystemExit, match="--max-images must be >= 1"):
+        server_config(parser.parse_args(["--max-images", "0"]))
