@@ -270,13 +270,10 @@ def server_config(args: argparse.Namespace):
 
 
 def image_bounds(args: argparse.Namespace) -> ImageBounds:
-    """The ImageBounds of `localserve serve`'s flags (--max-image-bytes, --max-images, ...); a bound below 1 is
-    an error naming its flag."""
-    flags = {"max_bytes": "--max-image-bytes", "max_total_bytes": "--max-request-image-bytes",
-             "max_images": "--max-images", "max_pixels": "--max-image-pixels"}
-    values = {"max_bytes": args.max_image_bytes, "max_total_bytes": args.max_request_image_bytes,
-              "max_images": args.max_images, "max_pixels": args.max_image_pixels}
-    for name, flag in flags.items():
+    """The ImageBounds of `localserve serve`'s flags (IMAGE_FLAGS); a bound below 1 is an error naming its flag."""
+    values = {}
+    for flag, name, _, _ in IMAGE_FLAGS:
+        values[name] = getattr(args, flag[2:].replace("-", "_"))
         if values[name] < 1:
             raise SystemExit(f"localserve: {flag} must be >= 1, got {values[name]}")
     return ImageBounds(**values)
@@ -317,6 +314,17 @@ def serve_with_tui(server, api_key: str | None) -> None:
     finally:
         root.handlers = stderr_handlers
         background.stop()
+
+
+# the image bounds' flags: flag, ImageBounds field, metavar, help
+IMAGE_FLAGS = (
+    ("--max-image-bytes", "max_bytes", "BYTES", "the largest image file a request may carry (decoded from base64)"),
+    ("--max-request-image-bytes", "max_total_bytes", "BYTES",
+     "every image of one request together (the request body may grow by their base64)"),
+    ("--max-images", "max_images", "N", "images in one request"),
+    ("--max-image-pixels", "max_pixels", "N", "width x height of one image, read from its header before it is "
+     "decoded (decompression bombs are refused)"),
+)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -376,15 +384,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
     images = ImageBounds()
-    g.add_argument("--max-image-bytes", type=int, default=images.max_bytes, metavar="BYTES",
-                   help="the largest image file a request may carry (decoded from base64)")
-    g.add_argument("--max-request-image-bytes", type=int, default=images.max_total_bytes, metavar="BYTES",
-                   help="every image of one request together (the request body may grow by their base64)")
-    g.add_argument("--max-images", type=int, default=images.max_images, metavar="N",
-                   help="images in one request")
-    g.add_argument("--max-image-pixels", type=int, default=images.max_pixels, metavar="N",
-                   help="width x height of one image, read from its header before it is decoded "
-                        "(decompression bombs are refused)")
+    for flag, name, metavar, what in IMAGE_FLAGS:
+        g.add_argument(flag, type=int, default=getattr(images, name), metavar=metavar, help=what)
     g.add_argument("--no-webui", action="store_true",
                    help="serve no web page at / (the chat and monitor page; / is then a 404)")
     g.add_argument("--no-tui", action="store_true",
