@@ -4,8 +4,9 @@ Every API's image part ends here: its bytes as base64 text (an Ollama `images` e
 `source.data`) or a `data:` URL (OpenAI's `image_url`, Responses' `input_image`), decoded with Pillow
 (never a hand-written decoder) within `ImageBounds`: bytes per image, bytes of every image together,
 images per request, pixels per image. The pixel bound is checked from the file's header before its
-pixels are decoded, with Pillow's own decompression-bomb guard left on, so a small file that claims a
-huge picture is refused quickly and with bounded memory. A URL that points elsewhere (`http(s)`) is
+pixels are decoded, with Pillow's own decompression-bomb guard left on (it refuses beyond twice
+`Image.MAX_IMAGE_PIXELS`, whatever the bound here), so a small file that claims a huge picture is
+refused quickly and with bounded memory. A URL that points elsewhere (`http(s)`) is
 refused: a desktop server does not fetch for a client. Every refusal is a `ProtocolError` naming the
 part's JSON path (`where`), and the message says only what was wrong with the client's own data.
 
@@ -21,7 +22,6 @@ import binascii
 import hashlib
 import io
 import re
-import warnings
 from dataclasses import dataclass, field
 
 from PIL import Image, UnidentifiedImageError
@@ -88,24 +88,22 @@ class PlacedImage:
 
 def decode_image(data: bytes, where: str, bounds: ImageBounds, media_type: str | None = None) -> ImageInput:
     """`data` (an image file) decoded within `bounds`; `media_type`, when the client declared one, must be the
-    file's. A ProtocolError naming `where` for anything else."""
+    file's. A ProtocolError naming `where` for anything else: whatever a decoder raises on a client's bytes is
+    that client's broken image, never the server's failure."""
     if len(data) > bounds.max_bytes:
         raise ProtocolError("image_too_large", f"'{where}' is an image of {len(data)} bytes; at most "
                             f"{bounds.max_bytes} are accepted per image", where)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            image = Image.open(io.BytesIO(data), formats=list(FORMATS))
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise _too_many_pixels(where, bounds, None) from None
-        except UnidentifiedImageError:
-            raise ProtocolError("invalid_image", f"'{where}' is not an image this server reads ({SUPPORTED})",
-                                where) from None
-        except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise ProtocolError("invalid_image", f"'{where}' does not decode as an image: {_reason(exc)}",
-                                where) from None
-        with image:
-            return _decoded(image, data, where, bounds, media_type)
+    try:
+        image = Image.open(io.BytesIO(data), formats=list(FORMATS))
+    except Image.DecompressionBombError:  # Pillow's own guard: beyond twice Image.MAX_IMAGE_PIXELS
+        raise _too_many_pixels(where, bounds, None) from None
+    except UnidentifiedImageError:
+        raise ProtocolError("invalid_image", f"'{where}' is not an image this server reads ({SUPPORTED})",
+                            where) from None
+    except Exception as exc:  # noqa: BLE001 - a decoder's error on the client's bytes
+        raise _undecodable(where, exc) from None
+    with image:
+        return _decoded(image, data, where, bounds, media_type)
 
 
 def _decoded(image: Image.Image, data: bytes, where: str, bounds: ImageBounds, media_type: str | None) -> ImageInput:
@@ -117,19 +115,22 @@ def _decoded(image: Image.Image, data: bytes, where: str, bounds: ImageBounds, m
     width, height = image.size
     if width < 1 or height < 1:
         raise ProtocolError("invalid_image", f"'{where}' is an image of no pixels ({width}x{height})", where)
-    if width * height > bounds.max_pixels:
+    if width * height > bounds.max_pixels:  # from the header: no pixel decoded yet
         raise _too_many_pixels(where, bounds, (width, height))
     try:
         image.seek(0)
         image.load()
         pixels = image.convert("RGB").tobytes()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except Image.DecompressionBombError:
         raise _too_many_pixels(where, bounds, (width, height)) from None
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise ProtocolError("invalid_image", f"'{where}' does not decode as an image: {_reason(exc)}",
-                            where) from None
+    except Exception as exc:  # noqa: BLE001 - a decoder's error on the client's bytes
+        raise _undecodable(where, exc) from None
     digest = hashlib.sha256(f"{width}x{height}:".encode() + pixels).digest()
     return ImageInput(data=data, format=kind, width=width, height=height, sha256=digest, where=where)
+
+
+def _undecodable(where: str, exc: Exception) -> ProtocolError:
+    return ProtocolError("invalid_image", f"'{where}' does not decode as an image: {_reason(exc)}", where)
 
 
 def _too_many_pixels(where: str, bounds: ImageBounds, size: tuple[int, int] | None) -> ProtocolError:

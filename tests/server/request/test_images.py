@@ -325,3 +325,20 @@ def test_generated_parts_are_placed_at_their_text_offsets(messages):
 def _image_paths(messages):
     return [(index, number) for index, message in enumerate(messages)
             for number, (kind, _) in enumerate(message) if kind == "image"]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(kind=st.sampled_from(list(FILES)), flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)),
+                                                          max_size=4), cut=st.none() | st.integers(0, 400))
+def test_a_mangled_file_is_an_image_or_a_clear_refusal(kind, flips, cut):
+    data = bytearray(FILES[kind])
+    for position, mask in flips:
+        data[position % len(data)] ^= mask
+    data = bytes(data[:cut] if cut is not None else data)
+    try:
+        image = decode_image(data, "images[0]", ImageBounds(max_pixels=1 << 16))
+    except ProtocolError as error:
+        assert error.status == 400 and error.param == "images[0]" and error.code in ("invalid_image",
+                                                                                   "image_too_large"), error
+    else:
+        assert image.width * image.height <= 1 << 16 and len(image.sha256) == 32
