@@ -138,7 +138,7 @@ def _message(item: Any, where: str, form: MessageFormat, placing: _Placing) -> M
         kind = check_type(item, "type", str, f"{where}.type") or form.item_types[0]
         if kind not in form.item_types:
             raise ProtocolError("unsupported_value", f"'{where}.type' {shown(kind)} is not supported: this "
-                                "server takes text messages only", f"{where}.type")
+                                "server takes messages (of text and images) only", f"{where}.type")
     role = check_type(item, "role", str, f"{where}.role")
     if role == "tool" and form.tool_turns == "chat":
         content = _content(item, where, form, placing)
