@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from localserve.server.request.generation_request import RequestLimits
 from localserve.server.wire.connection_phases import PhaseBounds
 
+# A request up to this many bytes is parsed on the event loop; a larger one (images to decode) on a worker thread.
+INLINE_PARSE_BYTES = 256 << 10
+
 
 @dataclass
 class ServerConfig:

@@ -7,8 +7,10 @@ serving text all along."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import json
 import random
 
 import anthropic
@@ -22,6 +24,7 @@ from localserve.server.registry.served_model import ServedModel
 from localserve.server.request.generation_request import GenerationRequest, PlacedImage, RequestLimits
 from localserve.server.request.images import ImageBounds, decode_image
 from localserve.server.request.validation import ProtocolError
+from tests.helpers.raw_client import RawClient
 from tests.helpers.server import post_json as send_json
 from tests.helpers.server import post_ok, running_server
 from tests.helpers.webui_page import get_json as get_ok
@@ -200,3 +203,23 @@ def test_the_image_flags_set_the_bounds():
     assert config.limits.images == ImageBounds(max_bytes=100, max_total_bytes=300, max_images=3, max_pixels=64)
     with pytest.raises(SystemExit, match="--max-images must be >= 1"):
         server_config(parser.parse_args(["--max-images", "0"]))
+
+
+def test_the_websocket_mode_refuses_images_in_order_small_and_large(server):
+    async def talk() -> list[dict]:
+        client = await RawClient.open(server.port)
+        small = {"type": "response.create", "stream_id": "a", "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": URL}]}]}
+        large = {**small, "stream_id": "b", "instructions": "x" * 300_000}  # parsed on a worker thread
+        broken = {**small, "stream_id": "c", "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://127.0.0.1/a.png"}]}]}
+        for event in (large, small, broken):
+            await client.send_text(json.dumps(event))
+        events = [await client.recv(30) for _ in range(3)]
+        client.abort()
+        return events
+
+    events = asyncio.run(talk())
+    assert [(event["stream_id"], event["error"]["code"]) for event in events] == [
+        ("b", "model_takes_no_images"), ("a", "model_takes_no_images"), ("c", "invalid_image_url")], events
+    still_serves(server)

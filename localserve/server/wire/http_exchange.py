@@ -17,7 +17,7 @@ from typing import Any
 
 from websockets.datastructures import Headers
 
-from localserve.server.config import ServerConfig
+from localserve.server.config import INLINE_PARSE_BYTES, ServerConfig
 from localserve.server.request.fields import WireFormat, parse_request
 from localserve.server.request.generation_request import GenerationRequest
 from localserve.server.request.validation import ProtocolError, parse_json_object
@@ -32,7 +32,6 @@ CORS_HEADERS = ("Authorization", "Content-Type")  # always allowed to an allowed
 # anthropic-version), and the origin check, not a header list, is what keeps other pages out.
 MAX_CORS_HEADERS = 64
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
-INLINE_PARSE_BYTES = 256 << 10  # a body up to this is parsed on the event loop; a larger one (images) on a thread
 CLOSING_ERRORS = ("request_too_large", "request_timeout", "too_many_connections")
 
 
