@@ -12,7 +12,8 @@ part's JSON path (`where`), and the message says only what was wrong with the cl
 
 A request's images travel as `PlacedImage`s: which input message holds each one (its index in
 `GenerationRequest.input_messages`; for a prompt tokenized as it is, 0 is the prompt) and at which
-character of that message's text it stands (the text parts before it, joined).
+character of that message's text it stands (the text parts before it, joined). `with_image_parts` turns
+such messages back into the multimodal content chat templates take (text and `{"type": "image"}` parts).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import binascii
 import hashlib
 import io
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from PIL import Image, UnidentifiedImageError
@@ -84,6 +86,34 @@ class PlacedImage:
     message: int
     offset: int
     image: ImageInput
+
+
+def with_image_parts(messages: list[dict], images: Sequence[PlacedImage], first: int = 0) -> list[dict]:
+    """`messages` with the content of each one that holds images as chat templates take it (transformers'
+    multimodal form): a list of `{"type": "text", "text"}` and `{"type": "image"}` parts, in order. `first`: the
+    index in `messages` of input message 0 (the stored conversation, or a system prompt, before it). The others
+    are returned as they are; so is `messages` when there are no images."""
+    if not images:
+        return messages
+    by_message: dict[int, list[PlacedImage]] = {}
+    for placed in images:
+        by_message.setdefault(first + placed.message, []).append(placed)
+    out = []
+    for index, message in enumerate(messages):
+        placed_here = by_message.get(index)
+        if placed_here is None:
+            out.append(message)
+            continue
+        text, parts, start = message["content"], [], 0
+        for placed in sorted(placed_here, key=lambda item: item.offset):  # stable: equal offsets keep their order
+            if placed.offset > start:
+                parts.append({"type": "text", "text": text[start:placed.offset]})
+            parts.append({"type": "image"})
+            start = placed.offset
+        if start < len(text):
+            parts.append({"type": "text", "text": text[start:]})
+        out.append({**message, "content": parts})
+    return out
 
 
 def decode_image(data: bytes, where: str, bounds: ImageBounds, media_type: str | None = None) -> ImageInput:

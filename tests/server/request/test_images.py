@@ -25,7 +25,7 @@ from localserve.server.openai.completions_format import CHAT_COMPLETIONS
 from localserve.server.openai.responses_format import RESPONSES_HTTP
 from localserve.server.request.fields import parse_request
 from localserve.server.request.generation_request import RequestLimits
-from localserve.server.request.images import ImageBounds, decode_image
+from localserve.server.request.images import ImageBounds, decode_image, with_image_parts
 from localserve.server.request.validation import ProtocolError
 
 
@@ -320,6 +320,17 @@ def test_generated_parts_are_placed_at_their_text_offsets(messages):
     assert [(p.message, p.offset, p.image.format, p.image.where) for p in request.images] == expected
     for message, sent in zip(request.input_messages, messages, strict=True):
         assert message["content"] == "".join(value for kind, value in sent if kind == "text")
+    for shaped, sent in zip(with_image_parts(request.input_messages, request.images), messages, strict=True):
+        if any(kind == "image" for kind, _ in sent):  # the parts as sent, empty texts left out, neighbours joined
+            expected_parts = []
+            for kind, value in sent:
+                if kind == "image":
+                    expected_parts.append({"type": "image"})
+                elif value and expected_parts and expected_parts[-1]["type"] == "text":
+                    expected_parts[-1] = {"type": "text", "text": expected_parts[-1]["text"] + value}
+                elif value:
+                    expected_parts.append({"type": "text", "text": value})
+            assert shaped["content"] == expected_parts
 
 
 def _image_paths(messages):
@@ -342,3 +353,15 @@ def test_a_mangled_file_is_an_image_or_a_clear_refusal(kind, flips, cut):
                                                                                    "image_too_large"), error
     else:
         assert image.width * image.height <= 1 << 16 and len(image.sha256) == 32
+
+
+def test_with_image_parts_gives_templates_their_multimodal_content():
+    body = chat(image_url(PNG), {"type": "text", "text": "and"}, image_url(PNG), image_url(PNG))
+    request = parse(CHAT_COMPLETIONS, body)
+    history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "ok"}]
+    shaped = with_image_parts(history + request.input_messages, request.images, first=len(history))
+    assert shaped[:3] == [*history, request.input_messages[0]]  # untouched: no images there
+    assert shaped[3] == {"role": "user", "content": [
+        {"type": "text", "text": "look: "}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+        {"type": "image"}]}
+    assert with_image_parts(history, ()) is history
