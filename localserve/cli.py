@@ -17,6 +17,7 @@ from localserve.engine.config import DEFAULT_MAX_NUM_SEQS, SPEC_TOKENS, STATE_CH
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.memory_plan import parse_size
 from localserve.plan_command import add_plan_args, cmd_plan
+from localserve.server.request.images import ImageBounds
 from localserve.server.wire.connection_phases import PhaseBounds
 
 if TYPE_CHECKING:
@@ -257,13 +258,25 @@ def server_config(args: argparse.Namespace):
     import os
 
     from localserve.server.config import ServerConfig
+    from localserve.server.request.generation_request import RequestLimits
 
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSERVE_API_KEY"),
                         allowed_origins=tuple(args.allowed_origins), allowed_hosts=tuple(args.allowed_hosts),
                         max_connections=args.max_connections,
                         max_unfinished_connections=args.max_unfinished_connections,
                         phase_bounds=phase_bounds(args), default_max_output_tokens=args.max_tokens,
-                        monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui)
+                        monitor_interval_s=args.monitor_interval, web_ui=not args.no_webui,
+                        limits=RequestLimits(images=image_bounds(args)))
+
+
+def image_bounds(args: argparse.Namespace) -> ImageBounds:
+    """The ImageBounds of `localserve serve`'s flags (IMAGE_FLAGS); a bound below 1 is an error naming its flag."""
+    values = {}
+    for flag, name, _, _ in IMAGE_FLAGS:
+        values[name] = getattr(args, flag[2:].replace("-", "_"))
+        if values[name] < 1:
+            raise SystemExit(f"localserve: {flag} must be >= 1, got {values[name]}")
+    return ImageBounds(**values)
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict[str, float | int]:
@@ -301,6 +314,17 @@ def serve_with_tui(server, api_key: str | None) -> None:
     finally:
         root.handlers = stderr_handlers
         background.stop()
+
+
+# the image bounds' flags: flag, ImageBounds field, metavar, help
+IMAGE_FLAGS = (
+    ("--max-image-bytes", "max_bytes", "BYTES", "the largest image file a request may carry (decoded from base64)"),
+    ("--max-request-image-bytes", "max_total_bytes", "BYTES",
+     "every image of one request together (the request body may grow by their base64)"),
+    ("--max-images", "max_images", "N", "images in one request"),
+    ("--max-image-pixels", "max_pixels", "N", "width x height of one image, read from its header before it is "
+     "decoded (decompression bombs are refused)"),
+)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -359,6 +383,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, help="min_p of a request that sets none (default: the model's, else 0.05)")
     g.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between /v1/monitor snapshots")
+    images = ImageBounds()
+    for flag, name, metavar, what in IMAGE_FLAGS:
+        g.add_argument(flag, type=int, default=getattr(images, name), metavar=metavar, help=what)
     g.add_argument("--no-webui", action="store_true",
                    help="serve no web page at / (the chat and monitor page; / is then a 404)")
     g.add_argument("--no-tui", action="store_true",

@@ -88,7 +88,7 @@ class LocalServer:
         # request arrives before)
         self.http_api = HttpApp(config=config, access_policy=None, models=self.models, responses=self.responses,
                                 metrics=self.metrics, monitor_tickets=self.monitor_tickets, embeddings=self.embeddings)
-        self._port = SharedPort(self.http_api, self.connections, max_message_bytes=config.max_message_bytes,
+        self._port = SharedPort(self.http_api, self.connections, max_message_bytes=config.max_body_bytes,
                                 write_limit_bytes=config.write_limit_bytes, close_timeout_s=CLOSE_TIMEOUT_S,
                                 bounds=config.phase_bounds)
         self._server = await self._port.listen(config.host, config.port, self._process_request,

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from localserve.server.request.generation_request import RequestLimits
 from localserve.server.wire.connection_phases import PhaseBounds
 
+# A request up to this many bytes is parsed on the event loop; a larger one (images to decode) on a worker thread.
+INLINE_PARSE_BYTES = 256 << 10
+
 
 @dataclass
 class ServerConfig:
@@ -44,3 +47,13 @@ class ServerConfig:
     monitor_interval_s: float = 0.5  # default time between /v1/monitor snapshots
     web_ui: bool = True  # the web page at / (server/web_ui.py); False: / is a 404 (--no-webui)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # the room a generation request's body has for its images beyond max_message_bytes; None: the base64 of
+    # what limits.images lets a request carry
+    max_image_body_bytes: int | None = None
+
+    @property
+    def max_body_bytes(self) -> int:
+        """A generation request's bound (HTTP body, websocket message): `max_message_bytes` of text and settings,
+        and room for its images (`max_image_body_bytes`)."""
+        room = self.max_image_body_bytes
+        return self.max_message_bytes + (self.limits.images.max_body_bytes if room is None else room)

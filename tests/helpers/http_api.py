@@ -31,6 +31,8 @@ class Api:
     def __init__(self, api_key: str | None = None, sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
                  max_model_len: int = 200, **config: Any) -> None:
         self.engine = RecordedEngineThread(max_model_len=max_model_len)
+        if "max_message_bytes" in config:  # a test that bounds the body bounds it whole, images included
+            config.setdefault("max_image_body_bytes", 0)
         self.config = ServerConfig(api_key=api_key, allowed_origins=(ORIGIN,), **config)
         metrics = ServerMetrics("served")
         conversations = ConversationStore(self.config.max_stored_responses, self.config.max_stored_chars)

@@ -60,6 +60,8 @@ def make_llm(path, num_kv_blocks: int = 256, max_num_seqs: int = 16, max_model_l
 def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defaults=None, **config):
     """A LocalServer for `llm` on a free port, in a background thread; yields the BackgroundServer.
     `engine_thread_type`: an EngineThread subclass to run the engine on (a recording one, say);
+    `max_message_bytes` given: the body's whole bound, with no room added for images unless
+    `max_image_body_bytes` says so;
     `model_alias`: the name it is served under (besides its own); `sampling_defaults`: for requests that set none.
 
     torch runs on one thread meanwhile: on a shared 2-core machine, intra-op threads of a tiny model
@@ -74,6 +76,8 @@ def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defa
     from localserve.server.config import ServerConfig
     from localserve.server.registry.registry import serving_loaded
 
+    if "max_message_bytes" in config:  # the tests that bound the body bound it whole, images included
+        config.setdefault("max_image_body_bytes", 0)
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine_thread = (engine_thread_type or EngineThread)(llm.engine)

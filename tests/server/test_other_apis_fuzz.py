@@ -27,7 +27,12 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-from tests.helpers.fuzzing import assert_server_whole, send_generated_requests
+from tests.helpers.fuzzing import (
+    anthropic_image_blocks,
+    assert_server_whole,
+    ollama_images,
+    send_generated_requests,
+)
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import running_server
 
@@ -38,6 +43,9 @@ OLLAMA_PATHS = ("/api/chat", "/api/generate", "/api/show")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 LLAMA_CPP_PATHS = ("/tokenize", "/detokenize", "/apply-template")
 STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
+# refusals of images the fuzzer must reach, by code: a valid image to the text-only model, a broken one
+IMAGE_REFUSALS = {"image to a text model": ("model_takes_no_images",),
+                  "broken image": ("invalid_image", "invalid_image_url", "image_too_large", "too_many_images")}
 
 models = maybe(st.sampled_from(["default", "llama3", "served"]))
 roles = maybe(st.sampled_from(["user", "assistant", "system", "tool", "developer"]))
@@ -50,14 +58,15 @@ ollama_common = {"model": models, "stream": maybe(st.booleans()), "options": may
                  "think": maybe(st.booleans()), "keep_alive": maybe(st.sampled_from(["5m", 0, -1])),
                  "tools": maybe(st.just([])), "unknown": json_values}
 ollama_chat = st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hello"}]) | maybe(st.lists(
-    st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text)}, optional={"images": json_values}),
+    st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text)}, optional={"images": json_values
+                                                                                 | ollama_images}),
     max_size=3))}, optional=ollama_common)
 ollama_generate = st.fixed_dictionaries({"prompt": st.just("hello world") | maybe(nasty_text)}, optional={
     **ollama_common, "system": maybe(nasty_text), "raw": maybe(st.booleans()), "suffix": maybe(nasty_text),
-    "context": maybe(st.just([1, 2]))})
+    "context": maybe(st.just([1, 2])), "images": maybe(ollama_images | json_values)})
 ollama_show = st.fixed_dictionaries({}, optional={"model": models, "name": models, "verbose": maybe(st.booleans())})
 blocks = st.lists(st.fixed_dictionaries({"type": maybe(st.sampled_from(["text", "image", "tool_use", "tool_result"])),
-                                         "text": maybe(nasty_text)}), max_size=2)
+                                         "text": maybe(nasty_text)}) | anthropic_image_blocks, max_size=2)
 anthropic_messages = st.lists(st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text | blocks)}),
                               max_size=3)
 anthropic_prompt = {"model": models, "system": maybe(nasty_text | blocks),
@@ -116,6 +125,20 @@ anthropic_tools = st.tuples(st.just("/v1/messages"), st.fixed_dictionaries({
     "context_management": st.sampled_from([{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
                                            {"edits": [{"type": "clear_tool_uses_20250919"}]}, {"edits": 5}]),
     "stream": st.booleans()}))
+image_requests = st.one_of(  # images, valid and broken, in otherwise valid requests to the text-only model
+    st.tuples(st.just("/api/chat"), st.fixed_dictionaries({"model": st.just("served"), "messages": st.lists(
+        st.fixed_dictionaries({"role": st.just("user"), "content": nasty_text, "images": ollama_images}),
+        min_size=1, max_size=2)}, optional={"stream": st.booleans()})),
+    st.tuples(st.just("/api/generate"), st.fixed_dictionaries({"model": st.just("served"), "prompt": nasty_text,
+                                                               "images": ollama_images},
+                                                              optional={"raw": st.booleans()})),
+    st.tuples(st.just("/v1/messages"), st.fixed_dictionaries({
+        "model": st.just("served"), "max_tokens": st.just(2), "messages": st.lists(st.fixed_dictionaries({
+            "role": st.just("user"), "content": st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                "text": nasty_text})
+                                                         | anthropic_image_blocks, min_size=1, max_size=3)}),
+            min_size=1, max_size=2)})),
+)
 fuzzed = st.one_of(
     st.tuples(st.just("/api/chat"), ollama_chat), st.tuples(st.just("/api/generate"), ollama_generate),
     st.tuples(st.just("/api/show"), ollama_show), st.tuples(st.just("/v1/messages"), anthropic_body),
@@ -133,10 +156,10 @@ streamed_chat = st.tuples(st.just("/api/chat"), st.fixed_dictionaries({
     "model": st.just("served"), "messages": st.just([{"role": "user", "content": "hello"}])}))
 encoded = [strategy.map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
            for strategy in (valid_chat, valid_generate, valid_message, streamed_message, streamed_chat, ollama_tools,
-                            anthropic_tools, fuzzed)]
+                            anthropic_tools, fuzzed, image_requests)]
 # streamed Anthropic messages weighed twice: the SDK's events must come often enough to be checked
-requests = st.sampled_from([*encoded[:7], encoded[3], encoded[7], encoded[7], encoded[7], encoded[7],
-                            raw_bodies]).flatmap(lambda chosen: chosen)
+requests = st.sampled_from([*encoded[:7], encoded[3], encoded[7], encoded[7], encoded[7], encoded[7], encoded[8],
+                            encoded[8], raw_bodies]).flatmap(lambda chosen: chosen)
 
 
 def check_error(path: str, body: bytes) -> None:
@@ -187,7 +210,12 @@ class Fuzzer:
         kind = "ndjson" if "ndjson" in content_type else "sse" if "event-stream" in content_type else "whole"
         self.outcomes[str(status) if status != 200 else kind] += 1
         if status != 200:
-            check_error(path, response.read())
+            data = response.read()
+            check_error(path, data)
+            error = json.loads(data)
+            code = error.get("code") if path.startswith("/api/") else error["error"].get("code")
+            for kind, codes in IMAGE_REFUSALS.items():
+                self.outcomes[kind] += code in codes
         elif kind == "whole":
             check_whole(path, response.read())
         elif not (self.read_ndjson(response, drop_after) if kind == "ndjson" else
@@ -252,6 +280,8 @@ def server(tiny_chat_llm):
 def test_other_api_bodies_never_break_the_server(server):
     fuzzer = Fuzzer(server.port)
     send_generated_requests(fuzzer, requests, NUM_CASES)
+    assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400", *IMAGE_REFUSALS)) >= 1, \
+        fuzzer.outcomes
     assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400")) >= 5, fuzzer.outcomes
     assert_server_whole(server)
 

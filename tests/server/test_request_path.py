@@ -21,8 +21,9 @@ ASK = [{"role": "user", "content": "what is the weather in paris"}]
 # Socket to engine and back (before the server was grouped by purpose: 24, the model looked up twice): the
 # transport, connection phases, the exchange and access; the HTTP app; Ollama's routes, field map and view; the
 # request model, its field kinds, messages, sampling rules and checks; the registry, the served model and the
-# engine access; the service, the turn's plan, the stream and its samples; the HTTP runner.
-MAX_MODULES = 22
+# engine access; the service, the turn's plan, the stream and its samples; the HTTP runner. Since images came:
+# the server's config (the body's bound, with room for images) and the request's images (the messages' sink).
+MAX_MODULES = 24
 
 
 class ModulesSeen:

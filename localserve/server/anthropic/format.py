@@ -22,14 +22,38 @@ from typing import Any
 
 from localserve.server.request import fields, tool_fields
 from localserve.server.request.generation_request import ReasoningChoice
-from localserve.server.request.messages import MessageFormat
+from localserve.server.request.images import ImageBounds, check_media_type, decode_base64
+from localserve.server.request.messages import PART_PATH, MessageFormat
 from localserve.server.request.validation import ProtocolError, check_type, check_value, shown
 from localserve.tokenizer.tools import ChatFormatError, ToolChoice, ToolSpec
 
 SYSTEM_FIELD = "the system prompt is the top-level 'system' field"
+NO_FETCHING_HERE = ("the server does not fetch images for a client: send the image inline as a base64 source "
+                    "({\"type\": \"base64\", \"media_type\", \"data\"})")
+
+
+def _image_block(block: dict[str, Any], where: str, bounds: ImageBounds) -> tuple[bytes, str]:
+    """An `image` block: {"type": "image", "source": {"type": "base64", "media_type", "data"}}; a `url` (or
+    `file`) source is refused: the server fetches nothing."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise ProtocolError("invalid_type", f"'{where}.source' must be an object {{\"type\": \"base64\", "
+                            "\"media_type\", \"data\"}", f"{where}.source")
+    kind = source.get("type")
+    if kind == "url":
+        raise ProtocolError("invalid_image_url", f"'{where}.source' is a url source: {NO_FETCHING_HERE}",
+                            f"{where}.source")
+    if kind != "base64":
+        raise ProtocolError("unsupported_value", f"'{where}.source.type' must be \"base64\" (files and URLs are "
+                            f"not fetched), got {shown(kind)}", f"{where}.source.type")
+    media_type = check_media_type(source.get("media_type"), f"{where}.source.media_type")
+    return decode_base64(source.get("data"), f"{where}.source.data", bounds), media_type
+
+
 # the messages once their tool blocks are spelled as chat completions spell calls and results
 ANTHROPIC_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True, tool_turns="chat",
-                                   refused_roles={"system": SYSTEM_FIELD, "developer": SYSTEM_FIELD})
+                                   refused_roles={"system": SYSTEM_FIELD, "developer": SYSTEM_FIELD},
+                                   image_parts={"image": _image_block})
 NO_ACCOUNTS = "there are no accounts"
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool", naming one
 ANTHROPIC_TOOL_WHY = ("is not a custom tool: Anthropic runs its server tools on its side, and its built-in client "
@@ -78,12 +102,14 @@ def _chat_messages(message: Any, where: str) -> list[Any]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append({"type": "text", "text": check_type(block, "text", str, f"{at}.text") or ""})
+        elif kind == "image" and role == "user":
+            texts.append(_image_part(block, at))
         elif kind in DROPPED_BLOCKS and role == "assistant":
             continue
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
-            results.append({"role": "tool", "content": _result_text(block.get("content", ""), f"{at}.content"),
+            results.append({"role": "tool", "content": _result_content(block.get("content", ""), f"{at}.content"),
                             "tool_call_id": block.get("tool_use_id")})
         else:
             raise ProtocolError("unsupported_value", f"'{at}' must be a text block{_blocks_of(role)}: "
@@ -95,7 +121,7 @@ def _chat_messages(message: Any, where: str) -> list[Any]:
 
 def _blocks_of(role: Any) -> str:
     """The other blocks a message of `role` may hold (a role of the wrong JSON type is refused later)."""
-    return {"assistant": ", tool_use or thinking", "user": " or tool_result"}.get(role, "") if isinstance(
+    return {"assistant": ", tool_use or thinking", "user": ", image or tool_result"}.get(role, "") if isinstance(
         role, str) else ""
 
 
@@ -107,19 +133,28 @@ def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
             "function": {"name": block.get("name"), "arguments": json.dumps(call_input)}}
 
 
-def _result_text(content: Any, at: str) -> str:
-    """A tool result's content: a string, or text blocks joined (`is_error` is left to the text to say)."""
+def _image_part(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image block as the shared parser reads it, with its path as sent."""
+    return {"type": "image", "source": block.get("source"), PART_PATH: at}
+
+
+def _result_content(content: Any, at: str) -> str | list[dict[str, Any]]:
+    """A tool result's content: a string, or text and image blocks (`is_error` is left to the text to say)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ProtocolError("invalid_type", f"'{at}' must be a string or an array of text blocks", at)
-    texts = []
+        raise ProtocolError("invalid_type", f"'{at}' must be a string or an array of text or image blocks", at)
+    parts = []
     for number, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise ProtocolError("unsupported_value", f"'{at}[{number}]' must be a text block: this server "
-                                "takes text only", f"{at}[{number}]")
-        texts.append(check_type(block, "text", str, f"{at}[{number}].text") or "")
-    return "".join(texts)
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image":
+            parts.append(_image_part(block, f"{at}[{number}]"))
+        elif kind == "text":
+            parts.append({"type": "text", "text": check_type(block, "text", str, f"{at}[{number}].text") or ""})
+        else:
+            raise ProtocolError("unsupported_value", f"'{at}[{number}]' must be a text or image block",
+                                f"{at}[{number}]")
+    return parts
 
 
 class AnthropicTools(fields.Field):

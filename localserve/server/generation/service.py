@@ -135,6 +135,7 @@ class GenerationService:
         conversation = self._conversation(request, owner)
         lease = await self._acquire(entry)
         try:
+            lease.model.check_images(request)
             messages, template_inputs, _ = self._chat_inputs(request, conversation, lease)
             field = request.wire_name("input")
             try:
@@ -169,6 +170,7 @@ class GenerationService:
                       lease: ModelLease) -> tuple[list[int], TurnPlan | None]:
         """The prompt's token ids with the lease's tokenizer, and the chat turn's plan (None for a prompt
         tokenized as it is)."""
+        lease.model.check_images(request)
         if request.prompt is not None:
             return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None
         messages, template_inputs, plan = self._chat_inputs(request, conversation, lease)

@@ -140,5 +140,5 @@ class LlamaCppApi:
             "total_slots": facts.max_num_seqs, "model_path": model.card.path,
             "model_alias": model.served_name, "chat_template": tokenizer.chat_template or "",
             **model_shape(model.card),
-            "modalities": {"vision": False, "audio": False},
+            "modalities": {"vision": model.takes_images, "audio": False},
             "build_info": f"localserve {importlib.metadata.version('localserve')}", "is_sleeping": False})

@@ -31,7 +31,7 @@ from localserve.server.wire.http_exchange import HttpExchange
 # The Ollama release whose API this server serves: 0.13.4 added OpenAI's /v1/responses, the newest of the APIs
 # served here that Ollama's clients check the version for (Codex's --oss needs it, and falls back or stops below
 # it); /api/ps, /api/embed with `dimensions`, `format` schemas, `think` with levels and `tool_name` came before.
-# Fields of later releases this server does not honour (the chat's `logprobs`, images) are refused by name.
+# Fields of later releases this server does not honour (the chat's `logprobs`) are refused by name.
 OLLAMA_API_VERSION = "0.13.4"
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"  # /api/ps: the model stays loaded while the server runs
 SHOW = WireFormat({"model": fields.Text("model", bounded=True, preferred=True),

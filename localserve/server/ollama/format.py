@@ -16,6 +16,7 @@ from typing import Any
 
 from localserve.server.request import fields, tool_fields
 from localserve.server.request.generation_request import OutputFormat, ReasoningChoice
+from localserve.server.request.images import ImageSink, decode_base64
 from localserve.server.request.keep_alive import KeepAlive
 from localserve.server.request.messages import MessageFormat
 from localserve.server.request.sampling_rules import INT64_MAX
@@ -24,8 +25,8 @@ from localserve.server.request.validation import ProtocolError, check_value, sho
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
 THINK_LEVELS = ("low", "medium", "high")  # `think` as a string (gpt-oss); true thinks at the template's default
 # Ollama's messages once their calls carry ids (chat completions' shape): what the shared parser reads
-OLLAMA_MESSAGES = MessageFormat(text_parts=(), refused_fields=("images",), unused_text_fields=("tool_name",),
-                                tool_turns="chat")
+OLLAMA_MESSAGES = MessageFormat(text_parts=(), unused_text_fields=("tool_name",), tool_turns="chat",
+                                message_images=True)
 HARDWARE = "set when the server starts (see localserve serve --help)"
 
 
@@ -145,6 +146,28 @@ class GeneratePrompt(fields.Field):
             draft.set("input_messages", [{"role": "user", "content": value}], param)
 
 
+class GenerateImages(fields.Field):
+    """`/api/generate`'s `images`: base64 files, placed before the prompt (a prompt of none is an empty one)."""
+
+    stage = fields.Stage.INPUT
+
+    def rank(self) -> tuple[int, int]:
+        return (self.stage, 1)  # after the prompt
+
+    def apply(self, value: Any, param: str, draft: fields.RequestDraft) -> None:
+        files = check_value(value, list, param)
+        if not files:
+            return
+        sink = ImageSink(draft.limits.images)
+        for number, text in enumerate(files):
+            at = f"{param}[{number}]"
+            sink.reserve(at)
+            sink.place(decode_base64(text, at, sink.bounds), at, 0, 0)
+        if not draft.values.get("input_messages"):
+            draft.set("input_messages", [{"role": "user", "content": ""}], param)
+        draft.values["images"] = tuple(sink.placed)
+
+
 class Raw(fields.Field):
     """`raw: true`: the prompt is tokenized as it is, with no chat template (and so no `system`)."""
 
@@ -205,7 +228,7 @@ OLLAMA_GENERATE = fields.WireFormat({
     "system": fields.Text("instructions"),
     "raw": Raw(),
     "suffix": fields.Refused("there is no fill-in-the-middle", kind=str),
-    "images": fields.Refused("the server takes text only", kind=list),
+    "images": GenerateImages(),
     "template": fields.Refused("the model's own chat template is used; send a rendered prompt with raw: true",
                                kind=str),
     "context": fields.Refused("no context is handed out; send the conversation to /api/chat instead", kind=list),

@@ -13,15 +13,30 @@ from __future__ import annotations
 from typing import Any
 
 from localserve.server.request import fields, tool_fields
+from localserve.server.request.images import ImageBounds, check_detail, read_image_url
 from localserve.server.request.messages import MessageFormat
+from localserve.server.request.validation import ProtocolError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 LEGACY_FUNCTIONS = "the deprecated functions API is not supported; send tools and tool_choice"
+
+
+def _image_url_part(part: dict[str, Any], where: str, bounds: ImageBounds) -> tuple[bytes, None]:
+    """An `image_url` part: {"type": "image_url", "image_url": {"url": a data URL, "detail"}}."""
+    image_url = part.get("image_url")
+    if not isinstance(image_url, dict):
+        raise ProtocolError("invalid_type", f"'{where}.image_url' must be an object {{\"url\": a data URL}}",
+                            f"{where}.image_url")
+    check_detail(image_url, f"{where}.image_url")
+    return read_image_url(image_url.get("url"), f"{where}.image_url.url", bounds), None
+
+
 CHAT_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True,
                                      refused_roles={"function": LEGACY_FUNCTIONS},
                                      refused_fields=("function_call", "audio"),
                                      unused_text_fields=("name", "refusal"),  # the templates use neither
-                                     null_assistant_content=True, tool_turns="chat")
+                                     null_assistant_content=True, tool_turns="chat",
+                                     image_parts={"image_url": _image_url_part})
 TEXT_ONLY = "the server answers in text only"
 
 

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from localserve.server.request import fields, tool_fields
+from localserve.server.request.images import ImageBounds, check_detail, read_image_url
 from localserve.server.request.messages import MessageFormat
 from localserve.server.request.validation import ProtocolError, parse_json_object, shown
 
@@ -21,8 +22,21 @@ EXTENSION_SAMPLING = ("top_k", "min_p", "seed", "stop", "n", "logprobs", "presen
                       "repetition_penalty")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 STREAM_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,256}")
+
+
+def _input_image(part: dict[str, Any], where: str, bounds: ImageBounds) -> tuple[bytes, None]:
+    """An `input_image` part: {"type": "input_image", "image_url": a data URL, "detail"}; a `file_id` is refused
+    (there is no Files API here)."""
+    if part.get("file_id") is not None:
+        raise ProtocolError("unsupported_value", f"'{where}.file_id' is not supported: there is no Files API here; "
+                            "send the image as a data URL in 'image_url'", f"{where}.file_id")
+    check_detail(part, where)
+    return read_image_url(part.get("image_url"), f"{where}.image_url", bounds), None
+
+
 RESPONSES_INPUT = MessageFormat(text_parts=("input_text", "output_text"), bare_string=True,
-                                       item_types=("message",), tool_turns="responses")
+                                       item_types=("message",), tool_turns="responses",
+                                       image_parts={"input_image": _input_image})
 
 
 def _not_enabled(value: dict[str, Any]) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from localserve.server.config import ServerConfig
+from localserve.server.config import INLINE_PARSE_BYTES, ServerConfig
 from localserve.server.generation.service import GenerationService
 from localserve.server.generation.stream import GenerationStream, new_id
 from localserve.server.openai.responses_events import ResponsesEvents
@@ -179,7 +179,10 @@ class ResponsesSession:
             event = parse_client_event(frame)
             stream_id = event_stream_id(event)
             if event["type"] == "response.create":
-                self._queue(parse_request(event, RESPONSES_WEBSOCKET, self.config.limits))
+                if len(frame) <= INLINE_PARSE_BYTES:
+                    self._queue(parse_request(event, RESPONSES_WEBSOCKET, self.config.limits))
+                else:  # images: decoded on a worker thread, the other connections served meanwhile (in order here)
+                    self._queue(await asyncio.to_thread(parse_request, event, RESPONSES_WEBSOCKET, self.config.limits))
             elif event["type"] == "response.cancel":
                 self._cancel(check_stream_id(event.get("stream_id")))
             else:

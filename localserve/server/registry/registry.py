@@ -217,8 +217,8 @@ class ModelRegistry:
 
     def describe(self, entry: ModelEntry) -> dict[str, Any]:
         """The model object of `/v1/models`: id, status, every name it answers to, its context, tool-call
-        format, reasoning, architecture and parameters (null until loaded), the sampling it defaults to; a
-        loaded embedding model's `capabilities` say so."""
+        format, reasoning, architecture and parameters, whether it takes images (null until loaded), the sampling
+        it defaults to; a loaded embedding model's `capabilities` say so."""
         info = self.info(entry)
         described = {"id": info.name, "object": "model", "created": 0, "owned_by": "localserve",
                      "status": info.status.value, "names": [info.name, *info.aliases],
@@ -227,6 +227,7 @@ class ModelRegistry:
         described |= serving.model.chat_fields() if serving is not None else {"tool_call_format": None,
                                                                                "reasoning": None}
         described |= model_shape(serving.model.card if serving is not None else None)
+        described["takes_images"] = serving.model.takes_images if serving is not None else None
         if serving is not None and serving.model.is_embedding:
             described["capabilities"] = serving.model.capabilities
         return described

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from localserve.loading.model_card import ModelCard
 from localserve.loading.sampling_defaults import SamplingDefaults
 from localserve.server.request.validation import ProtocolError
 from localserve.tokenizer.chat_format import ChatFormat, detect_chat_format
 from localserve.tokenizer.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from localserve.server.request.generation_request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ class ServedModel:
     max_model_len: int
     sampling_defaults: SamplingDefaults  # what a request leaves out (the model's generation_config.json, ...)
     is_embedding: bool = False  # an embedding model (EngineFacts.embedding): /v1/embeddings, no text generation
+    takes_images: bool = False  # it sees images (a vision model with its encoder loaded); no model does yet
     chat_format: ChatFormat | None = None
     card: ModelCard = ModelCard()
 
@@ -49,11 +53,18 @@ class ServedModel:
             raise ProtocolError("model_not_generative", f"model {self.served_name!r} is an embedding model: it "
                                 "computes embeddings (POST /v1/embeddings, /api/embed), not text", "model")
 
+    def check_images(self, request: GenerationRequest) -> None:
+        """Refuse a request with images to a model that takes none (400 naming the first image part)."""
+        if request.images and not self.takes_images:
+            where = request.images[0].image.where
+            raise ProtocolError("model_takes_no_images", f"'{where}': model {self.served_name!r} does not take "
+                                "images (it reads text only); send text, or name a vision model", where)
+
     @property
     def capabilities(self) -> list[str]:
         """What the model does, in Ollama's words (`/api/show`): "embedding" for an embedding model; else
         "completion", "tools" where it has a chat format (every format can be offered tools:
-        tokenizer/chat_format.py) and "thinking" where that format reasons."""
+        tokenizer/chat_format.py), "thinking" where that format reasons and "vision" where it takes images."""
         if self.is_embedding:
             return ["embedding"]
         found = ["completion"]
@@ -61,6 +72,8 @@ class ServedModel:
             found.append("tools")
             if self.chat_format.reasoning is not None:
                 found.append("thinking")
+        if self.takes_images:
+            found.append("vision")
         return found
 
     def chat_fields(self) -> dict[str, Any]:

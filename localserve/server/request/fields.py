@@ -29,6 +29,7 @@ from localserve.server.request.generation_request import (
     RequestLimits,
     SamplingChoice,
 )
+from localserve.server.request.images import ImageSink
 from localserve.server.request.messages import MessageFormat, parse_messages
 from localserve.server.request.sampling_rules import SAMPLING_ORDER, SAMPLING_RULES
 from localserve.server.request.validation import ProtocolError, check_length, check_range, check_value, shown
@@ -117,7 +118,9 @@ class Messages(Field):
         if self.respell is not None and isinstance(value, list):
             check_length(value, param, draft.limits.max_input_items)
             value = self.respell(value, param)
-        draft.set("input_messages", parse_messages(value, param, self.form, draft.limits), param)
+        sink = ImageSink(draft.limits.images)
+        draft.set("input_messages", parse_messages(value, param, self.form, draft.limits, sink), param)
+        draft.values["images"] = tuple(sink.placed)
 
 
 @dataclass(frozen=True)
@@ -398,7 +401,7 @@ def _finish(draft: RequestDraft, body: Mapping[str, Any], wire: WireFormat) -> G
     sampling = SamplingChoice(**{name: values[name] for name in SAMPLING_ORDER if name in values
                                  and name != "max_tokens"})
     request = GenerationRequest(
-        input_messages=values.get("input_messages", []), prompt=values.get("prompt"),
+        input_messages=values.get("input_messages", []), images=values.get("images", ()), prompt=values.get("prompt"),
         instructions=values.get("instructions"), model=values.get("model"),
         previous_response_id=values.get("previous_response_id"),
         max_output_tokens=values.get("max_tokens", wire.default_max_tokens), sampling=sampling,

@@ -25,6 +25,7 @@ from typing import Any
 from localserve.engine.grammar import JSON_DEFAULTS, GrammarSpec
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.sampling_defaults import SamplingDefaults
+from localserve.server.request.images import ImageBounds, PlacedImage
 from localserve.tokenizer.tools import AUTO, ToolChoice, ToolSpec
 
 # {"role": "user" | "assistant" | "system" | "tool", "content": text}; an assistant's calls in "tool_calls"
@@ -123,6 +124,7 @@ class RequestLimits:
     max_client_metadata_value_chars: int = 8192
     max_id_chars: int = 256  # model and previous_response_id
     max_tools: int = 128  # tools offered in one request (each adds its schema to the prompt and the grammar)
+    images: ImageBounds = ImageBounds()  # the images of one request: bytes, count, pixels
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ class GenerationRequest:
     """A checked request for one response: what to say, how to sample, how to shape the answer."""
 
     input_messages: list[Message]  # this turn's input, roles user/assistant/system/tool
+    # the input's images, decoded: each with the index of its message in input_messages (0: the prompt, for a
+    # prompt tokenized as it is) and the character of that message's content it stands before, in order
+    images: tuple[PlacedImage, ...] = ()
     prompt: str | None = None  # instead of messages: text tokenized as it is, no chat template (completions)
     instructions: str | None = None
     model: str | None = None

@@ -10,17 +10,26 @@ function instead of the call: `tool_call_id` None and its `name`, resolved again
 server/generation/chat_turns.py), and its `reasoning` items are accepted and left out (templates drop earlier turns'
 reasoning). A call whose arguments are no JSON object (one cut short, as an older answer may hold) is the
 model's own text (request_model.UNFINISHED_CALL_IDS), never a refusal.
+
+Image parts (a format's `image_parts`: a reader of the part's file and declared media type) and Ollama's
+`images` list on a message (`message_images`) are decoded into an `ImageSink` (server/request/images.py),
+each placed at its message and at the character of the message's text it stands before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from localserve.server.request.generation_request import UNFINISHED_CALL_IDS, Message, RequestLimits, is_json_object
+from localserve.server.request.images import ImageBounds, ImageSink, decode_base64
 from localserve.server.request.validation import ProtocolError, check_length, check_type, shown
 
+# a part's file and its declared media type (None: none declared), read from the part at `where`
+ImagePartReader = Callable[[dict[str, Any], str, ImageBounds], tuple[bytes, str | None]]
+# a part's path in the request as sent, kept in the part when a respelling moved it (Anthropic's image blocks)
+PART_PATH = "localserve_path"
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -37,10 +46,23 @@ class MessageFormat:
     unused_text_fields: tuple[str, ...] = ()  # strings accepted and not used (a participant's name)
     null_assistant_content: bool = False  # an assistant message's content may be null
     tool_turns: Literal["chat", "responses"] | None = None  # how the API spells calls and results (None: no tools)
+    image_parts: Mapping[str, ImagePartReader] = field(default_factory=dict)  # part type -> its reader
+    message_images: bool = False  # a message's `images`: base64 files before its text (Ollama's)
 
 
-def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestLimits) -> list[Message]:
-    """The messages of `value`, checked, as {"role", "content"} with the roles user/assistant/system."""
+@dataclass(frozen=True)
+class _Placing:
+    """Where a message's images go: the request's sink, and the message's index in the parsed list."""
+
+    sink: ImageSink
+    message: int
+
+
+def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestLimits,
+                   images: ImageSink | None = None) -> list[Message]:
+    """The messages of `value`, checked, as {"role", "content"} with the roles user/assistant/system; their
+    images decoded into `images` (a sink of its own when None)."""
+    sink = images if images is not None else ImageSink(limits.images)
     if form.bare_string and isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -61,14 +83,14 @@ def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestL
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):
-                output = "".join(_part_text(part, f"{where}.output[{number}]", form)
+                output = "".join(_part_text(part, f"{where}.output[{number}]", form, images=False)
                                  for number, part in enumerate(output))
             if not isinstance(output, str):
                 raise ProtocolError("invalid_type", f"'{where}.output' must be a string or text parts",
                                     f"{where}.output")
             messages.append(_function_output(item, where, output))
         elif kind != "reasoning":
-            messages.append(_message(item, where, form))
+            messages.append(_message(item, where, form, _Placing(sink, len(messages))))
     return messages
 
 
@@ -109,17 +131,17 @@ def _call(item: Mapping[str, Any], where: str, id_key: str, name: Any, arguments
             "function": {"name": name, "arguments": arguments}}
 
 
-def _message(item: Any, where: str, form: MessageFormat) -> Message:
+def _message(item: Any, where: str, form: MessageFormat, placing: _Placing) -> Message:
     if not isinstance(item, dict):
         raise ProtocolError("invalid_type", f"'{where}' must be a message object", where)
     if form.item_types:
         kind = check_type(item, "type", str, f"{where}.type") or form.item_types[0]
         if kind not in form.item_types:
             raise ProtocolError("unsupported_value", f"'{where}.type' {shown(kind)} is not supported: this "
-                                "server takes text messages only", f"{where}.type")
+                                "server takes messages (of text and images) only", f"{where}.type")
     role = check_type(item, "role", str, f"{where}.role")
     if role == "tool" and form.tool_turns == "chat":
-        content = _content(item, where, form)
+        content = _content(item, where, form, placing)
         return {"role": "tool", "content": content, "tool_call_id": _call_id(item, "tool_call_id",
                                                                               f"{where}.tool_call_id")}
     if role in form.refused_roles:
@@ -134,16 +156,18 @@ def _message(item: Any, where: str, form: MessageFormat) -> Message:
                                 "text messages only", f"{where}.{name}")
     for name in form.unused_text_fields:
         check_type(item, name, str, f"{where}.{name}")
+    if form.message_images:
+        _message_images(item, where, placing)
     calls = item.get("tool_calls") if form.tool_turns == "chat" and role == "assistant" else None
     if calls is not None:
         if not isinstance(calls, list):
             raise ProtocolError("invalid_type", f"'{where}.tool_calls' must be an array of calls",
                                 f"{where}.tool_calls")
-        message = {"role": "assistant", "content": _content(item, where, form, null_allowed=True)}
+        message = {"role": "assistant", "content": _content(item, where, form, placing, null_allowed=True)}
         for number, call in enumerate(calls):
             _join_call(message, _chat_call(call, f"{where}.tool_calls[{number}]"))
         return message
-    content = _content(item, where, form, null_allowed=role == "assistant" and form.null_assistant_content)
+    content = _content(item, where, form, placing, null_allowed=role == "assistant" and form.null_assistant_content)
     return {"role": ROLES[role], "content": content}
 
 
@@ -156,21 +180,50 @@ def _chat_call(call: Any, where: str) -> dict[str, Any]:
     return _call(call, where, "id", function.get("name"), function.get("arguments"), f"{where}.function.")
 
 
-def _content(item: Mapping[str, Any], where: str, form: MessageFormat, null_allowed: bool = False) -> str:
+def _message_images(item: Mapping[str, Any], where: str, placing: _Placing) -> None:
+    """A message's `images` (base64 files), placed before its text."""
+    files = item.get("images")
+    if files is None:
+        return
+    if not isinstance(files, list):
+        raise ProtocolError("invalid_type", f"'{where}.images' must be an array of base64 images", f"{where}.images")
+    for number, text in enumerate(files):
+        at = f"{where}.images[{number}]"
+        placing.sink.reserve(at)
+        placing.sink.place(decode_base64(text, at, placing.sink.bounds), at, placing.message, 0)
+
+
+def _content(item: Mapping[str, Any], where: str, form: MessageFormat, placing: _Placing,
+             null_allowed: bool = False) -> str:
     content = item.get("content")
     if isinstance(content, list):
-        content = "".join(_part_text(part, f"{where}.content[{index}]", form) for index, part in enumerate(content))
+        texts: list[str] = []
+        offset = 0
+        for index, part in enumerate(content):
+            at = f"{where}.content[{index}]"
+            reader = form.image_parts.get(part.get("type")) if isinstance(part, dict) else None
+            if reader is None:
+                texts.append(_part_text(part, at, form))
+                offset += len(texts[-1])
+                continue
+            at = part.get(PART_PATH, at)
+            placing.sink.reserve(at)
+            data, media_type = reader(part, at, placing.sink.bounds)
+            placing.sink.place(data, at, placing.message, offset, media_type)
+        content = "".join(texts)
     if content is None and null_allowed:
         content = ""
     if not isinstance(content, str):
-        raise ProtocolError("invalid_type", f"'{where}.content' must be a string or an array of text parts",
+        kinds = "text or image parts" if form.image_parts else "text parts"
+        raise ProtocolError("invalid_type", f"'{where}.content' must be a string or an array of {kinds}",
                             f"{where}.content")
     return content
 
 
-def _part_text(part: Any, where: str, form: MessageFormat) -> str:
+def _part_text(part: Any, where: str, form: MessageFormat, images: bool = True) -> str:
     if not isinstance(part, dict) or part.get("type") not in form.text_parts:
-        kinds = " or ".join(repr(kind) for kind in form.text_parts)
-        raise ProtocolError("unsupported_value", f"'{where}' must be a text part (type {kinds}): this server "
-                            "takes text only", where)
+        image_parts = tuple(form.image_parts) if images else ()
+        kinds = " or ".join(repr(kind) for kind in (*form.text_parts, *image_parts))
+        what = "a text or image part" if image_parts else "a text part"
+        raise ProtocolError("unsupported_value", f"'{where}' must be {what} (type {kinds})", where)
     return check_type(part, "text", str, f"{where}.text") or ""

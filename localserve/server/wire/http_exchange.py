@@ -17,7 +17,7 @@ from typing import Any
 
 from websockets.datastructures import Headers
 
-from localserve.server.config import ServerConfig
+from localserve.server.config import INLINE_PARSE_BYTES, ServerConfig
 from localserve.server.request.fields import WireFormat, parse_request
 from localserve.server.request.generation_request import GenerationRequest
 from localserve.server.request.validation import ProtocolError, parse_json_object
@@ -42,6 +42,10 @@ class ClientGone(Exception):
 def error_body(error: ProtocolError) -> dict[str, Any]:
     """OpenAI's HTTP error object for a ProtocolError."""
     return {"error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.code}}
+
+
+def _parse_body(body: bytes, wire: WireFormat, config: ServerConfig) -> GenerationRequest:
+    return parse_request(parse_json_object(body, "the body", "the body must be a JSON object"), wire, config.limits)
 
 
 class HttpExchange:
@@ -69,9 +73,13 @@ class HttpExchange:
         return parse_json_object(body, "the body", "the body must be a JSON object")
 
     async def read_request(self, wire: WireFormat, config: ServerConfig) -> GenerationRequest:
-        """The body within the server's bounds, checked by `wire`'s field map into the one request model."""
-        return parse_request(await self.read_json(config.max_message_bytes, config.http_body_timeout_s), wire,
-                             config.limits)
+        """The body within the server's bounds, checked by `wire`'s field map into the one request model. A large
+        body (one with images: decoding them takes a while) is parsed and checked on a worker thread, so the
+        other clients are served meanwhile."""
+        body = await self._read_body(config.max_body_bytes, config.http_body_timeout_s)
+        if len(body) <= INLINE_PARSE_BYTES:
+            return _parse_body(body, wire, config)
+        return await asyncio.to_thread(_parse_body, body, wire, config)
 
     async def _read_body(self, max_bytes: int, timeout_s: float) -> bytes:
         too_large = ProtocolError("request_too_large", f"the body exceeds {max_bytes} bytes", status=413)

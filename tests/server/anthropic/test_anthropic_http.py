@@ -131,7 +131,7 @@ def test_the_sdk_raises_refusals_as_its_own_errors(server, client):
     ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]}, 400, "invalid_request_error", "messages"),
     ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]}, 400, "invalid_request_error", "messages[0].content[0]"),
+        {"type": "image", "source": {}}]}]}, 400, "invalid_request_error", "messages[0].content[0].source.type"),
     ({"model": "tiny-chat", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid_request_error",
      "messages[0].content[0]"),

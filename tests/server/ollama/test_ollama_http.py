@@ -153,7 +153,7 @@ def test_a_request_with_nothing_to_say_loads_the_model(server):
     ({"model": "tiny-chat", "messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "f", "arguments": 5}}]}]}, 400, "messages[0].tool_calls[0].function.arguments"),
     ({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400,
-     "messages[0].images"),
+     "messages[0].images[0]"),  # base64 of "hi": no image
 ])
 def test_refusals_come_in_ollamas_error_shape(server, body, status, param):
     got, data = post(server.port, "/api/chat", body)

@@ -55,6 +55,8 @@ BAD_INPUT = [
     ('{"type": "response.create", "input": [{"role": "wizard", "content": "hi"}]}', "invalid_value",
      "input[0].role"),
     ('{"type": "response.create", "input": [{"role": "user", "content": [{"type": "input_image"}]}]}',
+     "invalid_type", "input[0].content[0].image_url"),
+    ('{"type": "response.create", "input": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
      "unsupported_value", "input[0].content[0]"),
     (CREATE + '"temperature": "hot"}', "invalid_type", "temperature"),
     (CREATE + '"max_output_tokens": 1.5}', "invalid_type", "max_output_tokens"),

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
+from tests.helpers.fuzzing import responses_image_parts
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.raw_client import RawClient
 from tests.helpers.server import CLOSING_EVENTS, collect_response, running_server, wait_until_idle
@@ -38,7 +39,7 @@ messages = st.lists(st.fixed_dictionaries({"role": maybe(st.sampled_from(["user"
                                            "content": maybe(nasty_text | st.lists(st.fixed_dictionaries(
                                                {"type": maybe(st.sampled_from(["input_text", "output_text",
                                                                                "input_image"])),
-                                                "text": maybe(nasty_text)}), max_size=3))},
+                                                "text": maybe(nasty_text)}) | responses_image_parts, max_size=3))},
                                           optional={"type": maybe(st.just("message"))}), max_size=3)
 extension = st.fixed_dictionaries({}, optional={
     "top_k": maybe(extreme_numbers), "min_p": maybe(extreme_numbers), "seed": maybe(extreme_numbers),

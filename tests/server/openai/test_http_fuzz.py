@@ -25,7 +25,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from tests.helpers.fuzzing import assert_server_whole, send_generated_requests
+from tests.helpers.fuzzing import (
+    assert_server_whole,
+    chat_image_parts,
+    responses_image_parts,
+    send_generated_requests,
+)
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import CLOSING_EVENTS, running_server
 
@@ -36,8 +41,8 @@ REFUSALS = {400, 404, 405, 413, 429}
 
 roles = maybe(st.sampled_from(["user", "assistant", "system", "developer", "tool", "function"]))
 chat_messages = st.lists(st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text | st.lists(
-    st.fixed_dictionaries({"type": maybe(st.sampled_from(["text", "image_url"])), "text": maybe(nasty_text)}),
-    max_size=2))}, optional={"name": maybe(nasty_text), "tool_calls": json_values}), max_size=3)
+    st.fixed_dictionaries({"type": maybe(st.sampled_from(["text", "image_url"])), "text": maybe(nasty_text)})
+    | chat_image_parts, max_size=3))}, optional={"name": maybe(nasty_text), "tool_calls": json_values}), max_size=3)
 sampling = {
     "model": maybe(st.sampled_from(["default", "gpt-4o"])), "max_tokens": maybe(st.integers(1, 4) | extreme_numbers),
     "temperature": maybe(extreme_numbers), "top_p": maybe(extreme_numbers), "n": maybe(st.integers(0, 4)),
@@ -101,8 +106,20 @@ tool_requests = st.one_of(
         "client_metadata": st.just({"session_id": "s1", "x-codex-turn-metadata": '{"turn": 1}'}),
         "text": st.just({"format": {"type": "json_object"}})})),
 ).map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
+text_parts = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)})
+image_requests = st.one_of(  # image parts, valid and broken, in otherwise valid requests to the text-only model
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries({"max_tokens": st.just(2), "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "assistant"]), "content": st.lists(
+            text_parts | chat_image_parts, min_size=1, max_size=3)}), min_size=1, max_size=2)},
+        optional={"stream": st.booleans()})),
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({"max_output_tokens": st.just(2), "input": st.lists(
+        st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(st.fixed_dictionaries({
+            "type": st.just("input_text"), "text": st.text(max_size=8)}) | responses_image_parts, min_size=1,
+            max_size=3)}),
+        min_size=1, max_size=2)}, optional={"stream": st.booleans()})),
+).map(lambda pair: (pair[0], json.dumps(pair[1]).encode()))
 requests = st.one_of(  # valid requests weighed thrice, so every kind of answer comes often
-    valid_requests, valid_requests, valid_requests, tool_requests,
+    valid_requests, valid_requests, valid_requests, tool_requests, image_requests, image_requests,
     st.tuples(st.just("/v1/chat/completions"), chat_bodies.map(json.dumps).map(str.encode)),
     st.tuples(st.just("/v1/completions"), completion_bodies.map(json.dumps).map(str.encode)),
     st.tuples(st.just("/v1/responses"), response_bodies.map(json.dumps).map(str.encode)),
@@ -117,6 +134,7 @@ class HttpFuzzer:
         self.port = port
         self.connection: http.client.HTTPConnection | None = None
         self.outcomes: Counter[str] = Counter()  # the fuzzer must reach every kind of answer
+        self.codes: Counter[str] = Counter()  # the refusals' codes
 
     def send(self, path: str, body: bytes, drop_after: int | None) -> None:
         if self.connection is None:
@@ -129,6 +147,7 @@ class HttpFuzzer:
         if status != 200:
             error = json.loads(response.read())["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+            self.codes[error["code"]] += 1
         elif content_type.startswith("text/event-stream"):
             if not self.read_stream(response, path, drop_after):
                 self.reconnect()
@@ -197,5 +216,7 @@ def test_http_bodies_never_break_the_server(server):
     fuzzer = HttpFuzzer(server.port)
     send_generated_requests(fuzzer, requests, NUM_CASES)
     assert min(fuzzer.outcomes["stream"], fuzzer.outcomes["whole"], fuzzer.outcomes["400"]) >= 10, fuzzer.outcomes
+    broken = sum(fuzzer.codes[code] for code in ("invalid_image", "invalid_image_url", "image_too_large"))
+    assert fuzzer.codes["model_takes_no_images"] and broken, fuzzer.codes  # images reached, valid and broken
     assert health_ok(server.port)
     assert_server_whole(server)

@@ -96,6 +96,8 @@ def test_warm_ups_store_and_identifiers(wire):
     ({"localserve": {"beams": 2}}, ("unknown_parameter", "localserve.beams")),
     ({"localserve": {"min_p": 1}}, ("invalid_value", "localserve.min_p")),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     ("invalid_type", "input[0].content[0].image_url")),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
      ("unsupported_value", "input[0].content[0]")),
     ({"input": None}, ("missing_required_parameter", "input")),
     ({"messages": []}, ("unknown_parameter", "messages")),

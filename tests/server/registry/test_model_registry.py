@@ -55,7 +55,8 @@ def test_the_served_model_answers_to_its_names():
                                       "status": "loaded", "names": ["alias", "own-name", "default"],
                                       "max_model_len": 512, "sampling_defaults": defaults.to_json(),
                                       "tool_call_format": None, "reasoning": None,  # no chat format given
-                                      "architecture": None, "parameters": None}  # nor a card
+                                      "architecture": None, "parameters": None,  # nor a card
+                                      "takes_images": False}
 
 
 @pytest.mark.parametrize("name", ["Alias", "alias ", " alias", "alia", "aliases", "own-name-2", "own", "Default",
