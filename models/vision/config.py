@@ -69,6 +69,12 @@ class Gemma3VisionConfig:
     def tokens_per_side(self) -> int:
         return math.isqrt(self.mm_tokens_per_image)
 
+    def placeholder_ids(self) -> list[int]:
+        """One image's tokens in the prompt: begin-of-image, `mm_tokens_per_image` image tokens (their input
+        embeddings come from the encoder), end-of-image. Gemma3Processor writes them, with a blank line
+        ("\\n\\n") before and after, in place of each begin-of-image token the chat template emits."""
+        return [self.boi_token_id, *[self.image_token_id] * self.mm_tokens_per_image, self.eoi_token_id]
+
     @property
     def pool_kernel(self) -> int:
         """The side of the square of patches averaged into one image token."""

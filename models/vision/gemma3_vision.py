@@ -94,8 +94,10 @@ def load_gemma_vision(folder: str | Path, dtype: torch.dtype = torch.float32,
     with the folder's image processing (`.processing`)."""
     folder = Path(folder)
     config = gemma3_vision_config(_read_config(folder), str(folder / "config.json"))
-    model = GemmaVision(config, folder_image_processing(folder, config.vision.image_size))
-    model.to(device=device, dtype=dtype)
+    processing = folder_image_processing(folder, config.vision.image_size)
+    with torch.device("meta"):  # no weights made twice: each is read once into its place
+        model = GemmaVision(config, processing).to(dtype=dtype)
+    model.to_empty(device=device)
     wanted = dict(model.named_parameters())
     seen: set[str] = set()
     for ours, name, file, tensor in _vision_tensors(folder):

@@ -110,6 +110,7 @@ def test_encode_matches_transformers_image_features(gemma3_vision):
     config = vision.config
     assert (config.mm_tokens_per_image, config.pool_kernel, config.text_hidden_size) == (4, 2, 64)
     assert (config.image_token_id, config.boi_token_id, config.eoi_token_id) == (319, 317, 318)
+    assert config.placeholder_ids() == [317, 319, 319, 319, 319, 318]
     processing = vision.processing
     assert (processing.mean, processing.std, processing.height) == (tuple(MEAN), tuple(STD), 56)
     pixel_values = preprocess(two_pictures(56), processing)
@@ -119,6 +120,19 @@ def test_encode_matches_transformers_image_features(gemma3_vision):
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
     assert (ours[0] - ours[1]).abs().max() > 0.1  # the two pictures differ
     torch.testing.assert_close(vision.encode(pixel_values[1:]), ours[1:], rtol=0, atol=1e-5)  # batch == alone
+
+
+def test_bfloat16_encode_follows_transformers(gemma3_vision):
+    import transformers
+
+    folder, _ = gemma3_vision
+    hf_model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    vision = load_gemma_vision(folder, dtype=torch.bfloat16)
+    assert {param.dtype for param in vision.parameters()} == {torch.bfloat16}
+    pixel_values = preprocess(two_pictures(56), vision.processing)
+    ours, expected = vision.encode(pixel_values), reference_features(hf_model, pixel_values.bfloat16())
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=0.02, atol=0.05)
 
 
 def test_model_prefixed_layout_and_one_token_per_patch(tmp_path):
@@ -256,3 +270,17 @@ def test_bad_weights_and_inputs_are_named(gemma3_vision, tmp_path):
         preprocess([picture(5, 5, 0), b"png"], ImageProcessing(height=28, width=28))
     with pytest.raises(ValueError, match="no images"):
         preprocess([], ImageProcessing(height=28, width=28))
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_encode_follows_transformers(gemma3_vision):
+    import transformers
+
+    folder, _ = gemma3_vision
+    hf_model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    vision = load_gemma_vision(folder, dtype=torch.bfloat16, device="cuda")
+    pixel_values = preprocess(two_pictures(56), vision.processing)
+    ours = vision.encode(pixel_values)  # moved to the weights' device by encode
+    expected = reference_features(hf_model, pixel_values.cuda().bfloat16())
+    assert ours.device.type == "cuda" and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=0.02, atol=0.05)
