@@ -6,10 +6,8 @@ not made (the checkpoints leave them off); a processor config that asks for them
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +20,6 @@ DEFAULT_MEAN = (0.5, 0.5, 0.5)
 DEFAULT_STD = (0.5, 0.5, 0.5)
 DEFAULT_RESAMPLE = Image.Resampling.BILINEAR
 DEFAULT_RESCALE = 1 / 255
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 @dataclass(frozen=True)
@@ -76,23 +73,6 @@ def image_processing(config: dict[str, Any], image_size: int, source: str) -> Im
     return ImageProcessing(height=image_size, width=image_size, resample=resample,
                            rescale_factor=None if config.get("do_rescale") is False else float(factor),
                            mean=mean, std=std, convert_rgb=config.get("do_convert_rgb") is not False)
-
-
-def folder_image_processing(folder: Path, image_size: int) -> ImageProcessing:
-    """A checkpoint folder's processing: `preprocessor_config.json`, else the `image_processor` part of
-    `processor_config.json`, else Gemma3ImageProcessor's defaults at the tower's size."""
-    for name in PROCESSOR_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise VisionConfigError(f"{path}: unreadable ({exc})") from None
-        config = config.get("image_processor", config) if name == "processor_config.json" else config
-        if isinstance(config, dict) and ("size" in config or "image_processor_type" in config):
-            return image_processing(config, image_size, str(path))
-    return ImageProcessing(height=image_size, width=image_size)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

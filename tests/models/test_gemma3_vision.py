@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from localserve.models.vision.config import SIGLIP_DEFAULTS, VisionConfigError, gemma3_vision_config
-from localserve.models.vision.gemma3_vision import VisionLoadError, load_gemma_vision
 from localserve.models.vision.preprocess import ImageProcessing, image_processing, preprocess
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 
+from localserve.loading.vision import VisionLoadError, load_gemma_vision
 from tests.helpers.gemma_models import gemma3_config
 from tests.helpers.models import save_random_model
 
