@@ -17,7 +17,7 @@ from localserve.models.vision.preprocess import ImageProcessing, image_processin
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 
-from localserve.loading.vision import VisionLoadError, load_gemma_vision
+from localserve.loading.vision import VisionLoadError, folder_image_processing, load_gemma_vision
 from tests.helpers.gemma_models import gemma3_config
 from tests.helpers.models import save_random_model
 
@@ -166,6 +166,25 @@ FILES = [(mode, "PNG") for mode in MODES if mode != "CMYK"] + [(mode, "JPEG") fo
 def test_preprocess_matches_gemma3_image_processor(mode, fmt):
     images = [reencoded(picture(37, 23, seed=5, mode=mode), fmt), reencoded(picture(61, 90, seed=6, mode=mode), fmt)]
     assert_same_pixels(images, 28)
+
+
+def test_preprocess_matches_on_a_16_bit_grey_png():
+    grey = Image.fromarray((torch.arange(37 * 23).reshape(23, 37) * 70).to(torch.int32).numpy().astype("uint16"))
+    image = reencoded(grey, "PNG")
+    assert image.mode == "I;16"
+    assert_same_pixels([image], 28)
+
+
+def test_processor_config_nested_in_processor_config_json(tmp_path):
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Gemma3Processor", "image_seq_length": 4,
+         "image_processor": {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 28, "width": 28},
+                             "image_mean": MEAN, "image_std": STD, "resample": 3}}))
+    processing = folder_image_processing(tmp_path, 28)
+    assert (processing.mean, processing.std, processing.resample) == (tuple(MEAN), tuple(STD), 3)
+    (tmp_path / "preprocessor_config.json").write_text("{")
+    with pytest.raises(VisionConfigError, match="preprocessor_config.json: unreadable"):
+        folder_image_processing(tmp_path, 28)
 
 
 @pytest.mark.parametrize("width,height", [(1, 1), (28, 28), (1, 200), (200, 1), (29, 27)])
