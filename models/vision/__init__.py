@@ -1,0 +1,9 @@
+"""Vision encoders: the image side of the multimodal checkpoints, apart from the language model.
+
+Gemma 3 (`Gemma3ForConditionalGeneration`): `config.py` reads its `vision_config` and image tokens,
+`preprocess.py` turns Pillow images into pixel values as transformers' Gemma3ImageProcessor does,
+`siglip.py` is the SigLIP vision transformer, `gemma3_projector.py` pools and projects its patches into the
+language model's embedding space, and `gemma3_vision.py` joins them in `GemmaVision`
+(`encode(pixel_values)`) and names where the checkpoint's tensors go. Files are read in
+localserve/loading/vision.py (`load_gemma_vision`), as loading/ reads the text models'.
+"""
