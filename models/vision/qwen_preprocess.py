@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from localserve.models.vision.config import VisionConfigError
-from localserve.models.vision.preprocess import _channel_values, to_rgb
+from localserve.models.vision.preprocess import ImageProcessing, image_processing, preprocess
 from localserve.models.vision.qwen3_5_vision import QwenVisionConfig
 from PIL import Image
 
@@ -27,24 +26,23 @@ DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 DEFAULT_RESAMPLE = Image.Resampling.BICUBIC
 MAX_ASPECT_RATIO = 200
+STEP_FIELDS = ("resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
+               "do_convert_rgb")
 
 
 @dataclass(frozen=True)
 class QwenImageProcessing:
     """How pictures become patch rows: sides resized to multiples of patch_size * merge_size with between
-    min_pixels and max_pixels pixels, x rescale_factor (None: not rescaled), (x - mean) / std (None: not
-    normalised)."""
+    min_pixels and max_pixels pixels, then the `pixels` steps (filter, rescale, normalisation; its height and
+    width are set per picture)."""
 
     patch_size: int
     temporal_patch_size: int
     merge_size: int
     min_pixels: int = DEFAULT_MIN_PIXELS
     max_pixels: int = DEFAULT_MAX_PIXELS
-    resample: Image.Resampling = DEFAULT_RESAMPLE
-    rescale_factor: float | None = 1 / 255
-    mean: tuple[float, ...] | None = CLIP_MEAN
-    std: tuple[float, ...] | None = CLIP_STD
-    convert_rgb: bool = True
+    pixels: ImageProcessing = ImageProcessing(height=0, width=0, resample=DEFAULT_RESAMPLE, mean=CLIP_MEAN,
+                                              std=CLIP_STD)
 
     @property
     def factor(self) -> int:
@@ -104,23 +102,11 @@ def qwen_image_processing(config: dict[str, Any], vision: QwenVisionConfig, sour
     if config.get("do_resize") is False:
         raise VisionConfigError(f"{source}: do_resize false is not supported (sides must be multiples of "
                                 f"{vision.patch_size * vision.spatial_merge_size})")
-    resample = config.get("resample")
-    try:
-        resample = DEFAULT_RESAMPLE if resample is None else Image.Resampling(resample)
-    except ValueError:
-        raise VisionConfigError(f"{source}: resample {resample!r} is not a Pillow filter; one of "
-                                f"{[int(r) for r in Image.Resampling]}") from None
-    factor = config.get("rescale_factor", 1 / 255)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise VisionConfigError(f"{source}: rescale_factor must be a positive number; got {factor!r}")
-    normalize = config.get("do_normalize") is not False
-    mean = _channel_values(config.get("image_mean", CLIP_MEAN), "image_mean", source) if normalize else None
-    std = _channel_values(config.get("image_std", CLIP_STD), "image_std", source) if normalize else None
-    if std is not None and 0.0 in std:
-        raise VisionConfigError(f"{source}: image_std {list(std)} has a zero")
-    return QwenImageProcessing(**patches, min_pixels=min_pixels, max_pixels=max_pixels, resample=resample,
-                               rescale_factor=None if config.get("do_rescale") is False else float(factor),
-                               mean=mean, std=std, convert_rgb=config.get("do_convert_rgb") is not False)
+    # the filter, rescale and normalisation fields read as for Gemma 3 (preprocess.py), with this class's defaults
+    steps = {"resample": DEFAULT_RESAMPLE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
+    steps |= {name: value for name, value in config.items() if name in STEP_FIELDS and value is not None}
+    pixels = image_processing(steps, 0, source)
+    return QwenImageProcessing(**patches, min_pixels=min_pixels, max_pixels=max_pixels, pixels=pixels)
 
 
 def _patch_rows(values: torch.Tensor, processing: QwenImageProcessing) -> torch.Tensor:
@@ -145,23 +131,12 @@ def qwen_preprocess(images: Sequence[Image.Image], processing: QwenImageProcessi
     for index, image in enumerate(images):
         if not isinstance(image, Image.Image):
             raise TypeError(f"qwen_preprocess: image {index} is a {type(image).__name__}, not a PIL.Image.Image")
-        if processing.convert_rgb:
-            image = to_rgb(image)
-        elif image.mode != "RGB":
-            raise ValueError(f"qwen_preprocess: image {index} is in mode {image.mode!r}; RGB needed without "
-                             f"convert_rgb")
         try:
             height, width = smart_resize(image.height, image.width, processing.factor, processing.min_pixels,
                                          processing.max_pixels)
         except ValueError as exc:
             raise ValueError(f"qwen_preprocess: image {index}: {exc}") from None
-        image = image.resize((width, height), resample=processing.resample)
-        values = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)  # [3, height, width], uint8
-        values = (values.double() * processing.rescale_factor).float() if processing.rescale_factor else values.float()
-        if processing.mean is not None and processing.std is not None:
-            mean = torch.tensor(processing.mean, dtype=torch.float32).view(3, 1, 1)
-            std = torch.tensor(processing.std, dtype=torch.float32).view(3, 1, 1)
-            values = (values - mean) / std
+        values = preprocess([image], replace(processing.pixels, height=height, width=width))[0]
         rows.append(_patch_rows(values, processing))
         grids.append((1, height // processing.patch_size, width // processing.patch_size))
     return torch.cat(rows), torch.tensor(grids, dtype=torch.int64)

@@ -110,7 +110,7 @@ def test_encode_matches_transformers_image_features(qwen_vision):
     config = vision.config
     assert (config.depth, config.out_hidden_size, config.position_side) == (2, 64, 4)
     assert (config.image_token_id, config.vision_start_token_id, config.vision_end_token_id) == (300, 302, 303)
-    assert (vision.processing.mean, vision.processing.max_pixels) == (tuple(MEAN), MAX_PIXELS)
+    assert (vision.processing.pixels.mean, vision.processing.max_pixels) == (tuple(MEAN), MAX_PIXELS)
     pictures = two_pictures()
     grid_thw = assert_same_patches(pictures)
     assert grid_thw.tolist() == [[1, 10, 14], [1, 4, 18]]
@@ -153,7 +153,7 @@ def test_unprefixed_layout_one_block_and_default_processing(tmp_path):
     save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
     vision = load_qwen3_5_vision(tmp_path)
     processing = vision.processing
-    assert (processing.mean, processing.std, processing.resample) == (CLIP_MEAN, CLIP_STD, 3)
+    assert (processing.pixels.mean, processing.pixels.std, processing.pixels.resample) == (CLIP_MEAN, CLIP_STD, 3)
     assert (processing.min_pixels, processing.max_pixels, processing.patch_size) == (
         DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS, PATCH)
     pixel_values, grid_thw = qwen_preprocess([picture(2, 2, seed=4)], processing)
