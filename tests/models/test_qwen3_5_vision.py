@@ -323,18 +323,18 @@ def test_bad_weights_and_inputs_are_named(qwen_vision, tmp_path):
     for name in ("config.json", "preprocessor_config.json"):
         (tmp_path / name).write_text((folder / name).read_text())
     tensors = load_file(folder / "model.safetensors")
-    missing = {name: tensor for name, tensor in tensors.items() if "merger.norm" not in name}
-    save_file(missing, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VisionLoadError, match="missing vision tensors: merger.norm.bias, merger.norm.weight"):
-        load_qwen3_5_vision(tmp_path)
-    wrong = tensors | {"model.visual.pos_embed.weight": torch.zeros(25, 32)}
-    save_file(wrong, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VisionLoadError, match=r"model.visual.pos_embed.weight has shape \[25, 32\]"):
-        load_qwen3_5_vision(tmp_path)
-    extra = tensors | {"model.visual.blocks.5.norm1.weight": torch.zeros(32)}
-    save_file(extra, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VisionLoadError, match="unexpected vision tensor model.visual.blocks.5.norm1.weight"):
-        load_qwen3_5_vision(tmp_path)
+    refused = [
+        ({name: tensor for name, tensor in tensors.items() if "merger.norm" not in name},
+         "missing vision tensors: merger.norm.bias, merger.norm.weight"),
+        (tensors | {"model.visual.pos_embed.weight": torch.zeros(25, 32)},
+         r"model.visual.pos_embed.weight has shape \[25, 32\]"),
+        (tensors | {"model.visual.blocks.5.norm1.weight": torch.zeros(32)},
+         "unexpected vision tensor model.visual.blocks.5.norm1.weight"),
+    ]
+    for changed, message in refused:
+        save_file(changed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(VisionLoadError, match=message):
+            load_qwen3_5_vision(tmp_path)
     vision = load_qwen3_5_vision(folder)
     grid = torch.tensor([[1, 4, 4]])
     with pytest.raises(ValueError, match=r"pixel_values must be \[patches, 96\]; got \[16, 48\]"):
