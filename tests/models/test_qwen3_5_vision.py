@@ -124,6 +124,17 @@ def test_encode_matches_transformers_image_features(qwen_vision):
     assert_features_close(alone, (ours[1],))
 
 
+
+def test_two_frame_grid_attends_per_frame(qwen_vision):
+    """A grid of 2 frames (as a video's): each frame attends to itself, both take the same positions."""
+    folder, hf_model = qwen_vision
+    vision = load_qwen3_5_vision(folder)
+    grid_thw = torch.tensor([[2, 4, 6], [1, 2, 2]])
+    pixel_values = torch.randn(52, 96, generator=torch.Generator().manual_seed(9))
+    ours = vision.encode(pixel_values, grid_thw)
+    assert [tuple(x.shape) for x in ours] == [(12, 64), (1, 64)]
+    assert_features_close(ours, reference_features(hf_model, pixel_values, grid_thw))
+
 def test_bfloat16_encode_follows_transformers(qwen_vision):
     import transformers
 
