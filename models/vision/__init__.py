@@ -6,4 +6,9 @@ Gemma 3 (`Gemma3ForConditionalGeneration`): `config.py` reads its `vision_config
 language model's embedding space, and `gemma3_vision.py` joins them in `GemmaVision`
 (`encode(pixel_values)`) and names where the checkpoint's tensors go. Files are read in
 localserve/loading/vision.py (`load_gemma_vision`), as loading/ reads the text models'.
+
+Qwen3.5 / Qwen3.6 (`Qwen3_5ForConditionalGeneration` and the MoE twin): `qwen3_5_vision.py` is the vision
+transformer (3D patches, interpolated learned positions, 2D rotary, patch merger) with the image tokens'
+mRoPE positions, `qwen_preprocess.py` the smart resize and patching of transformers' Qwen2-VL image
+processor (its Pillow backend); localserve/loading/qwen_vision.py reads them (`load_qwen3_5_vision`).
 """
