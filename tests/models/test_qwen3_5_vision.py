@@ -32,7 +32,8 @@ from localserve.models.vision.qwen_preprocess import (
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from localserve.loading.qwen_vision import VisionLoadError, load_qwen3_5_vision
+from localserve.loading.qwen_vision import load_qwen3_5_vision
+from localserve.loading.vision import VisionLoadError
 from tests.helpers.hybrid_models import qwen3_5_config
 from tests.helpers.models import save_random_model
 from tests.models.test_gemma3_vision import picture, reencoded
