@@ -27,11 +27,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from localserve.engine.config import IMAGE_CACHE_BYTES
-from localserve.engine.step import SeqChunk
 from localserve.models.protocol import InputEmbeds
 
 
@@ -191,7 +191,16 @@ class EmbeddingCache:
         self.num_bytes += size
 
 
-def chunk_spans(chunk: SeqChunk) -> Iterator[tuple[int, ImageSpan, int, int]]:
+class ChunkOfRequest(Protocol):
+    """What the runner's helpers read of a step's chunk (engine/step.py's `SeqChunk`, which imports this module
+    for its `multimodal` field: a structural type keeps the two apart)."""
+
+    start_pos: int
+    token_ids: Sequence[int]
+    multimodal: MultiModalInputs | None
+
+
+def chunk_spans(chunk: ChunkOfRequest) -> Iterator[tuple[int, ImageSpan, int, int]]:
     """(index, span, low, high) for each image span of the chunk's request that the chunk's tokens overlap:
     positions [low, high) of the prompt."""
     multimodal = chunk.multimodal
@@ -204,7 +213,7 @@ def chunk_spans(chunk: SeqChunk) -> Iterator[tuple[int, ImageSpan, int, int]]:
             yield index, span, low, high
 
 
-def gather_input_embeds(chunks: Sequence[SeqChunk], cache: EmbeddingCache, hidden_size: int, device: torch.device,
+def gather_input_embeds(chunks: Sequence[ChunkOfRequest], cache: EmbeddingCache, hidden_size: int, device: torch.device,
                         dtype: torch.dtype) -> InputEmbeds | None:
     """The step's rows (in the flat batch of the chunks' tokens, chunk after chunk) that fall inside an image
     span of their chunk's `multimodal`, and those rows of the spans' embeddings; None where there are none."""

@@ -175,7 +175,7 @@ def test_a_request_that_can_never_be_admitted_fails_instead_of_blocking_the_queu
     thread.start()
     try:
         collector = Collector()
-        engine.validate = lambda prompt, params: None  # on the engine thread too, until the end
+        engine.validate = lambda prompt, params, *rest: None  # on the engine thread too, until the end
         thread.submit(too_long, greedy(4), collector.callback("too long"))
         thread.submit(list(range(70, 80)), greedy(8), collector.callback("behind"))
         collector.wait({"too long", "behind"}, timeout=60)
