@@ -5,7 +5,6 @@ exactly, on PNG and JPEG files of odd sizes and modes (fixed and generated); wha
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
@@ -14,12 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from localserve.models.vision.config import SIGLIP_DEFAULTS, VisionConfigError, gemma3_vision_config
 from localserve.models.vision.preprocess import ImageProcessing, image_processing, preprocess
-from PIL import Image, ImageDraw
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from localserve.loading.vision import VisionLoadError, folder_image_processing, load_gemma_vision
 from tests.helpers.gemma_models import gemma3_config
 from tests.helpers.models import save_random_model
+from tests.helpers.pictures import picture, reencoded
 
 MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]  # unlike the class defaults, so the folder's are read
 
@@ -46,34 +46,6 @@ def reference_processor(size: int, **options):
 
     return transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size}, image_mean=MEAN,
                                                 image_std=STD, **options)
-
-
-def picture(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:
-    """A drawn picture (gradient, shapes, noise) in `mode`; RGBA/LA get a partly transparent alpha."""
-    generator = torch.Generator().manual_seed(seed)
-    noise = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
-    image = Image.fromarray(noise.numpy(), "RGB")
-    draw = ImageDraw.Draw(image)
-    draw.ellipse((width // 5, height // 4, width * 3 // 4, height * 4 // 5), fill=(200, 30 + seed * 40, 90))
-    draw.line((0, 0, width, height), fill=(10, 250, 10), width=max(1, width // 10))
-    if mode in ("RGBA", "LA"):
-        alpha = Image.linear_gradient("L").resize((width, height))
-        image = image.convert("RGBA")
-        image.putalpha(alpha)
-        return image.convert(mode)
-    if mode == "P_transparent":
-        image = image.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
-        image.info["transparency"] = 3
-        return image
-    return image.convert(mode)
-
-
-def reencoded(image: Image.Image, fmt: str) -> Image.Image:
-    """The picture written as a `fmt` file and opened again with Pillow, as a server receives it."""
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **({"quality": 85} if fmt == "JPEG" else {}))
-    buffer.seek(0)
-    return Image.open(buffer)
 
 
 def assert_same_pixels(images: list[Image.Image], size: int, **options) -> None:

@@ -36,7 +36,7 @@ from localserve.loading.qwen_vision import load_qwen3_5_vision
 from localserve.loading.vision import VisionLoadError
 from tests.helpers.hybrid_models import qwen3_5_config
 from tests.helpers.models import save_random_model
-from tests.models.test_gemma3_vision import picture, reencoded
+from tests.helpers.pictures import picture, reencoded
 
 MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]  # unlike the class defaults, so the folder's are read
 PATCH, MERGE, TEMPORAL = 4, 2, 2
