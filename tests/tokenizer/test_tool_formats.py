@@ -199,3 +199,13 @@ def test_whitespace_around_calls_is_no_content_however_it_streams(format_name, c
     calls = in_written_order(format_name, calls)
     text = before + write_answer(format_name, "", calls) + after
     assert [_no_id(e) for e in parse(format_name, data.draw(split_points(text)))] == expected("", calls)
+
+
+@pytest.mark.parametrize("chunks", [
+    [' <|tool_call>call:get_weather{____:None}<tool_call|>', ' '],  # found by the generated test above
+    [' <|tool_call>call:get_weather{a:1}<tool_call|>', ' \n', '\t'],
+    [' <|tool_call>call:get_weather{}<tool_call|> ', ' '],
+])
+def test_gemma4_whitespace_after_a_call_in_a_later_chunk_is_no_content(chunks):
+    events = parse("gemma4", chunks)
+    assert not [event for event in events if isinstance(event, ContentDelta)], events

@@ -119,9 +119,15 @@ class Gemma4Parser(ToolCallParser):
     def __init__(self, events: CallEvents) -> None:
         super().__init__(events)
         self._in_call = False
+        self._after_call = False  # whitespace between or after calls separates them: no content
 
     def advance(self, final: bool) -> None:
         while True:
+            if self._after_call:
+                self.buffer = self.buffer.lstrip()
+                if not self.buffer:
+                    return
+                self._after_call = False
             if not self._in_call:
                 if self.content_until([OPEN], final) is None:
                     return
@@ -133,8 +139,8 @@ class Gemma4Parser(ToolCallParser):
                     self.buffer = ""
                 return
             self._emit(self.buffer[:end], whole=True)
-            self.buffer = self.buffer[end + len(CLOSE):].lstrip()
-            self._in_call = False
+            self.buffer = self.buffer[end + len(CLOSE):]
+            self._in_call, self._after_call = False, True
 
     def _emit(self, body: str, whole: bool) -> None:
         brace = body.find("{")
