@@ -67,7 +67,12 @@ class _EngineStatsCollector(Collector):
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", counters.prefix_query_tokens),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", counters.prefix_hit_tokens),
                 ("prompt_tokens", "Prompt tokens computed (prefilled).", counters.num_prompt_tokens),
-                ("generation_tokens", "Tokens generated.", counters.num_generation_tokens)):
+                ("generation_tokens", "Tokens generated.", counters.num_generation_tokens),
+                ("images_encoded", "Images run through the vision encoder (not found in the embeddings cache).",
+                 counters.num_images_encoded),
+                ("image_cache_hits", "Images whose embeddings the cache held (not encoded again).",
+                 counters.num_image_cache_hits),
+                ("image_encode_seconds", "Seconds spent in the vision encoder.", counters.image_encode_s)):
             family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family

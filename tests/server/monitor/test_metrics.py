@@ -22,7 +22,7 @@ GAUGES = Gauges(num_requests_running=3, num_requests_waiting=5, num_requests_swa
 COUNTERS = Counters(num_steps=100, num_preemptions=7, num_preemptions_recompute=4, num_preemptions_swap=3,
                     num_swap_fallbacks=1, prefix_query_tokens=900, prefix_hit_tokens=250, num_prompt_tokens=650,
                     num_generation_tokens=1234, cow_copies=2, cached_block_evictions=6, num_requests_finished=20,
-                    num_requests_failed=1)
+                    num_requests_failed=1, num_images_encoded=5, num_image_cache_hits=3, image_encode_s=0.75)
 STATS = EngineStats(GAUGES, COUNTERS)
 # DESIGN.md section 9, by name (the sample names of a counter end in _total), with its Prometheus type
 DESIGNED = {"localserve_kv_cache_usage_ratio": "gauge", "localserve_num_requests_running": "gauge",
@@ -83,6 +83,9 @@ def test_the_engine_gauges_and_counters_are_the_stats():
     assert found[("localserve_prompt_tokens_total", ())] == 650
     assert found[("localserve_generation_tokens_total", ())] == 1234
     assert found[("localserve_num_connections", ())] == 9
+    assert found[("localserve_images_encoded_total", ())] == 5
+    assert found[("localserve_image_cache_hits_total", ())] == 3
+    assert found[("localserve_image_encode_seconds_total", ())] == 0.75
 
 
 @pytest.mark.parametrize("name, buckets, observations", [
