@@ -282,7 +282,9 @@ def test_other_api_bodies_never_break_the_server(server):
     send_generated_requests(fuzzer, requests, NUM_CASES)
     assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400", *IMAGE_REFUSALS)) >= 1, \
         fuzzer.outcomes
-    assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400")) >= 5, fuzzer.outcomes
+    # Image parts take a share of the draws since issue 38: a full run saw only 4 streamed Anthropic answers
+    # in 191 cases, so the bound asks for a few of each answer kind, not 5.
+    assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400")) >= 2, fuzzer.outcomes
     assert_server_whole(server)
 
 
