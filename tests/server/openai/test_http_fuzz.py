@@ -215,7 +215,8 @@ def server(tiny_chat_llm):
 def test_http_bodies_never_break_the_server(server):
     fuzzer = HttpFuzzer(server.port)
     send_generated_requests(fuzzer, requests, NUM_CASES)
-    assert min(fuzzer.outcomes["stream"], fuzzer.outcomes["whole"], fuzzer.outcomes["400"]) >= 10, fuzzer.outcomes
+    # Image parts share the draws since issue 38: four runs saw 12-25 streamed answers, so ask for 5.
+    assert min(fuzzer.outcomes["stream"], fuzzer.outcomes["whole"], fuzzer.outcomes["400"]) >= 5, fuzzer.outcomes
     broken = sum(fuzzer.codes[code] for code in ("invalid_image", "invalid_image_url", "image_too_large"))
     assert fuzzer.codes["model_takes_no_images"] and broken, fuzzer.codes  # images reached, valid and broken
     assert health_ok(server.port)
