@@ -43,6 +43,7 @@ class ImageSpan:
     offset: int
     length: int
     content_hash: bytes
+    bidirectional: bool = False  # its tokens attend to each other both ways (Gemma 3's images)
 
     @property
     def end(self) -> int:
