@@ -110,7 +110,8 @@ def test_a_follow_up_keeps_the_earlier_turns_picture(servers):
         follow_up = sdk.responses.create(model="served", max_output_tokens=NUM_TOKENS, temperature=0,
                                          previous_response_id=first.id, input="and its colours?")
     assert follow_up.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens - 1) // BLOCK * BLOCK > 0
-    whole = [*turn, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "and its colours?"}]
+    whole = [*turn, {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "and its colours?"}]
     with client(uncached) as sdk:
         expected = sdk.responses.create(model="served", max_output_tokens=NUM_TOKENS, temperature=0, input=whole)
     assert follow_up.usage.input_tokens == expected.usage.input_tokens
