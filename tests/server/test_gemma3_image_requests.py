@@ -131,7 +131,10 @@ def test_images_at_random_places_reach_the_engine_as_their_spans(served, case):
 
 
 def test_apply_template_shows_the_templates_marker(served, folder):
+    from tests.helpers.webui_page import get_json
+
     server, _ = served
+    assert get_json(server.port, "/props")["modalities"]["vision"] is True
     content = [{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": url(1)}},
                {"type": "text", "text": "what is it?"}]
     shown = post_ok(server.port, "/apply-template", {"messages": [{"role": "user", "content": content}]})["prompt"]
@@ -191,3 +194,29 @@ def test_a_template_that_places_another_number_of_images_is_a_400_naming_the_ima
         text = post_ok(server.port, "/v1/chat/completions", {"model": "served", "max_tokens": 1,
                                                              "messages": [{"role": "user", "content": "hi"}]})
         assert text["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_served_from_a_models_folder_it_takes_images_and_a_text_model_refuses_its_conversation(folder, tmp_path):
+    """The server's own loader (model_loader.py's EngineLoader): the Gemma 3 folder's encoder reaches the requests
+    (capabilities say vision; an image is answered); a follow-up naming its response on a text model is refused:
+    the stored conversation keeps the image."""
+    import shutil
+
+    from localserve.server.registry.registry import ModelPolicy
+    from tests.helpers.server import running_models_server, write_tiny_chat_model
+
+    shutil.copytree(folder, tmp_path / "gemma")
+    write_tiny_chat_model(tmp_path / "text")
+    with running_models_server(tmp_path, policy=ModelPolicy(max_loaded_models=2)) as server:
+        shown = post_ok(server.port, "/api/show", {"model": "gemma"})
+        assert "vision" in shown["capabilities"]
+        assert "vision" not in post_ok(server.port, "/api/show", {"model": "text"})["capabilities"]
+        image = {"type": "input_image", "image_url": url(0), "detail": "auto"}
+        first = post_ok(server.port, "/v1/responses", {"model": "gemma", "max_output_tokens": 1, "input": [
+            {"role": "user", "content": [image, {"type": "input_text", "text": "what is it?"}]}]})
+        assert first["status"] in ("completed", "incomplete")  # cut at its one token
+        status, body = post_json(server.port, "/v1/responses", {"model": "text", "max_output_tokens": 1,
+                                                                "previous_response_id": first["id"],
+                                                                "input": "and now?"})
+        assert status == 400 and body["error"]["code"] == "model_takes_no_images", body
+        assert "input[0].content[0]" in body["error"]["message"]
