@@ -1,4 +1,4 @@
-"""Gemma 3's `ImageEncoder` (models/vision/gemma3_encoder.py) and what loads it: for a tiny Gemma3ForConditionalGeneration
+"""Gemma 3's `ImageEncoder` (models/vision/gemma3_encoder.py) and what loads it: for a tiny Gemma 3 checkpoint
 folder, transformers' Gemma3Processor gives the same prompt ids (the template's marker expanded by the tokenizer's
 `expand`) and pixel values, and `get_image_features` the same embeddings; `LLM.vision` is the encoder for the folder
 and None for a text model, and the load's log says which (never that a loaded tower is left out); what the loader
