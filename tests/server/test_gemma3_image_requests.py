@@ -7,36 +7,37 @@ the clear 400s: a chat template that places another number of images than sent, 
 from __future__ import annotations
 
 import base64
-import io
 
 import anthropic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from localserve.engine.engine_thread import EngineThread
 from localserve.engine.multimodal import MultiModalInputs
 from localserve.server.request.images import ImageBounds, decode_image
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, post_json, post_ok, running_server, wait_until_idle
-from tests.helpers.vision_models import BOI_ID, EOI_ID, IMAGE_ID, reference_processor, write_tiny_gemma3_vision
+from tests.helpers.vision_models import (
+    BOI_ID,
+    EOI_ID,
+    IMAGE_ID,
+    data_url,
+    png_file,
+    reference_processor,
+    write_tiny_gemma3_vision,
+)
 
 MM_TOKENS = 4
 
 
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
-
-PICTURES = [png(picture(20 + 7 * seed, 16 + 3 * seed, seed=seed)) for seed in range(3)]
+PICTURES = [png_file(picture(20 + 7 * seed, 16 + 3 * seed, seed=seed)) for seed in range(3)]
 HASHES = [decode_image(data, "x", ImageBounds()).sha256 for data in PICTURES]
 
 
 def url(index: int) -> str:
-    return "data:image/png;base64," + base64.b64encode(PICTURES[index]).decode()
+    return data_url(PICTURES[index])
 
 
 class SeenEngineThread(EngineThread):
