@@ -56,7 +56,7 @@ def write_gemma3_tokenizer(folder: Path) -> None:
     backend = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, [], unk_token="<unk>",
                                    fuse_unk=True))
     backend.normalizer = normalizers.Replace(" ", "▁")
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
                                 for token in SPECIALS + TURN_TOKENS + list(IMAGE_TOKENS.values())])
     backend.save(str(folder / "tokenizer.json"))

@@ -221,3 +221,23 @@ def test_served_from_a_models_folder_it_takes_images_and_a_text_model_refuses_it
                                                                 "input": "and now?"})
         assert status == 400 and body["error"]["code"] == "model_takes_no_images", body
         assert "input[0].content[0]" in body["error"]["message"]
+
+
+def test_an_image_beside_tools_and_a_tool_turn(served):
+    """The chat format's conversion of tool turns (results merged, a tools prompt added as the system message)
+    comes after the images are placed: the image stays in its message."""
+    server, engine_thread = served
+    tool = {"type": "function", "function": {"name": "look", "description": "look closer",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url(2)}},
+                                             {"type": "text", "text": "what is it?"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "a cat"}]
+    answer = post_ok(server.port, "/v1/chat/completions", {"model": "served", "messages": messages,
+                                                           "tools": [tool], "max_tokens": 1})
+    assert answer["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+    ids, multimodal = engine_thread.seen[-1]
+    assert [(span.offset, span.length) for span in multimodal.spans] == image_runs(ids)
+    assert [span.content_hash for span in multimodal.spans] == [HASHES[2]]
+    wait_until_idle(engine_thread)
