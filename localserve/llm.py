@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from localserve.engine.builder import build_engine, check_speculation
 from localserve.engine.config import EngineConfig
 from localserve.engine.embedding_params import EmbeddingParams
+from localserve.engine.image_hash import pixel_hash
+from localserve.engine.image_prompt import ImagePrompt
+from localserve.engine.multimodal import MultiModalInputs
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import default_dtype, load_model, resolve_model_path
@@ -96,11 +100,34 @@ class LLM:
 
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation (a list of role/content messages)."""
+        """Apply the model's chat template to each conversation (a list of role/content messages). A message's
+        content may be a list of parts in transformers' form: `{"type": "text", "text": ...}` and, for a model
+        whose vision encoder is loaded (`vision`), `{"type": "image", "image": a PIL image}`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        token_lists = [self.tokenizer.encode_chat(messages) for messages in conversations]
-        return self._run(token_lists, params or SamplingParams())
+        prompts = [self._chat_prompt(messages) for messages in conversations]
+        return self._run([tokens for tokens, _ in prompts], params or SamplingParams(),
+                         [multimodal for _, multimodal in prompts])
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], MultiModalInputs | None]:
+        """A conversation's prompt ids, and its images for the engine (None: it has none)."""
+        pictures = [part.get("image") for message in messages if isinstance(message.get("content"), list)
+                    for part in message["content"] if part.get("type") == "image"]
+        if not pictures:
+            return self.tokenizer.encode_chat(messages), None
+        if self.vision is None:
+            raise ValueError(f"{self.model_path.name} does not take images: it has no vision encoder loaded")
+        for index, picture in enumerate(pictures):
+            if not isinstance(picture, Image.Image):
+                raise TypeError(f"chat: image {index}'s 'image' must be a PIL.Image.Image, got "
+                                f"{type(picture).__name__}")
+        parts = [{**message, "content": [{"type": "image"} if part.get("type") == "image" else part
+                                         for part in message["content"]]}
+                 if isinstance(message.get("content"), list) else message for message in messages]
+        prompt = ImagePrompt(self.vision, tuple(pixel_hash(picture) for picture in pictures),
+                             tuple(self.vision.prepare(picture) for picture in pictures))
+        tokens = self.tokenizer.encode_chat(parts, expand=prompt.expand)
+        return tokens, prompt.multimodal(tokens)
 
     def embed(self, inputs: Prompt | Seq[Prompt], params: EmbeddingParams | None = None) -> list[RequestOutput]:
         """Embed each input (text, or token ids) with an embedding model's pooling (models/pooling.py); returns
@@ -110,8 +137,11 @@ class LLM:
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in inputs]
         return self._run(token_lists, params or EmbeddingParams())
 
-    def _run(self, token_lists: list[list[int]], params: SamplingParams | EmbeddingParams) -> list[RequestOutput]:
-        ids = [self.engine.add_request(tokens, params) for tokens in token_lists]
+    def _run(self, token_lists: list[list[int]], params: SamplingParams | EmbeddingParams,
+             multimodal: list[MultiModalInputs | None] | None = None) -> list[RequestOutput]:
+        images = multimodal or [None] * len(token_lists)
+        ids = [self.engine.add_request(tokens, params, multimodal=inputs)
+               for tokens, inputs in zip(token_lists, images)]
         final = self.engine.run_to_completion()
         return [final[i] for i in ids]
 

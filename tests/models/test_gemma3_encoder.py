@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
+from localserve.engine.image_prompt import ImagePrompt
 from localserve.llm import load_vision
 from localserve.loading.image_encoders import load_image_encoder
 from localserve.loading.vision import VisionLoadError
-from localserve.server.generation.image_prompt import ImagePrompt
 from localserve.server.request.images import ImageBounds, PlacedImage, decode_image, with_image_parts
 from localserve.tokenizer.tokenizer import Tokenizer
 from tests.helpers.pictures import picture
@@ -58,7 +58,7 @@ def test_prompt_pixels_and_embeddings_are_transformers(folder):
         tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt")
     tokenizer = Tokenizer.from_hf_folder(folder)
     messages = with_image_parts([{"role": "user", "content": text}], [PlacedImage(0, 0, None)])
-    prompt = ImagePrompt(encoder, (None,), (prepared,))
+    prompt = ImagePrompt(encoder, (b"hash",), (prepared,))
     ids = tokenizer.encode_chat(messages, expand=prompt.expand)
     assert ids == expected["input_ids"][0].tolist()
     assert [i for i, token in enumerate(ids) if token == IMAGE_ID] == \

@@ -4,7 +4,8 @@
 1. Each image is made ready for the model (`ImageEncoder.prepare` on its first frame as decoded) on a worker
    thread: Pillow and the preprocessing never hold up the event loop.
 2. The chat template renders the conversation with an image part where each image stands (`with_image_parts`)
-   and writes the family's marker there; `ImagePrompt.expand`, run by the tokenizer on the rendered text,
+   and writes the family's marker there; `RequestImages.expand` (engine/image_prompt.py's `ImagePrompt.expand`,
+   its error a 400 naming the part), run by the tokenizer on the rendered text,
    puts each image's text in place of its marker (Gemma 3: the begin-of-image token, the image's soft tokens
    and the end-of-image token between blank lines, as transformers' processor does). A template that wrote
    another number of markers than there are images is the client's conversation's fault as far as the client
@@ -24,7 +25,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from localserve.engine.multimodal import ImageSpan, MultiModalInputs
+from localserve.engine.image_prompt import ImageCountError, ImagePrompt, SpanNotFoundError
+from localserve.engine.multimodal import MultiModalInputs
 from localserve.models.vision.adapter import ImageEncoder, PreparedImage
 from localserve.server.request.generation_request import STORED_IMAGES, Message
 from localserve.server.request.images import ImageInput, PlacedImage
@@ -49,61 +51,32 @@ def conversation_images(conversation: Sequence[Message]) -> list[PlacedImage]:
 
 
 @dataclass(frozen=True)
-class ImagePrompt:
-    """A prompt's images made ready for `encoder`, in prompt order."""
+class RequestImages:
+    """A request's images made ready (engine/image_prompt.py's `ImagePrompt`), with their parts for errors."""
 
-    encoder: ImageEncoder
+    prompt: ImagePrompt
     images: tuple[ImageInput, ...]
-    prepared: tuple[PreparedImage, ...]
 
     def expand(self, rendered: str) -> str:
-        """The rendered chat with the i-th marker replaced by image i's text; a ProtocolError (400) when the
-        template wrote another number of markers than there are images."""
-        pieces = rendered.split(self.encoder.marker)
-        found = len(pieces) - 1
-        if found != len(self.images):
-            where = self.images[min(found, len(self.images) - 1)].where
-            raise ProtocolError("invalid_prompt", f"'{where}': the model's chat template placed {found} image "
-                                f"marker{'s' if found != 1 else ''} ({self.encoder.marker!r}) for the "
-                                f"{len(self.images)} image{'s' if len(self.images) != 1 else ''} of the "
-                                "conversation (does it take images in this role?)", where)
-        return pieces[0] + "".join(prepared.text + piece for prepared, piece in zip(self.prepared, pieces[1:]))
+        """`ImagePrompt.expand`; a ProtocolError (400) naming the image part when the template wrote another
+        number of markers than there are images."""
+        try:
+            return self.prompt.expand(rendered)
+        except ImageCountError as error:
+            where = self.images[min(error.found, len(self.images) - 1)].where
+            raise ProtocolError("invalid_prompt", f"'{where}': {error} in the conversation (does the model's chat "
+                                "template take images in this role?)", where) from None
 
     def multimodal(self, prompt_ids: Sequence[int]) -> MultiModalInputs:
-        """The engine's inputs: each image's span found in the prompt's ids, embeddings made on first use."""
-        spans, start = [], 0
-        for index, (image, prepared) in enumerate(zip(self.images, self.prepared)):
-            offset = find_run(prompt_ids, prepared.span_ids, start)
-            if offset is None:
-                raise ProtocolError("internal_error", f"image {index} ('{image.where}'): its "
-                                    f"{len(prepared.span_ids)} tokens are not in the tokenized prompt after "
-                                    f"token {start} (the tokenizer split the image's text)",
-                                    error_type="server_error", status=500)
-            spans.append(ImageSpan(offset, len(prepared.span_ids), image.sha256,
-                                   bidirectional=prepared.bidirectional))
-            start = offset + len(prepared.span_ids)
-        encoder, prepared_images = self.encoder, self.prepared
-        return MultiModalInputs(tuple(spans), lambda index: encoder.encode(prepared_images[index]))
-
-
-def find_run(ids: Sequence[int], run: Sequence[int], start: int) -> int | None:
-    """The first index >= `start` where `ids` holds `run` contiguously, or None."""
-    ids, run = list(ids), list(run)
-    if not run:
-        return None
-    first, length = run[0], len(run)
-    position = start
-    while True:
+        """`ImagePrompt.multimodal`; an image whose tokens are not found is the server's failure (500)."""
         try:
-            position = ids.index(first, position)
-        except ValueError:
-            return None
-        if ids[position:position + length] == run:
-            return position
-        position += 1
+            return self.prompt.multimodal(prompt_ids)
+        except SpanNotFoundError as error:
+            raise ProtocolError("internal_error", f"'{self.images[error.index].where}': {error}",
+                                error_type="server_error", status=500) from None
 
 
-async def prepare_images(encoder: ImageEncoder, images: Sequence[PlacedImage]) -> ImagePrompt:
+async def prepare_images(encoder: ImageEncoder, images: Sequence[PlacedImage]) -> RequestImages:
     """`images` (in prompt order) made ready for `encoder` on a worker thread; a picture the model's processing
     refuses is a 400 naming its part."""
     def prepare_all() -> tuple[PreparedImage, ...]:
@@ -118,7 +91,9 @@ async def prepare_images(encoder: ImageEncoder, images: Sequence[PlacedImage]) -
         return tuple(prepared)
 
     prepared = await asyncio.to_thread(prepare_all)
-    return ImagePrompt(encoder, tuple(placed.image for placed in images), prepared)
+    images_in_order = tuple(placed.image for placed in images)
+    return RequestImages(ImagePrompt(encoder, tuple(image.sha256 for image in images_in_order), prepared),
+                         images_in_order)
 
 
 def in_prompt_order(images: Sequence[PlacedImage]) -> list[PlacedImage]:

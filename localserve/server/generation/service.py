@@ -27,7 +27,7 @@ from localserve.loading.model_folder import ModelEntry
 from localserve.server.config import ServerConfig
 from localserve.server.generation.chat_turns import TurnPlan, plan_turn, resolve_tool_results
 from localserve.server.generation.conversations import ConversationStore
-from localserve.server.generation.image_prompt import ImagePrompt, conversation_images, keep_images, prepare_images
+from localserve.server.generation.image_prompt import RequestImages, conversation_images, keep_images, prepare_images
 from localserve.server.generation.stream import GenerationStream, new_id
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.registry.engine_access import on_event_loop
@@ -261,7 +261,7 @@ class GenerationService:
 
     @staticmethod
     async def _encode_chat(tokenizer: ChatTokenizer, messages: list[Message], add_generation_prompt: bool,
-                           field: str, template_inputs: dict[str, Any], images: ImagePrompt | None) -> list[int]:
+                           field: str, template_inputs: dict[str, Any], images: RequestImages | None) -> list[int]:
         """The prompt's ids: the messages rendered with the turn's tools and template variables, each image's
         marker expanded into its tokens."""
         expand = {"expand": images.expand} if images is not None else {}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 import re
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image, UnidentifiedImageError
 
+from localserve.engine.image_hash import pixel_hash
 from localserve.server.request.validation import ProtocolError, shown
 
 # Pillow's format name -> ours (the media type is image/<ours>)
@@ -158,12 +158,11 @@ def _decoded(image: Image.Image, data: bytes, where: str, bounds: ImageBounds, m
     try:
         image.seek(0)
         image.load()
-        pixels = image.convert("RGB").tobytes()
+        digest = pixel_hash(image)
     except Image.DecompressionBombError:
         raise _too_many_pixels(where, bounds, (width, height)) from None
     except Exception as exc:  # noqa: BLE001 - a decoder's error on the client's bytes
         raise _undecodable(where, exc) from None
-    digest = hashlib.sha256(f"{width}x{height}:".encode() + pixels).digest()
     return ImageInput(data=data, format=kind, width=width, height=height, sha256=digest, where=where)
 
 
