@@ -6,6 +6,7 @@ refuses, by name. `ImageInput.picture()` and `encode_chat(expand=)` too."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -143,3 +144,22 @@ def test_a_save_without_its_vision_tensors_is_served_as_text(folder, tmp_path, c
     with caplog.at_level(logging.INFO):
         llm = LLM(str(tmp_path / "text"), device="cpu")
     assert llm.vision is None and "its vision tower is left unloaded" in caplog.text
+
+
+def test_pictures_that_differ_only_in_transparency_are_different_pictures(folder):
+    """Their colours agree, their alpha does not: laid over white they differ, so their hashes (the prefix
+    cache's and the embedding cache's keys) must too; opaque pictures keep the hash of their RGB pixels."""
+    encoder = encoder_of(folder)
+    opaque = picture(16, 12, seed=3)
+    faint, fainter = opaque.convert("RGBA"), opaque.convert("RGBA")
+    faint.putalpha(200)
+    fainter.putalpha(100)
+    inputs = [decode_image(file_of(image), "part", ImageBounds()) for image in (opaque, faint, fainter)]
+    assert len({image.sha256 for image in inputs}) == 3
+    assert not torch.equal(encoder.prepare(faint).inputs, encoder.prepare(fainter).inputs)
+    assert inputs[0].sha256 == hashlib.sha256(b"16x12:" + opaque.tobytes()).digest()
+    palette = picture(16, 12, seed=3, mode="P_transparent")
+    other = palette.copy()
+    other.info["transparency"] = 4
+    assert decode_image(file_of(palette, transparency=3), "p", ImageBounds()).sha256 != decode_image(
+        file_of(other, transparency=4), "q", ImageBounds()).sha256

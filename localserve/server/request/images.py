@@ -69,7 +69,7 @@ class ImageInput:
     format: str  # "png", "jpeg", "webp", "gif"
     width: int
     height: int
-    sha256: bytes  # of the decoded RGB pixels and the size, not of the file: the same picture re-encoded hits
+    sha256: bytes  # of the decoded pixels (RGBA where transparent) and the size, not of the file (image_hash.py)
     where: str  # the part's JSON path, e.g. "messages[1].content[0]"
 
     def picture(self) -> Image.Image:
