@@ -259,3 +259,16 @@ def test_an_image_beside_tools_and_a_tool_turn(served):
     assert [(span.offset, span.length) for span in multimodal.spans] == image_runs(ids)
     assert [span.content_hash for span in multimodal.spans] == [HASHES[2]]
     wait_until_idle(engine_thread)
+
+
+def test_a_streamed_answer_about_a_picture_dropped_early_leaves_the_engine_clean(served):
+    import openai
+
+    server, engine_thread = served
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0) as client:
+        stream = client.chat.completions.create(model="served", max_tokens=200, stream=True, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url(1)}},
+                                         {"type": "text", "text": "tell me all about it"}]}])
+        next(iter(stream))
+        stream.close()
+    wait_until_idle(engine_thread)
