@@ -33,7 +33,13 @@ from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.registry.engine_access import on_event_loop
 from localserve.server.registry.registry import ModelLease, ModelRegistry
 from localserve.server.registry.served_model import ChatTokenizer, ServedModel
-from localserve.server.request.generation_request import GenerationRequest, Message, message_chars, template_view
+from localserve.server.request.generation_request import (
+    STORED_IMAGES,
+    GenerationRequest,
+    Message,
+    message_chars,
+    template_view,
+)
 from localserve.server.request.images import with_image_parts
 from localserve.server.request.validation import ProtocolError
 from localserve.tokenizer.tools import ChatFormatError
@@ -52,6 +58,11 @@ class _Run:
     on_update: OnUpdate
     arrival_time: float
     last_token_time: float | None = None
+
+
+def holds_images(conversation: list[Message]) -> bool:
+    """Whether a message of the conversation holds images (generation/image_prompt.py's, only then)."""
+    return any(STORED_IMAGES in message for message in conversation)
 
 
 class GenerationService:
@@ -164,8 +175,10 @@ class GenerationService:
                                     "evicted, or a store: false response of another connection); send the "
                                     "whole conversation instead", "previous_response_id")
             history = found
-        conversation = history + keep_images(request.input_messages, request.images if request.prompt is None
-                                             else ())
+        held = request.input_messages
+        if request.images and request.prompt is None:  # kept on their messages (stored with the conversation)
+            held = keep_images(held, request.images)
+        conversation = history + held
         limit = self.config.limits.max_conversation_chars
         num_chars = sum(message_chars(message) for message in conversation) + len(request.instructions or "")
         if num_chars > limit:
@@ -197,7 +210,7 @@ class GenerationService:
             raise ProtocolError("invalid_prompt", f"'{where}': a raw prompt (tokenized as it is, without the chat "
                                 "template) cannot place images; send them with the chat template applied "
                                 "(Ollama: raw false)", where)
-        images = conversation_images(conversation) if request.prompt is None else []
+        images = conversation_images(conversation) if request.prompt is None and holds_images(conversation) else []
         if images and lease.vision is None:  # a stored conversation's images, continued on a text model
             where = images[0].image.where
             raise ProtocolError("model_takes_no_images", f"the conversation holds an image ('{where}' of an "
@@ -214,8 +227,9 @@ class GenerationService:
         resolve_tool_results(conversation, field)
         plan = plan_turn(request, lease.model.chat_format)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        messages = with_image_parts(system + [template_view(message) for message in conversation],
-                                    conversation_images(conversation), first=len(system))
+        messages = system + [template_view(message) for message in conversation]
+        if holds_images(conversation):
+            messages = with_image_parts(messages, conversation_images(conversation), first=len(system))
         if plan.turn is None:
             return messages, {}, plan
         try:
