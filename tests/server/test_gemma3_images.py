@@ -64,7 +64,7 @@ class Gemma3:
         return self.processor.decode(new, skip_special_tokens=True), logprobs
 
 
-@pytest.fixture(scope="module", params=[1, pytest.param(4, marks=AWAITS_MASK)], ids=["1-token", "4-tokens"])
+@pytest.fixture(scope="module", params=[1, 4], ids=["1-token", "4-tokens"])
 def gemma3(request, tmp_path_factory):
     mm_tokens = request.param
     folder = write_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3"), seed=3, mm_tokens_per_image=mm_tokens)
@@ -74,7 +74,9 @@ def gemma3(request, tmp_path_factory):
         yield Gemma3(folder, server, mm_tokens)
 
 
-def test_openai_chat_and_responses_answer_as_transformers(gemma3):
+def test_openai_chat_and_responses_answer_as_transformers(gemma3, request):
+    if gemma3.mm_tokens > 1:  # the log-probabilities tell the mask's effect (about 0.01 here)
+        request.applymarker(AWAITS_MASK)
     expected, logprobs = gemma3.reference_with_logprobs([{"type": "text", "text": QUESTION},
                                                          {"type": "image", "data": PICTURE}])
     with openai.OpenAI(base_url=f"http://127.0.0.1:{gemma3.server.port}/v1", api_key="-", max_retries=0) as client:
@@ -92,6 +94,7 @@ def test_openai_chat_and_responses_answer_as_transformers(gemma3):
 
 
 def test_ollama_and_anthropic_answer_as_transformers(gemma3):
+    """(Their answers are text only: with four tokens per image, the mask's effect does not change them here.)"""
     # Ollama's `images` stand before the message's text
     expected = gemma3.reference([{"type": "image", "data": PICTURE}, {"type": "text", "text": QUESTION}])
     client = ollama.Client(host=f"http://127.0.0.1:{gemma3.server.port}")
