@@ -125,3 +125,70 @@ def test_a_prefix_hit_inside_an_image(gemma3_image):
     [output] = run(engine, [other], vision)
     assert output.num_cached_tokens == 16  # the first block: the image is [7, 23)
     assert_matches(output, reference(hf_model, other))
+
+
+ENDING = prompt([60 + i for i in range(10)], 5)  # ends with <end_of_image>: 29 tokens, the image [12, 28)
+LAST = prompt([60 + i for i in range(7)], 5)
+LAST.token_ids.pop()  # no <end_of_image>: the image [9, 25) ends the prompt
+
+
+@pytest.mark.parametrize("item, cached", [(ENDING, 24), (LAST, 24)], ids=["image-then-eoi", "image-last"])
+def test_an_image_ending_the_prompt_after_a_hit(gemma3_image, item, cached):
+    """The same prompt again hits up to inside its last image (blocks of 8: [0, 24)); its first chunk takes the
+    image's rest, or, where the image ends the prompt, its last token alone runs as a decode row."""
+    model, vision, hf_model = gemma3_image
+    engine = make_engine(model, budget=MM, block_size=8)
+    expected = reference(hf_model, item)
+    [first] = run(engine, [item], vision)
+    [second] = run(engine, [item], vision)
+    assert second.num_cached_tokens == cached
+    assert_matches(first, expected)
+    assert_matches(second, expected)
+
+
+@pytest.mark.parametrize("spec_type", ["ngram", "draft"])
+def test_speculative_decoding_over_images(gemma3_image, spec_type):
+    """Drafts verified over image prompts (the draft model, the target's text model itself, sees the soft
+    tokens as text, causally: its drafts may miss, never wrongly kept) give transformers' tokens."""
+    from localserve.engine.builder import build_engine
+    from localserve.engine.config import EngineConfig
+    from tests.helpers.spec_costs import FixedStepCost
+
+    model, vision, hf_model = gemma3_image
+    engine = build_engine(model, None, EngineConfig(num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=MM + 4,
+                                                    spec_type=spec_type, check_integrity=True),
+                          draft_model=model if spec_type == "draft" else None)
+    engine.scheduler.speculation.cost = FixedStepCost()
+    work = [ONE, TWO, ENDING]
+    outputs = run(engine, work, vision, max_tokens=12)
+    for output, item in zip(outputs, work):
+        assert_matches(output, reference(hf_model, item, 12))
+    assert engine.stats().counters.spec_num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+def test_the_triton_backend_on_cuda_equals_transformers(gemma3_image, tmp_path):
+    """The same through the Triton kernels (KEY_LIMITS compiled in for the image chunks), batched and with a
+    budget that would cut the images; float32 on the GPU (no TF32 in the kernels' fp32 products)."""
+    _, _, hf_model = gemma3_image
+    folder = tmp_path / "model"
+    write_gemma3_image_model(folder, MM)
+    model = load_model(folder, dtype=torch.float32, device="cuda").model
+    vision = load_gemma_vision(folder, device="cuda")
+    for budget in (64, MM + 1):
+        engine = make_engine(model, budget=budget, attention_backend="triton")
+        assert engine.runner.backend.name == "triton"
+        work = [TEXT, ONE, ANOTHER, TWO]
+        outputs = run(engine, work, CudaPixels(vision))
+        for output, item in zip(outputs, work):
+            assert_matches(output, reference(hf_model, item), atol=1e-3)
+
+
+class CudaPixels:
+    """GemmaVision on CUDA handed the CPU pixel values the prompts hold."""
+
+    def __init__(self, vision) -> None:
+        self.vision = vision
+
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.vision.encode(pixel_values.cuda())
