@@ -1,10 +1,10 @@
 """The chunk rule of bidirectional image spans (engine/batch.py, `span_safe_chunk`) on generated work: spans
-of any length up to the step budget, budgets, block sizes and prefix hits (a second wave reusing the first
-one's prompts up to a part's end, so hits land inside images). Through the engine with the tiny Gemma 3
-(float64: no near-tie flips between batchings): no chunk ends strictly inside a bidirectional span, every
-prompt token is computed once, the engine ends idle with every block back, and each request's greedy tokens
-are those of a one-step-per-prompt engine without the prefix cache. Fixed examples at the bound: a span as
-long as the budget runs, one a token longer is refused naming the span."""
+of any length up to the step budget, budgets, block sizes and prefix hits (a second wave: first-wave prompts
+whole and more parts, so hits may land inside images). Through the engine with the tiny Gemma 3 (float64: no
+near-tie flips between batchings): no chunk ends strictly inside a bidirectional span, every prompt token is
+computed once, every step passes tests/helpers/engine_checks.py, the engine ends idle with every block back,
+and each request's greedy tokens are those of a one-step-per-prompt engine without the prefix cache. Fixed
+examples at the bound: a span as long as the budget runs, one a token longer is refused naming the span."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from localserve.engine.multimodal import ImageSpan, MultiModalInputs
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
+from tests.helpers.engine_checks import StepChecker
 from tests.helpers.gemma_image_engine import IMAGE_TOKEN, make_engine, write_gemma3_image_model
 
 HIDDEN = 64
@@ -100,7 +101,7 @@ def check_chunks(seen, requests: dict[str, tuple[list[int], list]], cached: dict
 
 @given(budget=st.integers(MAX_SPAN, 40), block_size=st.sampled_from([4, 8, 16]), data=st.data())
 @example(budget=MAX_SPAN, block_size=8, data=None)  # spans as long as the budget, a hit inside one
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 def test_generated_work_never_ends_a_chunk_inside_an_image(gemma3_text64, budget, block_size, data):
     if data is None:  # the second request's hit (two blocks of 8) ends inside the image [4, 20)
@@ -112,6 +113,7 @@ def test_generated_work_never_ends_a_chunk_inside_an_image(gemma3_text64, budget
                  for parts in data.draw(st.lists(prompts(MAX_SPAN), min_size=0, max_size=3))]
     engine = make_engine(gemma3_text64, budget=budget, block_size=block_size)
     seen = record_chunks(engine)
+    checker = StepChecker(engine)  # every step against the scheduling rules (budget, moves, work conservation)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     requests, cached, outputs = {}, {}, {}
 
@@ -121,7 +123,10 @@ def test_generated_work_never_ends_a_chunk_inside_an_image(gemma3_text64, budget
             request_id = engine.add_request(tokens, params, multimodal=inputs(spans))
             requests[request_id] = (tokens, spans)
             ids.append(request_id)
-        final = engine.run_to_completion()
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update((output.request_id, output) for output in engine.step() if output.finished)
+            checker.after_step()
         assert engine.is_idle_and_clean()
         for request_id in ids:
             cached[request_id] = final[request_id].num_cached_tokens
