@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from localserve.engine.batch import span_safe_chunk
 from localserve.engine.multimodal import ImageSpan, MultiModalInputs
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
@@ -168,3 +169,38 @@ def test_a_span_at_the_budget_runs_and_one_past_it_is_refused(gemma3_text64, len
     # The first chunk ends at the image's start (3 tokens), the image takes a step of its own, then the rest.
     assert [(start, end) for _, start, end in seen][:3] == [(0, 3), (3, 3 + length), (3 + length, 4 + length)]
     check_chunks(seen, {request_id: (tokens, spans)}, {request_id: 0})
+
+
+# (spans, start, num_tokens, slotted, budget_left) -> the chunk's length
+@pytest.mark.parametrize("spans, start, num_tokens, slotted, budget_left, expected", [
+    (((4, 20),), 0, 16, 99, 16, 4),  # ends inside a span after its start: at the span's start
+    (((4, 20),), 0, 20, 99, 20, 20),  # ends at the span's end: as it is
+    (((4, 20),), 0, 4, 99, 4, 4),  # ends at the span's start: as it is
+    (((4, 20),), 4, 8, 99, 8, 0),  # starts at the span, its rest (16) past the budget left beside another prefill
+    (((4, 20),), 4, 8, 99, None, 16),  # the step's first prefill: the rest whole, past the budget
+    (((4, 20),), 16, 2, 99, 2, 0),  # a hit inside: the rest (4) past the budget left
+    (((4, 20),), 16, 2, 99, 4, 4),  # a hit inside: the rest fits
+    (((4, 20),), 16, 2, 3, None, 0),  # the rest has no KV slots yet (a window group's pool): wait
+    (((0, 3), (5, 9), (12, 30)), 0, 7, 99, 7, 5),  # the second span cut: before it, the first whole
+    (((0, 3), (5, 9), (12, 30)), 9, 10, 99, 10, 3),  # after the second, into the third: to its start
+    ((), 0, 7, 99, 7, 7),
+])
+def test_span_safe_chunk(spans, start, num_tokens, slotted, budget_left, expected):
+    assert span_safe_chunk(spans, start, num_tokens, slotted, budget_left) == expected
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20)), max_size=4), st.integers(0, 80),
+       st.integers(1, 40), st.integers(1, 60), st.one_of(st.none(), st.integers(1, 40)))
+def test_span_safe_chunk_never_ends_inside_a_span(gaps_and_lengths, start, num_tokens, slotted, budget_left):
+    spans, position = [], 0
+    for gap, length in gaps_and_lengths:
+        spans.append((position + gap, position + gap + length))
+        position += gap + length
+    length = span_safe_chunk(tuple(spans), start, min(num_tokens, slotted), slotted, budget_left)
+    end = start + length
+    assert 0 <= length <= slotted
+    if length:
+        assert not any(offset < end < span_end for offset, span_end in spans)
+    if length > num_tokens:  # only the rest of a span the chunk starts at or in, within the budget's rule
+        assert any(offset <= start and end == span_end for offset, span_end in spans)
+        assert budget_left is None or length <= budget_left

@@ -16,6 +16,7 @@ from tests.helpers.gemma_image_engine import (
     ImagePrompt,
     assert_matches,
     make_engine,
+    params,
     reference,
     run,
     write_gemma3_image_model,
@@ -192,3 +193,32 @@ class CudaPixels:
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.vision.encode(pixel_values.cuda())
+
+
+def test_the_rest_of_an_image_after_a_hit_may_pass_the_budget_beside_decodes(gemma3_image):
+    """Ten streams decoding leave 6 of a 16-token budget; a request whose hit ends inside its image (16 of
+    [7, 23)) takes the image's rest (7 tokens) whole as the step's first prefill chunk, past the budget (the
+    streams never stall it), and gives transformers' tokens; every step passes the scheduling checks."""
+    from tests.helpers.engine_checks import StepChecker
+
+    model, vision, hf_model = gemma3_image
+    engine = make_engine(model, budget=MM)
+    checker = StepChecker(engine)  # from the start: it keeps its own model of the pool's blocks
+    engine.add_request(ONE.token_ids, params(), multimodal=ONE.multimodal(vision))
+    while engine.has_unfinished_requests():
+        engine.step()
+        checker.after_step()
+    streams = [engine.add_request([2, 100 + i, 101 + i], params(30)) for i in range(10)]
+    while any(engine.requests[r].seqs[0].num_computed_tokens < 3 for r in streams):
+        engine.step()
+        checker.after_step()
+    other = prompt([5, 6, 7, 8, 9], 1, [50, 51])
+    request_id = engine.add_request(other.token_ids, params(), multimodal=other.multimodal(vision))
+    sizes, final = [], {}
+    while engine.has_unfinished_requests():
+        final.update((output.request_id, output) for output in engine.step() if output.finished)
+        sizes.append(checker.batch.num_tokens)
+        checker.after_step()
+    assert engine.is_idle_and_clean()
+    assert final[request_id].num_cached_tokens == 16 and max(sizes) == MM + 1  # 10 decodes + 7
+    assert_matches(final[request_id], reference(hf_model, other))
