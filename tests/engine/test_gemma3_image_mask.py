@@ -222,3 +222,15 @@ def test_the_rest_of_an_image_after_a_hit_may_pass_the_budget_beside_decodes(gem
     assert engine.is_idle_and_clean()
     assert final[request_id].num_cached_tokens == 16 and max(sizes) == MM + 1  # 10 decodes + 7
     assert_matches(final[request_id], reference(hf_model, other))
+
+
+def test_a_window_shorter_than_the_image_still_equals_transformers(tmp_path):
+    """transformers' sliding layers keep AND(window, OR(causal, same image)): a key more than W - 1 before its
+    query stays hidden inside an image too, as the window's lower bound (each query's own position - W + 1)
+    does here. So the key limits alone give its mask whatever the window (a window of 8, images of 16)."""
+    hf_model = write_gemma3_image_model(tmp_path, MM, window=8).eval()
+    model, vision = load_model(tmp_path, dtype=torch.float32).model, load_gemma_vision(tmp_path)
+    for budget in (64, MM + 1):
+        outputs = run(make_engine(model, budget=budget), [ONE, TWO], vision)
+        for output, item in zip(outputs, [ONE, TWO]):
+            assert_matches(output, reference(hf_model, item))

@@ -24,25 +24,24 @@ IMAGE_SIZE = 56  # 4 x 4 patches of 14
 TOP = 20  # log-probabilities compared per token (the most SamplingParams.logprobs gives)
 
 
-def tiny_gemma3_vision_config(mm_tokens: int = 16):
+def tiny_gemma3_vision_config(mm_tokens: int = 16, window: int = WINDOW):
     """Gemma 3 with a 2-layer SigLIP tower (56 px, 16 patches pooled to `mm_tokens` rows), a text model of a
-    sliding layer (window 16: as long as the longest image here) and a full one."""
+    sliding layer (window 16 by default: as long as the longest image here) and a full one."""
     import transformers
 
     siglip = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                              num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=14)
     text = gemma3_config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                         final_logit_softcapping=None)
-    assert mm_tokens <= WINDOW
+                         final_logit_softcapping=None, sliding_window=window)
     return transformers.Gemma3Config(text_config=text, vision_config=siglip.to_dict(), mm_tokens_per_image=mm_tokens,
                                      image_token_index=IMAGE_TOKEN, boi_token_index=BOI, eoi_token_index=EOI)
 
 
-def write_gemma3_image_model(folder: Path, mm_tokens: int = 16, seed: int = 0):
+def write_gemma3_image_model(folder: Path, mm_tokens: int = 16, seed: int = 0, window: int = WINDOW):
     """The folder of a random tiny Gemma3ForConditionalGeneration (float32) and the transformers model."""
     import transformers
 
-    return save_random_model(folder, tiny_gemma3_vision_config(mm_tokens), seed=seed,
+    return save_random_model(folder, tiny_gemma3_vision_config(mm_tokens, window), seed=seed,
                              model_class=transformers.Gemma3ForConditionalGeneration)
 
 
