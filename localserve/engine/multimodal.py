@@ -16,6 +16,13 @@ output already projected into the language model's space) or a callable making t
   (models/layers/decoder.py, `place_input_embeds`) after its own token-embedding scale: Gemma 3 scales
   token embeddings by sqrt(hidden size) and not the image's (transformers' Gemma3Model scatters the image
   features into the scaled embeddings).
+- Bidirectional spans (`ImageSpan.bidirectional`, Gemma 3's images): each token of the span sees every token
+  of it, causal otherwise, as transformers' Gemma 3 `token_type_ids` mask on full and sliding layers. The
+  scheduler never ends a prefill chunk strictly inside one (engine/batch.py, `span_safe_chunk`; a span
+  longer than the step's token budget is refused by `validate_multimodal`), so a chunk holding a span's
+  tokens holds the rest of it, and `key_limits` lets each of them see up to the span's last token
+  (`AttentionInputs.key_limits`, read by both attention backends). A chunk may start inside one after a
+  prefix hit: the cached tokens before were computed, by whichever request, seeing the whole span.
 - `EmbeddingCache`: an image's embeddings by content hash, least recently used first out, bounded in bytes,
   so an image seen recently (the same request's later chunks, a preemption's recompute, another turn) is
   not encoded again.
