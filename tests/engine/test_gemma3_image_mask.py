@@ -110,10 +110,10 @@ def test_preemption_keeps_the_images(gemma3_image, mode):
     model, vision, hf_model = gemma3_image
     engine = make_engine(model, budget=32, num_blocks=9, mode=mode, block_size=8)
     work = [ONE, ANOTHER, TWO]
-    outputs = run(engine, work, vision, max_tokens=24)
+    outputs = run(engine, work, vision, max_tokens=16)
     assert engine.scheduler.preemption.num_preemptions_by_mode[mode] > 0
     for output, item in zip(outputs, work):
-        assert_matches(output, reference(hf_model, item, 24))
+        assert_matches(output, reference(hf_model, item, 16))
 
 
 def test_a_prefix_hit_inside_an_image(gemma3_image):
@@ -161,9 +161,9 @@ def test_speculative_decoding_over_images(gemma3_image, spec_type):
                           draft_model=model if spec_type == "draft" else None)
     engine.scheduler.speculation.cost = FixedStepCost()
     work = [ONE, TWO, ENDING]
-    outputs = run(engine, work, vision, max_tokens=12)
+    outputs = run(engine, work, vision, max_tokens=16)
     for output, item in zip(outputs, work):
-        assert_matches(output, reference(hf_model, item, 12))
+        assert_matches(output, reference(hf_model, item, 16))
     assert engine.stats().counters.spec_num_draft_tokens > 0
 
 
