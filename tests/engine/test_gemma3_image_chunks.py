@@ -37,13 +37,13 @@ def embeddings_of(seed: int, length: int) -> torch.Tensor:
     return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def build(parts: list) -> tuple[list[int], list[tuple[int, int, int]]]:
+def build(parts: list, placeholder: int = IMAGE_TOKEN) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Parts: token lists (text) and (seed, length) images -> ids and (offset, length, seed) spans."""
     tokens, spans = [2], []
     for part in parts:
         if isinstance(part, tuple):
             spans.append((len(tokens), part[1], part[0]))
-            tokens += [IMAGE_TOKEN] * part[1]
+            tokens += [placeholder] * part[1]
         else:
             tokens += part
     return tokens, spans
@@ -204,3 +204,42 @@ def test_span_safe_chunk_never_ends_inside_a_span(gaps_and_lengths, start, num_t
     if length > num_tokens:  # only the rest of a span the chunk starts at or in, within the budget's rule
         assert any(offset <= start and end == span_end for offset, span_end in spans)
         assert budget_left is None or length <= budget_left
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_embedding_request_with_bidirectional_images(tmp_path, pooling):
+    """Embedding requests follow the same rule (chunks of 8 around spans of 8 and 5): their vectors are
+    transformers' hidden states pooled, under a mask of causal OR same image (a 4D mask it takes as given)."""
+    from localserve.engine.config import EngineConfig
+    from localserve.engine.embedding_params import EmbeddingParams
+    from localserve.llm import LLM
+    from tests.helpers.embedding_models import cosine, write_tiny_embedding_model
+
+    reference = write_tiny_embedding_model(tmp_path, pooling)
+    llm = LLM(str(tmp_path), device="cpu", engine_config=EngineConfig(
+        num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=8, check_integrity=True))
+    tokens, spans = build([[5, 6, 9], (0, 8), [11, 12], (1, 5), [30]], placeholder=7)
+    engine = llm.engine
+    vectors = {}
+    for bidirectional in (True, False):
+        multimodal = inputs(spans)
+        if not bidirectional:
+            # Other hashes: the causal run must not hit the blocks the bidirectional one left in the cache.
+            causal = tuple(ImageSpan(span.offset, span.length, b"causal" + span.content_hash)
+                           for span in multimodal.spans)
+            multimodal = MultiModalInputs(causal, multimodal.embeddings)
+        request_id = engine.add_request(tokens, EmbeddingParams(), multimodal=multimodal)
+        vectors[bidirectional] = engine.run_to_completion()[request_id].embedding
+        assert engine.is_idle_and_clean()
+    with torch.no_grad():
+        embeds = reference.embed_tokens(torch.tensor([tokens])).double()
+        positions = torch.arange(len(tokens))
+        seen = positions[None, :] <= positions[:, None]
+        for offset, length, seed in spans:
+            embeds[0, offset:offset + length] = embeddings_of(seed, length)
+            inside = (positions >= offset) & (positions < offset + length)
+            seen |= inside[:, None] & inside[None, :]
+        hidden = reference.double()(inputs_embeds=embeds, attention_mask=seen[None, None]).last_hidden_state[0]
+    expected = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=0)
+    assert cosine(vectors[True], expected) > 0.9999
+    assert cosine(vectors[False], expected) < 0.9999  # the mask matters

@@ -234,3 +234,12 @@ def test_a_window_shorter_than_the_image_still_equals_transformers(tmp_path):
         outputs = run(make_engine(model, budget=budget), [ONE, TWO], vision)
         for output, item in zip(outputs, [ONE, TWO]):
             assert_matches(output, reference(hf_model, item))
+
+
+def test_without_chunked_prefill_an_image_longer_than_the_budget_runs(gemma3_image, expected):
+    """Without chunked prefill a prompt runs whole (alone among a step's prefills it may pass the budget), so a
+    span longer than the budget is not refused there."""
+    model, vision, _ = gemma3_image
+    outputs = run(make_engine(model, budget=8, enable_chunked_prefill=False), [ONE, TWO], vision)
+    assert_matches(outputs[0], expected["one"])
+    assert_matches(outputs[1], expected["two"])
