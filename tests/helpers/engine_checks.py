@@ -256,7 +256,8 @@ class StepChecker:
         prefills = [row.query_len for row in batch.rows if row.query_len > 1]
         if batch.num_tokens > budget:  # only a whole prompt, alone among prefills, when chunking is off
             if config.enable_chunked_prefill:  # or the rest of a bidirectional span, the step's first prefill
-                first = next(row for row in batch.rows if row.query_len > 1 and not row.num_draft_tokens)
+                first = next((row for row in batch.rows if row.query_len > 1 and not row.num_draft_tokens), None)
+                assert first is not None, f"{batch.num_tokens} tokens in a step, budget {budget}"
                 start, end = first.chunk.start_pos, first.chunk.start_pos + first.query_len
                 assert any(offset <= start and end == span_end for offset, span_end in
                            first.request.bidirectional_spans), f"{batch.num_tokens} tokens in a step, budget {budget}"
