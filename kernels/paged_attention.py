@@ -4,7 +4,8 @@ A program takes one query tile of one sequence and one KV head: the tile's rows 
 of that KV head's query heads, so each K/V tile is loaded once for the whole group (9:3 included: rows
 need not be a power of two per query). It walks the sequence's keys through its block table in tiles
 of BLOCK_N, dequantizes them in the load (every K and V format, K and V independently), masks causally
-inside a chunk, and keeps an online softmax. With SPLIT_KV the keys of each tile are divided among the
+inside a chunk (or up to each row's key limit: a bidirectional image span's tokens see the whole span), and
+keeps an online softmax. With SPLIT_KV the keys of each tile are divided among the
 programs of the grid's third dimension, which write partial outputs and log-sum-exps that
 `_merge_splits_kernel` combines; the split count is a run-time value, so it never costs a recompile.
 Offsets into the pool are 64-bit. The plan (which tile is whose) comes from attention_plan.py.
@@ -86,6 +87,7 @@ def _paged_attention_kernel(
     seq_len_ptr,  # [S] int32 context length of each sequence, its new tokens included
     tile_seq_ptr,  # [num_tiles] int32 sequence of each query tile; -1: a padding tile
     tile_start_ptr,  # [num_tiles] int32 first query of each tile within its sequence's new tokens
+    key_limit_ptr,  # [T] int32 last key position each query token sees (KEY_LIMITS)
     qk_scale,  # float: softmax scale * log2(e)
     window,  # int: each query sees its last `window` keys (WINDOW_NONE: all of them)
     softcap_scale, softcap_log2,  # floats: 2 * log2(e) * scale / cap and cap * log2(e) (SOFTCAP)
@@ -102,6 +104,7 @@ def _paged_attention_kernel(
     SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
     MEAN_SLICE: tl.constexpr,  # dims of the head per slice of the 4-bit key mean's product
     COUNT_TILES: tl.constexpr,  # record the key tiles each program visits (tests: a window's cost)
+    KEY_LIMITS: tl.constexpr,  # rows see keys up to their key_limit entry, not their own position
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,6 +131,10 @@ def _paged_attention_kernel(
 
     last_query = tl.minimum(tile_start + QUERIES_PER_TILE, query_len) - 1
     kv_end = seq_len - query_len + last_query + 1  # keys the tile's last query sees
+    last_key = query_pos
+    if KEY_LIMITS:  # a bidirectional span's rows see its later keys: the tile reads to its rows' furthest
+        last_key = tl.load(key_limit_ptr + token, mask=row_valid, other=0)
+        kv_end = tl.max(tl.where(row_valid, last_key, 0), 0) + 1
     # The first key the tile's first query sees: the tiles before it are skipped, and keys before it
     # never loaded (their blocks may be gone).
     kv_start = tl.maximum(seq_len - query_len + tile_start - window + 1, 0)
@@ -168,7 +175,7 @@ def _paged_attention_kernel(
                                mask=key_valid[:, None], other=0.0)
                 mean_scores = tl.dot(coeff, tl.trans(trig), mean_scores, input_precision="ieee")
             scores += tl.where(key_uses_mean[None, :], mean_scores, 0.0)
-        visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+        visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= last_key[:, None])
         visible &= keys[None, :] > query_pos[:, None] - window
         if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1): +-1 at either end, never NaN
             squashed = 1.0 - 2.0 / (tl.exp2(scores * softcap_scale) + 1.0)
@@ -294,7 +301,7 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
                     key_mean_coeff: torch.Tensor | None = None, trig_table: torch.Tensor | None = None,
                     output: torch.Tensor | None = None, window: int | None = None,
                     sinks: torch.Tensor | None = None, softcap: float | None = None,
-                    tile_counts: torch.Tensor | None = None) -> torch.Tensor:
+                    tile_counts: torch.Tensor | None = None, key_limits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of query [T, H, D] (in the key store's domain) over the paged K/V stores, as `plan` says.
 
     Returns output [T, H, D] in the value store's domain; rows of padding tokens are left unwritten.
@@ -302,7 +309,9 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
     fp32 (cos | sin halves at positions 0..P-1, P >= the longest context).
     `window`: each query sees its last `window` keys; `sinks` [H]: a logit per query head in the softmax
     denominator only; `softcap`: logits cap * tanh(s / cap). `tile_counts` [tiles, Hkv, splits] int32:
-    filled with the key tiles each program visited (a test of what a window costs).
+    filled with the key tiles each program visited (a test of what a window costs). `key_limits` [T] int32:
+    the last key position each query token sees (at least its own, within its context: a bidirectional image
+    span's tokens see the span's last); None: its own, and the kernel compiled without the loads.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_store.data.shape[2]
@@ -319,6 +328,8 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         raise ValueError(f"paged_attention takes a window of 1 to {WINDOW_NONE - 1} keys, not {window}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks must be one logit per query head [{num_heads}], not {tuple(sinks.shape)}")
+    if key_limits is not None and (key_limits.dtype != torch.int32 or tuple(key_limits.shape) != (num_tokens,)):
+        raise ValueError(f"key_limits must be int32 [{num_tokens}], not {key_limits.dtype} {tuple(key_limits.shape)}")
     output = torch.empty_like(query) if output is None else output
     unused = plan.tile_seq  # the pointer of an argument the formats do not read
     num_splits = plan.num_splits
@@ -346,7 +357,7 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         value_format.value_mean if value_format.value_mean is not None else unused,
         sinks_log2 if sinks_log2 is not None else unused, tile_counts if tile_counts is not None else unused,
         plan.block_tables, plan.query_start, plan.seq_lens, plan.tile_seq, plan.tile_start,
-        sm_scale * LOG2E, WINDOW_NONE if window is None else window,
+        key_limits if key_limits is not None else unused, sm_scale * LOG2E, WINDOW_NONE if window is None else window,
         2 * LOG2E * sm_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         plan.block_tables.stride(0),
@@ -357,7 +368,7 @@ def paged_attention(query: torch.Tensor, key_store: KVStore, value_store: KVStor
         VALUE_MEAN=value_format.value_mean is not None, COMPUTE=compute,
         DOT_PRECISION="ieee" if compute == tl.float32 else "tf32",
         SINKS=sinks is not None, SOFTCAP=bool(softcap), MEAN_SLICE=min(head_dim, MEAN_SLICE),
-        COUNT_TILES=tile_counts is not None,
+        COUNT_TILES=tile_counts is not None, KEY_LIMITS=key_limits is not None,
         num_stages=stages, num_warps=warps,
     )
     if num_splits > 1:

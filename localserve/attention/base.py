@@ -35,7 +35,8 @@ class AttentionInputs:
     """Where each new token's K/V goes and what each sequence attends to, as tensors on the device.
 
     Tokens of one sequence are contiguous in the batch, sequences in `query_lens` order; each attends
-    causally to its own context (its earlier tokens and its new ones) through its block table.
+    causally to its own context (its earlier tokens and its new ones) through its block table, or up to its
+    `key_limits` entry where given.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset written by each token
@@ -48,6 +49,10 @@ class AttentionInputs:
     # group is its own block id space. Empty: one group, the fields above. `layer_groups[i]`: layer i's.
     groups: list[GroupTables] = field(default_factory=list)
     layer_groups: list[int] = field(default_factory=list)
+    # [num_tokens] int64: the last key position each query token sees, at least its own and within its
+    # context (a token of a bidirectional image span sees the span's last: engine/multimodal.py, `key_limits`);
+    # None: each sees up to its own position. A window's lower bound stays each query's own position - W + 1.
+    key_limits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

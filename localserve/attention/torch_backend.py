@@ -1,7 +1,8 @@
 """The plain-torch attention backend: the CPU path, and the reference the Triton kernels are tested against.
 
 A batch mixes sequences in prefill (a chunk of several query tokens) and in decode (one query token);
-every query token attends causally to its own sequence's context through the block table. Per step,
+every query token attends causally to its own sequence's context through the block table (a bidirectional
+image span's tokens up to the span's end: `AttentionInputs.key_limits`). Per step,
 `build_metadata` works out once what every layer needs: decodes are attended together in groups of
 similar context length (quarter octaves of their block count), each prefill chunk in its own, each
 with the blocks to gather and its mask; per KV group and sliding window, made by the first layer of
@@ -113,9 +114,13 @@ def _group(inputs: AttentionInputs, block_tables: torch.Tensor, first_blocks: li
     key_blocks = torch.where(reads, block_tables[torch.tensor(rows, device=device)[:, None],
                                                  logical.clamp(max=block_tables.shape[1] - 1)], 0)
     key_pos = (first * block_size)[:, None] + torch.arange(num_blocks * block_size, device=device)[None, :]
-    # Query j of a sequence sits at position context - Q + j and sees the keys up to that position.
+    # Query j of a sequence sits at position context - Q + j and sees the keys up to that position, or up to
+    # its key limit (a bidirectional image span's tokens: only a chunk's, a decode sees up to itself).
     query_pos = context[:, None] - num_query + torch.arange(num_query, device=device)[None, :]
-    mask = key_pos[:, None, :] <= query_pos[:, :, None]  # [S, Q, B * block_size]
+    last_key = query_pos
+    if inputs.key_limits is not None and num_query > 1:
+        last_key = inputs.key_limits[token_index].view(1, num_query)
+    mask = key_pos[:, None, :] <= last_key[:, :, None]  # [S, Q, B * block_size]
     if window is not None:
         mask &= key_pos[:, None, :] > query_pos[:, :, None] - window
     return AttentionGroup(token_index, key_blocks, mask[:, None], num_query, first if window is not None else None)

@@ -50,6 +50,7 @@ class TritonAttentionMetadata:
     inputs: AttentionInputs
     plan: AttentionPlan | None = None
     plans: dict[tuple, AttentionPlan] = field(default_factory=dict)
+    key_limits: torch.Tensor | None = None  # inputs.key_limits as int32, made by the first layer that reads them
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -131,10 +132,15 @@ class TritonAttentionBackend(AttentionBackend):
             grouped = transformed.float().unflatten(1, (num_kv_heads, -1))
             coeff = torch.einsum("gje,tgke->tgkj", key_format.key_mean, grouped).flatten(1, 2).contiguous()
             trig_table = self.rotary_table(kv_cache, plan.max_seq_len, query.device, layer)
+        key_limits = None
+        if metadata.inputs.key_limits is not None:  # a bidirectional image span in a chunk (rare: else no loads)
+            if metadata.key_limits is None:
+                metadata.key_limits = metadata.inputs.key_limits.to(torch.int32)
+            key_limits = metadata.key_limits
         output = paged_attention(transformed.contiguous(), kv_store(kv_cache.key_stores[layer]),
                                  kv_store(kv_cache.value_stores[layer]), key_format, value_format, plan,
                                  geometry.scale, coeff, trig_table, window=geometry.sliding_window,
-                                 sinks=geometry.sinks, softcap=geometry.logit_softcap)
+                                 sinks=geometry.sinks, softcap=geometry.logit_softcap, key_limits=key_limits)
         return kv_cache.restore_output(layer, output)
 
     def layer_plan(self, metadata: TritonAttentionMetadata, layer: int, geometry: AttentionGeometry,

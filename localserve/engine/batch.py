@@ -6,6 +6,9 @@ chunks, the running requests' before the admitted ones', each as much of its seq
 tokens as the budget left allows (chunked prefill). Without chunked prefill a prompt runs whole or not
 at all: alone among the step's prefills it may exceed the budget, beside another it waits.
 
+A prompt's bidirectional image spans (engine/multimodal.py: Gemma 3's images, whose tokens see each other)
+are computed whole: no prefill chunk ends strictly inside one (`span_safe_chunk`).
+
 A decoding sequence keeps its row from step to step (`Sequence.decode_row`): the filler rewrites its
 token and position instead of making a row and a chunk per sequence per step.
 
@@ -96,6 +99,28 @@ class Batch:
         self.step_input.chunks = [row.chunk for row in self.rows]
 
 
+def span_safe_chunk(spans: tuple[tuple[int, int], ...], start: int, num_tokens: int, slotted: int,
+                    budget_left: int | None) -> int:
+    """A prefill chunk's length, `num_tokens` from `start` by the rules above, made to end outside every
+    bidirectional span (`spans`: (offset, end), in order), since each token of one sees every other and a
+    later chunk cannot give the earlier one's tokens its keys: ending strictly inside a span that starts
+    after `start`, the chunk ends at that span's start; one that starts at or inside the span (a prefix hit
+    may land inside one: the cached tokens were computed seeing the whole span) takes the rest of the span
+    whole, if its KV slots are made (`slotted`) and it fits `budget_left` (None: the step has no other
+    prefill chunk, and this one may pass the budget as a whole prompt does without chunking: a span is
+    never longer than the budget, engine/multimodal.py, so it always makes progress), else nothing (0)."""
+    end = start + num_tokens
+    for offset, span_end in spans:
+        if offset >= end:
+            break
+        if end < span_end:  # offset < end < span_end: strictly inside
+            if offset > start:
+                return offset - start
+            rest = span_end - start
+            return rest if rest <= slotted and (budget_left is None or rest <= budget_left) else 0
+    return num_tokens
+
+
 class BatchFiller:
     """Gives the running and admitted requests' sequences their rows of a step (module doc)."""
 
@@ -163,6 +188,9 @@ class BatchFiller:
             num_tokens = min(remaining, slotted)
         else:
             num_tokens = 0
+        if num_tokens > 0 and request.bidirectional_spans and num_tokens < remaining:
+            num_tokens = span_safe_chunk(request.bidirectional_spans, start, num_tokens, slotted,
+                                         batch.budget_left if batch.num_prefill_tokens else None)
         if num_tokens <= 0:
             return
         pooled = request.pooling is not None  # an embedding prompt: hidden states, never logits

@@ -25,7 +25,12 @@ from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.grammar_masks import GrammarMasks
 from localserve.engine.model_runner import ModelRunner
-from localserve.engine.multimodal import MultiModalInputs, block_extra_keys, validate_multimodal
+from localserve.engine.multimodal import (
+    MultiModalInputs,
+    bidirectional_spans,
+    block_extra_keys,
+    validate_multimodal,
+)
 from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.pooling import PromptPooling
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -136,6 +141,7 @@ class LLMEngine:
         if multimodal is not None:
             request.multimodal = multimodal
             request.block_extra_keys = block_extra_keys(multimodal.spans, self.config.block_size)
+            request.bidirectional_spans = bidirectional_spans(multimodal.spans)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
@@ -158,7 +164,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
         if multimodal is not None:
-            validate_multimodal(multimodal, len(prompt_token_ids), self.model_config.hidden_size)
+            scheduler = self.scheduler.config
+            validate_multimodal(multimodal, len(prompt_token_ids), self.model_config.hidden_size,
+                                scheduler.max_num_batched_tokens if scheduler.enable_chunked_prefill else None)
         if isinstance(params, EmbeddingParams):
             return self._validate_embedding(prompt_token_ids, params)
         if not self.runner.model.can_generate:

@@ -12,7 +12,7 @@ import torch
 from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.config import IMAGE_CACHE_BYTES
-from localserve.engine.multimodal import EmbeddingCache, chunk_spans, gather_input_embeds
+from localserve.engine.multimodal import EmbeddingCache, chunk_spans, gather_input_embeds, key_limits
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
 from localserve.kv.recurrent_states import StepStates
@@ -35,7 +35,8 @@ class ModelRunner:
 
     Chunks with images (`SeqChunk.multimodal`) hand the model their image tokens' embeddings
     (engine/multimodal.py), made once per image while `image_embeds` (an `EmbeddingCache` of
-    `image_cache_bytes`) keeps them; such a step runs eagerly.
+    `image_cache_bytes`) keeps them; such a step runs eagerly, and the tokens of a bidirectional span see the
+    whole span (`AttentionInputs.key_limits`).
     """
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
@@ -137,6 +138,10 @@ class ModelRunner:
             block_tables=groups[0].block_tables, query_lens=query_lens, context_lens=context_lens.tolist(),
             block_size=block_size, groups=groups if self.num_groups > 1 else [],
             layer_groups=list(self.kv_cache.layer_groups) if self.num_groups > 1 else [])
+        if num_tokens > num_seqs and any(map(_multimodal, chunks)):  # images in a chunk of several tokens
+            limits = key_limits(chunks, positions)
+            if limits is not None:
+                inputs.key_limits = torch.from_numpy(limits).to(device)
         return (inputs, torch.from_numpy(input_ids).to(device),
                 None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64, device=device))
 

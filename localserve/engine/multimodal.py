@@ -16,6 +16,13 @@ output already projected into the language model's space) or a callable making t
   (models/layers/decoder.py, `place_input_embeds`) after its own token-embedding scale: Gemma 3 scales
   token embeddings by sqrt(hidden size) and not the image's (transformers' Gemma3Model scatters the image
   features into the scaled embeddings).
+- Bidirectional spans (`ImageSpan.bidirectional`, Gemma 3's images): each token of the span sees every token
+  of it, causal otherwise, as transformers' Gemma 3 `token_type_ids` mask on full and sliding layers. The
+  scheduler never ends a prefill chunk strictly inside one (engine/batch.py, `span_safe_chunk`; a span
+  longer than the step's token budget is refused by `validate_multimodal`), so a chunk holding a span's
+  tokens holds the rest of it, and `key_limits` lets each of them see up to the span's last token
+  (`AttentionInputs.key_limits`, read by both attention backends). A chunk may start inside one after a
+  prefix hit: the cached tokens before were computed, by whichever request, seeing the whole span.
 - `EmbeddingCache`: an image's embeddings by content hash, least recently used first out, bounded in bytes,
   so an image seen recently (the same request's later chunks, a preemption's recompute, another turn) is
   not encoded again.
@@ -29,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from localserve.engine.config import IMAGE_CACHE_BYTES
@@ -73,10 +81,13 @@ def describe_span(index: int, span: ImageSpan) -> str:
     return f"image span {index} (tokens [{span.offset}, {span.end}))"
 
 
-def validate_multimodal(multimodal: MultiModalInputs, num_prompt_tokens: int, hidden_size: int) -> None:
+def validate_multimodal(multimodal: MultiModalInputs, num_prompt_tokens: int, hidden_size: int,
+                        max_bidirectional_tokens: int | None = None) -> None:
     """Raise ValueError naming the span unless each span lies inside the prompt, after the previous one
     without overlap, with a non-empty content hash, and (where given as tensors) embeddings of [length,
-    hidden size]. A callable's tensors are checked when it makes them (`check_span_embeddings`)."""
+    hidden size]; a bidirectional span at most `max_bidirectional_tokens` long (the step's token budget
+    with chunked prefill: such a span is computed in one step; None: no bound). A callable's tensors are
+    checked when it makes them (`check_span_embeddings`)."""
     if not isinstance(multimodal, MultiModalInputs):
         raise ValueError(f"multimodal: expected MultiModalInputs, got {type(multimodal).__name__}")
     spans, source = multimodal.spans, multimodal.embeddings
@@ -97,6 +108,10 @@ def validate_multimodal(multimodal: MultiModalInputs, num_prompt_tokens: int, hi
             raise ValueError(f"{name} overlaps the span before it or comes before it (spans go in prompt order)")
         if not isinstance(span.content_hash, bytes) or not span.content_hash:
             raise ValueError(f"{name}: its content_hash must be non-empty bytes")
+        if span.bidirectional and max_bidirectional_tokens is not None and span.length > max_bidirectional_tokens:
+            raise ValueError(f"{name} is bidirectional and {span.length} tokens long, more than a step's "
+                             f"{max_bidirectional_tokens} tokens (max_num_batched_tokens): its tokens see each "
+                             "other, so it is computed in one step")
         if not callable(source):
             check_span_embeddings(source[index], index, span, hidden_size)
         previous_end = span.end
@@ -110,6 +125,11 @@ def check_span_embeddings(embeddings: object, index: int, span: ImageSpan, hidde
     if tuple(embeddings.shape) != (span.length, hidden_size):
         raise ValueError(f"{name}: embeddings of shape {tuple(embeddings.shape)}, expected ({span.length}, "
                          f"{hidden_size}) (a row per token, the model's hidden size)")
+
+
+def bidirectional_spans(spans: Sequence[ImageSpan]) -> tuple[tuple[int, int], ...]:
+    """(offset, end) of each bidirectional span, in prompt order: what the scheduler's chunk rule reads."""
+    return tuple((span.offset, span.end) for span in spans if span.bidirectional)
 
 
 def block_extra_keys(spans: Sequence[ImageSpan], block_size: int) -> tuple[bytes, ...]:
@@ -212,6 +232,29 @@ def chunk_spans(chunk: ChunkOfRequest) -> Iterator[tuple[int, ImageSpan, int, in
         low, high = max(start, span.offset), min(end, span.end)
         if low < high:
             yield index, span, low, high
+
+
+def key_limits(chunks: Sequence[ChunkOfRequest], positions: np.ndarray) -> np.ndarray | None:
+    """The last key position each of the step's query tokens sees (`positions`: theirs, chunk after chunk): its
+    own, or inside a bidirectional span the span's last token's (capped by the chunk's context, which the
+    scheduler makes reach the span's end: engine/batch.py); None where every token sees up to its own.
+
+    transformers' Gemma 3 masks an image's tokens the same way (`token_type_ids`): OR(causal, same image) on
+    its full layers and AND(window, OR(causal, same image)) on its sliding ones, so only this upper bound
+    changes; a window's lower bound stays each query's own position - W + 1."""
+    limits = None
+    base = 0
+    for chunk in chunks:
+        num_tokens = len(chunk.token_ids)
+        if num_tokens > 1:  # a single token sees up to itself: the span's keys after it are not computed yet
+            for _, span, low, high in chunk_spans(chunk):
+                if span.bidirectional:
+                    if limits is None:
+                        limits = positions.copy()
+                    last = min(span.end, chunk.start_pos + num_tokens) - 1
+                    limits[base + low - chunk.start_pos:base + high - chunk.start_pos] = last
+        base += num_tokens
+    return limits
 
 
 def gather_input_embeds(chunks: Sequence[ChunkOfRequest], cache: EmbeddingCache, hidden_size: int, device: torch.device,

@@ -166,6 +166,9 @@ class Request:
     # each block's own prefix-cache key part they make (`block_extra_keys`).
     multimodal: MultiModalInputs | None = None
     block_extra_keys: tuple[bytes, ...] = ()
+    # Its bidirectional spans' (offset, end), in prompt order: no prefill chunk ends strictly inside one
+    # (engine/batch.py, `span_safe_chunk`).
+    bidirectional_spans: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         params = self.params

@@ -25,9 +25,10 @@ after each `engine.step()`. Every step is then checked for:
   and not yet sampled since (anti-thrashing), which are never victims;
 - work conservation: every running sequence with tokens to compute gets them all unless the token
   budget ran out (without chunked prefill: unless its whole prompt no longer fits beside another
-  prefill), and, in a step that did not preempt, the oldest request still waiting or swapped does
-  not fit by the admission rule (slots, a token left for a prompt, its blocks plus one block of
-  headroom per running sequence and its own growth), which the checker works out on its own.
+  prefill; a bidirectional image span: unless its rest does not fit, engine/batch.py), and, in a step
+  that did not preempt, the oldest request still waiting or swapped does not fit by the admission rule
+  (slots, a token left for a prompt, its blocks plus one block of headroom per running sequence and its
+  own growth), which the checker works out on its own.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ class StepChecker:
                 todo, done = seq.num_uncomputed_tokens, scheduled.get(id(seq), 0)
                 # A window layer group gives a prompt slots a chunk at a time: a chunk ends there at most.
                 todo = min(todo, bm.num_slotted_tokens(seq.seq_id) - seq.num_computed_tokens)
-                if done == todo:
+                if done == todo or _stopped_at_a_span(request, seq.num_computed_tokens + done, left):
                     continue
                 if config.enable_chunked_prefill or todo == 1:
                     assert left <= 0, f"seq {seq.seq_id} of {request.label} got {done} of its {todo} tokens " \
@@ -254,9 +255,16 @@ class StepChecker:
         budget = config.max_num_batched_tokens
         prefills = [row.query_len for row in batch.rows if row.query_len > 1]
         if batch.num_tokens > budget:  # only a whole prompt, alone among prefills, when chunking is off
-            assert not config.enable_chunked_prefill and len(prefills) == 1, \
-                f"{batch.num_tokens} tokens in a step, budget {budget}"
-            assert batch.num_tokens - prefills[0] <= budget
+            if config.enable_chunked_prefill:  # or the rest of a bidirectional span, the step's first prefill
+                first = next((row for row in batch.rows if row.query_len > 1 and not row.num_draft_tokens), None)
+                assert first is not None, f"{batch.num_tokens} tokens in a step, budget {budget}"
+                start, end = first.chunk.start_pos, first.chunk.start_pos + first.query_len
+                assert any(offset <= start and end == span_end for offset, span_end in
+                           first.request.bidirectional_spans), f"{batch.num_tokens} tokens in a step, budget {budget}"
+                assert batch.num_tokens - first.query_len < budget
+            else:
+                assert len(prefills) == 1, f"{batch.num_tokens} tokens in a step, budget {budget}"
+                assert batch.num_tokens - prefills[0] <= budget
         num_running = sum(len(r.live_seqs) for r in scheduler.queues.running)
         assert num_running <= config.max_num_seqs, f"{num_running} sequences running, max {config.max_num_seqs}"
         assert len(batch.rows) <= config.max_num_seqs
@@ -292,6 +300,13 @@ class StepChecker:
                     assert holds and swapped == (place == "swapped"), \
                         f"seq {seq.seq_id} of {request.label} ({place}, finished {seq.finished}) has " \
                         f"{'CPU' if swapped else 'GPU'} blocks"
+
+
+def _stopped_at_a_span(request: Request, end: int, left: int) -> bool:
+    """Whether a prefill chunk ending at `end` (with `left` of the step's budget left) stopped by the rule of
+    bidirectional image spans (engine/batch.py, `span_safe_chunk`): at the start of such a span, or (a chunk
+    of nothing) inside one after a prefix hit, whose rest does not fit what the budget left."""
+    return any(offset <= end < span_end and span_end - end > left for offset, span_end in request.bidirectional_spans)
 
 
 def _shared_blocks(seqs: list[Sequence], block_size: int) -> int:
