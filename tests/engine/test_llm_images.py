@@ -17,8 +17,6 @@ from tests.helpers.vision_models import reference_processor, write_tiny_gemma3_v
 
 NUM_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
-AWAITS_MASK = pytest.mark.xfail(reason="awaits i38-mask: the engine's bidirectional mask over an image's tokens",
-                                strict=False)
 
 
 def conversation(*pictures, text: str = "what is in it?") -> list[dict]:
@@ -48,10 +46,8 @@ def reference_tokens(folder, messages: list[dict]) -> tuple[list[int], list[floa
     return tokens, logprobs
 
 
-def test_chat_with_pictures_gives_transformers_tokens(gemma3, request):
+def test_chat_with_pictures_gives_transformers_tokens(gemma3):
     folder, llm = gemma3
-    if llm.vision.vision.config.mm_tokens_per_image > 1:
-        request.applymarker(AWAITS_MASK)
     messages = conversation(picture(33, 47, seed=1), picture(20, 20, seed=2, mode="RGBA"))
     expected, logprobs = reference_tokens(folder, messages)
     [output] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=0))

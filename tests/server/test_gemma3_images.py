@@ -4,8 +4,8 @@ client (a message's `images`) and the `anthropic` SDK (an `image` block) each ge
 Gemma3ForConditionalGeneration given what transformers' Gemma3Processor makes of the same folder, image and
 text (its chat template, image tokens and pixel values).
 
-With one token per image the span's bidirectional mask changes nothing; with four it does, and the engine honours
-it from branch i38-mask on (those cases are marked until it is merged)."""
+With one token per image the span's bidirectional mask changes nothing; with four it does (the engine honours
+it: engine/multimodal.py's `ImageSpan.bidirectional`)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from tests.helpers.vision_models import data_url, png_file, reference_processor,
 
 NUM_TOKENS = 6
 QUESTION = "what is in this picture?"
-AWAITS_MASK = pytest.mark.xfail(reason="awaits i38-mask: the engine's bidirectional mask over an image's tokens",
-                                strict=False)
 
 
 
@@ -74,9 +72,8 @@ def gemma3(request, tmp_path_factory):
         yield Gemma3(folder, server, mm_tokens)
 
 
-def test_openai_chat_and_responses_answer_as_transformers(gemma3, request):
-    if gemma3.mm_tokens > 1:  # the log-probabilities tell the mask's effect (about 0.01 here)
-        request.applymarker(AWAITS_MASK)
+def test_openai_chat_and_responses_answer_as_transformers(gemma3):
+    """(With four tokens per image the log-probabilities tell the bidirectional mask's effect: about 0.01 here.)"""
     expected, logprobs = gemma3.reference_with_logprobs([{"type": "text", "text": QUESTION},
                                                          {"type": "image", "data": PICTURE}])
     with openai.OpenAI(base_url=f"http://127.0.0.1:{gemma3.server.port}/v1", api_key="-", max_retries=0) as client:
