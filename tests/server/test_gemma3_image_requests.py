@@ -272,3 +272,25 @@ def test_a_streamed_answer_about_a_picture_dropped_early_leaves_the_engine_clean
         next(iter(stream))
         stream.close()
     wait_until_idle(engine_thread)
+
+
+@pytest.mark.parametrize("budget", [MM_TOKENS, MM_TOKENS - 1])
+def test_an_image_at_the_step_budget_runs_and_one_past_it_is_a_400_naming_it(folder, budget):
+    """A Gemma 3 image's tokens see each other, so they are computed in one step: an image as long as
+    max_num_batched_tokens runs (the prompt's other tokens in chunks around it); one token longer is refused
+    before anything runs, naming the image part."""
+    from localserve.engine.config import EngineConfig
+    from localserve.llm import LLM
+
+    llm = LLM(str(folder), device="cpu", engine_config=EngineConfig(num_kv_blocks=32, max_num_seqs=2,
+                                                                    max_num_batched_tokens=budget))
+    with running_server(llm, model_alias="served") as server:
+        status, body = post_json(server.port, "/v1/chat/completions", {"model": "served", "max_tokens": 1,
+                                                                       "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url(0)}}]}]})
+        if budget >= MM_TOKENS:
+            assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
+        else:
+            assert status == 400 and body["error"]["param"] == "messages[0].content[1]", body
+            assert f"{MM_TOKENS} tokens long, more than a step's {budget} tokens" in body["error"]["message"]
+    assert llm.engine.is_idle_and_clean()  # its thread has stopped

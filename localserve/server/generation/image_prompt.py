@@ -22,6 +22,7 @@ prefix (the earlier image's blocks included) is a cache hit.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -31,6 +32,8 @@ from localserve.models.vision.adapter import ImageEncoder, PreparedImage
 from localserve.server.request.generation_request import STORED_IMAGES, Message
 from localserve.server.request.images import ImageInput, PlacedImage
 from localserve.server.request.validation import ProtocolError
+
+_SPAN_NAMED = re.compile(r"image span (\d+) ")
 
 
 def keep_images(messages: Sequence[Message], images: Sequence[PlacedImage]) -> list[Message]:
@@ -66,6 +69,16 @@ class RequestImages:
             where = self.images[min(error.found, len(self.images) - 1)].where
             raise ProtocolError("invalid_prompt", f"'{where}': {error} in the conversation (does the model's chat "
                                 "template take images in this role?)", where) from None
+
+    def refusal(self, error: ValueError) -> ProtocolError | None:
+        """The engine's refusal of image span i (engine/multimodal.py names it "image span i ...", e.g. a
+        bidirectional span longer than a step's token budget) as a 400 naming its part; None for another."""
+        found = _SPAN_NAMED.match(str(error))
+        if found is None or int(found[1]) >= len(self.images):
+            return None
+        where = self.images[int(found[1])].where
+        return ProtocolError("invalid_request", f"'{where}': this server cannot take the image as it runs the "
+                             f"model: {error}", where)
 
     def multimodal(self, prompt_ids: Sequence[int]) -> MultiModalInputs:
         """`ImagePrompt.multimodal`; an image whose tokens are not found is the server's failure (500)."""

@@ -112,7 +112,7 @@ class GenerationService:
     async def _submit(self, request: GenerationRequest, lease: ModelLease, conversation: list[Message],
                       owner: str | None, on_update: OnUpdate) -> _Run:
         model, tokenizer = lease.model, lease.tokenizer
-        prompt_ids, plan, multimodal = await self._prompt(request, conversation, lease)
+        prompt_ids, plan, images, multimodal = await self._prompt(request, conversation, lease)
         params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)),
                                          **(self._engine_fields(request, plan) if request.generate else {}))
         stream = GenerationStream(request, params, new_id("resp"), model.served_name, len(prompt_ids),
@@ -128,8 +128,9 @@ class GenerationService:
         except GrammarError as exc:  # only a turn's grammar reaches the engine
             field = plan.grammar_field if plan is not None else request.wire_name("output_format")
             raise ProtocolError("invalid_value", f"'{field}': {exc}", field) from None
-        except ValueError as exc:
-            raise ProtocolError("invalid_request", str(exc)) from None
+        except ValueError as exc:  # a bound of the engine's (an image span longer than a step: its part named)
+            refusal = images.refusal(exc) if images is not None else None
+            raise refusal or ProtocolError("invalid_request", str(exc)) from None
         return run
 
     async def count_prompt_tokens(self, request: GenerationRequest, owner: str | None) -> int:
@@ -138,7 +139,7 @@ class GenerationService:
         conversation = self._conversation(request, owner)
         lease = await self._acquire(entry)
         try:
-            prompt_ids, _, _ = await self._prompt(request, conversation, lease)
+            prompt_ids, *_ = await self._prompt(request, conversation, lease)
         finally:
             lease.release()
         return len(prompt_ids)
@@ -187,18 +188,21 @@ class GenerationService:
         return conversation
 
     async def _prompt(self, request: GenerationRequest, conversation: list[Message], lease: ModelLease
-                      ) -> tuple[list[int], TurnPlan | None, MultiModalInputs | None]:
+                      ) -> tuple[list[int], TurnPlan | None, RequestImages | None, MultiModalInputs | None]:
         """The prompt's token ids with the lease's tokenizer, the chat turn's plan (None for a prompt
-        tokenized as it is) and the prompt's images for the engine (None: none)."""
+        tokenized as it is), and its images and what the engine is given of them (None, None: none)."""
         images = self._check_images(request, conversation, lease)
         if request.prompt is not None:
-            return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None, None
+            ids = await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input"))
+            return ids, None, None, None
         messages, template_inputs, plan = self._chat_inputs(request, conversation, lease)
         image_prompt = await prepare_images(lease.vision, images) if images else None
         # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
         prompt_ids = await self._encode_chat(lease.tokenizer, messages, request.generate, request.wire_name("input"),
                                              template_inputs, image_prompt)
-        return prompt_ids, plan, image_prompt.multimodal(prompt_ids) if image_prompt is not None else None
+        if image_prompt is None:
+            return prompt_ids, plan, None, None
+        return prompt_ids, plan, image_prompt, image_prompt.multimodal(prompt_ids)
 
     @staticmethod
     def _check_images(request: GenerationRequest, conversation: list[Message], lease: ModelLease) -> list:
