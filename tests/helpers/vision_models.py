@@ -47,7 +47,7 @@ def tiny_gemma3_vision_config(image_size: int = 28, mm_tokens_per_image: int = 4
 def write_gemma3_tokenizer(folder: Path) -> None:
     """A sentencepiece-style BPE tokenizer.json (`▁` for spaces, no merges: one token per character, <unk> for
     characters beyond CHARACTERS) of 320 tokens with Gemma 3's special, turn and image tokens at the ids the
-    config names."""
+    config names; its decoder is Gemma's (byte fallback included, unused here: llguidance reads that form)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     pieces = SPECIALS + CHARACTERS + TURN_TOKENS + ["▁"]
