@@ -104,10 +104,8 @@ class RotaryEmbedding(torch.nn.Module):
 
         self.query_scale_beta = rope.query_scale_beta
         self.query_scale_period = rope.original_max_position_embeddings
-        self.mrope_axes = None
-        if rope.mrope_section is not None:
-            self.register_buffer("mrope_axes", mrope_axes(rope.mrope_section, head_dim // 2, device),
-                                 persistent=False)
+        axes = None if rope.mrope_section is None else mrope_axes(rope.mrope_section, head_dim // 2, device)
+        self.register_buffer("mrope_axes", axes, persistent=False)
 
     def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """[T, 1, 1] the factor each token's query is scaled by (Llama 4 / Ministral 3), or None without one."""
