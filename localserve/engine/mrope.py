@@ -46,6 +46,10 @@ class MRopeMap:
         self.final_shift = int(self.shifts[-1])  # every token after the last image: its index + this
         self.last_end = int(self.ends[-1]) if len(spans) else 0
 
+    def touches_image(self, start: int, count: int) -> bool:
+        """Whether any of the sequence's tokens [start, start + count) is an image's."""
+        return bool(np.any((self.starts < start + count) & (self.ends > start)))
+
     def positions(self, start: int, count: int) -> np.ndarray:
         """The (temporal, height, width) positions [3, count] of the sequence's tokens [start, start + count)."""
         index = np.arange(start, start + count, dtype=np.int64)
@@ -85,6 +89,8 @@ def step_rope_positions(chunks: Sequence[ChunkWithImages]) -> np.ndarray | None:
             flat.append(index)
         elif chunk.start_pos >= map_.last_end:  # past the images (every decode after them)
             flat.append(index + map_.final_shift)
+        elif not map_.touches_image(chunk.start_pos, count):  # text between or before images
+            flat.append(map_.positions(chunk.start_pos, count)[0])
         else:
             rows = map_.positions(chunk.start_pos, count)
             flat.append(rows[0])
