@@ -27,15 +27,17 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_
               temporal_patch_size=TEMPORAL, out_hidden_size=64, num_position_embeddings=16)
 
 
-def tiny_config(moe: bool = False):
-    """A Qwen3_5(Moe)Config: the hybrid text model with interleaved mRoPE sections, the tiny vision tower."""
+def tiny_config(moe: bool = False, ids: dict[str, int] | None = None, **text_changes):
+    """A Qwen3_5(Moe)Config: the hybrid text model with interleaved mRoPE sections (`text_changes` to its
+    fields), the tiny vision tower (its output as wide as the text model), the vision token `ids` (IDS)."""
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
             "mrope_section": MROPE_SECTION, "mrope_interleaved": True}
-    text = (qwen3_5_moe_config if moe else qwen3_5_config)(rope_parameters=rope)
+    text = (qwen3_5_moe_config if moe else qwen3_5_config)(rope_parameters=rope, **text_changes)
     config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
-    return config_class(text_config=text.to_dict(), vision_config=VISION, **IDS)
+    vision = VISION | {"out_hidden_size": text.hidden_size}
+    return config_class(text_config=text.to_dict(), vision_config=vision, **(ids or IDS))
 
 
 def reference_processor():
@@ -46,14 +48,15 @@ def reference_processor():
                                                  size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
 
 
-def write_tiny_qwen3_5_vision(folder: Path, moe: bool = False, seed: int = 0):
-    """A random Qwen3_5(Moe)ForConditionalGeneration saved into `folder` with its preprocessor config; returns
-    the transformers model."""
+def write_tiny_qwen3_5_vision(folder: Path, moe: bool = False, seed: int = 0, ids: dict[str, int] | None = None,
+                              **text_changes):
+    """A random Qwen3_5(Moe)ForConditionalGeneration (tiny_config's arguments) saved into `folder` with its
+    preprocessor config; returns the transformers model."""
     import transformers
 
     model_class = (transformers.Qwen3_5MoeForConditionalGeneration if moe
                    else transformers.Qwen3_5ForConditionalGeneration)
-    model = save_hybrid(folder, tiny_config(moe), seed=seed, model_class=model_class)
+    model = save_hybrid(folder, tiny_config(moe, ids, **text_changes), seed=seed, model_class=model_class)
     reference_processor().save_pretrained(folder)
     return model
 
@@ -86,8 +89,8 @@ def image_prompt(parts: list, encoder: ImageEncoder) -> tuple[list[int], MultiMo
     return ids, multimodal, pictures
 
 
-def transformers_greedy(hf_model, ids: list[int], pictures: list[Image.Image], max_new_tokens: int
-                        ) -> tuple[list[int], list[torch.Tensor]]:
+def transformers_greedy(hf_model, ids: list[int], pictures: list[Image.Image], max_new_tokens: int,
+                        image_token_id: int = IDS["image_token_id"]) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy tokens and each step's log-probabilities [vocab] from generate with its processor's
     pixel_values and image_grid_thw (and the mm_token_type_ids its Qwen3VLProcessor returns)."""
     input_ids = torch.tensor([ids])
@@ -95,7 +98,7 @@ def transformers_greedy(hf_model, ids: list[int], pictures: list[Image.Image], m
     if pictures:
         processed = reference_processor()(images=pictures, return_tensors="pt")
         kwargs = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"],
-                  "mm_token_type_ids": (input_ids == IDS["image_token_id"]).int()}
+                  "mm_token_type_ids": (input_ids == image_token_id).int()}
     with torch.no_grad():
         out = hf_model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)

@@ -83,7 +83,9 @@ class ImagePrompt:
                                    bidirectional=prepared.bidirectional))
             start = offset + len(prepared.span_ids)
         encoder, prepared_images = self.encoder, self.prepared
-        return MultiModalInputs(tuple(spans), lambda index: encoder.encode(prepared_images[index]))
+        rope = tuple(prepared.rope_positions for prepared in prepared_images)  # Qwen3.5's mRoPE offsets
+        return MultiModalInputs(tuple(spans), lambda index: encoder.encode(prepared_images[index]),
+                                rope_positions=rope if all(rows is not None for rows in rope) else None)
 
 
 def find_run(ids: Sequence[int], run: Sequence[int], start: int) -> int | None:
