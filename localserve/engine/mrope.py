@@ -40,7 +40,7 @@ class MRopeMap:
         self.starts = np.array([span.offset for span in spans], np.int64)
         self.ends = np.array([span.offset + span.length for span in spans], np.int64)
         self.offsets = [np.asarray(rows.detach().cpu(), dtype=np.int64) for rows in offsets]
-        deltas = [int(rows.max()) + 1 - rows.shape[1] for rows in self.offsets]
+        deltas = [int(rows.max()) + 1 - rows.shape[1] if rows.size else 0 for rows in self.offsets]
         # shifts[i]: the text positions' shift after i images (shifts[0] = 0)
         self.shifts = np.concatenate(([0], np.cumsum(deltas, dtype=np.int64)))
         self.final_shift = int(self.shifts[-1])  # every token after the last image: its index + this

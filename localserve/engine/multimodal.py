@@ -133,6 +133,8 @@ def check_span_embeddings(embeddings: object, index: int, span: ImageSpan, hidde
 def check_rope_positions(spans: Sequence[ImageSpan], rope_positions: Sequence[torch.Tensor]) -> None:
     """Raise ValueError naming the span unless there is one integer tensor [3, span.length] of non-negative
     offsets per span (MultiModalInputs.rope_positions)."""
+    if not isinstance(rope_positions, tuple):
+        raise ValueError(f"multimodal: rope_positions must be a tuple of tensors, got {type(rope_positions).__name__}")
     if len(rope_positions) != len(spans):
         raise ValueError(f"multimodal: {len(spans)} image spans but {len(rope_positions)} rope_positions tensors")
     for index, (span, rows) in enumerate(zip(spans, rope_positions)):

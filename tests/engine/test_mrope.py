@@ -162,6 +162,7 @@ def test_3d_positions_without_sections_are_refused():
     ((torch.zeros(3, 4),), r"image span 0 \(tokens \[2, 6\)\): its rope_positions must be an integer tensor"),
     ((torch.full((3, 4), -1),), r"rope_positions must be offsets >= 0"),
     ((), r"1 image spans but 0 rope_positions tensors"),
+    ([torch.zeros(3, 4, dtype=torch.int64)], r"rope_positions must be a tuple"),
 ])
 def test_bad_offsets_are_refused_naming_the_span(offsets, message):
     with pytest.raises(ValueError, match=message):

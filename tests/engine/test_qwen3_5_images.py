@@ -150,3 +150,4 @@ def test_a_prefix_hit_after_an_image_resumes_from_a_checkpoint(models):
     assert [output.num_cached_tokens for output in outputs] == [0, 64, 0]  # the image starts in block 0
     assert_equals_transformers(hf_model, second, outputs[1].outputs[0])
     assert_equals_transformers(hf_model, other, outputs[2].outputs[0])
+
