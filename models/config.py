@@ -51,6 +51,10 @@ class RopeConfig:
     # proportional (Gemma 4's global layers): the first `partial_rotary_factor` of each half of the head turns,
     # at the frequencies of the whole head; the rest does not turn (frequency 0)
     partial_rotary_factor: float = 1.0
+    # Multimodal rotary (Qwen3.5): frequency i turns with a token's height position where i % 3 == 1 and
+    # i < 3 * sections[1], its width position where i % 3 == 2 and i < 3 * sections[2], else its temporal one
+    # (transformers' interleaved mRoPE); used where a step hands 3D positions (models/layers/rotary.py)
+    mrope_section: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

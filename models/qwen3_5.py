@@ -5,17 +5,19 @@
 without it, every `full_attention_interval`-th layer (4) attends. The linear layers' shapes:
 `linear_num_key_heads`, `linear_num_value_heads`, `linear_key_head_dim`, `linear_value_head_dim`,
 `linear_conv_kernel_dim`. Rotary embedding on the first `partial_rotary_factor` (0.25) of each head, from
-`rope_parameters` (or the config's top level); its multimodal sections (`mrope_section`) turn text positions
-all alike, so a text-only model uses plain positions.
+`rope_parameters` (or the config's top level); its multimodal sections (`mrope_section`, [11, 11, 10] when
+not given, interleaved as transformers' Qwen3.5 does) turn text positions all alike, so text uses plain
+positions and an image's tokens their 3D ones (engine/mrope.py).
 
 A multimodal checkpoint (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`, `model.visual.*`)
-is served as its language model alone: the vision tower is left unloaded (said at start), as are the
-multi-token prediction layers (`mtp.*`) some checkpoints carry. The shared readers here serve the MoE
+loads its language model here, without the vision tower (loaded apart: models/vision/qwen3_5_encoder.py)
+and the multi-token prediction layers (`mtp.*`) some checkpoints carry. The shared readers here serve the MoE
 variant (models/qwen3_5_moe.py) and Qwen3-Next (models/qwen3_next.py) too.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from localserve.models.config import (
@@ -34,6 +36,7 @@ from localserve.models.qwen3_moe import hf_targets as expert_targets
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25  # transformers' default for these configs
+DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' Qwen3.5 text rotary's default
 # A multimodal checkpoint's prefixes -> ours; tensors under UNLOADED_PREFIXES are not read.
 LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                            "language_model.lm_head.": "lm_head."}
@@ -87,6 +90,17 @@ def rotary_dim_of(text: dict[str, Any], head_dim: int, source: str) -> int:
     return rotary_dim
 
 
+def mrope_section_of(text: dict[str, Any], source: str) -> tuple[int, int, int]:
+    """The multimodal rotary sections (temporal, height, width frequencies) of a Qwen3.5 text config."""
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    sections = params.get("mrope_section", text.get("mrope_section", DEFAULT_MROPE_SECTION))
+    if (not isinstance(sections, (list, tuple)) or len(sections) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sections)):
+        raise ModelConfigError(f"{source}: mrope_section must be 3 non-negative integers (temporal, height, "
+                               f"width); got {sections!r}")
+    return tuple(sections)
+
+
 def hybrid_config(config: dict[str, Any], source: str, architecture: str, moe: MoEConfig | None = None,
                   fused: bool = False) -> ModelConfig:
     """A hybrid model's ModelConfig from its config dict (its `text_config` where it has one)."""
@@ -112,7 +126,9 @@ def hybrid_config(config: dict[str, Any], source: str, architecture: str, moe: M
     layers = tuple(LayerAttention(fields["num_kv_heads"], fields["head_dim"], rotary_dim=rotary_dim,
                                   state=linear.state if kind == "linear_attention" else None)
                    for kind in layer_types)
-    unloaded = ("vision tower",) if "vision_config" in config else ()
+    if architecture.startswith("Qwen3_5"):  # Qwen3.5 / 3.6 (not Qwen3-Next): images' 3D positions
+        fields["rope"] = replace(fields["rope"], mrope_section=mrope_section_of(text, source))
+    unloaded = ("vision tower",) if "vision_config" in config else ()  # the language model's load leaves it
     if text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers"):
         unloaded += ("multi-token prediction layers",)
     read = ModelConfig(architecture=architecture, **fields, moe=moe, rotary_dim=rotary_dim,

@@ -24,6 +24,8 @@ tensor loads as stored (and a quantized one stays in its blocks):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from localserve.models.config import LayerAttention, LinearAttentionConfig, ModelConfig, ModelConfigError, MoEConfig
 from localserve.models.family import GGUFMetadata, Target, gguf_decoder_fields
 from localserve.models.layers.attention import check_layers
@@ -114,6 +116,9 @@ def gguf_config(meta: GGUFMetadata) -> ModelConfig:
                    for recurrent in recurrent_layers(meta, num_layers))
     moe = moe_config(meta, num_layers)
     unloaded = ("multi-token prediction layers",) if num_layers < fields["num_layers"] else ()
+    if meta.architecture != "qwen3next":  # Qwen3.5's multimodal rotary sections (llama.cpp: 4, the last 0)
+        sections = meta.get("rope.dimension_sections", [11, 11, 10, 0])
+        fields["rope"] = replace(fields["rope"], mrope_section=tuple(int(n) for n in list(sections)[:3]))
     read = ModelConfig(architecture=architecture, **fields | {"num_layers": num_layers, "qk_norm": True},
                        rotary_dim=rotary_dim, layer_attention=layers, linear_attention=linear, moe=moe,
                        unloaded_parts=unloaded)

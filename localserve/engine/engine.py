@@ -167,6 +167,9 @@ class LLMEngine:
             scheduler = self.scheduler.config
             validate_multimodal(multimodal, len(prompt_token_ids), self.model_config.hidden_size,
                                 scheduler.max_num_batched_tokens if scheduler.enable_chunked_prefill else None)
+            if multimodal.mrope is not None and self.model_config.rope.mrope_section is None:
+                raise ValueError(f"multimodal: the images carry 3D rotary positions (rope_positions) but "
+                                 f"{self.model_config.architecture} has no multimodal rotary (mrope_section)")
         if isinstance(params, EmbeddingParams):
             return self._validate_embedding(prompt_token_ids, params)
         if not self.runner.model.can_generate:

@@ -66,7 +66,9 @@ class ImagePrompt:
     def multimodal(self, prompt_ids: Sequence[int]) -> MultiModalInputs:
         """The engine's inputs: the spans, and their embeddings made by the encoder on first use."""
         encoder, prepared = self.encoder, self.prepared
-        return MultiModalInputs(self.spans(prompt_ids), lambda index: encoder.encode(prepared[index]))
+        rope = tuple(image.rope_positions for image in prepared)  # Qwen3.5's mRoPE offsets
+        return MultiModalInputs(self.spans(prompt_ids), lambda index: encoder.encode(prepared[index]),
+                                rope_positions=rope if all(rows is not None for rows in rope) else None)
 
 
 def find_run(ids: Sequence[int], run: Sequence[int], start: int) -> int | None:

@@ -12,6 +12,7 @@ import torch
 from localserve.attention.base import AttentionBackend, AttentionInputs, GroupTables
 from localserve.engine.block_tables import BlockTableRows
 from localserve.engine.config import IMAGE_CACHE_BYTES
+from localserve.engine.mrope import step_rope_positions
 from localserve.engine.multimodal import EmbeddingCache, chunk_spans, gather_input_embeds, key_limits
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.kv.cache import PagedKVCache
@@ -36,7 +37,9 @@ class ModelRunner:
     Chunks with images (`SeqChunk.multimodal`) hand the model their image tokens' embeddings
     (engine/multimodal.py), made once per image while `image_embeds` (an `EmbeddingCache` of
     `image_cache_bytes`) keeps them; such a step runs eagerly, and the tokens of a bidirectional span see the
-    whole span (`AttentionInputs.key_limits`).
+    whole span (`AttentionInputs.key_limits`). A request whose images carry mRoPE offsets
+    (Qwen3.5, `MultiModalInputs.mrope`) gets the model's rotary positions from its map (engine/mrope.py) in every
+    step, decodes included (eager too); the attention inputs keep the cache's own positions.
     """
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend,
@@ -74,10 +77,12 @@ class ModelRunner:
         if not step.chunks:
             return torch.empty(0)
         input_embeds = self.input_embeds(step)
-        if input_embeds is None and self.decode_graphs is not None and self.decode_graphs.can_run(step):
+        rope_positions = self.rope_positions(step)
+        if (input_embeds is None and rope_positions is None and self.decode_graphs is not None
+                and self.decode_graphs.can_run(step)):
             return self.decode_graphs.run(step)
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
-        return self._forward(input_ids, inputs, logit_rows, self.step_states(step), input_embeds)
+        return self._forward(input_ids, inputs, logit_rows, self.step_states(step), input_embeds, rope_positions)
 
     @torch.inference_mode()
     def execute_pooled(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +96,8 @@ class ModelRunner:
         inputs, input_ids, logit_rows = self.prepare_inputs(step)
         ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), self.step_states(step),
                              self.input_embeds(step))
-        hidden = self.model(input_ids, inputs.positions, ctx)
+        rope_positions = self.rope_positions(step)
+        hidden = self.model(input_ids, inputs.positions if rope_positions is None else rope_positions, ctx)
         ends = list(accumulate(len(chunk.token_ids) for chunk in step.chunks))
         pooled_rows = np.concatenate([np.arange(end - len(chunk.token_ids), end)
                                       for end, chunk in zip(ends, step.chunks) if chunk.needs_hidden])
@@ -152,6 +158,14 @@ class ModelRunner:
         return gather_input_embeds(step.chunks, self.image_embeds, self.model.config.hidden_size, self.device,
                                    self.embeds_dtype)
 
+    def rope_positions(self, step: StepInput) -> torch.Tensor | None:
+        """The positions the model's rotary embedding takes where they are not the cache's: a step with a
+        request whose images carry mRoPE offsets ([T] shifted, or [3, T]: engine/mrope.py); else None."""
+        if not any(map(_multimodal, step.chunks)):  # the common case, checked at C speed
+            return None
+        positions = step_rope_positions(step.chunks)
+        return None if positions is None else torch.from_numpy(positions).to(self.device)
+
     def encode_images(self, chunk: SeqChunk) -> None:
         """Make (or find in `image_embeds`) the embeddings of every image the chunk's tokens overlap; raises
         (a ValueError naming the span for embeddings of the wrong shape) what their source raises."""
@@ -197,7 +211,8 @@ class ModelRunner:
         return self._forward(input_ids, inputs, None, self.step_states(step))
 
     def _forward(self, input_ids: torch.Tensor, inputs: AttentionInputs, logit_rows: torch.Tensor | None,
-                 states: StepStates | None = None, input_embeds: InputEmbeds | None = None) -> torch.Tensor:
+                 states: StepStates | None = None, input_embeds: InputEmbeds | None = None,
+                 rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), states, input_embeds)
-        hidden = self.model(input_ids, inputs.positions, ctx)
+        hidden = self.model(input_ids, inputs.positions if rope_positions is None else rope_positions, ctx)
         return self.model.compute_logits(hidden if logit_rows is None else hidden[logit_rows])

@@ -23,6 +23,9 @@ output already projected into the language model's space) or a callable making t
   tokens holds the rest of it, and `key_limits` lets each of them see up to the span's last token
   (`AttentionInputs.key_limits`, read by both attention backends). A chunk may start inside one after a
   prefix hit: the cached tokens before were computed, by whichever request, seeing the whole span.
+- mRoPE (Qwen3.5): `MultiModalInputs.rope_positions` gives each span's tokens their 3D rotary offsets; the
+  request's position map (`mrope`, engine/mrope.py) is made from them, and the model runner hands the model
+  those positions (text after an image shifted, decodes too).
 - `EmbeddingCache`: an image's embeddings by content hash, least recently used first out, bounded in bytes,
   so an image seen recently (the same request's later chunks, a preemption's recompute, another turn) is
   not encoded again.
@@ -33,14 +36,17 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from localserve.engine.config import IMAGE_CACHE_BYTES
+from localserve.engine.mrope import MRopeMap
 from localserve.models.protocol import InputEmbeds
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # what rope_positions may be
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +71,22 @@ at most once per image while its embeddings stay in the engine's cache."""
 
 @dataclass(frozen=True, slots=True, eq=False)
 class MultiModalInputs:
-    """A request's images: its spans, in prompt order, and their embeddings (`EmbeddingsSource`)."""
+    """A request's images: its spans, in prompt order, and their embeddings (`EmbeddingsSource`).
+
+    `rope_positions` (a model with multimodal rotary, Qwen3.5): per span, its tokens' (temporal, height,
+    width) offsets [3, length] from the position its first token takes (PreparedImage.rope_positions);
+    `mrope`, the request's position map made from them (engine/mrope.py); ValueError naming the span for
+    offsets of another shape or negative ones."""
 
     spans: tuple[ImageSpan, ...]
     embeddings: EmbeddingsSource
+    rope_positions: tuple[torch.Tensor, ...] | None = None
+    mrope: MRopeMap | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.rope_positions is not None:
+            check_rope_positions(self.spans, self.rope_positions)
+            object.__setattr__(self, "mrope", MRopeMap(self.spans, self.rope_positions))
 
     def span_embeddings(self, index: int) -> torch.Tensor:
         """Span `index`'s embeddings as its source gives them (unchecked: see `check_span_embeddings`)."""
@@ -130,6 +148,25 @@ def check_span_embeddings(embeddings: object, index: int, span: ImageSpan, hidde
 def bidirectional_spans(spans: Sequence[ImageSpan]) -> tuple[tuple[int, int], ...]:
     """(offset, end) of each bidirectional span, in prompt order: what the scheduler's chunk rule reads."""
     return tuple((span.offset, span.end) for span in spans if span.bidirectional)
+
+
+def check_rope_positions(spans: Sequence[ImageSpan], rope_positions: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError naming the span unless there is one integer tensor [3, span.length] of non-negative
+    offsets per span (MultiModalInputs.rope_positions)."""
+    if not isinstance(rope_positions, tuple):
+        raise ValueError(f"multimodal: rope_positions must be a tuple of tensors, got {type(rope_positions).__name__}")
+    if len(rope_positions) != len(spans):
+        raise ValueError(f"multimodal: {len(spans)} image spans but {len(rope_positions)} rope_positions tensors")
+    for index, (span, rows) in enumerate(zip(spans, rope_positions)):
+        name = describe_span(index, span)
+        if not isinstance(rows, torch.Tensor) or rows.dtype not in INTEGER_DTYPES:
+            raise ValueError(f"{name}: its rope_positions must be an integer tensor, got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)}")
+        if tuple(rows.shape) != (3, span.length):
+            raise ValueError(f"{name}: rope_positions of shape {tuple(rows.shape)}, expected (3, {span.length}) "
+                             f"(temporal, height, width offsets per token)")
+        if rows.numel() and int(rows.min()) < 0:
+            raise ValueError(f"{name}: rope_positions must be offsets >= 0 from the span's first position")
 
 
 def block_extra_keys(spans: Sequence[ImageSpan], block_size: int) -> tuple[bytes, ...]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from localserve.loading.qwen_vision import load_qwen3_5_encoder
 from localserve.models.vision.adapter import ImageEncoder
 from localserve.models.vision.gemma3_encoder import load_gemma3_encoder
 
@@ -19,6 +20,8 @@ EncoderLoader = Callable[[Path, dict, torch.dtype, torch.device | str], ImageEnc
 
 IMAGE_ENCODER_LOADERS: dict[str, EncoderLoader] = {}  # by architecture (config.json's "architectures"[0])
 IMAGE_ENCODER_LOADERS["Gemma3ForConditionalGeneration"] = load_gemma3_encoder
+IMAGE_ENCODER_LOADERS["Qwen3_5ForConditionalGeneration"] = load_qwen3_5_encoder
+IMAGE_ENCODER_LOADERS["Qwen3_5MoeForConditionalGeneration"] = load_qwen3_5_encoder
 
 
 def load_image_encoder(path: Path, config: dict, dtype: torch.dtype,

@@ -1,14 +1,19 @@
 """A Qwen3.5/3.6 checkpoint folder's vision encoder (models/vision/qwen3_5_vision.py): the `model.visual.*`
 tensors (or `visual.*`) of a Qwen3_5(Moe)ForConditionalGeneration folder, its config's `vision_config` and
-vision token ids, and its image processor config. The language model loads apart (loading/hf.py)."""
+vision token ids, and its image processor config. The language model loads apart (loading/hf.py).
+`load_qwen3_5_encoder` is the loader loading/image_encoders.py registers for both architectures."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from localserve.loading.vision import _read_json, load_vision_weights, processor_config
+from localserve.loading.hf import safetensors_files
+from localserve.loading.vision import VisionLoadError, _read_json, load_vision_weights, processor_config
+from localserve.models.vision.qwen3_5_encoder import IMAGE_PAD, QwenImageEncoder
 from localserve.models.vision.qwen3_5_vision import QwenVision, QwenVisionConfig, checkpoint_target, qwen_vision_config
 from localserve.models.vision.qwen_preprocess import QwenImageProcessing, qwen_image_processing
 
@@ -33,3 +38,41 @@ def load_qwen3_5_vision(folder: str | Path, dtype: torch.dtype = torch.float32,
     model.to_empty(device=device)
     load_vision_weights(model, folder, checkpoint_target, f"the config has depth {config.depth}")
     return model.eval()
+
+
+def has_vision_tensors(folder: Path) -> bool:
+    """Whether the folder's safetensors shards name any vision tensor (their headers only are read)."""
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(file, framework="pt") as shard:
+                if any(checkpoint_target(name) is not None for name in shard.keys()):  # noqa: SIM118
+                    return True
+        except (SafetensorError, OSError) as exc:
+            raise VisionLoadError(f"{file}: unreadable safetensors file ({exc})") from None
+    return False
+
+
+def image_token_text(folder: Path, token_id: int) -> str:
+    """The text the folder's tokenizer gives the image token `token_id` (tokenizer_config.json's
+    added_tokens_decoder, else tokenizer.json's added_tokens), else the released checkpoints' `<|image_pad|>`."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        text = config["added_tokens_decoder"][str(token_id)]["content"]
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            tokens = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+            text = next((token["content"] for token in tokens if token["id"] == token_id), None)
+        except (OSError, ValueError, KeyError, TypeError):
+            text = None  # the tokenizer's own loader names an unreadable file
+    return text if isinstance(text, str) and text else IMAGE_PAD
+
+
+def load_qwen3_5_encoder(path: Path, config: dict, dtype: torch.dtype,
+                         device: torch.device | str) -> QwenImageEncoder | None:
+    """The `ImageEncoder` of a Qwen3_5(Moe)ForConditionalGeneration folder (loading/image_encoders.py's loader
+    signature), or None where its config has no vision_config or its shards no vision tensor (served as text)."""
+    path = Path(path)
+    if not isinstance(config.get("vision_config"), dict) or not has_vision_tensors(path):
+        return None
+    vision = load_qwen3_5_vision(path, dtype, device)
+    return QwenImageEncoder(vision, image_token_text(path, vision.config.image_token_id))

@@ -84,7 +84,8 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.config.rope, self.config.rotary_dim or self.config.head_dim, device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden_size] after the final norm."""
+        """input_ids, positions [T] -> hidden states [T, hidden_size] after the final norm. A model with
+        multimodal rotary (Qwen3.5) takes positions [3, T] too (models/layers/rotary.py)."""
         x = place_input_embeds(self.model.embed_tokens(input_ids), ctx)
         rope = RopeTables(*self.rotary(positions, x.dtype), self.rotary.query_scale(positions, x.dtype))
         for layer in self.model.layers:

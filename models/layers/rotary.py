@@ -1,6 +1,6 @@
 """Rotary position embeddings with the scaling variants the supported configs use: default, linear, llama3,
 yarn, longrope (Phi-3), proportional (Gemma 4), and GGUF frequency factors; over a whole head or its first
-`rotary_dim` values."""
+`rotary_dim` values; multimodal (mRoPE) positions for Qwen3.5's images."""
 
 from __future__ import annotations
 
@@ -104,6 +104,8 @@ class RotaryEmbedding(torch.nn.Module):
 
         self.query_scale_beta = rope.query_scale_beta
         self.query_scale_period = rope.original_max_position_embeddings
+        axes = None if rope.mrope_section is None else mrope_axes(rope.mrope_section, head_dim // 2, device)
+        self.register_buffer("mrope_axes", axes, persistent=False)
 
     def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """[T, 1, 1] the factor each token's query is scaled by (Llama 4 / Ministral 3), or None without one."""
@@ -113,10 +115,40 @@ class RotaryEmbedding(torch.nn.Module):
         return (1 + self.query_scale_beta * torch.log1p(periods)).to(dtype)[:, None, None]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in `dtype` (computed in float32 as transformers does)."""
+        """positions [T] -> cos, sin [T, head_dim] in `dtype` (computed in float32 as transformers does).
+
+        With the config's `mrope_section`, positions may be [3, T]: each token's (temporal, height, width)
+        positions, each frequency turning with the axis `mrope_axes` gives it (a text token's three are
+        equal, which is plain rotary at that position)."""
+        if positions.dim() == 2:
+            return self._multimodal(positions, dtype)
         inv_freq = self.inv_freq[None, :]
         if self.long_from is not None:
             inv_freq = torch.where(positions[:, None] >= self.long_from, self.long_inv_freq[None, :], inv_freq)
         freqs = positions.float()[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+    def _multimodal(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mrope_axes is None or positions.shape[0] != 3:
+            raise ValueError(f"rotary: positions of shape {list(positions.shape)} need [3, tokens] and a model "
+                             f"with multimodal rotary sections (mrope_section); this one has "
+                             f"{'them' if self.mrope_axes is not None else 'none'}")
+        if self.long_from is not None or self.query_scale_beta is not None:
+            raise ValueError("rotary: multimodal positions with longrope or query scaling are not supported")
+        freqs = positions.float()[:, :, None] * self.inv_freq[None, None, :]  # [3, T, F]
+        index = self.mrope_axes[None, None, :].expand(1, *freqs.shape[1:])
+        freqs = freqs.gather(0, index)[0]  # [T, F]: each frequency from its axis
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+
+def mrope_axes(sections: tuple[int, int, int], num_freqs: int, device: torch.device | str | None = None
+               ) -> torch.Tensor:
+    """The axis (0 temporal, 1 height, 2 width) each of `num_freqs` frequencies turns with in interleaved
+    mRoPE (RopeConfig.mrope_section): height where i % 3 == 1 and i < 3 * sections[1], width where i % 3 == 2
+    and i < 3 * sections[2], temporal elsewhere, as transformers' Qwen3.5 text rotary recomposes them."""
+    axes = torch.zeros(num_freqs, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis:3 * sections[axis]:3] = axis
+    return axes.to(device)
