@@ -20,6 +20,12 @@ from typing import Any
 import torch
 from localserve.models.layers.norms import RMSNorm
 from localserve.models.vision.config import VisionConfigError
+from localserve.models.vision.qwen3_5_vision import (  # Qwen3.5's tower reads and rotates the same way
+    DEFAULT_ROPE_THETA,
+    _positive_int,
+    _rope_theta,
+    _rotate_half,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -34,7 +40,6 @@ MISTRAL3_DEFAULTS: dict[str, Any] = {"image_token_index": 10, "projector_hidden_
 # the text config's rms_norm_eps (the projector's norm takes it) where it leaves it out, by its model_type
 TEXT_NORM_EPS = {"mistral": 1e-6, "ministral3": 1e-5, "ministral": 1e-6}
 MISTRAL3_TEXT_HIDDEN_SIZE = 5120  # Mistral3Config's text default (Mistral Small 3.1)
-DEFAULT_ROPE_THETA = 10_000.0
 NORM_EPS = 1e-5  # fixed in transformers' Pixtral layers
 # activations by the names configs give them -> a function
 ACTIVATION_FUNCTIONS = {"gelu": F.gelu, "silu": F.silu, "swish": F.silu,
@@ -88,33 +93,11 @@ class Mistral3VisionConfig:
         return height // self.token_pixels, width // self.token_pixels
 
 
-def _positive_int(fields: dict[str, Any], name: str, where: str) -> int:
-    value = fields[name]
-    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
-        value = value[0]  # patch_size and image_size may be written [n, n]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise VisionConfigError(f"{where}.{name} must be a positive integer; got {fields[name]!r}")
-    return value
-
-
 def _activation(name: Any, field: str, where: str) -> str:
     if name not in ACTIVATION_FUNCTIONS:
         raise VisionConfigError(f"{where}.{field} {name!r} is not supported; supported: "
                                 f"{', '.join(ACTIVATION_FUNCTIONS)}")
     return name
-
-
-def _rope_theta(vision: dict[str, Any], where: str) -> float:
-    rope = vision.get("rope_parameters") or vision.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise VisionConfigError(f"{where}.rope_parameters must be an object; got {rope!r}")
-    kind = rope.get("rope_type", rope.get("type", "axial"))
-    if kind not in ("axial", "default"):
-        raise VisionConfigError(f"{where}.rope_parameters.rope_type {kind!r} is not supported; only axial is")
-    theta = rope.get("rope_theta", vision.get("rope_theta", DEFAULT_ROPE_THETA))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise VisionConfigError(f"{where}.rope_theta must be a positive number; got {theta!r}")
-    return float(theta)
 
 
 def pixtral_config(vision: Any, where: str) -> PixtralConfig:
@@ -172,11 +155,6 @@ def mistral3_vision_config(config: dict[str, Any], source: str) -> Mistral3Visio
                                                           source),
                                 projector_bias=bias, norm_eps=float(eps),
                                 image_token_id=_positive_int(fields, "image_token_index", source))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 class PixtralAttention(nn.Module):
