@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from localserve.models.vision.adapter import ImageEncoder
+from localserve.models.vision.gemma3_encoder import load_gemma3_encoder
 from localserve.models.vision.mistral3_encoder import load_mistral3_encoder
 
 # A loader: (checkpoint folder, its config.json as a dict, dtype, device) -> the encoder, or None where the
@@ -18,6 +19,7 @@ from localserve.models.vision.mistral3_encoder import load_mistral3_encoder
 EncoderLoader = Callable[[Path, dict, torch.dtype, torch.device | str], ImageEncoder | None]
 
 IMAGE_ENCODER_LOADERS: dict[str, EncoderLoader] = {}  # by architecture (config.json's "architectures"[0])
+IMAGE_ENCODER_LOADERS["Gemma3ForConditionalGeneration"] = load_gemma3_encoder
 IMAGE_ENCODER_LOADERS["Mistral3ForConditionalGeneration"] = load_mistral3_encoder
 
 
