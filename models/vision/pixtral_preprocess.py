@@ -99,6 +99,8 @@ def pixtral_image_processing(config: dict[str, Any], patch_size: int, spatial_me
     if config.get("do_resize") is False:
         raise VisionConfigError(f"{source}: do_resize false is not supported (sides must be multiples of "
                                 f"{patch_size * spatial_merge_size})")
+    if config.get("do_center_crop"):
+        raise VisionConfigError(f"{source}: do_center_crop is not supported (Pixtral keeps the whole picture)")
     max_height, max_width = _bounds(config.get("size"), image_size, source)
     steps = {"resample": DEFAULT_RESAMPLE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
     steps |= {name: value for name, value in config.items() if name in STEP_FIELDS and value is not None}

@@ -83,12 +83,18 @@ def make_engine(model, budget: int = 256, num_blocks: int = 256, mode: str = "re
         preemption_mode=mode, check_integrity=True))
 
 
-def run(engine, requests: list[ImageRequest], num_tokens: int = NUM_TOKENS) -> list:
+def run_requests(engine, requests: list[ImageRequest], num_tokens: int = NUM_TOKENS) -> list:
+    """Each request's final RequestOutput (greedy, 5 top log-probs); the engine ends idle with every block back."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=5)
     ids = [engine.add_request(request.ids, params, multimodal=request.multimodal()) for request in requests]
     final = engine.run_to_completion()
     assert engine.is_idle_and_clean()
-    return [final[request_id].outputs[0] for request_id in ids]
+    return [final[request_id] for request_id in ids]
+
+
+def run(engine, requests: list[ImageRequest], num_tokens: int = NUM_TOKENS) -> list:
+    """Each request's completion."""
+    return [output.outputs[0] for output in run_requests(engine, requests, num_tokens)]
 
 
 def assert_first_logprobs(output, expected: torch.Tensor) -> None:
@@ -172,3 +178,23 @@ def test_a_hf_model_copy_in_float64_agrees(mistral3, requests, references):
         out = hf64.generate(torch.tensor([request.ids]), pixel_values=batch["pixel_values"].double(),
                             image_sizes=batch["image_sizes"], max_new_tokens=NUM_TOKENS, do_sample=False)
     assert out[0, len(request.ids):].tolist() == references[1][0][:NUM_TOKENS]
+
+
+def test_the_same_picture_hits_the_prefix_cache_and_another_of_its_size_does_not(mistral3, requests, references):
+    """The request again: every full block of its prompt is cached (image rows and break rows alike) and the
+    answer is transformers'; a picture of the same size with one pixel changed hits only the text blocks before
+    its span."""
+    encoder, model, tokenizer, _ = mistral3
+    engine = make_engine(model)
+    request = requests[0]
+    run(engine, [request])
+    [again] = run_requests(engine, [request])
+    assert again.num_cached_tokens == (len(request.ids) - 1) // 16 * 16  # the last prompt token is computed
+    assert list(again.outputs[0].token_ids) == references[0][0][:NUM_TOKENS]
+    changed = request.pictures[0].convert("RGB")
+    changed.putpixel((10, 10), tuple(255 - value for value in changed.getpixel((10, 10))))
+    other = ImageRequest(encoder, tokenizer, "What is this?", [changed])
+    assert other.ids == request.ids and other.spans[0].content_hash != request.spans[0].content_hash
+    [output] = run_requests(engine, [other])
+    assert output.num_cached_tokens == request.spans[0].offset // 16 * 16
+    assert list(output.outputs[0].token_ids) == list(run(make_engine(model), [other])[0].token_ids)

@@ -266,6 +266,7 @@ def test_bad_configs_are_refused_by_name(change, message):
     ({"patch_size": {"height": 5, "width": 5}}, {}, "patch_size .* is neither the tower's 4 nor"),
     ({}, {"spatial_merge_size": 1}, "the processor's spatial_merge_size 1 differs from the model's 2"),
     ({"do_resize": False}, {}, "do_resize false is not supported"),
+    ({"do_center_crop": True, "crop_size": {"height": 8, "width": 8}}, {}, "do_center_crop is not supported"),
     ({"size": {"shortest_edge": 10}}, {}, "size must hold longest_edge, or height and width"),
     ({"size": {"longest_edge": 0}}, {}, "size.longest_edge must be a positive integer"),
     ({"image_std": [0.1, 0.0, 0.2]}, {}, "has a zero"),

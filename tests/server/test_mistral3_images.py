@@ -107,3 +107,14 @@ def test_the_vision_parts_are_loaded_not_said_left_out(tmp_path, caplog):
         llm = make_llm(tmp_path, num_kv_blocks=16)
     assert llm.vision is not None and llm.vision.hidden_size == 64
     assert "left unloaded" not in caplog.text and "vision encoder is loaded" in caplog.text
+
+
+def test_a_picture_too_long_for_its_width_is_a_400_naming_the_part(mistral3):
+    """1 x 200 pixels scaled into 48 x 48 keeps no column (transformers' processor fails on it too)."""
+    thin = "data:image/png;base64," + base64.b64encode(png(picture(1, 200, seed=3))).decode()
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{mistral3.server.port}/v1", api_key="-", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="served", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": thin}}]}])
+    message = error.value.response.json()["error"]["message"]
+    assert "messages[0].content[1]" in message and "too long for its width" in message, message
