@@ -119,11 +119,11 @@ def pixtral_image_tokens(folder: Path, image_token_id: int) -> PixtralImageToken
 
 def load_mistral3_encoder(path: Path, config: dict, dtype: torch.dtype,
                           device: torch.device | str) -> ImageEncoder | None:
-    """The encoder of a Mistral3ForConditionalGeneration folder; None where its config has no vision_config (a
-    text-only save)."""
-    from localserve.loading.pixtral_vision import load_mistral3_vision, token_embedding
+    """The encoder of a Mistral3ForConditionalGeneration folder; None where its config has no vision_config or
+    its shards no vision tensor (a text-only save: served as text)."""
+    from localserve.loading.pixtral_vision import has_vision_tensors, load_mistral3_vision, token_embedding
 
-    if config.get("vision_config") is None:
+    if config.get("vision_config") is None or not has_vision_tensors(path):
         return None
     vision = load_mistral3_vision(path, dtype=dtype, device=device, config_dict=config)
     tokens = pixtral_image_tokens(path, vision.config.image_token_id)

@@ -289,4 +289,7 @@ def test_bad_checkpoints_are_refused_naming_the_file(tmp_path):
     tensors.pop("multi_modal_projector.linear_2.weight")
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(VisionLoadError, match="missing vision tensors: multi_modal_projector.linear_2.weight"):
-        load_mistral3_vision(tmp_path)
+        load_mistral3_encoder(tmp_path, config, torch.float32, "cpu")
+    text_only = {name: tensor for name, tensor in tensors.items() if name.startswith("language_model.")}
+    save_file(text_only, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert load_mistral3_encoder(tmp_path, config, torch.float32, "cpu") is None  # saved without its eyes: text
