@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from localserve.models.vision.config import VisionConfigError
 from localserve.models.vision.mistral3_encoder import image_text, load_mistral3_encoder
@@ -142,6 +142,30 @@ def test_encode_matches_transformers_image_features(mistral3):
         assert_close(mine, theirs)
     [alone] = vision.encode(pixel_values[1:])  # batch == alone: each picture attends to itself only
     assert_close(alone, expected[1])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=3),
+       seed=st.integers(0, 100))
+def test_generated_batches_encode_as_transformers(mistral3, sizes, seed):
+    """1-3 pictures of 1-6 x 1-6 image tokens each, random pixels, at once: each one's features are
+    transformers' (from its padded batch)."""
+    assume(sum(rows * cols for rows, cols in sizes) > 1)  # transformers squeezes a lone token's features away
+    folder, hf_model = mistral3
+    vision = load_mistral3_vision(folder)
+    generator = torch.Generator().manual_seed(seed)
+    side = PATCH * MERGE
+    pixels = [torch.randn(3, rows * side, cols * side, generator=generator) for rows, cols in sizes]
+    padded = torch.zeros(len(pixels), 3, max(r for r, _ in sizes) * side, max(c for _, c in sizes) * side)
+    for index, values in enumerate(pixels):
+        padded[index, :, :values.shape[1], :values.shape[2]] = values
+    image_sizes = torch.tensor([list(values.shape[1:]) for values in pixels])
+    with torch.no_grad():
+        expected = hf_model.model.get_image_features(padded, image_sizes).pooler_output
+    for mine, theirs, (rows, cols) in zip(vision.encode(pixels), expected, sizes):
+        assert mine.shape == (rows * cols, 64)
+        assert_close(mine, theirs)
 
 
 def test_bfloat16_encode_follows_transformers(mistral3):
