@@ -105,7 +105,7 @@ def assert_first_logprobs(output, expected: torch.Tensor) -> None:
 
 
 def pictures() -> list:
-    """53 x 37 (5 x 6 tokens), 70 x 20 (2 x 6), 30 x 30 (4 x 4), 9 x 40 (6 x 2)."""
+    """53 x 37 (5 x 6 tokens), 70 x 20 (2 x 6), 30 x 30 (4 x 4), 9 x 40 (5 x 2): rows x columns."""
     return [reencoded(picture(53, 37, seed=1), "PNG"), reencoded(picture(70, 20, seed=2), "JPEG"),
             picture(30, 30, seed=3, mode="RGBA"), picture(9, 40, seed=4, mode="L")]
 
@@ -128,7 +128,7 @@ def references(mistral3, requests):
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_alone_equals_transformers_generate(mistral3, requests, references, index):
-    """One image; two images of different sizes (5 x 6 and 2 x 6 tokens are not the same span)."""
+    """One image (5 x 6 tokens); two images of different sizes in one prompt (2 x 6 and 4 x 4 tokens)."""
     _, model, _, _ = mistral3
     request = requests[index]
     assert [span.length for span in request.spans] == ([5 * 7 - 1] if index == 0 else [2 * 7 - 1, 4 * 5 - 1])
