@@ -13,6 +13,7 @@ import torch
 from localserve.loading.qwen_vision import load_qwen3_5_encoder
 from localserve.models.vision.adapter import ImageEncoder
 from localserve.models.vision.gemma3_encoder import load_gemma3_encoder
+from localserve.models.vision.mistral3_encoder import load_mistral3_encoder
 
 # A loader: (checkpoint folder, its config.json as a dict, dtype, device) -> the encoder, or None where the
 # folder holds no vision weights; raises ModelLoadError naming the file and the problem.
@@ -22,6 +23,7 @@ IMAGE_ENCODER_LOADERS: dict[str, EncoderLoader] = {}  # by architecture (config.
 IMAGE_ENCODER_LOADERS["Gemma3ForConditionalGeneration"] = load_gemma3_encoder
 IMAGE_ENCODER_LOADERS["Qwen3_5ForConditionalGeneration"] = load_qwen3_5_encoder
 IMAGE_ENCODER_LOADERS["Qwen3_5MoeForConditionalGeneration"] = load_qwen3_5_encoder
+IMAGE_ENCODER_LOADERS["Mistral3ForConditionalGeneration"] = load_mistral3_encoder
 
 
 def load_image_encoder(path: Path, config: dict, dtype: torch.dtype,

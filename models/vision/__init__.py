@@ -11,4 +11,10 @@ Qwen3.5 / Qwen3.6 (`Qwen3_5ForConditionalGeneration` and the MoE twin): `qwen3_5
 transformer (3D patches, interpolated learned positions, 2D rotary, patch merger) with the image tokens'
 mRoPE positions, `qwen_preprocess.py` the smart resize and patching of transformers' Qwen2-VL image
 processor (its Pillow backend); localserve/loading/qwen_vision.py reads them (`load_qwen3_5_vision`).
+
+Mistral Small 3.1 / 3.2 (`Mistral3ForConditionalGeneration`): `pixtral.py` is the Pixtral vision transformer
+(pictures of any size, 2D rotary, attention within each picture) with Mistral 3's config, `mistral3_vision.py`
+its patch-merging projector and `Mistral3Vision`, `pixtral_preprocess.py` PixtralImageProcessor's resize and
+steps, `mistral3_encoder.py` the `ImageEncoder` ([IMG] rows joined by [IMG_BREAK]);
+localserve/loading/pixtral_vision.py reads them (`load_mistral3_vision`).
 """
