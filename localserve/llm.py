@@ -15,7 +15,9 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
-from localserve.loading.hf import load_model, resolve_model_path
+from localserve.loading.hf import default_dtype, load_model, resolve_model_path
+from localserve.loading.mmproj import mmproj_encoder_for, open_mmproj_for
+from localserve.models.vision.adapter import ImageEncoder
 from localserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,15 +64,21 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
                  offline: bool = False, engine_config: EngineConfig | None = None,
-                 keep_quantized_weights: bool | None = None, draft_model: str | None = None) -> None:
+                 keep_quantized_weights: bool | None = None, draft_model: str | None = None,
+                 mmproj: str | Path | None = None) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(model, offline=offline)
+        mmproj_file = open_mmproj_for(mmproj, path) if mmproj is not None else None  # refused before the load
         loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
         self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
         if engine_config is not None:  # before a draft model is loaded for nothing
             check_speculation(loaded.config, engine_config.spec_type)
         self.tokenizer = read_tokenizer(path, loaded.gguf_reader)
+        self.vision: ImageEncoder | None = None
+        if mmproj_file is not None:
+            self.vision = mmproj_encoder_for(mmproj_file, loaded, self.tokenizer, dtype or default_dtype(device),
+                                             device)
         draft = None
         if draft_model is not None:
             draft_path = resolve_model_path(draft_model, offline=offline)

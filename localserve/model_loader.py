@@ -171,13 +171,16 @@ class EngineLoader:
     device: str | None = None
     keep_quantized_weights: bool | None = None
     chat_template: str | None = None  # --chat-template-file's text, for every model
+    mmproj: tuple[Path, Path] | None = None  # --mmproj: (the .gguf model it pairs with, the mmproj file)
 
     def __call__(self, entry: ModelEntry) -> LoadedEngine:
         """Load `entry`'s model and start its engine thread (blocking: minutes for a big model)."""
         map_big_allocations_apart()
         try:
+            mmproj = self.mmproj[1] if self.mmproj and entry.files.path.resolve() == self.mmproj[0] else None
             llm = LLM(str(entry.files.path), dtype=self.dtype, device=self.device, offline=True,
-                      engine_config=self.engine_config, keep_quantized_weights=self.keep_quantized_weights)
+                      engine_config=self.engine_config, keep_quantized_weights=self.keep_quantized_weights,
+                      mmproj=mmproj)
         finally:
             keep_step_allocations_in_the_heap()
         if self.chat_template is not None:

@@ -24,10 +24,13 @@ import numpy as np
 import torch
 
 from localserve.loading.gguf import GGUFLoadError, open_gguf
-from localserve.loading.hf import ModelLoadError
+from localserve.loading.hf import LoadedModel, ModelLoadError
+from localserve.models.config import ModelConfig
+from localserve.models.vision.adapter import ImageEncoder
 from localserve.models.vision.config import Gemma3VisionConfig, SiglipConfig, VisionConfigError
 from localserve.models.vision.gemma3_vision import GemmaVision
 from localserve.models.vision.preprocess import ImageProcessing
+from localserve.tokenizer.tokenizer import Tokenizer
 
 SERVED_PROJECTORS = ("gemma3",)
 GEMMA3_SCALE_FACTOR = 4  # llama.cpp's default pooling of Gemma 3's patches: 64 x 64 -> 16 x 16 tokens
@@ -162,14 +165,13 @@ def mmproj_image_processing(mmproj: MmprojFile, image_size: int) -> ImageProcess
     return ImageProcessing(height=image_size, width=image_size, mean=mean, std=std)
 
 
-def image_token_ids(tokens: list[str], wanted: dict[str, str], source: str) -> dict[str, int]:
-    """The ids of `wanted` (role -> token text) in a vocabulary (`tokens`: the texts by id; `source` names it)."""
-    ids = {text: index for index, text in enumerate(tokens) if text in wanted.values()}
-    missing = [text for text in wanted.values() if text not in ids]
+def image_token_ids(vocabulary: dict[str, int], wanted: dict[str, str], source: str) -> dict[str, int]:
+    """The ids of `wanted` (role -> token text) in a vocabulary (token text -> id; `source` names it)."""
+    missing = [text for text in wanted.values() if text not in vocabulary]
     if missing:
         raise MmprojError(f"{source}: the vocabulary has no {', '.join(missing)} token (the image tokens of its "
                           f"vision model)")
-    return {role: ids[text] for role, text in wanted.items()}
+    return {role: vocabulary[text] for role, text in wanted.items()}
 
 
 def tensor_shape(mmproj: MmprojFile, name: str) -> tuple[int, ...]:
@@ -240,3 +242,52 @@ def load_mmproj_gemma_vision(mmproj: MmprojFile, token_ids: dict[str, int], dtyp
     model.to_empty(device=device)
     load_mmproj_weights(model, mmproj, gemma3_target)
     return model.eval()
+
+
+def open_mmproj_for(mmproj: str | Path, model: Path) -> MmprojFile:
+    """The mmproj for the model at `model`, checked before the model loads: a pair is a language model's .gguf
+    and its mmproj (a checkpoint folder's vision weights load from the folder)."""
+    if not (model.is_file() and model.suffix == ".gguf"):
+        raise MmprojError(f"{mmproj}: an mmproj pairs with a language model's .gguf file; {model} is not one (a "
+                          f"checkpoint folder's vision weights load from the folder itself)")
+    return read_mmproj(mmproj)
+
+
+def load_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, architecture: str,
+                        vocabulary: dict[str, int], dtype: torch.dtype,
+                        device: torch.device | str) -> ImageEncoder:
+    """The image encoder of the pair (the language model's .gguf at `model`, its `config`, its
+    `general.architecture` and its tokenizer's vocabulary: token text -> id)."""
+    check_language_model(mmproj, architecture, config.hidden_size, str(model))
+    return MMPROJ_ENCODERS[mmproj.projector](mmproj, model, config, vocabulary, dtype, device)
+
+
+def gemma3_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, vocabulary: dict[str, int],
+                          dtype: torch.dtype, device: torch.device | str) -> ImageEncoder:
+    """Gemma 3's encoder (models/vision/gemma3_encoder.py) over the mmproj's GemmaVision, the image tokens
+    those of the language model's vocabulary."""
+    from localserve.models.vision.gemma3_encoder import Gemma3ImageEncoder, GemmaImageTokens
+
+    ids = image_token_ids(vocabulary, GEMMA3_IMAGE_TOKENS, str(model))
+    vision = load_mmproj_gemma_vision(mmproj, ids, dtype, device)
+    count = vision.config.mm_tokens_per_image
+    windows = [window for layer in range(config.num_layers)
+               if (window := config.attention_of(layer).sliding_window) is not None]
+    if windows and min(windows) < count:
+        raise MmprojError(f"{mmproj.path}: an image's {count} tokens do not fit in the sliding window "
+                          f"{min(windows)} of {model}")
+    tokens = GemmaImageTokens(boi=GEMMA3_IMAGE_TOKENS["boi"], eoi=GEMMA3_IMAGE_TOKENS["eoi"],
+                              soft=GEMMA3_IMAGE_TOKENS["image"], soft_id=ids["image"])
+    return Gemma3ImageEncoder(vision, tokens)
+
+
+def mmproj_encoder_for(mmproj: MmprojFile, loaded: LoadedModel, tokenizer: Tokenizer, dtype: torch.dtype,
+                       device: torch.device | str) -> ImageEncoder:
+    """`load_mmproj_encoder` for a loaded language model (its .gguf's reader and config) and its tokenizer."""
+    architecture = loaded.gguf_reader.fields["general.architecture"].contents()
+    vocabulary = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return load_mmproj_encoder(mmproj, loaded.path, loaded.config, architecture, vocabulary, dtype, device)
+
+
+MmprojEncoderLoader = Callable[[MmprojFile, Path, ModelConfig, dict, torch.dtype, torch.device | str], ImageEncoder]
+MMPROJ_ENCODERS: dict[str, MmprojEncoderLoader] = {"gemma3": gemma3_mmproj_encoder}  # by clip.projector_type

@@ -99,11 +99,11 @@ def test_bfloat16_load(gemma3_pair):
 
 
 def test_image_token_ids_by_text():
-    tokens = ["<pad>", "<start_of_image>", "a", "<end_of_image>", "<image_soft_token>"]
+    tokens = {"<pad>": 0, "<start_of_image>": 1, "a": 2, "<end_of_image>": 3, "<image_soft_token>": 4}
     wanted = {"boi": "<start_of_image>", "image": "<image_soft_token>", "eoi": "<end_of_image>"}
     assert image_token_ids(tokens, wanted, "lm.gguf") == {"boi": 1, "image": 4, "eoi": 3}
     with pytest.raises(MmprojError, match="lm.gguf: the vocabulary has no <image_soft_token> token"):
-        image_token_ids(tokens[:4], wanted, "lm.gguf")
+        image_token_ids({"<start_of_image>": 1, "<end_of_image>": 3}, wanted, "lm.gguf")
 
 
 def test_language_model_checks(gemma3_pair):
