@@ -6,10 +6,16 @@ within their rounding); each refusal names the file and the key or tensor."""
 
 from __future__ import annotations
 
+import tempfile
+from functools import cache
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from localserve.models.vision.preprocess import preprocess
 
 from localserve.loading.mmproj import (
@@ -37,11 +43,19 @@ def gemma3_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma3_mmproj")
     save_random_model(folder, tiny_gemma3(), model_class=transformers.Gemma3ForConditionalGeneration)
     save_processor(folder, 56)
-    write_spm_tokenizer(folder, 320)
+    (folder / "tokenizer.model").write_bytes(spm_tokenizer())
     released_gemma3_layout(folder, mm_tokens_per_image=4)
     files = {outtype: convert_mmproj(folder, folder.parent / f"mmproj-{outtype}.gguf", outtype)
              for outtype in ("f32", "f16", "q8_0")}
     return folder, files
+
+
+@cache
+def spm_tokenizer() -> bytes:
+    """A tokenizer.model of 320 pieces (the converter's need; trained once)."""
+    with tempfile.TemporaryDirectory() as folder:
+        write_spm_tokenizer(Path(folder), 320)
+        return (Path(folder) / "tokenizer.model").read_bytes()
 
 
 def pictures() -> list:
@@ -160,3 +174,31 @@ def test_bad_files_are_named(gemma3_pair, tmp_path):
         else None)
     with pytest.raises(MmprojError, match="extra.gguf: unexpected tensor v.blk.0.attn_qkv.weight for a gemma3"):
         load_mmproj_gemma_vision(read_mmproj(extra), TOKEN_IDS)
+
+
+@settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.generate])
+@given(patch=st.sampled_from([7, 14]), patches_per_side=st.sampled_from([2, 4, 6]), data=st.data(),
+       layers=st.integers(1, 2), heads=st.sampled_from([2, 4]), outtype=st.sampled_from(["f32", "f16"]))
+def test_generated_shapes_through_the_converter(tmp_path_factory, patch, patches_per_side, data, layers, heads,
+                                                outtype):
+    """Tower and pooling shapes drawn (tokens per side: any divisor of the patches per side), converted by
+    llama.cpp's converter, give the folder encoder's config and embeddings."""
+    import transformers
+
+    side = data.draw(st.sampled_from([d for d in range(1, patches_per_side + 1) if patches_per_side % d == 0]))
+    folder = tmp_path_factory.mktemp("generated")
+    config = tiny_gemma3(image_size=patch * patches_per_side, mm_tokens=side * side, layers=layers)
+    config.vision_config.patch_size, config.vision_config.num_attention_heads = patch, heads  # tiny_gemma3's: 14, 4
+    save_random_model(folder, config, seed=side, model_class=transformers.Gemma3ForConditionalGeneration)
+    save_processor(folder, patch * patches_per_side)
+    (folder / "tokenizer.model").write_bytes(spm_tokenizer())
+    released_gemma3_layout(folder, mm_tokens_per_image=side * side)
+    reference = load_gemma_vision(folder)
+    vision = load_mmproj_gemma_vision(read_mmproj(convert_mmproj(folder, folder / "mmproj.gguf", outtype)), TOKEN_IDS)
+    assert (vision.config.mm_tokens_per_image, vision.config.vision.num_heads, vision.config.vision.patch_size) == (
+        side * side, heads, patch)
+    pixel_values = preprocess(pictures(), reference.processing)
+    f16_projection(reference)
+    torch.testing.assert_close(vision.encode(pixel_values), reference.encode(pixel_values), rtol=0,
+                               atol=2e-5 if outtype == "f32" else 0.02)
