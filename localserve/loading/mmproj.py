@@ -15,7 +15,7 @@ file and the key or tensor."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,29 +201,45 @@ def gemma3_target(name: str) -> str | None:
     return None
 
 
-def load_mmproj_weights(model: torch.nn.Module, mmproj: MmprojFile, target: Callable[[str], str | None]) -> None:
-    """Every tensor of the mmproj into `model`'s parameter `target(name)`, de-quantized; MmprojError names an
-    unexpected, misshapen or missing tensor."""
+# (the file's tensor name, its shape in torch's order, a call that reads it de-quantized into float32)
+MmprojTensor = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
+
+
+def mmproj_tensors(mmproj: MmprojFile) -> Iterator[MmprojTensor]:
+    """The mmproj's tensors in file order; each is read (and de-quantized) only when its call is made."""
     import gguf
 
+    def reader(tensor, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            try:
+                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise MmprojError(f"{mmproj.path}: {tensor.name} is stored as {tensor.tensor_type.name}, which the "
+                                  f"gguf package cannot de-quantize") from None
+            return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        return read
+
+    for tensor in mmproj.reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        yield tensor.name, shape, reader(tensor, shape)
+
+
+def load_mmproj_weights(model: torch.nn.Module, mmproj: MmprojFile,
+                        tensors: Iterable[tuple[str, str | None, tuple[int, ...], Callable[[], torch.Tensor]]]
+                        ) -> None:
+    """Each of `tensors` (the file's name, our parameter's name or None, its shape, its read) into `model`;
+    MmprojError names an unexpected or misshapen tensor (before reading it) and the parameters none filled."""
     wanted = dict(model.named_parameters())
     seen: set[str] = set()
-    for tensor in mmproj.reader.tensors:
-        ours = target(tensor.name)
+    for name, ours, shape, read in tensors:
         parameter = wanted.get(ours) if ours is not None else None
         if parameter is None:
-            raise MmprojError(f"{mmproj.path}: unexpected tensor {tensor.name} for a {mmproj.projector} projector")
-        shape = tuple(int(d) for d in reversed(tensor.shape))
+            raise MmprojError(f"{mmproj.path}: unexpected tensor {name} for a {mmproj.projector} projector")
         if shape != tuple(parameter.shape):
-            raise MmprojError(f"{mmproj.path}: {tensor.name} has shape {list(shape)}; the metadata gives "
+            raise MmprojError(f"{mmproj.path}: {name} has shape {list(shape)}; the metadata gives "
                               f"{list(parameter.shape)}")
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise MmprojError(f"{mmproj.path}: {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf "
-                              f"package cannot de-quantize") from None
         with torch.no_grad():
-            parameter.copy_(torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape))
+            parameter.copy_(read())
         seen.add(ours)
     missing = [name for name in wanted if name not in seen]
     if missing:
@@ -240,7 +256,8 @@ def load_mmproj_gemma_vision(mmproj: MmprojFile, token_ids: dict[str, int], dtyp
         model = GemmaVision(config, processing).to(dtype=dtype)
     model.multi_modal_projector.mm_soft_emb_norm.offset = 0.0  # the file holds 1 + w
     model.to_empty(device=device)
-    load_mmproj_weights(model, mmproj, gemma3_target)
+    load_mmproj_weights(model, mmproj, ((name, gemma3_target(name), shape, read)
+                                        for name, shape, read in mmproj_tensors(mmproj)))
     return model.eval()
 
 
