@@ -5,7 +5,7 @@ An mmproj is a GGUF of architecture `clip`: the tower's shape under `clip.vision
 width, layers, heads, the normalisation's mean and std), the projector's kind under `clip.projector_type`
 and `clip.vision.projection_dim` = the language model's hidden size; its tensors are `v.*` (the tower) and
 `mm.*` (the projector). Served here: Gemma 3's (`gemma3`: SigLIP and Gemma's pooling projector, read into
-models/vision/gemma3_vision.py's `GemmaVision`).
+models/vision/gemma3_vision.py's `GemmaVision`) and Qwen3.5's (`qwen3vl_merger`: loading/mmproj_qwen.py).
 
 What the converter changed, undone here: Gemma 3's projector norm is stored as 1 + w (llama.cpp's RMSNorm
 has no offset), so the norm is built without its offset and takes the stored values as they are. Every
@@ -32,10 +32,10 @@ from localserve.models.vision.gemma3_vision import GemmaVision
 from localserve.models.vision.preprocess import ImageProcessing
 from localserve.tokenizer.tokenizer import Tokenizer
 
-SERVED_PROJECTORS = ("gemma3",)
+SERVED_PROJECTORS = ("gemma3", "qwen3vl_merger")
 GEMMA3_SCALE_FACTOR = 4  # llama.cpp's default pooling of Gemma 3's patches: 64 x 64 -> 16 x 16 tokens
 # the language model families (general.architecture of the model's .gguf) each projector feeds
-PROJECTOR_LANGUAGE_MODELS = {"gemma3": ("gemma3",)}
+PROJECTOR_LANGUAGE_MODELS = {"gemma3": ("gemma3",), "qwen3vl_merger": ("qwen35", "qwen35moe")}
 # Gemma 3's image tokens, found by their text in the language model's vocabulary
 GEMMA3_IMAGE_TOKENS = {"boi": "<start_of_image>", "image": "<image_soft_token>", "eoi": "<end_of_image>"}
 
@@ -307,4 +307,15 @@ def mmproj_encoder_for(mmproj: MmprojFile, loaded: LoadedModel, tokenizer: Token
 
 
 MmprojEncoderLoader = Callable[[MmprojFile, Path, ModelConfig, dict, torch.dtype, torch.device | str], ImageEncoder]
-MMPROJ_ENCODERS: dict[str, MmprojEncoderLoader] = {"gemma3": gemma3_mmproj_encoder}  # by clip.projector_type
+
+
+def qwen_mmproj_encoder(*args) -> ImageEncoder:
+    """loading/mmproj_qwen.py's (which imports this module)."""
+    from localserve.loading.mmproj_qwen import qwen_mmproj_encoder as load
+
+    return load(*args)
+
+
+# by clip.projector_type
+MMPROJ_ENCODERS: dict[str, MmprojEncoderLoader] = {"gemma3": gemma3_mmproj_encoder,
+                                                   "qwen3vl_merger": qwen_mmproj_encoder}
