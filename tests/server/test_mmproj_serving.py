@@ -120,3 +120,30 @@ def test_a_pair_that_cannot_be_served_is_refused_naming_the_files(pair, tmp_path
                                   __import__("gguf").GGUFReader(model).fields["tokenizer.ggml.tokens"].contents()]})
     with pytest.raises(MmprojError, match="renamed-lm.gguf: the vocabulary has no <image_soft_token> token"):
         make_pair_llm(renamed, mmproj["f32"])
+
+
+def test_serve_loads_the_pair_for_its_model_only(pair, tmp_path):
+    """What `localserve serve -m model.gguf --mmproj FILE --models-dir DIR` loads: the pair for the -m model
+    (cli.py's `mmproj_pair`), the other models of the catalog without one."""
+    import argparse
+    import shutil
+
+    from localserve.cli import mmproj_pair
+    from localserve.engine.config import EngineConfig
+    from localserve.model_loader import EngineLoader, find_models
+
+    folder, model, mmproj = pair
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(model, other / "text-twin.gguf")
+    args = argparse.Namespace(mmproj=mmproj["f16"], model=[str(model)])
+    found = find_models([str(model)], other)
+    load = EngineLoader(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=256), torch.float32, "cpu",
+                        mmproj=mmproj_pair(args))
+    first, second = found.catalog.entries
+    for entry, takes_images in ((first, True), (second, False)):
+        loaded = load(entry)
+        try:
+            assert (loaded.vision is not None) == takes_images, entry.files.path
+        finally:
+            loaded.unload()
