@@ -202,3 +202,15 @@ def test_generated_shapes_through_the_converter(tmp_path_factory, patch, patches
     f16_projection(reference)
     torch.testing.assert_close(vision.encode(pixel_values), reference.encode(pixel_values), rtol=0,
                                atol=2e-5 if outtype == "f32" else 0.02)
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_load_follows_the_folder_encoder(gemma3_pair):
+    folder, files = gemma3_pair
+    vision = load_mmproj_gemma_vision(read_mmproj(files["f16"]), TOKEN_IDS, dtype=torch.bfloat16, device="cuda")
+    assert {param.device.type for param in vision.parameters()} == {"cuda"}
+    reference = load_gemma_vision(folder)
+    pixel_values = preprocess(pictures(), reference.processing)
+    ours = vision.encode(pixel_values)
+    assert ours.device.type == "cuda" and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float().cpu(), reference.encode(pixel_values), rtol=0.02, atol=0.1)
