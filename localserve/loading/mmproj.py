@@ -98,6 +98,11 @@ def read_mmproj(path: str | Path) -> MmprojFile:
     return MmprojFile(path=path, projector=projector, metadata=metadata, reader=reader)
 
 
+def mmproj_weight_bytes(mmproj: MmprojFile, bytes_per_param: int = 2) -> int:
+    """The encoder's weights in memory: every tensor de-quantized, at `bytes_per_param` (2: bf16 / f16)."""
+    return sum(int(tensor.n_elements) for tensor in mmproj.reader.tensors) * bytes_per_param
+
+
 def check_language_model(mmproj: MmprojFile, architecture: str, hidden_size: int, model: str) -> None:
     """Refuse a pair whose language model (its .gguf's `general.architecture` and hidden size; `model`
     names it) is not the one the projector feeds."""

@@ -214,3 +214,16 @@ def test_cuda_bfloat16_load_follows_the_folder_encoder(gemma3_pair):
     ours = vision.encode(pixel_values)
     assert ours.device.type == "cuda" and ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.float().cpu(), reference.encode(pixel_values), rtol=0.02, atol=0.1)
+
+
+def test_plan_counts_the_mmproj_weights(gemma3_pair, capsys):
+    from localserve.cli import main
+    from localserve.kv.memory_plan import human_size
+
+    folder, files = gemma3_pair
+    parameters = sum(param.numel() for param in load_gemma_vision(folder).parameters())
+    config = Path(__file__).parents[1] / "helpers" / "llama31_8b_config.json"  # a model the plan's formats fit
+    assert main(["plan", "-m", str(config), "--vram", "24GB", "--mmproj", str(files["q8_0"])]) == 0
+    assert f" + mmproj {human_size(parameters * 2)})" in capsys.readouterr().out
+    assert main(["plan", "-m", str(config), "--vram", "24GB", "--mmproj", str(folder / "none.gguf")]) == 2
+    assert "none.gguf: no such mmproj file" in capsys.readouterr().err
