@@ -61,7 +61,12 @@ def find_models(models: Sequence[str], models_dir: Path | None, *, default_name:
         path = resolve_model_path(model, offline=offline)
         found.append(read_model_files(path, requested_as=None if Path(model).expanduser().exists() else model))
     if models_dir is not None:
-        found += [read_model_files(path) for path in find_model_paths(models_dir)]
+        for files in map(read_model_files, find_model_paths(models_dir)):
+            if files.architecture == "clip":  # llama.cpp's mmproj files sit beside their models: not models
+                log.info("%s: an mmproj file (a vision encoder), not a model; --mmproj pairs it with its model",
+                         files.path)
+                continue
+            found.append(files)
     if not found:
         default_model_path = resolve_model_path(None, offline=offline)
         found.append(read_model_files(default_model_path))

@@ -124,7 +124,7 @@ def test_a_pair_that_cannot_be_served_is_refused_naming_the_files(pair, tmp_path
 
 def test_serve_loads_the_pair_for_its_model_only(pair, tmp_path):
     """What `localserve serve -m model.gguf --mmproj FILE --models-dir DIR` loads: the pair for the -m model
-    (cli.py's `mmproj_pair`), the other models of the catalog without one."""
+    (cli.py's `mmproj_pair`), the other models of the catalog without one; an mmproj file in DIR is no model."""
     import argparse
     import shutil
 
@@ -136,11 +136,12 @@ def test_serve_loads_the_pair_for_its_model_only(pair, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     shutil.copy(model, other / "text-twin.gguf")
+    shutil.copy(mmproj["f16"], other / "mmproj-text-twin.gguf")  # llama.cpp's layout: not listed as a model
     args = argparse.Namespace(mmproj=mmproj["f16"], model=[str(model)])
     found = find_models([str(model)], other)
     load = EngineLoader(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=256), torch.float32, "cpu",
                         mmproj=mmproj_pair(args))
-    first, second = found.catalog.entries
+    first, second = found.catalog.entries  # the mmproj beside the twin is not one of them
     for entry, takes_images in ((first, True), (second, False)):
         loaded = load(entry)
         try:
