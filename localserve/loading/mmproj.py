@@ -268,11 +268,24 @@ def load_mmproj_gemma_vision(mmproj: MmprojFile, token_ids: dict[str, int], dtyp
 
 def open_mmproj_for(mmproj: str | Path, model: Path) -> MmprojFile:
     """The mmproj for the model at `model`, checked before the model loads: a pair is a language model's .gguf
-    and its mmproj (a checkpoint folder's vision weights load from the folder)."""
+    (a checkpoint folder's vision weights load from the folder) of the family and hidden size the projector
+    feeds (`check_language_model`, from the model's header alone)."""
+    from localserve.loading.gguf_header import GGUFHeaderError, read_gguf_metadata
+
     if not (model.is_file() and model.suffix == ".gguf"):
         raise MmprojError(f"{mmproj}: an mmproj pairs with a language model's .gguf file; {model} is not one (a "
                           f"checkpoint folder's vision weights load from the folder itself)")
-    return read_mmproj(mmproj)
+    found = read_mmproj(mmproj)
+    families = PROJECTOR_LANGUAGE_MODELS[found.projector]
+    try:
+        header = read_gguf_metadata(model, ["general.architecture", *(f"{f}.embedding_length" for f in families)])
+    except GGUFHeaderError:
+        return found  # the model's load names what is wrong with it
+    architecture = header.get("general.architecture")
+    hidden_size = header.get(f"{architecture}.embedding_length")
+    if isinstance(architecture, str) and (architecture not in families or isinstance(hidden_size, int)):
+        check_language_model(found, architecture, hidden_size if isinstance(hidden_size, int) else 0, str(model))
+    return found
 
 
 def load_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, architecture: str,

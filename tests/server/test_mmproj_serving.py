@@ -115,6 +115,11 @@ def test_a_pair_that_cannot_be_served_is_refused_naming_the_files(pair, tmp_path
     with pytest.raises(MmprojError, match=r"wide.gguf: clip.vision.projection_dim 128 does not match the hidden size "
                                           r"64 of .*gemma3-pair.gguf"):
         make_pair_llm(model, wide)
+    # from the model's header, before its weights load (a "llama" file with Gemma's keys would not load at all)
+    other = rewrite_gguf(model, tmp_path / "other-lm.gguf", architecture="llama")
+    with pytest.raises(MmprojError, match="a gemma3 projector feeds a gemma3 language model; .*other-lm.gguf is a "
+                                          "llama model"):
+        make_pair_llm(other, mmproj["f32"])
     renamed = rewrite_gguf(model, tmp_path / "renamed-lm.gguf", metadata={
         "tokenizer.ggml.tokens": ["<unused>" if token == "<image_soft_token>" else token for token in
                                   __import__("gguf").GGUFReader(model).fields["tokenizer.ggml.tokens"].contents()]})
