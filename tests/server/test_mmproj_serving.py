@@ -7,9 +7,6 @@ vocabulary from tokenizer.model). What a pair refuses, at start, naming the file
 
 from __future__ import annotations
 
-import base64
-import io
-
 import openai
 import pytest
 import torch
@@ -21,16 +18,14 @@ from tests.helpers.gguf_convert import convert, rewrite_gguf
 from tests.helpers.mmproj_files import convert_mmproj, released_gemma3_layout, write_sentencepiece_twin
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, running_server
-from tests.helpers.vision_models import VOCAB_SIZE, write_tiny_gemma3_vision
+from tests.helpers.vision_models import VOCAB_SIZE, data_url, png_file, write_tiny_gemma3_vision
 
 NUM_TOKENS = 6
 QUESTION = "what is in this picture?"
 
 
 def png(seed: int) -> bytes:
-    out = io.BytesIO()
-    picture(40, 30, seed=seed).save(out, format="PNG")
-    return out.getvalue()
+    return png_file(picture(40, 30, seed=seed))
 
 
 def round_projection_to_f16(folder) -> None:
@@ -72,7 +67,7 @@ def chat_answers(llm, pictures: list[bytes]) -> list[str]:
     with running_server(llm, model_alias="served") as server, openai.OpenAI(
             base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0) as client:
         for data in pictures:
-            url = "data:image/png;base64," + base64.b64encode(data).decode()
+            url = data_url(data)
             chat = client.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, messages=[
                 {"role": "user", "content": [{"type": "text", "text": QUESTION},
                                              {"type": "image_url", "image_url": {"url": url}}]}])
