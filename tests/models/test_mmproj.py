@@ -1,8 +1,9 @@
 """llama.cpp mmproj files (loading/mmproj.py) against the checkpoint folder they were converted from: a tiny
 Gemma3ForConditionalGeneration converted by llama.cpp's own convert_hf_to_gguf.py `--mmproj` (f32, f16,
-q8_0) gives GemmaVision the folder's config and preprocessing, and the folder encoder's embeddings (f32:
-to float rounding, once the projection the converter always stores in f16 is rounded alike; f16 / q8_0:
-within their rounding); each refusal names the file and the key or tensor."""
+bf16, q8_0; generated shapes too) gives GemmaVision the folder's config and preprocessing, and the folder
+encoder's embeddings (f32: to float rounding, once the projection the converter always stores in f16 is
+rounded alike; the others within their rounding); each refusal names the file and the key or tensor; the
+plan counts the encoder's weights."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def gemma3_pair(tmp_path_factory):
     (folder / "tokenizer.model").write_bytes(spm_tokenizer())
     released_gemma3_layout(folder, mm_tokens_per_image=4)
     files = {outtype: convert_mmproj(folder, folder.parent / f"mmproj-{outtype}.gguf", outtype)
-             for outtype in ("f32", "f16", "q8_0")}
+             for outtype in ("f32", "f16", "bf16", "q8_0")}
     return folder, files
 
 
@@ -89,7 +90,7 @@ def test_f32_mmproj_gives_the_folder_encoders_embeddings(gemma3_pair):
     torch.testing.assert_close(ours, wanted, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("outtype,atol", [("f16", 0.02), ("q8_0", 0.1)])
+@pytest.mark.parametrize("outtype,atol", [("f16", 0.02), ("bf16", 0.1), ("q8_0", 0.1)])
 def test_rounded_mmproj_follows_the_folder_encoder(gemma3_pair, outtype, atol):
     folder, files = gemma3_pair
     reference = load_gemma_vision(folder)
