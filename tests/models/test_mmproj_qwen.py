@@ -10,6 +10,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from localserve.models.vision.qwen_preprocess import qwen_preprocess
 
 from localserve.loading.mmproj import MmprojError, read_mmproj
@@ -77,3 +79,30 @@ def test_qwen_refusals_are_named(qwen_pair, tmp_path):
     with pytest.raises(MmprojError, match=r"wide.gguf: mm.2.bias has shape \[64\]; the metadata gives \[128\]"):
         load_mmproj_qwen_vision(read_mmproj(wide), TOKEN_IDS)
     assert set(QWEN_IMAGE_TOKENS) == set(TOKEN_IDS)
+
+
+@settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.generate])
+@given(depth=st.integers(1, 2), heads=st.sampled_from([1, 2]), patch=st.sampled_from([2, 4]),
+       merge=st.sampled_from([1, 2]), positions_side=st.integers(2, 5), seed=st.integers(0, 3))
+def test_generated_shapes_through_the_converter(tmp_path_factory, depth, heads, patch, merge, positions_side, seed):
+    """Tower shapes drawn, converted by llama.cpp's converter (f32), give the folder encoder's embeddings."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("generated_qwen")
+    config = tiny_qwen3_5(depth=depth, num_heads=heads, patch_size=patch, spatial_merge_size=merge,
+                          num_position_embeddings=positions_side ** 2)
+    save_random_model(folder, config, seed=seed, model_class=transformers.Qwen3_5ForConditionalGeneration)
+    token_pixels = (patch * merge) ** 2
+    reference_processor(patch_size=patch, merge_size=merge, size={"shortest_edge": 8 * token_pixels,
+                                                                  "longest_edge": 4096 * token_pixels}
+                        ).save_pretrained(folder)
+    reference = load_qwen3_5_vision(folder)
+    vision = load_mmproj_qwen_vision(read_mmproj(convert_mmproj(folder, folder / "mmproj.gguf")), TOKEN_IDS)
+    assert vision.config == reference.config
+    image = picture(29 + seed * 7, 41, seed=seed)
+    pixel_values, grid = qwen_preprocess([image], vision.processing)
+    expected_values, expected_grid = qwen_preprocess([image], reference.processing)
+    assert torch.equal(grid, expected_grid) and torch.equal(pixel_values, expected_values)
+    [ours], [wanted] = vision.encode(pixel_values, grid), reference.encode(pixel_values, grid)
+    torch.testing.assert_close(ours, wanted, rtol=0, atol=2e-5)
