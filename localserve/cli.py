@@ -197,6 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     The default model is loaded before the port opens; the others when a request names them
     (server/registry/registry.py)."""
     settings = engine_config(args)  # a bad setting fails at once, before torch is imported
+    mmproj = mmproj_pair(args)
     import asyncio
     import signal
 
@@ -221,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  entry.files.path, ", ".join(entry.names), found.sampling_defaults[entry.id].describe())
     device, dtype = model_device_and_dtype(args)
     load = EngineLoader(settings, dtype, device, args.keep_quantized_weights,
-                        args.chat_template_file.read_text() if args.chat_template_file else None)
+                        args.chat_template_file.read_text() if args.chat_template_file else None, mmproj=mmproj)
     default = found.catalog.default
     models = ModelRegistry(found.catalog, load, found.sampling_defaults, policy, loaded={default.id: load(default)},
                            describe=load.describe)
@@ -251,6 +252,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         models.unload_all()
     return 0
+
+
+def mmproj_pair(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(the model's path, its mmproj) of `--mmproj`, which pairs with one `-m` .gguf file (ValueError
+    otherwise, before anything is loaded); None without the flag."""
+    if args.mmproj is None:
+        return None
+    if len(args.model) != 1:
+        raise ValueError(f"--mmproj pairs with one -m model (a .gguf file); {len(args.model)} given")
+    model = Path(args.model[0]).expanduser()
+    if model.suffix != ".gguf":
+        raise ValueError(f"--mmproj {args.mmproj}: pairs with a .gguf language model; -m {args.model[0]} is not one "
+                         f"(a checkpoint folder's vision weights load from the folder)")
+    if not args.mmproj.expanduser().is_file():
+        raise ValueError(f"--mmproj {args.mmproj}: no such file")
+    return model.resolve(), args.mmproj.expanduser()
 
 
 def server_config(args: argparse.Namespace):
@@ -344,6 +361,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("models", "several models served by name, loaded when a request names one")
     m.add_argument("--models-dir", type=Path, metavar="DIR",
                    help="serve every .gguf file and every HF folder (with a config.json) directly in DIR, besides -m")
+    m.add_argument("--mmproj", type=Path, metavar="FILE",
+                   help="llama.cpp's mmproj file (the vision tower and projector) of the one -m model, a .gguf: the "
+                        "model then takes images")
     m.add_argument("--default-model", metavar="NAME",
                    help="the model a request naming none (or 'default') gets, loaded at start (default: the first "
                         "-m, else the first model of --models-dir by name)")

@@ -22,6 +22,7 @@ from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import default_dtype, load_model, resolve_model_path
 from localserve.loading.image_encoders import load_image_encoder
+from localserve.loading.mmproj import mmproj_encoder_for, open_mmproj_for
 from localserve.models.vision.adapter import ImageEncoder
 from localserve.tokenizer.tokenizer import Tokenizer
 
@@ -64,14 +65,17 @@ class LLM:
     (SmolLM2-135M-Instruct). `keep_quantized_weights`: keep a .gguf's quantized weights in their blocks
     (None: on CUDA yes, on a CPU no; see loading/hf.py). `draft_model` (the same kinds of source): the
     draft model of speculative decoding (`EngineConfig.spec_type` "draft"), which must share the model's
-    tokenizer.
+    tokenizer. `mmproj`: llama.cpp's mmproj file of a .gguf model (its vision tower and projector,
+    loading/mmproj.py), whose encoder becomes `vision`.
     """
 
     def __init__(self, model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
                  offline: bool = False, engine_config: EngineConfig | None = None,
-                 keep_quantized_weights: bool | None = None, draft_model: str | None = None) -> None:
+                 keep_quantized_weights: bool | None = None, draft_model: str | None = None,
+                 mmproj: str | Path | None = None) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(model, offline=offline)
+        mmproj_file = open_mmproj_for(mmproj, path) if mmproj is not None else None  # refused before the load
         # The vision encoder (None: a text model, a .gguf, a checkpoint saved without its vision weights)
         self.vision: ImageEncoder | None = load_vision(path, dtype or default_dtype(device), device)
         loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights,
@@ -81,6 +85,9 @@ class LLM:
         if engine_config is not None:  # before a draft model is loaded for nothing
             check_speculation(loaded.config, engine_config.spec_type)
         self.tokenizer = read_tokenizer(path, loaded.gguf_reader)
+        if mmproj_file is not None:  # a .gguf's vision encoder, from its mmproj
+            self.vision = mmproj_encoder_for(mmproj_file, loaded, self.tokenizer, dtype or default_dtype(device),
+                                             device)
         draft = None
         if draft_model is not None:
             draft_path = resolve_model_path(draft_model, offline=offline)

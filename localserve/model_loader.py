@@ -61,7 +61,12 @@ def find_models(models: Sequence[str], models_dir: Path | None, *, default_name:
         path = resolve_model_path(model, offline=offline)
         found.append(read_model_files(path, requested_as=None if Path(model).expanduser().exists() else model))
     if models_dir is not None:
-        found += [read_model_files(path) for path in find_model_paths(models_dir)]
+        for files in map(read_model_files, find_model_paths(models_dir)):
+            if files.architecture == "clip":  # llama.cpp's mmproj files sit beside their models: not models
+                log.info("%s: an mmproj file (a vision encoder), not a model; --mmproj pairs it with its model",
+                         files.path)
+                continue
+            found.append(files)
     if not found:
         default_model_path = resolve_model_path(None, offline=offline)
         found.append(read_model_files(default_model_path))
@@ -172,13 +177,16 @@ class EngineLoader:
     device: str | None = None
     keep_quantized_weights: bool | None = None
     chat_template: str | None = None  # --chat-template-file's text, for every model
+    mmproj: tuple[Path, Path] | None = None  # --mmproj: (the .gguf model it pairs with, the mmproj file)
 
     def __call__(self, entry: ModelEntry) -> LoadedEngine:
         """Load `entry`'s model and start its engine thread (blocking: minutes for a big model)."""
         map_big_allocations_apart()
         try:
+            mmproj = self.mmproj[1] if self.mmproj and entry.files.path.resolve() == self.mmproj[0] else None
             llm = LLM(str(entry.files.path), dtype=self.dtype, device=self.device, offline=True,
-                      engine_config=self.engine_config, keep_quantized_weights=self.keep_quantized_weights)
+                      engine_config=self.engine_config, keep_quantized_weights=self.keep_quantized_weights,
+                      mmproj=mmproj)
         finally:
             keep_step_allocations_in_the_heap()
         if self.chat_template is not None:

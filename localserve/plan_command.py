@@ -36,6 +36,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-quantized-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="count a .gguf's quantized weights (and a folder's MXFP4 experts) at their stored "
                              "size, as the server keeps them on a GPU (default: on)")
+    parser.add_argument("--mmproj", metavar="FILE",
+                        help="the model's llama.cpp mmproj file: its vision encoder's weights count too (at 2 bytes "
+                             "a parameter, as the server holds them on a GPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("-np", "--parallel", type=int,
                         help=f"sequences at once: what a window or state group's pool is sized for (default "
@@ -63,6 +66,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                                           keep_quantized_weights=args.keep_quantized_weights)
     if args.weights:
         weight_bytes, weight_source = parse_size(args.weights), "given"
+    elif args.mmproj:
+        from localserve.loading.mmproj import mmproj_weight_bytes, read_mmproj
+
+        encoder_bytes = mmproj_weight_bytes(read_mmproj(args.mmproj))
+        weight_bytes += encoder_bytes
+        weight_source += f" + mmproj {human_size(encoder_bytes)}"
     if args.kv_budget:
         budget = parse_size(args.kv_budget)
         where = f"KV budget {human_size(budget)}"
