@@ -83,9 +83,9 @@ def test_a_cell_is_an_image_cell_when_a_selected_block_in_it_holds_image_tokens(
         assert grid.image[cell] == (image[blocks] & selected[blocks]).any()
 
 
-# r1's prompt: 40 text tokens, an image of 64 tokens (40..103), 10 more: blocks 2-6 of its table hold image tokens.
+# r1's prompt: 40 text tokens, an image of 64 tokens (40..103), 6 more: blocks 2-6 of its table hold image tokens.
 STATES = "u" * 8 + "." * 56
-R1 = request_entry("r1", "decode", [[7, 6, 5, 4, 3, 2, 1]], num_prompt_tokens=114, num_computed_prompt_tokens=114,
+R1 = request_entry("r1", "decode", [[7, 6, 5, 4, 3, 2, 1]], num_prompt_tokens=110, num_computed_prompt_tokens=110,
                    image_spans=[[40, 64]])
 R2 = request_entry("r2", "decode", [[0]])
 
