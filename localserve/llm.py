@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -15,7 +16,9 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
-from localserve.loading.hf import load_model, resolve_model_path
+from localserve.loading.hf import default_dtype, load_model, resolve_model_path
+from localserve.loading.image_encoders import load_image_encoder
+from localserve.models.vision.adapter import ImageEncoder
 from localserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,10 @@ class LLM:
                  keep_quantized_weights: bool | None = None, draft_model: str | None = None) -> None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = resolve_model_path(model, offline=offline)
-        loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights)
+        # The vision encoder (None: a text model, a .gguf, a checkpoint saved without its vision weights)
+        self.vision: ImageEncoder | None = load_vision(path, dtype or default_dtype(device), device)
+        loaded = load_model(path, dtype=dtype, device=device, keep_quantized_weights=keep_quantized_weights,
+                            loaded_apart=VISION_PARTS if self.vision is not None else ())
         self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
         if engine_config is not None:  # before a draft model is loaded for nothing
@@ -108,6 +114,20 @@ class LLM:
         ids = [self.engine.add_request(tokens, params) for tokens in token_lists]
         final = self.engine.run_to_completion()
         return [final[i] for i in ids]
+
+
+VISION_PARTS = ("vision tower", "multimodal projector")  # models/*.py's unloaded_parts that the encoder loads
+
+
+def load_vision(path: Path, dtype: torch.dtype, device: str) -> ImageEncoder | None:
+    """The image encoder of the checkpoint folder `path` (loading/image_encoders.py), or None."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return None
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    encoder = load_image_encoder(path, config, dtype, device) if isinstance(config, dict) else None
+    if encoder is not None:
+        log.info("%s: its vision encoder is loaded (%s): the model takes images", path.name, type(encoder).__name__)
+    return encoder
 
 
 def read_tokenizer(path: Path, gguf_reader=None) -> Tokenizer:

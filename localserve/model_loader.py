@@ -87,6 +87,7 @@ class LoadedEngine:
         self._llm: LLM | None = llm
         self.engine = EngineThread(llm.engine)
         self.tokenizer = llm.tokenizer
+        self.vision = llm.vision  # its image encoder, or None (a text model)
         self.card = ModelCard.read(llm.model_path, llm.model_config)
         self.engine.start()
 
@@ -106,7 +107,7 @@ class LoadedEngine:
         self.engine.stop()
         # Drop every reference this object holds; the registry drops this object itself.
         self.engine.engine = None
-        self._llm = None
+        self._llm = self.vision = None
         release_freed_memory()
         if not clean:
             raise RuntimeError(f"the KV pool of {self.name} was not clean when it was unloaded: {why}")

@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,11 +126,12 @@ def has_mxfp4_weights(folder: Path) -> bool:
 
 
 def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               keep_quantized_weights: bool | None = None) -> LoadedModel:
+               keep_quantized_weights: bool | None = None, loaded_apart: Collection[str] = ()) -> LoadedModel:
     """Load a Hugging Face folder or a .gguf file onto `device` in `dtype`.
 
     `keep_quantized_weights`: keep a GGUF's quantized linear and embedding weights in their blocks on the
-    device (None: `default_keep_quantized`); a model without any is loaded as usual.
+    device (None: `default_keep_quantized`); a model without any is loaded as usual. `loaded_apart`: parts of
+    the checkpoint that the caller loads itself (the vision encoder: localserve/llm.py), not logged as left out.
     """
     dtype = dtype or default_dtype(device)
     if keep_quantized_weights is None:
@@ -148,7 +149,7 @@ def load_model(path: Path, dtype: torch.dtype | None = None, device: torch.devic
         weights = iter_gguf_weights(path, config, gguf_reader, keep_quantized=keep_quantized_weights)
     else:
         weights = iter_safetensors_weights(path, config, keep_quantized=keep_quantized_weights)
-    for part in config.unloaded_parts:
+    for part in (part for part in config.unloaded_parts if part not in loaded_apart):
         log.info("%s: its %s is left unloaded (served as a text model)", path.name, part)
     _stream_weights(model, weights, dtype, device, source=path)
     model.init_rope(device)

@@ -11,12 +11,14 @@ from pathlib import Path
 import torch
 
 from localserve.models.vision.adapter import ImageEncoder
+from localserve.models.vision.gemma3_encoder import load_gemma3_encoder
 
 # A loader: (checkpoint folder, its config.json as a dict, dtype, device) -> the encoder, or None where the
 # folder holds no vision weights; raises ModelLoadError naming the file and the problem.
 EncoderLoader = Callable[[Path, dict, torch.dtype, torch.device | str], ImageEncoder | None]
 
 IMAGE_ENCODER_LOADERS: dict[str, EncoderLoader] = {}  # by architecture (config.json's "architectures"[0])
+IMAGE_ENCODER_LOADERS["Gemma3ForConditionalGeneration"] = load_gemma3_encoder
 
 
 def load_image_encoder(path: Path, config: dict, dtype: torch.dtype,

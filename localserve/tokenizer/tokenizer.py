@@ -159,28 +159,32 @@ class Tokenizer:
                                     tools=tools, special_tokens=self.special_tokens_map, **kwargs)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+                    tools: Sequence[Mapping[str, Any]] | None = None, *,
+                    expand: Callable[[str], str] | None = None, **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat; special tokens typed in the inputs stay plain text.
 
         Without such text this is `encode(apply_chat_template(...), add_special_tokens=False)`, exactly
         as transformers tokenizes a chat. Otherwise each typed occurrence becomes a private-use
         placeholder while rendering, so the special tokens in the rendered text are the template's own;
         the text between them is encoded with special-token matching off and the placeholders restored.
+        `expand` (the images' text: server/generation/image_prompt.py) is applied to the rendered text before
+        it is tokenized; it sees only the template's own special tokens (typed ones are placeholders then).
         """
+        expand = expand or _unchanged
         template = kwargs.pop("chat_template", None) or self.chat_template
         inputs = [list(messages), tools, kwargs]
         strings = _strings(inputs)
         if self._special_re is None or not any(self._special_re.search(s) for s in strings):
             text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template=template,
                                             **kwargs)
-            return self.encode(text, add_special_tokens=False)
+            return self.encode(expand(text), add_special_tokens=False)
         used = set("".join(strings)) | set(template or "")
         free = (chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in used)  # supplementary private use
         placeholders = {token: next(free) for token in self._special_added}
         restore = str.maketrans({char: token for token, char in placeholders.items()})
         marked = _map_strings(inputs, lambda s: self._special_re.sub(lambda m: placeholders[m.group()], s))
-        rendered = self.apply_chat_template(marked[0], add_generation_prompt, marked[1],
-                                            chat_template=template, **marked[2])
+        rendered = expand(self.apply_chat_template(marked[0], add_generation_prompt, marked[1],
+                                                   chat_template=template, **marked[2]))
         pieces = re.split(f"({self._special_re.pattern})", rendered)  # text, special, text, special, ...
         ids: list[int] = []
         for index, piece in enumerate(pieces):
@@ -213,6 +217,10 @@ class Tokenizer:
 
 
 # -------------------------------------------------------------------- helpers
+def _unchanged(text: str) -> str:
+    return text
+
+
 def _read_json(path: Path) -> dict:
     """A JSON object from `path`, or {} when the file is absent."""
     if not path.is_file():

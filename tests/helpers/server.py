@@ -85,7 +85,8 @@ def running_server(llm, engine_thread_type=None, model_alias=None, sampling_defa
     try:
         models = serving_loaded(engine_thread, llm.tokenizer, llm.model_config.name, alias=model_alias,
                                 sampling_defaults=sampling_defaults or LLAMA_CPP_DEFAULTS,
-                                card=ModelCard.read(llm.model_path, llm.model_config))
+                                card=ModelCard.read(llm.model_path, llm.model_config),
+                                vision=getattr(llm, "vision", None))
         server = BackgroundServer(LocalServer(models, ServerConfig(port=0, **config))).start()
         try:
             yield server

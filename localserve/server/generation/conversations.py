@@ -5,7 +5,8 @@ A response's conversation (the messages of every turn and its reply) is kept und
 response (`store` true, the default) can be continued from any connection; a `store: false` one
 belongs to the connection that made it: any other connection gets `previous_response_not_found`, and
 it is dropped when that connection closes. One LRU, bounded in conversations and in characters, holds
-both kinds; a conversation larger than the whole character budget is not kept at all.
+both kinds; a conversation larger than the whole character budget is not kept at all. The images a
+conversation keeps (server/generation/image_prompt.py) count by their files' bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from localserve.server.request.generation_request import Message, message_chars
+from localserve.server.request.generation_request import STORED_IMAGES, Message, message_chars
 
 Messages = list[Message]
 
@@ -23,6 +24,11 @@ class _Entry:
     messages: Messages
     num_chars: int
     owner: str | None  # the connection a store: false response belongs to; None when stored
+
+
+def image_bytes(messages: Messages) -> int:
+    """The bytes of the image files the messages keep (counted against the store's characters alike)."""
+    return sum(len(image.data) for message in messages for _, image in message.get(STORED_IMAGES, ()))
 
 
 class ConversationStore:
@@ -44,7 +50,7 @@ class ConversationStore:
 
     def put(self, response_id: str, messages: Messages, owner: str | None = None) -> bool:
         """Keep a conversation (`owner`: the connection of a store: false response); False if too large."""
-        num_chars = sum(message_chars(message) for message in messages)
+        num_chars = sum(message_chars(message) for message in messages) + image_bytes(messages)
         if num_chars > self.max_chars:
             return False
         self._entries[response_id] = _Entry(messages, num_chars, owner)

@@ -21,17 +21,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from localserve.engine.constraints import GrammarError
+from localserve.engine.multimodal import MultiModalInputs
 from localserve.engine.outputs import RequestOutput
 from localserve.loading.model_folder import ModelEntry
 from localserve.server.config import ServerConfig
 from localserve.server.generation.chat_turns import TurnPlan, plan_turn, resolve_tool_results
 from localserve.server.generation.conversations import ConversationStore
+from localserve.server.generation.image_prompt import ImagePrompt, conversation_images, keep_images, prepare_images
 from localserve.server.generation.stream import GenerationStream, new_id
 from localserve.server.monitor.metrics import ServerMetrics
 from localserve.server.registry.engine_access import on_event_loop
 from localserve.server.registry.registry import ModelLease, ModelRegistry
 from localserve.server.registry.served_model import ChatTokenizer, ServedModel
 from localserve.server.request.generation_request import GenerationRequest, Message, message_chars, template_view
+from localserve.server.request.images import with_image_parts
 from localserve.server.request.validation import ProtocolError
 from localserve.tokenizer.tools import ChatFormatError
 
@@ -98,7 +101,7 @@ class GenerationService:
     async def _submit(self, request: GenerationRequest, lease: ModelLease, conversation: list[Message],
                       owner: str | None, on_update: OnUpdate) -> _Run:
         model, tokenizer = lease.model, lease.tokenizer
-        prompt_ids, plan = await self._prompt(request, conversation, lease)
+        prompt_ids, plan, multimodal = await self._prompt(request, conversation, lease)
         params = request.sampling_params(model.sampling_defaults, self._max_tokens(request, model, len(prompt_ids)),
                                          **(self._engine_fields(request, plan) if request.generate else {}))
         stream = GenerationStream(request, params, new_id("resp"), model.served_name, len(prompt_ids),
@@ -109,7 +112,8 @@ class GenerationService:
         try:
             lease.engine.submit(prompt_ids, params,
                                 on_event_loop(loop, lambda output: self._on_output(run, output)),
-                                request_id=stream.response_id)
+                                request_id=stream.response_id,
+                                **({"multimodal": multimodal} if multimodal is not None else {}))
         except GrammarError as exc:  # only a turn's grammar reaches the engine
             field = plan.grammar_field if plan is not None else request.wire_name("output_format")
             raise ProtocolError("invalid_value", f"'{field}': {exc}", field) from None
@@ -123,19 +127,21 @@ class GenerationService:
         conversation = self._conversation(request, owner)
         lease = await self._acquire(entry)
         try:
-            prompt_ids, _ = await self._prompt(request, conversation, lease)
+            prompt_ids, _, _ = await self._prompt(request, conversation, lease)
         finally:
             lease.release()
         return len(prompt_ids)
 
     async def render_prompt(self, request: GenerationRequest, owner: str | None) -> str:
         """The text of `request`'s chat prompt as `start` renders it (tools and tool turns as the served model's
-        chat format writes them), without running it."""
+        chat format writes them), without running it. An image stands as the chat template writes it (its
+        family's marker, as transformers' apply_chat_template renders it), not as the image's tokens the
+        prompt holds in its place (Gemma 3's hundreds of soft tokens)."""
         entry = self.models.find(request.model)
         conversation = self._conversation(request, owner)
         lease = await self._acquire(entry)
         try:
-            lease.model.check_images(request)
+            self._check_images(request, conversation, lease)
             messages, template_inputs, _ = self._chat_inputs(request, conversation, lease)
             field = request.wire_name("input")
             try:
@@ -158,7 +164,8 @@ class GenerationService:
                                     "evicted, or a store: false response of another connection); send the "
                                     "whole conversation instead", "previous_response_id")
             history = found
-        conversation = history + request.input_messages
+        conversation = history + keep_images(request.input_messages, request.images if request.prompt is None
+                                             else ())
         limit = self.config.limits.max_conversation_chars
         num_chars = sum(message_chars(message) for message in conversation) + len(request.instructions or "")
         if num_chars > limit:
@@ -166,17 +173,36 @@ class GenerationService:
                                 f"most {limit} are accepted: start a new one", request.wire_name("input"))
         return conversation
 
-    async def _prompt(self, request: GenerationRequest, conversation: list[Message],
-                      lease: ModelLease) -> tuple[list[int], TurnPlan | None]:
-        """The prompt's token ids with the lease's tokenizer, and the chat turn's plan (None for a prompt
-        tokenized as it is)."""
-        lease.model.check_images(request)
+    async def _prompt(self, request: GenerationRequest, conversation: list[Message], lease: ModelLease
+                      ) -> tuple[list[int], TurnPlan | None, MultiModalInputs | None]:
+        """The prompt's token ids with the lease's tokenizer, the chat turn's plan (None for a prompt
+        tokenized as it is) and the prompt's images for the engine (None: none)."""
+        images = self._check_images(request, conversation, lease)
         if request.prompt is not None:
-            return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None
+            return await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input")), None, None
         messages, template_inputs, plan = self._chat_inputs(request, conversation, lease)
+        image_prompt = await prepare_images(lease.vision, images) if images else None
         # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
-        return await self._encode_chat(lease.tokenizer, messages, request.generate, request.wire_name("input"),
-                                       template_inputs), plan
+        prompt_ids = await self._encode_chat(lease.tokenizer, messages, request.generate, request.wire_name("input"),
+                                             template_inputs, image_prompt)
+        return prompt_ids, plan, image_prompt.multimodal(prompt_ids) if image_prompt is not None else None
+
+    @staticmethod
+    def _check_images(request: GenerationRequest, conversation: list[Message], lease: ModelLease) -> list:
+        """The conversation's images (the request's and those a stored conversation keeps), in prompt order;
+        a 400 for images to a model that takes none, and for images with a prompt tokenized as it is."""
+        lease.model.check_images(request)
+        if request.prompt is not None and request.images:
+            where = request.images[0].image.where
+            raise ProtocolError("invalid_prompt", f"'{where}': a raw prompt (tokenized as it is, without the chat "
+                                "template) cannot place images; send them with the chat template applied "
+                                "(Ollama: raw false)", where)
+        images = conversation_images(conversation) if request.prompt is None else []
+        if images and lease.vision is None:  # a stored conversation's images, continued on a text model
+            where = images[0].image.where
+            raise ProtocolError("model_takes_no_images", f"the conversation holds an image ('{where}' of an "
+                                f"earlier turn); model {lease.model.served_name!r} does not take images", "model")
+        return images
 
     @staticmethod
     def _chat_inputs(request: GenerationRequest, conversation: list[Message],
@@ -188,7 +214,8 @@ class GenerationService:
         resolve_tool_results(conversation, field)
         plan = plan_turn(request, lease.model.chat_format)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        messages = system + [template_view(message) for message in conversation]
+        messages = with_image_parts(system + [template_view(message) for message in conversation],
+                                    conversation_images(conversation), first=len(system))
         if plan.turn is None:
             return messages, {}, plan
         try:
@@ -234,11 +261,15 @@ class GenerationService:
 
     @staticmethod
     async def _encode_chat(tokenizer: ChatTokenizer, messages: list[Message], add_generation_prompt: bool,
-                           field: str, template_inputs: dict[str, Any]) -> list[int]:
-        """The prompt's ids: the messages rendered with the turn's tools and template variables."""
+                           field: str, template_inputs: dict[str, Any], images: ImagePrompt | None) -> list[int]:
+        """The prompt's ids: the messages rendered with the turn's tools and template variables, each image's
+        marker expanded into its tokens."""
+        expand = {"expand": images.expand} if images is not None else {}
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
             prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt,
-                                                 **template_inputs)
+                                                 **template_inputs, **expand)
+        except ProtocolError:  # the images' expansion: the template placed another number of images
+            raise
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}", field) from None

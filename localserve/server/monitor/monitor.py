@@ -29,6 +29,7 @@ from websockets.exceptions import ConnectionClosed
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
 from localserve.engine.snapshot import EngineSnapshot
+from localserve.models.vision.adapter import ImageEncoder
 from localserve.server.registry.engine_access import EngineAccess
 from localserve.server.registry.served_model import ServedModel
 from localserve.server.wire.closing import close_within
@@ -106,6 +107,7 @@ class ServingNow:
     engine: EngineAccess
     monitor_hub: MonitorHub
     monitor_hello: dict[str, Any]
+    vision: ImageEncoder | None = None  # the model's image encoder (models/vision/adapter.py), None: text only
 
 
 class MonitorSource(Protocol):

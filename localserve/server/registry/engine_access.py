@@ -33,7 +33,8 @@ class EngineAccess(Protocol):
     def submit(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
         """Queue a request (an embedding request with EmbeddingParams); raises ValueError at once if it can
-        never run."""
+        never run. A request with images also passes `multimodal=` (engine/multimodal.py's MultiModalInputs):
+        only then, so a test's engine may leave the keyword out."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step."""

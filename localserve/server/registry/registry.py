@@ -45,6 +45,7 @@ from localserve.loading.model_folder import (
     UnknownModelError,
 )
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
+from localserve.models.vision.adapter import ImageEncoder
 from localserve.server.monitor.monitor import MonitorHub, ServingNow, monitor_hello
 from localserve.server.registry.description import ModelDescribe, ModelDescriptions, ShownModel
 from localserve.server.registry.engine_access import EngineAccess, engine_result
@@ -60,6 +61,7 @@ class ModelInMemory(Protocol):
     engine: EngineAccess
     tokenizer: ChatTokenizer
     card: ModelCard  # its files and shape, for Ollama's and llama.cpp's model endpoints
+    # and `vision`, its image encoder (models/vision/adapter.py), where it has one (read with getattr: None)
 
     def unload(self) -> None:
         """Stop the engine thread and free the engine, its KV pool and the weights (blocking)."""
@@ -145,6 +147,7 @@ class ModelLease:
 
     def __init__(self, serving: ServingNow, tokenizer: ChatTokenizer, on_release: Callable[[], None]) -> None:
         self.model, self.engine, self.tokenizer = serving.model, serving.engine, tokenizer
+        self.vision: ImageEncoder | None = serving.vision  # the model's image encoder (None: text only)
         self._on_release: Callable[[], None] | None = on_release
 
     def release(self) -> None:
@@ -405,13 +408,13 @@ class ModelRegistry:
         self._advance()
 
     def _enter_loaded(self, model: _ModelRecord, loaded: ModelInMemory) -> None:
-        engine = loaded.engine
+        engine, vision = loaded.engine, getattr(loaded, "vision", None)
         served = ServedModel(model.entry.id, engine.facts.max_model_len, model.sampling_defaults,
-                             is_embedding=engine.facts.embedding is not None,
+                             is_embedding=engine.facts.embedding is not None, takes_images=vision is not None,
                              chat_format=model_chat_format(loaded.tokenizer), card=loaded.card)
         hub = MonitorHub(lambda after_seq: engine_result(engine.snapshot_and_events(after_seq)),
                          start_seq=engine.last_event_seq)
-        model.serving = ServingNow(served, engine, hub, monitor_hello(engine.facts, served.served_name))
+        model.serving = ServingNow(served, engine, hub, monitor_hello(engine.facts, served.served_name), vision)
         model.loaded, model.phase = loaded, _Phase.LOADED
         model.loaded_at = model.last_used = time.monotonic()
 
@@ -487,6 +490,7 @@ class HandedModel:
     engine: EngineAccess
     tokenizer: ChatTokenizer
     card: ModelCard = ModelCard()
+    vision: ImageEncoder | None = None
 
     def unload(self) -> None:
         """Nothing: the caller owns the engine thread."""
@@ -494,12 +498,13 @@ class HandedModel:
 
 def serving_loaded(engine: EngineAccess, tokenizer: ChatTokenizer, name: str, *, alias: str | None = None,
                    sampling_defaults: SamplingDefaults = LLAMA_CPP_DEFAULTS,
-                   card: ModelCard | None = None) -> ModelRegistry:
-    """A registry of one model loaded by the caller (answering to `name`, and `alias` first): never unloaded."""
+                   card: ModelCard | None = None, vision: ImageEncoder | None = None) -> ModelRegistry:
+    """A registry of one model loaded by the caller (answering to `name`, and `alias` first): never unloaded.
+    `vision`: its image encoder (LLM.vision), where it takes images."""
     catalog = ModelCatalog([ModelFiles(None, name, ())], alias=alias)
     model_id = catalog.default.id
     return ModelRegistry(catalog, None, {model_id: sampling_defaults},
-                         loaded={model_id: HandedModel(engine, tokenizer, card or ModelCard())})
+                         loaded={model_id: HandedModel(engine, tokenizer, card or ModelCard(), vision)})
 
 
 def model_shape(card: ModelCard | None) -> dict[str, Any]:

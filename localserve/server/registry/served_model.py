@@ -25,7 +25,8 @@ class ChatTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> list[int]: ...
+                    tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> list[int]:
+        """(`expand=`, a function of the rendered text, is passed only with images: a test's tokenizer may lack it.)"""
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str: ...
@@ -43,7 +44,7 @@ class ServedModel:
     max_model_len: int
     sampling_defaults: SamplingDefaults  # what a request leaves out (the model's generation_config.json, ...)
     is_embedding: bool = False  # an embedding model (EngineFacts.embedding): /v1/embeddings, no text generation
-    takes_images: bool = False  # it sees images (a vision model with its encoder loaded); no model does yet
+    takes_images: bool = False  # it sees images: its vision encoder is loaded (ModelLease.vision)
     chat_format: ChatFormat | None = None
     card: ModelCard = ModelCard()
 

@@ -37,6 +37,10 @@ Message = dict[str, Any]
 # own text: its arguments join the message's content, and its id is kept under this key so that a tool result
 # may still answer it; the key never reaches a chat template (`template_view`).
 UNFINISHED_CALL_IDS = "unfinished_call_ids"
+# A stored conversation's message keeps its images under this key ((offset in its content, ImageInput), ...:
+# server/generation/image_prompt.py), so a follow-up's prompt holds them again; never shown to a template.
+STORED_IMAGES = "stored_images"
+BOOKKEEPING_KEYS = (UNFINISHED_CALL_IDS, STORED_IMAGES)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -50,9 +54,9 @@ def is_json_object(text: str) -> bool:
 
 def template_view(message: Message) -> Message:
     """The message as a chat template is handed it (without this server's bookkeeping)."""
-    if UNFINISHED_CALL_IDS not in message:
+    if not any(key in message for key in BOOKKEEPING_KEYS):
         return message
-    return {key: value for key, value in message.items() if key != UNFINISHED_CALL_IDS}
+    return {key: value for key, value in message.items() if key not in BOOKKEEPING_KEYS}
 
 
 def message_chars(message: Message) -> int:

@@ -72,6 +72,14 @@ class ImageInput:
     sha256: bytes  # of the decoded RGB pixels and the size, not of the file: the same picture re-encoded hits
     where: str  # the part's JSON path, e.g. "messages[1].content[0]"
 
+    def picture(self) -> Image.Image:
+        """The picture's first frame as decoded, in its own mode (not converted): a model's preprocessing makes it
+        RGB as its processor does (transparency over white)."""
+        with Image.open(io.BytesIO(self.data)) as image:
+            image.seek(0)
+            image.load()
+            return image.copy()  # the file closes with the block; the copy keeps its pixels, palette and info
+
     def rgb(self) -> Image.Image:
         """The picture as RGB pixels (its first frame), for a model's preprocessing."""
         with Image.open(io.BytesIO(self.data)) as image:
