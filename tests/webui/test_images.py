@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import random
 
 import pytest
 from localserve.tui.block_map import COLOURS, IMAGE_COLOUR, SELECTED_COLOUR
@@ -214,3 +215,20 @@ def test_the_block_view_marks_the_blocks_that_hold_image_tokens(page, server):
     drawn = page.evaluate(READ_CELLS)
     assert IMAGE_COLOUR not in drawn["colours"] and "image" not in drawn["legend"]
     assert page.log.console_errors == []
+
+
+def test_images_over_the_browsers_storage_are_not_kept_but_the_conversation_is(page, server):
+    seeing(page)
+    open_page(page, server.port)
+    noise = [b"\x89PNG\r\n\x1a\n" + random.Random(seed).randbytes(3 * MIB) for seed in range(3)]
+    for index, data in enumerate(noise):
+        attach(page, f"big{index}.png", data)
+    page.wait_for_function("() => document.querySelectorAll('#attachments img').length === 3")
+    send(page, "three big pictures")  # 12 MiB of data URLs: more than a browser keeps for a page
+    page.wait_for_selector(".message.assistant .error")  # the server cannot read them: a 400
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.inner_text(".message.user .text") == "three big pictures"
+    notes = page.locator(".message.user .images .dropped").all_inner_texts()
+    assert notes == [f"big{index}.png (not kept: browser storage full)" for index in range(3)]
+    assert page.locator(".message.assistant .error").count() == 1

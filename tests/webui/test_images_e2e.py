@@ -2,7 +2,8 @@
 and projector, tests/helpers/vision_models.py) shows the attach button by itself (its /v1/models entry takes
 images); the page attaches a PNG drawn with Pillow, shows it, sends it and gets a reply: the same greedy text
 the `openai` SDK gets for the same request; the monitor frames the page received while it ran carry the
-request's image span (one image of the model's tokens per image)."""
+request's image span (one image of the model's tokens per image). With a folder of a text model and a model that
+sees, the attach button follows the model picked, and shows for the model that sees once it is loaded."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from tests.helpers.browser import slowed
 from tests.helpers.pictures import picture
-from tests.helpers.server import make_llm, openai_client, running_server
+from tests.helpers.server import make_llm, openai_client, running_models_server, running_server
 from tests.helpers.vision_models import write_tiny_gemma3_vision
 from tests.helpers.webui_page import open_page, send, set_settings, wait_reply_done
 
@@ -67,4 +68,31 @@ def test_the_page_attaches_an_image_shows_it_and_gets_the_sdks_reply(page, serve
     spans = [request["image_spans"] for frame in frames if frame.get("type") == "monitor.snapshot"
              for request in frame["requests"]]
     assert spans and all(len(found) == 1 and found[0][1] == MM_TOKENS for found in spans), spans
+    assert page.log.console_errors == []
+
+
+@pytest.fixture(scope="module")
+def models_server(tmp_path_factory, tiny_chat_model_dir):
+    """A server of a folder of two models: a-text (the tiny text model, loaded at start) and b-sees (a tiny Gemma 3
+    with its image encoder, unloaded until asked for)."""
+    folder = tmp_path_factory.mktemp("models")
+    (folder / "a-text").symlink_to(tiny_chat_model_dir, target_is_directory=True)
+    write_tiny_gemma3_vision(folder / "b-sees", seed=3, mm_tokens_per_image=MM_TOKENS)
+    with running_models_server(folder, monitor_interval_s=0.1) as background:
+        yield background
+
+
+def test_the_attach_button_follows_the_model_picked_and_shows_once_a_model_that_sees_is_loaded(page, models_server):
+    open_page(page, models_server.port)
+    set_settings(page, {"temperature": "0", "max_tokens": "4"})
+    assert page.input_value("#settings-fields [name=model]") == "a-text" and page.is_hidden("#attach")
+    page.select_option("#settings-fields [name=model]", "b-sees")
+    assert page.is_hidden("#attach")  # not loaded yet: whether it sees is not known
+    send(page, "hello")
+    wait_reply_done(page)  # the reply loaded it: the page reads /v1/models again
+    page.wait_for_selector("#attach:not([hidden])")
+    page.select_option("#settings-fields [name=model]", "a-text")
+    page.wait_for_selector("#attach", state="hidden")
+    page.select_option("#settings-fields [name=model]", "b-sees")
+    page.wait_for_selector("#attach:not([hidden])")
     assert page.log.console_errors == []
