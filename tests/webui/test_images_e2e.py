@@ -18,6 +18,7 @@ from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, openai_client, running_models_server, running_server
 from tests.helpers.vision_models import write_tiny_gemma3_vision
 from tests.helpers.webui_page import open_page, send, set_settings, wait_reply_done
+from tests.webui.test_images import DROP_OR_PASTE
 
 STEP_DELAY_S = 0.05  # a reply spans a few monitor frames
 NUM_TOKENS = 8
@@ -88,6 +89,9 @@ def test_the_attach_button_follows_the_model_picked_and_shows_once_a_model_that_
     assert page.input_value("#settings-fields [name=model]") == "a-text" and page.is_hidden("#attach")
     page.select_option("#settings-fields [name=model]", "b-sees")
     assert page.is_hidden("#attach")  # not loaded yet: whether it sees is not known
+    page.evaluate(DROP_OR_PASTE, ["drop", list(b"\x89PNG"), "shot.png"])
+    page.wait_for_selector("#attach-error:not([hidden])")
+    assert page.inner_text("#attach-error").startswith("b-sees is not loaded yet")
     send(page, "hello")
     wait_reply_done(page)  # the reply loaded it: the page reads /v1/models again
     page.wait_for_selector("#attach:not([hidden])")

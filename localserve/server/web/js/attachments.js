@@ -81,10 +81,12 @@ export class Attachments {
     this.draw();
   }
 
-  /** Show the attach button when the chosen model takes images (/v1/models `takes_images`). */
+  /** Show the attach button when the chosen model takes images (/v1/models `takes_images`: null while it is not
+   * loaded, when that is not known yet). */
   showFor(model) {
     this.takesImages = model?.takes_images === true;
-    this.modelId = model?.id ?? "this model";
+    this.refusedWhy = model?.takes_images === false ? `${model.id} does not take images: pick a model that does (Settings)`
+      : `${model?.id ?? "the model"} is not loaded yet, so whether it takes images is not known: send a message to load it`;
     this.button.hidden = !this.takesImages;
   }
 
@@ -92,7 +94,7 @@ export class Attachments {
   async add(files) {
     this.showError(null);
     if (!this.takesImages) {
-      this.showError(`${this.modelId} does not take images: pick a model that does (Settings)`);
+      this.showError(this.refusedWhy);
       return;
     }
     for (const file of files) {
