@@ -55,14 +55,21 @@ class Gemma3:
     def reference(self, content: list[dict], num_tokens: int = NUM_TOKENS) -> str:
         """transformers' greedy answer to one user message of `content` (parts in transformers' form: text, and
         image parts holding the file's bytes)."""
+        return self.reference_with_logprobs(content, num_tokens)[0]
+
+    def reference_with_logprobs(self, content: list[dict], num_tokens: int = NUM_TOKENS) -> tuple[str, list[float]]:
+        """`reference`'s answer and the log-probability of each of its tokens."""
         parts = [{"type": "image", "image": Image.open(io.BytesIO(part["data"]))} if part["type"] == "image"
                  else part for part in content]
         inputs = self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=True,
                                                     return_dict=True, add_generation_prompt=True,
                                                     return_tensors="pt")
         with torch.no_grad():
-            out = self.hf_model.generate(**inputs, max_new_tokens=num_tokens, do_sample=False)
-        return self.processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = self.hf_model.generate(**inputs, max_new_tokens=num_tokens, do_sample=False, output_logits=True,
+                                         return_dict_in_generate=True)
+        new = out.sequences[0, inputs["input_ids"].shape[1]:]
+        logprobs = [float(torch.log_softmax(logits[0].double(), -1)[token]) for logits, token in zip(out.logits, new)]
+        return self.processor.decode(new, skip_special_tokens=True), logprobs
 
 
 @pytest.fixture(scope="module", params=[1, pytest.param(4, marks=AWAITS_MASK)], ids=["1-token", "4-tokens"])
@@ -76,12 +83,16 @@ def gemma3(request, tmp_path_factory):
 
 
 def test_openai_chat_and_responses_answer_as_transformers(gemma3):
-    expected = gemma3.reference([{"type": "text", "text": QUESTION}, {"type": "image", "data": PICTURE}])
+    expected, logprobs = gemma3.reference_with_logprobs([{"type": "text", "text": QUESTION},
+                                                         {"type": "image", "data": PICTURE}])
     with openai.OpenAI(base_url=f"http://127.0.0.1:{gemma3.server.port}/v1", api_key="-", max_retries=0) as client:
-        chat = client.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                         {"type": "image_url", "image_url": {"url": data_url(PICTURE)}}]}])
+        chat = client.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, logprobs=True,
+                                              messages=[{"role": "user", "content": [
+                                                  {"type": "text", "text": QUESTION},
+                                                  {"type": "image_url", "image_url": {"url": data_url(PICTURE)}}]}])
         assert chat.choices[0].message.content == expected
+        ours = [token.logprob for token in chat.choices[0].logprobs.content]
+        assert len(ours) == len(logprobs) and max(abs(a - b) for a, b in zip(ours, logprobs)) < 1e-3, (ours, logprobs)
         response = client.responses.create(model="served", max_output_tokens=NUM_TOKENS, temperature=0, input=[
             {"role": "user", "content": [{"type": "input_text", "text": QUESTION},
                                          {"type": "input_image", "image_url": data_url(PICTURE), "detail": "auto"}]}])
@@ -98,10 +109,9 @@ def test_ollama_and_anthropic_answer_as_transformers(gemma3):
     with anthropic.Anthropic(base_url=f"http://127.0.0.1:{gemma3.server.port}", api_key="-",
                              max_retries=0) as client:
         # the SDK 2.x has no sampling arguments: temperature goes as extra_body, as older clients send it
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(PICTURE).decode()}}
         message = client.messages.create(model="served", max_tokens=NUM_TOKENS, extra_body={"temperature": 0},
-                                         messages=[
-            {"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": base64.b64encode(PICTURE).decode()}},
-                {"type": "text", "text": QUESTION}]}])
+                                         messages=[{"role": "user", "content": [image, {"type": "text",
+                                                                                       "text": QUESTION}]}])
     assert "".join(block.text for block in message.content if block.type == "text") == expected
