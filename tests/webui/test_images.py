@@ -215,7 +215,8 @@ def test_the_block_view_marks_the_blocks_that_hold_image_tokens(page, server):
     sockets[0].send(json.dumps(hello_frame(32)))
     sockets[0].send(json.dumps(snapshot_frame(STATES, requests=[R1, R2])))
     page.wait_for_selector("#slots tbody tr[data-label=r1]")
-    assert page.locator("#slots tbody tr[data-label=r1] td").nth(1).inner_text() == "decode [1 image]"
+    state = page.locator("#slots tbody tr[data-label=r1] td").nth(1)
+    assert state.inner_text() == "decode ▣1" and state.get_attribute("title") == "1 image"
     assert page.locator("#slots tbody tr[data-label=r2] td").nth(1).inner_text() == "decode"
     page.click("#slots tbody tr[data-label=r1]")
     drawn = page.evaluate(READ_CELLS)

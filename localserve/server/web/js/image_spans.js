@@ -27,8 +27,8 @@ export function imageBlocks(request, blockSize) {
   return [...blocks];
 }
 
-/** The slots table's mark for a request with images ("1 image", "3 images"), or "" without. */
-export function imageMark(request) {
+/** How many images a request's prompt holds, in words ("1 image", "3 images"), or "" for none. */
+export function imageCount(request) {
   const count = (request.image_spans ?? []).length;
   return count ? `${count} image${count > 1 ? "s" : ""}` : "";
 }

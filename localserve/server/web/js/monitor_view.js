@@ -7,7 +7,7 @@ import {
 } from "./block_states.js";
 import { clockTime, el, formatCount, replaceChildren } from "./dom.js";
 import { FeedHistory, WINDOW_S } from "./history.js";
-import { imageBlocks, imageMark } from "./image_spans.js";
+import { imageBlocks, imageCount } from "./image_spans.js";
 import { describeSwitch } from "./monitor_feed.js";
 import { Trends } from "./trends.js";
 
@@ -215,14 +215,16 @@ export class MonitorView {
       }
       const prompt = request.state === "prefill"
         ? `${request.num_computed_prompt_tokens}/${request.num_prompt_tokens}` : String(request.num_prompt_tokens);
-      const mark = imageMark(request);
-      const texts = [request.label, mark ? `${request.state} [${mark}]` : request.state, prompt, String(request.num_output_tokens), String(request.num_seqs),
+      const images = imageCount(request); // marked ▣N (the map's image glyph in the TUI), in words on hover
+      const texts = [request.label, images ? `${request.state} ▣${request.image_spans.length}` : request.state, prompt, String(request.num_output_tokens), String(request.num_seqs),
         String(request.num_cached_tokens), String(request.num_preemptions), request.tokens_per_s.toFixed(1),
         String(this.countBlocks(request.block_tables))];
       texts.forEach((text, index) => {
         const cell = row.cells[index];
         if (cell.textContent !== text) cell.textContent = text;
       });
+      if (images) row.cells[1].title = images;
+      else row.cells[1].removeAttribute("title");
       row.classList.toggle("selected", request.label === this.selectedLabel);
       return row;
     });
