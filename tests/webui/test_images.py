@@ -1,8 +1,8 @@
 """Images on the web page, in a real Chromium against a real server on the tiny text model: the attach
 button is hidden for a model that takes no images and shown for one that does (the /v1/models list the
 page reads, rewritten by the test, says which; the picker switches); a PNG picked, dropped or pasted is shown
-as a removable thumbnail, checked against the server's default bounds (at each bound and one past) with a
-clear message, sent as an OpenAI `image_url` data-URL part (the request body Chromium sends holds the same
+as a removable thumbnail, checked against the server's default bounds (type, bytes, pixels, images and bytes a
+request: at each bound and one past) and read as a picture by the browser, with a clear message, sent as an OpenAI `image_url` data-URL part (the request body Chromium sends holds the same
 bytes), kept in the conversation across a reload, and the server's 400 (this model takes no images) is
 shown in the conversation. The block view: fed monitor frames with a request's `image_spans`, the page
 draws the selected request's blocks that hold image tokens in their own colour, with a legend entry."""
@@ -17,6 +17,7 @@ import random
 import pytest
 from localserve.tui.block_map import COLOURS, IMAGE_COLOUR, SELECTED_COLOUR
 from localserve.tui.feed import BlockState
+from PIL import Image
 from playwright.sync_api import Error as PlaywrightError
 
 from localserve.server.request.images import MEDIA_TYPES, ImageBounds
@@ -164,12 +165,26 @@ def test_files_the_server_would_refuse_are_refused_with_a_clear_message(page, se
     attach(page, "big.png", b"\x89PNG" + b"\0" * (10 * MIB - 3))
     page.wait_for_function("() => document.querySelector('#attach-error').textContent.includes('big.png')")
     assert page.inner_text("#attach-error") == '"big.png" is 10.0 MiB: an image may be 10.0 MiB at most'
+    attach(page, "broken.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    page.wait_for_function("() => document.querySelector('#attach-error').textContent.includes('broken.png')")
+    assert page.inner_text("#attach-error") == \
+        '"broken.png" could not be read: it is not a picture the browser can read'
+    for width, height in ((8192, 4096), (8193, 4096)):  # 2 ** 25 pixels, and one column more
+        data = io.BytesIO()
+        Image.new("L", (width, height)).save(data, format="PNG")
+        attach(page, f"{width}.png", data.getvalue())
+        if width == 8192:
+            page.wait_for_selector("#attachments img")
+            page.click("#attachments .remove")
+    page.wait_for_function("() => document.querySelector('#attach-error').textContent.includes('8193.png')")
+    assert page.inner_text("#attach-error") == \
+        '"8193.png" is 8193×4096 pixels: an image may have 33,554,432 pixels at most'
     assert page.locator("#attachments img").count() == 0
 
 
 BOUNDS = """async (cases) => {
   const module = await import('/webui/js/attachments.js');
-  return { bounds: [module.MAX_IMAGE_BYTES, module.MAX_REQUEST_IMAGE_BYTES, module.MAX_IMAGES],
+  return { bounds: [module.MAX_IMAGE_BYTES, module.MAX_REQUEST_IMAGE_BYTES, module.MAX_IMAGES, module.MAX_IMAGE_PIXELS],
     types: Object.keys(module.IMAGE_TYPES).sort(),
     results: cases.map(([type, size, count, bytes]) => module.refusal({ name: 'x.png', type, size }, count, bytes)) };
 }"""
@@ -183,8 +198,8 @@ def test_the_pages_bounds_are_the_servers_and_hold_at_the_limit_and_one_past(pag
              ("image/svg+xml", 1, 0, 0), ("", 1, 0, 0)]
     checked = page.evaluate(BOUNDS, [list(case) for case in cases])
     bounds = ImageBounds()  # the server's defaults
-    assert checked["bounds"] == [bounds.max_bytes, bounds.max_total_bytes, bounds.max_images]
-    assert checked["bounds"] == [10 * MIB, 20 * MIB, 16]
+    assert checked["bounds"] == [bounds.max_bytes, bounds.max_total_bytes, bounds.max_images, bounds.max_pixels]
+    assert checked["bounds"] == [10 * MIB, 20 * MIB, 16, 2 ** 25]
     assert checked["types"] == sorted(MEDIA_TYPES)
     results = checked["results"]
     assert results[0] is None and results[2] is None and results[4] is None
@@ -240,12 +255,16 @@ def test_the_block_view_marks_the_blocks_that_hold_image_tokens(page, server):
 def test_images_over_the_browsers_storage_are_not_kept_but_the_conversation_is(page, server):
     seeing(page)
     open_page(page, server.port)
-    noise = [b"\x89PNG\r\n\x1a\n" + random.Random(seed).randbytes(3 * MIB) for seed in range(3)]
+    noise = []
+    for seed in range(3):  # noise does not compress: 3 MiB files
+        data = io.BytesIO()
+        Image.frombytes("RGB", (1024, 1024), random.Random(seed).randbytes(3 * MIB)).save(data, format="PNG")
+        noise.append(data.getvalue())
     for index, data in enumerate(noise):
         attach(page, f"big{index}.png", data)
     page.wait_for_function("() => document.querySelectorAll('#attachments img').length === 3")
     send(page, "three big pictures")  # 12 MiB of data URLs: more than a browser keeps for a page
-    page.wait_for_selector(".message.assistant .error")  # the server cannot read them: a 400
+    page.wait_for_selector(".message.assistant .error")  # the text model takes no images: a 400
     page.reload()
     page.wait_for_selector("body[data-ready=true]")
     assert page.inner_text(".message.user .text") == "three big pictures"

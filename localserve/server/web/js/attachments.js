@@ -1,7 +1,8 @@
 // Images attached to the next message: picked with the attach button (a file picker), dropped on the composer
 // or pasted into the message box. Each is read as a data URL (the form OpenAI's `image_url` parts take, and the
 // one the Content-Security-Policy lets an <img> show), shown as a removable thumbnail until the message is sent,
-// and checked here against the server's default bounds (server/request/images.py ImageBounds) so a file the
+// and checked here (its type, size and pixels, and that the browser can read it as a picture) against the
+// server's default bounds (server/request/images.py ImageBounds) so a file the
 // server would refuse is refused at once with a clear message; a server started with other bounds still
 // answers a 400, which the conversation shows.
 
@@ -11,6 +12,7 @@ export const IMAGE_TYPES = { "image/png": "PNG", "image/jpeg": "JPEG", "image/we
 export const MAX_IMAGE_BYTES = 10 * 2 ** 20; // one image's file (--max-image-bytes)
 export const MAX_REQUEST_IMAGE_BYTES = 20 * 2 ** 20; // every image of a request together (--max-request-image-bytes)
 export const MAX_IMAGES = 16; // images in one request (--max-images)
+export const MAX_IMAGE_PIXELS = 2 ** 25; // width x height of one image (--max-image-pixels)
 
 const MIB = 2 ** 20;
 
@@ -25,6 +27,22 @@ function readDataUrl(file) {
     reader.onerror = () => reject(reader.error ?? new Error("the file could not be read"));
     reader.readAsDataURL(file);
   });
+}
+
+/** The picture's width and height as the browser reads them, or an error when it cannot read it as an image. */
+function pictureSize(url) {
+  return new Promise((resolve, reject) => {
+    const image = new Image();
+    image.onload = () => resolve([image.naturalWidth, image.naturalHeight]);
+    image.onerror = () => reject(new Error("it is not a picture the browser can read"));
+    image.src = url;
+  });
+}
+
+/** Why a picture of `width` x `height` cannot go, or null. */
+export function pixelRefusal(name, width, height) {
+  if (width * height <= MAX_IMAGE_PIXELS) return null;
+  return `"${name}" is ${width}×${height} pixels: an image may have ${MAX_IMAGE_PIXELS.toLocaleString("en-US")} pixels at most`;
 }
 
 /** Why `file` cannot go with a request that already carries `count` images of `bytes` bytes, or null. */
@@ -104,11 +122,17 @@ export class Attachments {
         this.showError(why);
         break;
       }
+      const name = file.name || "pasted image";
       try {
-        this.images.push({ url: await readDataUrl(file), name: file.name || "pasted image", type: file.type,
-          bytes: file.size });
+        const url = await readDataUrl(file);
+        const tooLarge = pixelRefusal(name, ...await pictureSize(url));
+        if (tooLarge) {
+          this.showError(tooLarge);
+          break;
+        }
+        this.images.push({ url, name, type: file.type, bytes: file.size });
       } catch (error) {
-        this.showError(`"${file.name}" could not be read: ${error.message}`);
+        this.showError(`"${name}" could not be read: ${error.message}`);
         break;
       }
       this.draw();
