@@ -2,10 +2,12 @@
 button is hidden for a model that takes no images and shown for one that does (the /v1/models list the
 page reads, rewritten by the test, says which; the picker switches); a PNG picked, dropped or pasted is shown
 as a removable thumbnail, checked against the server's default bounds (type, bytes, pixels, images and bytes a
-request: at each bound and one past) and read as a picture by the browser, with a clear message, sent as an OpenAI `image_url` data-URL part (the request body Chromium sends holds the same
-bytes), kept in the conversation across a reload, and the server's 400 (this model takes no images) is
-shown in the conversation. The block view: fed monitor frames with a request's `image_spans`, the page
-draws the selected request's blocks that hold image tokens in their own colour, with a legend entry."""
+request: at each bound and one past) and read as a picture by the browser, with a clear message; sent as an
+OpenAI `image_url` data-URL part (the request body Chromium sends holds the same bytes), kept in the
+conversation across a reload (without its pixels when the browser's storage is full), kept by an edit; the
+server's 400 (this model takes no images) is shown in the conversation. The block view: fed monitor frames
+with a request's `image_spans`, the page draws the selected request's blocks that hold image tokens in their
+own colour, with a legend entry, a mark in the slots table and the hover line."""
 
 from __future__ import annotations
 
@@ -132,6 +134,14 @@ def test_an_image_dropped_or_pasted_on_the_message_box_is_attached(page, server,
     assert page.evaluate(DROP_OR_PASTE, [kind, list(data), "shot.png"]) is True  # taken, not typed in
     page.wait_for_function("() => document.querySelectorAll('#attachments img').length === 1")
     assert thumbnails(page) == [data] and page.input_value("#prompt") == ""
+    if kind == "paste":  # pasted text is left to the browser
+        assert page.evaluate("""() => {
+          const transfer = new DataTransfer();
+          transfer.setData('text/plain', 'some text');
+          const event = new ClipboardEvent('paste', { bubbles: true, cancelable: true, clipboardData: transfer });
+          document.querySelector('#prompt').dispatchEvent(event);
+          return event.defaultPrevented;
+        }""") is False
     bodies = []
     page.on("request", lambda request: bodies.append(request.post_data_json)
             if request.url.endswith("/v1/chat/completions") else None)
