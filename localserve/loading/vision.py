@@ -67,6 +67,19 @@ def _vision_tensors(folder: Path, target: Callable[[str], str | None]) -> Iterat
             raise VisionLoadError(f"{file}: unreadable safetensors file ({exc})") from None
 
 
+def has_vision_tensors(folder: Path, target: Callable[[str], str | None]) -> bool:
+    """Whether the folder's shards hold any vision tensor (`target`: a checkpoint name -> ours, None: not one);
+    only their headers are read."""
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(file, framework="pt") as shard:
+                if any(target(name) is not None for name in shard.keys()):  # noqa: SIM118 - not a dict
+                    return True
+        except (SafetensorError, OSError) as exc:
+            raise VisionLoadError(f"{file}: unreadable safetensors file ({exc})") from None
+    return False
+
+
 def load_vision_weights(model: torch.nn.Module, folder: Path, target: Callable[[str], str | None],
                         size_note: str) -> None:
     """Read every vision tensor of `folder` (`target`: a checkpoint name -> ours, None: not a vision tensor)

@@ -94,13 +94,14 @@ def check_sliding_window(config: dict, mm_tokens_per_image: int, source: str) ->
 
 def load_gemma3_encoder(path: Path, config: dict, dtype: torch.dtype,
                         device: torch.device | str) -> ImageEncoder | None:
-    """The encoder of a Gemma3ForConditionalGeneration folder; None where its config has no vision_config (a
-    text-only save)."""
+    """The encoder of a Gemma3ForConditionalGeneration folder; None where its config has no vision_config or its
+    shards no vision tensor (a text-only save: served as text)."""
     from localserve.models.vision.config import gemma3_vision_config
+    from localserve.models.vision.gemma3_vision import checkpoint_target
 
-    from localserve.loading.vision import load_gemma_vision
+    from localserve.loading.vision import has_vision_tensors, load_gemma_vision
 
-    if config.get("vision_config") is None:
+    if config.get("vision_config") is None or not has_vision_tensors(path, checkpoint_target):
         return None
     source = str(path / "config.json")
     check_sliding_window(config, gemma3_vision_config(config, source).mm_tokens_per_image, source)

@@ -9,6 +9,8 @@ no Gemma 3's. An image part renders `<start_of_image>`.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -54,7 +56,7 @@ def write_gemma3_tokenizer(folder: Path) -> None:
     backend = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, [], unk_token="<unk>",
                                    fuse_unk=True))
     backend.normalizer = normalizers.Replace(" ", "▁")
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
                                 for token in SPECIALS + TURN_TOKENS + list(IMAGE_TOKENS.values())])
     backend.save(str(folder / "tokenizer.json"))
@@ -84,6 +86,18 @@ def write_tiny_gemma3_vision(folder: Path, seed: int = 0, **config) -> Path:
     (folder / "processor_config.json").write_text(json.dumps({
         "processor_class": "Gemma3Processor", "image_seq_length": hf_config.mm_tokens_per_image}))
     return folder
+
+
+def png_file(image) -> bytes:
+    """A Pillow picture as the PNG file a client would send."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    """A PNG file as an OpenAI `image_url` data URL."""
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def reference_processor(folder: Path):

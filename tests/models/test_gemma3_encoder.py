@@ -126,3 +126,20 @@ def test_encode_chat_expands_the_rendered_text_in_both_paths(folder):
         ids = tokenizer.encode_chat([{"role": "user", "content": typed}], expand=expand)
         assert tokenizer.decode(ids, skip_special_tokens=False).count("dog") == 1
     assert seen[0].count("<end_of_turn>") == seen[1].count("<end_of_turn>") == 1  # typed: a placeholder then
+
+
+def test_a_save_without_its_vision_tensors_is_served_as_text(folder, tmp_path, caplog):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from localserve.llm import LLM
+
+    shutil.copytree(folder, tmp_path / "text", ignore=shutil.ignore_patterns("*.safetensors*"))
+    [shard] = folder.glob("*.safetensors")
+    tensors = {name: tensor for name, tensor in load_file(shard).items() if "vision" not in name
+               and "multi_modal_projector" not in name}
+    save_file(tensors, tmp_path / "text" / shard.name, metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(tmp_path / "text"), device="cpu")
+    assert llm.vision is None and "its vision tower is left unloaded" in caplog.text

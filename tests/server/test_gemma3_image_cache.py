@@ -6,38 +6,26 @@ the blocks' content hashes tell them apart) and answers as the server without th
 
 from __future__ import annotations
 
-import base64
-import io
-
 import openai
 import pytest
-from PIL import Image
 
 from localserve.engine.config import EngineConfig
 from localserve.llm import LLM
 from tests.helpers.pictures import picture
 from tests.helpers.server import running_server
-from tests.helpers.vision_models import write_tiny_gemma3_vision
+from tests.helpers.vision_models import data_url, png_file, write_tiny_gemma3_vision
 
 BLOCK = 16
 QUESTION = "what is in this picture? say it in a few words, please."
 NUM_TOKENS = 4
 
 
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 FIRST = picture(40, 30, seed=1)
 CHANGED = FIRST.copy()
 CHANGED.putpixel((7, 5), tuple((value + 1) % 256 for value in FIRST.getpixel((7, 5))))
-PICTURES = {"first": png(FIRST), "other": png(picture(40, 30, seed=2)), "changed": png(CHANGED)}
+PICTURES = {"first": png_file(FIRST), "other": png_file(picture(40, 30, seed=2)), "changed": png_file(CHANGED)}
 
 
 def llm(folder, prefix_caching: bool) -> LLM:
@@ -63,7 +51,8 @@ def ask(server, picture_name: str, question: str = QUESTION):
     with client(server) as sdk:
         return sdk.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, logprobs=True,
                                            messages=[{"role": "user", "content": [
-                                               {"type": "image_url", "image_url": {"url": url(PICTURES[picture_name])}},
+                                               {"type": "image_url",
+                                                "image_url": {"url": data_url(PICTURES[picture_name])}},
                                                {"type": "text", "text": question}]}])
 
 
@@ -103,7 +92,7 @@ def test_a_follow_up_keeps_the_earlier_turns_picture(servers):
     it where it was (its blocks hit) and the answer is that of the whole conversation sent to a server without
     the cache."""
     cached, uncached = servers
-    image = {"type": "input_image", "image_url": url(PICTURES["first"]), "detail": "auto"}
+    image = {"type": "input_image", "image_url": data_url(PICTURES["first"]), "detail": "auto"}
     turn = [{"role": "user", "content": [image, {"type": "input_text", "text": "a follow-up: " + QUESTION}]}]
     with client(cached) as sdk:
         first = sdk.responses.create(model="served", max_output_tokens=NUM_TOKENS, temperature=0, input=turn)

@@ -7,36 +7,37 @@ the clear 400s: a chat template that places another number of images than sent, 
 from __future__ import annotations
 
 import base64
-import io
 
 import anthropic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from localserve.engine.engine_thread import EngineThread
 from localserve.engine.multimodal import MultiModalInputs
 from localserve.server.request.images import ImageBounds, decode_image
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, post_json, post_ok, running_server, wait_until_idle
-from tests.helpers.vision_models import BOI_ID, EOI_ID, IMAGE_ID, reference_processor, write_tiny_gemma3_vision
+from tests.helpers.vision_models import (
+    BOI_ID,
+    EOI_ID,
+    IMAGE_ID,
+    data_url,
+    png_file,
+    reference_processor,
+    write_tiny_gemma3_vision,
+)
 
 MM_TOKENS = 4
 
 
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
-
-PICTURES = [png(picture(20 + 7 * seed, 16 + 3 * seed, seed=seed)) for seed in range(3)]
+PICTURES = [png_file(picture(20 + 7 * seed, 16 + 3 * seed, seed=seed)) for seed in range(3)]
 HASHES = [decode_image(data, "x", ImageBounds()).sha256 for data in PICTURES]
 
 
 def url(index: int) -> str:
-    return "data:image/png;base64," + base64.b64encode(PICTURES[index]).decode()
+    return data_url(PICTURES[index])
 
 
 class SeenEngineThread(EngineThread):
@@ -85,38 +86,57 @@ PART = st.one_of(WORDS.map(lambda text: ("text", text)), st.integers(0, len(PICT
 
 @st.composite
 def conversations(draw):
-    """Alternating turns (Gemma 3's template demands it), ending with the user's; the users' parts text or
-    images, at least one image in all, at most 6."""
+    """Alternating turns (Gemma 3's template demands it), ending with the user's: (role, parts), a user's parts
+    ("text", text) or ("image", picture index), at least one image in all, at most 6."""
     turns = draw(st.integers(0, 2)) * 2 + 1
-    messages, images = [], []
+    messages, num_images = [], 0
     for turn in range(turns):
         if turn % 2:
-            messages.append({"role": "assistant", "content": draw(WORDS)})
+            messages.append(("assistant", [("text", draw(WORDS))]))
             continue
-        parts = draw(st.lists(PART, min_size=1, max_size=4))
-        content = []
-        for kind, value in parts:
-            if kind == "image" and len(images) < 6:
-                images.append(value)
-                content.append({"type": "image_url", "image_url": {"url": url(value)}})
-            elif kind == "text":
-                content.append({"type": "text", "text": value})
-        messages.append({"role": "user", "content": content or [{"type": "text", "text": "hi"}]})
-    if not images:
-        images.append(0)
-        messages[-1]["content"].append({"type": "image_url", "image_url": {"url": url(0)}})
-    return messages, images
+        parts = [(kind, value) for kind, value in draw(st.lists(PART, min_size=1, max_size=4))
+                 if kind == "text" or (num_images := num_images + 1) <= 6]
+        messages.append(("user", parts or [("text", "hi")]))
+    if not any(kind == "image" for _, parts in messages for kind, _ in parts):
+        messages[-1][1].append(("image", 0))
+    return messages
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=conversations())
-def test_images_at_random_places_reach_the_engine_as_their_spans(served, case):
+def on_the_wire(api: str, messages) -> tuple[str, dict, list[int]]:
+    """The conversation as `api` sends it: its path, its body and the images in the order they stand (Ollama's
+    `images` stand before their message's text)."""
+    encoded = [base64.b64encode(data).decode() for data in PICTURES]
+    order = []
+    if api == "ollama":
+        wire = []
+        for role, parts in messages:
+            images = [value for kind, value in parts if kind == "image"]
+            order += images
+            wire.append({"role": role, "content": "".join(value for kind, value in parts if kind == "text"),
+                         **({"images": [encoded[index] for index in images]} if images else {})})
+        return "/api/chat", {"model": "served", "messages": wire, "stream": False,
+                             "options": {"num_predict": 1}}, order
+    order = [value for _, parts in messages for kind, value in parts if kind == "image"]
+    if api == "anthropic":
+        wire = [{"role": role, "content": [
+            {"type": "text", "text": value} if kind == "text" else
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded[value]}}
+            for kind, value in parts]} for role, parts in messages]
+        return "/v1/messages", {"model": "served", "messages": wire, "max_tokens": 1}, order
+    wire = [{"role": role, "content": [{"type": "text", "text": value} if kind == "text" else
+                                       {"type": "image_url", "image_url": {"url": url(value)}}
+                                       for kind, value in parts]} for role, parts in messages]
+    return "/v1/chat/completions", {"model": "served", "messages": wire, "max_tokens": 1}, order
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=conversations(), api=st.sampled_from(["openai", "anthropic", "ollama"]))
+def test_images_at_random_places_reach_the_engine_as_their_spans(served, messages, api):
     server, engine_thread = served
-    messages, images = case
+    path, body, images = on_the_wire(api, messages)
     before = len(engine_thread.seen)
-    answer = post_ok(server.port, "/v1/chat/completions", {"model": "served", "messages": messages,
-                                                           "max_tokens": 1})
-    assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+    status, answer = post_json(server.port, path, body)
+    assert status == 200, answer
     [(ids, multimodal)] = engine_thread.seen[before:]
     assert multimodal is not None
     spans = [(span.offset, span.length) for span in multimodal.spans]
@@ -126,7 +146,6 @@ def test_images_at_random_places_reach_the_engine_as_their_spans(served, case):
     for offset, length in spans:  # Gemma3Processor's text around each image
         assert ids[offset - 3:offset] == ids[offset + length + 1:offset + length + 3] + [BOI_ID]
         assert ids[offset + length] == EOI_ID
-    assert answer["usage"]["prompt_tokens"] == len(ids)
     wait_until_idle(engine_thread)
 
 
@@ -220,3 +239,23 @@ def test_served_from_a_models_folder_it_takes_images_and_a_text_model_refuses_it
                                                                 "input": "and now?"})
         assert status == 400 and body["error"]["code"] == "model_takes_no_images", body
         assert "input[0].content[0]" in body["error"]["message"]
+
+
+def test_an_image_beside_tools_and_a_tool_turn(served):
+    """The chat format's conversion of tool turns (results merged, a tools prompt added as the system message)
+    comes after the images are placed: the image stays in its message."""
+    server, engine_thread = served
+    tool = {"type": "function", "function": {"name": "look", "description": "look closer",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url(2)}},
+                                             {"type": "text", "text": "what is it?"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "a cat"}]
+    answer = post_ok(server.port, "/v1/chat/completions", {"model": "served", "messages": messages,
+                                                           "tools": [tool], "max_tokens": 1})
+    assert answer["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+    ids, multimodal = engine_thread.seen[-1]
+    assert [(span.offset, span.length) for span in multimodal.spans] == image_runs(ids)
+    assert [span.content_hash for span in multimodal.spans] == [HASHES[2]]
+    wait_until_idle(engine_thread)

@@ -21,7 +21,7 @@ from PIL import Image
 
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, running_server
-from tests.helpers.vision_models import reference_processor, write_tiny_gemma3_vision
+from tests.helpers.vision_models import data_url, png_file, reference_processor, write_tiny_gemma3_vision
 
 NUM_TOKENS = 6
 QUESTION = "what is in this picture?"
@@ -29,17 +29,9 @@ AWAITS_MASK = pytest.mark.xfail(reason="awaits i38-mask: the engine's bidirectio
                                 strict=False)
 
 
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-PICTURE = png(picture(40, 30, seed=1))
+PICTURE = png_file(picture(40, 30, seed=1))
 
 
 class Gemma3:
