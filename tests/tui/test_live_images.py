@@ -5,8 +5,6 @@ drawn as ▣, exactly those its block table holds at the span the server reports
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 
 from localserve.tui.app import MonitorApp
 from localserve.tui.block_map import IMAGE_COLOUR, IMAGE_GLYPH, BlockMap
@@ -17,7 +15,7 @@ from tests.helpers.browser import slowed
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, openai_client, running_server
 from tests.helpers.tui_pilot import wait_until
-from tests.helpers.vision_models import write_tiny_gemma3_vision
+from tests.helpers.vision_models import data_url, png_file, write_tiny_gemma3_vision
 from tests.tui.test_app import map_cells
 
 MM_TOKENS = 4
@@ -25,9 +23,7 @@ ATTEMPTS = 3  # a random model may end its reply before the screen is held: then
 
 
 def ask_with_image(port: int) -> None:
-    data = io.BytesIO()
-    picture(40, 30, seed=1).save(data, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(data.getvalue()).decode()
+    url = data_url(png_file(picture(40, 30, seed=1)))
     with openai_client(port) as client:
         client.chat.completions.create(model="default", max_tokens=12, temperature=0, messages=[
             {"role": "user", "content": [{"type": "text", "text": "what is in this picture?"},

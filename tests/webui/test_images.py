@@ -12,7 +12,6 @@ own colour, with a legend entry, a mark in the slots table and the hover line.""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import random
 
@@ -26,6 +25,7 @@ from localserve.server.request.images import MEDIA_TYPES, ImageBounds
 from tests.helpers.monitor_frames import hello_frame, request_entry, snapshot_frame
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, running_server
+from tests.helpers.vision_models import data_url, png_file
 from tests.helpers.webui_page import open_page, send
 from tests.webui.test_monitor_page import READ_CELLS
 
@@ -33,9 +33,7 @@ MIB = 2 ** 20
 
 
 def png_bytes(width: int = 24, height: int = 16, seed: int = 0) -> bytes:
-    buffer = io.BytesIO()
-    picture(width, height, seed).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return png_file(picture(width, height, seed))
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +93,7 @@ def test_an_attached_image_is_shown_sent_as_an_image_url_part_and_the_servers_40
     (body,) = bodies
     assert body["messages"][-1] == {"role": "user", "content": [
         {"type": "text", "text": "what is in this picture"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(second).decode()}}]}
+        {"type": "image_url", "image_url": {"url": data_url(second)}}]}
     error = page.inner_text(".message.assistant .error")
     assert "does not take images" in error and "messages[0].content[1]" in error, error
     assert thumbnails(page, ".message.user .images img") == [second]  # in the conversation
@@ -147,7 +145,7 @@ def test_an_image_dropped_or_pasted_on_the_message_box_is_attached(page, server,
             if request.url.endswith("/v1/chat/completions") else None)
     page.press("#prompt", "Enter")  # an image alone is a message
     page.wait_for_selector(".message.assistant .error")
-    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    url = data_url(data)
     assert bodies[0]["messages"] == [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
     assert page.locator("#conversation-list .title").all_inner_texts() == ["image"]
 
@@ -180,9 +178,7 @@ def test_files_the_server_would_refuse_are_refused_with_a_clear_message(page, se
     assert page.inner_text("#attach-error") == \
         '"broken.png" could not be read: it is not a picture the browser can read'
     for width, height in ((8192, 4096), (8193, 4096)):  # 2 ** 25 pixels, and one column more
-        data = io.BytesIO()
-        Image.new("L", (width, height)).save(data, format="PNG")
-        attach(page, f"{width}.png", data.getvalue())
+        attach(page, f"{width}.png", png_file(Image.new("L", (width, height))))
         if width == 8192:
             page.wait_for_selector("#attachments img")
             page.click("#attachments .remove")
@@ -267,9 +263,7 @@ def test_images_over_the_browsers_storage_are_not_kept_but_the_conversation_is(p
     open_page(page, server.port)
     noise = []
     for seed in range(3):  # noise does not compress: 3 MiB files
-        data = io.BytesIO()
-        Image.frombytes("RGB", (1024, 1024), random.Random(seed).randbytes(3 * MIB)).save(data, format="PNG")
-        noise.append(data.getvalue())
+        noise.append(png_file(Image.frombytes("RGB", (1024, 1024), random.Random(seed).randbytes(3 * MIB))))
     for index, data in enumerate(noise):
         attach(page, f"big{index}.png", data)
     page.wait_for_function("() => document.querySelectorAll('#attachments img').length === 3")

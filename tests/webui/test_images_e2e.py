@@ -7,8 +7,6 @@ sees, the attach button follows the model picked, and shows for the model that s
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from tests.helpers.browser import slowed
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, openai_client, running_models_server, running_server
-from tests.helpers.vision_models import write_tiny_gemma3_vision
+from tests.helpers.vision_models import data_url, png_file, write_tiny_gemma3_vision
 from tests.helpers.webui_page import open_page, send, set_settings, wait_reply_done
 from tests.webui.test_images import DROP_OR_PASTE
 
@@ -36,10 +34,8 @@ def server(tmp_path_factory):
 
 
 def test_the_page_attaches_an_image_shows_it_and_gets_the_sdks_reply(page, server):
-    data = io.BytesIO()
-    picture(40, 30, seed=1).save(data, format="PNG")
-    png = data.getvalue()
-    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    png = png_file(picture(40, 30, seed=1))
+    url = data_url(png)
     frames: list[dict] = []
     page.on("websocket", lambda socket: socket.on("framereceived", lambda payload: frames.append(json.loads(payload))))
     bodies: list[dict] = []
