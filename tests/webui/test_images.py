@@ -26,7 +26,7 @@ from tests.helpers.monitor_frames import hello_frame, request_entry, snapshot_fr
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, running_server
 from tests.helpers.vision_models import data_url, png_file
-from tests.helpers.webui_page import open_page, send
+from tests.helpers.webui_page import open_page, send, set_settings, wait_reply_done
 from tests.webui.test_monitor_page import READ_CELLS
 
 MIB = 2 ** 20
@@ -66,10 +66,16 @@ def thumbnails(page, where: str = "#attachments img") -> list[bytes]:
     return [base64.b64decode(url.split(",", 1)[1]) for url in urls]
 
 
-def test_a_text_model_has_no_attach_button(page, server):
+def test_a_text_model_has_no_attach_button_and_a_text_message_is_as_before(page, server):
     open_page(page, server.port)
     assert page.is_hidden("#attach")
     assert page.evaluate("fetch('/v1/models').then((r) => r.json())")["data"][0]["takes_images"] is False
+    set_settings(page, {"max_tokens": "2"})
+    send(page, "hello")
+    wait_reply_done(page)
+    node = page.locator(".message.user")
+    assert node.locator(".images").count() == 0
+    assert node.evaluate("(node) => [...node.childNodes].map((child) => child.className)") == ["role", "text", "meta"]
     assert page.log.console_errors == []
 
 

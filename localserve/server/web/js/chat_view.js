@@ -92,8 +92,8 @@ export class ChatView {
   messageNode(message, index) {
     const node = el("div", { class: `message ${message.role}`, dataset: { index } });
     if (message.role === "user") {
-      const images = message.images?.length ? el("div", { class: "images" }, ...message.images.map(thumbnail)) : null;
-      node.append(el("div", { class: "role" }, "you"), images, el("div", { class: "text" }, message.content),
+      const images = message.images?.length ? [el("div", { class: "images" }, ...message.images.map(thumbnail))] : [];
+      node.append(el("div", { class: "role" }, "you"), ...images, el("div", { class: "text" }, message.content),
         el("div", { class: "meta" }, el("button", { type: "button", class: "edit", disabled: this.busy,
           onclick: () => this.edit(node, index) }, "Edit")));
     } else {
