@@ -65,6 +65,8 @@ export class Attachments {
     this.sent = sent;
     this.images = []; // {url, name, type, bytes}
     this.takesImages = false;
+    this.refusedWhy = "the model is not known yet";
+    this.adding = Promise.resolve(); // files are read one batch after another: each checked against those before
     this.button = root.querySelector("#attach");
     this.input = root.querySelector("#attach-input");
     this.list = root.querySelector("#attachments");
@@ -108,8 +110,14 @@ export class Attachments {
     this.button.hidden = !this.takesImages;
   }
 
-  /** Read `files` in, each checked; the first refusal is shown, the files before it kept. */
-  async add(files) {
+  /** Read `files` in (after any batch still being read), each checked; the first refusal is shown, the files
+   * before it kept. */
+  add(files) {
+    this.adding = this.adding.then(() => this.read(files)).catch((error) => this.showError(error.message));
+    return this.adding;
+  }
+
+  async read(files) {
     this.showError(null);
     if (!this.takesImages) {
       this.showError(this.refusedWhy);
