@@ -25,7 +25,8 @@ NUM_TOKENS = 4
 FIRST = picture(40, 30, seed=1)
 CHANGED = FIRST.copy()
 CHANGED.putpixel((7, 5), tuple((value + 1) % 256 for value in FIRST.getpixel((7, 5))))
-PICTURES = {"first": png_file(FIRST), "other": png_file(picture(40, 30, seed=2)), "changed": png_file(CHANGED)}
+PICTURES = {"first": png_file(FIRST), "other": png_file(picture(40, 30, seed=2)), "changed": png_file(CHANGED),
+            "fresh": png_file(picture(40, 30, seed=3))}  # "fresh": sent by one test only
 
 
 def llm(folder, prefix_caching: bool) -> LLM:
@@ -105,3 +106,32 @@ def test_a_follow_up_keeps_the_earlier_turns_picture(servers):
         expected = sdk.responses.create(model="served", max_output_tokens=NUM_TOKENS, temperature=0, input=whole)
     assert follow_up.usage.input_tokens == expected.usage.input_tokens
     assert follow_up.output_text == expected.output_text
+
+
+def test_a_picture_is_encoded_once_while_its_embeddings_are_cached(servers):
+    """Without the prefix cache every request computes the image's tokens again, from the engine's cache of
+    embeddings: the encoder runs once for the picture."""
+    _, uncached = servers
+    encoder = uncached.server.models.serving_now().vision
+    calls = []
+    encode = encoder.encode
+    encoder.encode = lambda prepared: calls.append(prepared) or encode(prepared)
+    try:
+        answers = [answer(ask(uncached, "fresh", f"turn {turn}: " + QUESTION)) for turn in range(3)]
+    finally:
+        del encoder.encode
+    assert len(calls) == 1 and len(answers) == 3
+
+
+def test_requests_with_pictures_together_answer_as_alone(servers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cached, _ = servers
+    names = ["first", "other", "changed"]
+    alone = {name: answer(ask(cached, name, "together: " + QUESTION)) for name in names}
+    with ThreadPoolExecutor(len(names)) as pool:
+        together = dict(zip(names, pool.map(lambda name: answer(ask(cached, name, "together: " + QUESTION)),
+                                            names)))
+    for name in names:
+        assert together[name][0] == alone[name][0]
+        assert max(abs(a - b) for a, b in zip(together[name][1], alone[name][1])) < 2e-3
