@@ -45,7 +45,7 @@ HELP_TEXT = """\
 than the map has cells (its bottom border says N; a cell shows the state most of its blocks are in).
   [#585858]·[/] free   [#5f87d7]░[/] free, still holding a cached prefix (can be taken back)
   [#5faf5f]█[/] used by one sequence   [#d75fd7]▓[/] shared by several   [#d7875f]▒[/] swapped out to CPU memory
-  [bold #ffff00]█ ▓[/] the selected request's own and shared blocks
+  [bold #ffff00]█ ▓[/] the selected request's own and shared blocks   [bold #00d7d7]▣[/] those holding image tokens
 
 A red banner means the pool is full and requests are being preempted (evicted, then recomputed or
 swapped back): their streams stall. Fewer slots (-np), a shorter context (-c) or a smaller KV format
@@ -228,7 +228,7 @@ class MonitorApp(App[None]):
         request = self._request(self.selected_label)
         self.selected_label = request.label if request else None
         self.query_one(BlockMap).show(snapshot.blocks, snapshot.cpu_blocks, self.selected_label,
-                                      request.block_ids if request else ())
+                                      *self._blocks_of(request))
         self.query_one(SlotsTable).mark(self.selected_label)
         self.query_one(Trends).refresh()
         self.query_one(PressureBanner).show(self.history.pressure)
@@ -255,10 +255,17 @@ class MonitorApp(App[None]):
             return None
         return next((request for request in self.snapshot.requests if request.label == label), None)
 
+    def _blocks_of(self, request: RequestInfo | None) -> tuple[frozenset[int], frozenset[int]]:
+        """The blocks of `request` (None: none), and those of them that hold image tokens."""
+        if request is None:
+            return frozenset(), frozenset()
+        block_size = self.hello.block_size if self.hello else 1
+        return request.block_ids, request.image_block_ids(block_size)
+
     def _select(self, label: str | None) -> None:
         request = self._request(label)
         self.selected_label = request.label if request else None
-        self.query_one(BlockMap).select(self.selected_label, request.block_ids if request else ())
+        self.query_one(BlockMap).select(self.selected_label, *self._blocks_of(request))
         self.query_one(SlotsTable).mark(self.selected_label)
 
     def on_slots_table_chosen(self, event: SlotsTable.Chosen) -> None:

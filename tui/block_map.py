@@ -5,7 +5,8 @@ for `blocks_per_cell` consecutive blocks and shows the state most of them are in
 busier state, so a cell of one used and one free block reads as used), and the legend says so. The
 glyph tells the state apart even without colour (a `tmux capture-pane` of the screen keeps it):
 `·` free, `░` free with cached contents, `█` used, `▓` shared, `▒` swapped out (swap pool). The blocks
-of the selected request are drawn in yellow: `█` its own, `▓` those it shares.
+of the selected request are drawn in yellow: `█` its own, `▓` those it shares; those of its blocks that
+hold image tokens (the snapshot's `image_spans`) are a cyan `▣`.
 
 The cells are computed with numpy once per frame and size, and kept as strips until either changes,
 so a pool of 65,536 blocks costs a few milliseconds per frame, not per repaint.
@@ -29,6 +30,8 @@ GLYPHS = {BlockState.EMPTY: "·", BlockState.CACHED: "░", BlockState.USED: "�
 COLOURS = {BlockState.EMPTY: "#585858", BlockState.CACHED: "#5f87d7", BlockState.USED: "#5faf5f",
            BlockState.SHARED: "#d75fd7", BlockState.SWAPPED: "#d7875f"}
 SELECTED_COLOUR = "#ffff00"
+IMAGE_COLOUR = "#00d7d7"  # the selected request's blocks that hold image tokens
+IMAGE_GLYPH = "▣"
 LEGEND_NAMES = {BlockState.EMPTY: "free", BlockState.CACHED: "cached", BlockState.USED: "used",
                 BlockState.SHARED: "shared", BlockState.SWAPPED: "swapped"}
 NO_BLOCK = 255  # a cell past the last block
@@ -44,38 +47,52 @@ class CellGrid:
     selected: np.ndarray  # bool: the cell holds a block of the selected request
     selected_shared: np.ndarray  # bool: ... and one of those is shared
     blocks_per_cell: int
+    image: np.ndarray | None = None  # bool: ... and one of those holds image tokens (None: none does)
 
 
-def build_cells(block_states: np.ndarray, selected: np.ndarray, max_cells: int) -> CellGrid:
-    """The cells that show `block_states` (and the `selected` mask over them) in at most `max_cells`."""
+def build_cells(block_states: np.ndarray, selected: np.ndarray, max_cells: int,
+                image: np.ndarray | None = None) -> CellGrid:
+    """The cells that show `block_states` (and the `selected` mask over them, and the `image` mask of the
+    selected blocks that hold image tokens) in at most `max_cells`."""
     num_blocks = block_states.size
     blocks_per_cell = max(1, -(-num_blocks // max(1, max_cells)))
+    image = image & selected if image is not None else None
+    image = image if image is not None and image.any() else None
     if blocks_per_cell == 1:
-        return CellGrid(block_states, selected.copy(), selected & (block_states == BlockState.SHARED), 1)
+        return CellGrid(block_states, selected.copy(), selected & (block_states == BlockState.SHARED), 1, image)
     num_cells = -(-num_blocks // blocks_per_cell)
     padding = num_cells * blocks_per_cell - num_blocks
+
+    def by_cell(mask: np.ndarray) -> np.ndarray:
+        return np.concatenate([mask, np.zeros(padding, bool)]).reshape(num_cells, -1)
+
     padded = np.concatenate([block_states, np.full(padding, NO_BLOCK, np.uint8)]).reshape(num_cells, -1)
-    padded_selected = np.concatenate([selected, np.zeros(padding, bool)]).reshape(num_cells, -1)
+    padded_selected = by_cell(selected)
     counts = np.stack([(padded == state).sum(axis=1) for state in _BUSIEST_FIRST])
     states = np.array(_BUSIEST_FIRST, dtype=np.uint8)[counts.argmax(axis=0)]
     return CellGrid(states, padded_selected.any(axis=1),
-                    (padded_selected & (padded == BlockState.SHARED)).any(axis=1), blocks_per_cell)
+                    (padded_selected & (padded == BlockState.SHARED)).any(axis=1), blocks_per_cell,
+                    by_cell(image).any(axis=1) if image is not None else None)
 
 
 def cell_looks(base: Style) -> dict[int, tuple[str, Style]]:
     """Glyph and style per cell key (see `_cell_keys`), on top of the widget's own style."""
     looks = {}
+    image_look = (IMAGE_GLYPH, base + Style(color=IMAGE_COLOUR, bold=True))
     for state, colour in COLOURS.items():
-        looks[int(state) * 4] = (GLYPHS[state], base + Style(color=colour))
+        looks[int(state) * 8] = (GLYPHS[state], base + Style(color=colour))
         # Selected: drawn as its own (█) or shared (▓) block, whatever most of the cell's blocks are.
-        looks[int(state) * 4 + 2] = (GLYPHS[BlockState.USED], base + Style(color=SELECTED_COLOUR, bold=True))
-        looks[int(state) * 4 + 3] = (GLYPHS[BlockState.SHARED], base + Style(color=SELECTED_COLOUR, bold=True))
+        looks[int(state) * 8 + 2] = (GLYPHS[BlockState.USED], base + Style(color=SELECTED_COLOUR, bold=True))
+        looks[int(state) * 8 + 3] = (GLYPHS[BlockState.SHARED], base + Style(color=SELECTED_COLOUR, bold=True))
+        looks[int(state) * 8 + 6] = looks[int(state) * 8 + 7] = image_look  # selected, holding image tokens
     return looks
 
 
 def _cell_keys(grid: CellGrid) -> np.ndarray:
-    """One small integer per cell that fixes its glyph and style: state * 4 + selected * 2 + shared."""
-    return grid.states.astype(np.int32) * 4 + grid.selected * 2 + grid.selected_shared
+    """One small integer per cell that fixes its glyph and style: state * 8 + image * 4 + selected * 2 +
+    shared."""
+    keys = grid.states.astype(np.int32) * 8 + grid.selected * 2 + grid.selected_shared
+    return keys + grid.image * 4 if grid.image is not None else keys
 
 
 def grid_strips(grid: CellGrid, columns: int, max_rows: int, base: Style, cell_width: int = 1) -> list[Strip]:
@@ -115,20 +132,22 @@ class BlockMap(Widget):
         self.cpu_block_states = np.zeros(0, np.uint8)
         self.selected_label: str | None = None
         self.selected_blocks: frozenset[int] = frozenset()
+        self.image_blocks: frozenset[int] = frozenset()  # the selected request's blocks holding image tokens
         self.grid: CellGrid | None = None  # the GPU pool's cells as last drawn (tests read it)
         self.cell_width = 1  # characters per cell
         self._strips: list[Strip] | None = None
 
     def show(self, block_states: np.ndarray, cpu_block_states: np.ndarray, label: str | None = None,
-             block_ids: Iterable[int] = ()) -> None:
+             block_ids: Iterable[int] = (), image_block_ids: Iterable[int] = ()) -> None:
         """Draw these block states (uint8 `BlockState` codes) from now on, with request `label`'s blocks
-        highlighted (None: no request)."""
+        highlighted (None: no request), those of them in `image_block_ids` as holding image tokens."""
         self.block_states, self.cpu_block_states = block_states, cpu_block_states
-        self.select(label, block_ids)
+        self.select(label, block_ids, image_block_ids)
 
-    def select(self, label: str | None, block_ids: Iterable[int] = ()) -> None:
-        """Highlight the blocks of request `label` (None: no request)."""
+    def select(self, label: str | None, block_ids: Iterable[int] = (), image_block_ids: Iterable[int] = ()) -> None:
+        """Highlight the blocks of request `label` (None: no request), and those of them that hold image tokens."""
         self.selected_label, self.selected_blocks = label, frozenset(block_ids)
+        self.image_blocks = frozenset(image_block_ids) & self.selected_blocks
         self._invalidate()
 
     def _invalidate(self) -> None:
@@ -145,10 +164,10 @@ class BlockMap(Widget):
             return self._strips[y]
         return Strip.blank(self.size.width, self.rich_style)
 
-    def _selected_mask(self) -> np.ndarray:
+    def _mask(self, blocks: frozenset[int]) -> np.ndarray:
         mask = np.zeros(self.block_states.size, bool)
-        if self.selected_blocks:
-            ids = np.fromiter(self.selected_blocks, np.int64)
+        if blocks:
+            ids = np.fromiter(blocks, np.int64)
             mask[ids[(ids >= 0) & (ids < mask.size)]] = True
         return mask
 
@@ -163,11 +182,11 @@ class BlockMap(Widget):
         swap_title = [Strip([Segment("swap pool (CPU)".ljust(width, "─")[:width], base + Style(dim=True))])]
         legend_lines = self._legend().wrap(self.app.console, width, overflow="ellipsis")
         gpu_rows = max(1, height - len(legend_lines) - (cpu_rows + 1 if cpu_rows else 0))
-        selected = self._selected_mask()
+        selected = self._mask(self.selected_blocks)
         # A small pool gets cells two characters wide when that still shows every block: easier to see.
         self.cell_width = 2 if self.block_states.size <= (width // 2) * gpu_rows else 1
         columns = width // self.cell_width
-        self.grid = build_cells(self.block_states, selected, gpu_rows * columns)
+        self.grid = build_cells(self.block_states, selected, gpu_rows * columns, self._mask(self.image_blocks))
         strips = [strip.extend_cell_length(width, base)
                   for strip in grid_strips(self.grid, columns, gpu_rows, base, self.cell_width)]
         if cpu_rows:
@@ -182,8 +201,9 @@ class BlockMap(Widget):
         parts = []
         if self.selected_label is not None:
             num_shared = int((self.block_states[selected] == BlockState.SHARED).sum())
+            images = f", {len(self.image_blocks)} with image tokens" if self.image_blocks else ""
             parts.append(f"[bold {SELECTED_COLOUR}]{self.selected_label}: {int(selected.sum())} blocks, "
-                         f"{num_shared} shared[/]")
+                         f"{num_shared} shared{images}[/]")
         parts.append(f"{grid.blocks_per_cell} block{'s' if grid.blocks_per_cell > 1 else ''}/cell")
         if cpu_grid.blocks_per_cell > 1:
             parts.append(f"swap {cpu_grid.blocks_per_cell}/cell")
@@ -200,6 +220,8 @@ class BlockMap(Widget):
             num_swapped = int((self.cpu_block_states == BlockState.SWAPPED).sum())
             parts += [(GLYPHS[BlockState.SWAPPED], COLOURS[BlockState.SWAPPED]),
                       f" swapped {num_swapped}/{self.cpu_block_states.size}  "]
+        if self.image_blocks:
+            parts += [(IMAGE_GLYPH, f"bold {IMAGE_COLOUR}"), f" image tokens {len(self.image_blocks)}  "]
         num_free, num_cached = int(counts[BlockState.EMPTY] + counts[BlockState.CACHED]), int(counts[BlockState.CACHED])
         parts.append(f"free queue {num_free} ({num_cached} cached)")
         return Text.assemble(*parts)

@@ -18,6 +18,7 @@ from enum import IntEnum
 from typing import Any
 
 import numpy as np
+from localserve.tui.image_spans import ImageSpanError, image_block_ids, parse_image_spans
 
 
 class FeedError(ValueError):
@@ -164,11 +165,16 @@ class RequestInfo:
     num_reasoning_seqs: int = 0
     spec_acceptance_rate: float = 0.0  # speculative decoding: accepted over drafted tokens (0: no draft)
     spec_mean_accepted_length: float = 0.0  # tokens per verification (0: none)
+    image_spans: tuple[tuple[int, int], ...] = ()  # (offset, length) of each image's prompt tokens
 
     @property
     def block_ids(self) -> frozenset[int]:
         """Every physical block any of the request's sequences points at."""
         return frozenset(block for table in self.block_tables for block in table)
+
+    def image_block_ids(self, block_size: int) -> frozenset[int]:
+        """The physical blocks of its sequences that hold image tokens (tui/image_spans.py)."""
+        return image_block_ids(self.block_tables, self.image_spans, block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,8 +346,13 @@ def _parse_request(data: Any, where: str, num_blocks: int) -> RequestInfo:
     num_reasoning_seqs = _optional(data, "num_reasoning_seqs", int, 0, where)
     if num_reasoning_seqs < 0:
         raise FeedError(f"{where}.num_reasoning_seqs must be >= 0, got {num_reasoning_seqs}")
+    try:
+        num_prompt_tokens = _take(data, "num_prompt_tokens", int, where)
+        image_spans = parse_image_spans(data.get("image_spans", []), where, num_prompt_tokens)
+    except ImageSpanError as error:
+        raise FeedError(str(error)) from None
     return _fill(RequestInfo, data, where, state=state, block_tables=tuple(block_tables), constrained=constrained,
-                 num_reasoning_seqs=num_reasoning_seqs)
+                 num_reasoning_seqs=num_reasoning_seqs, image_spans=image_spans)
 
 
 def _parse_event(data: Any, where: str) -> MonitorEvent:

@@ -30,12 +30,14 @@ CURSOR_COLOURS = {True: "#264f78", False: "#3a3a3a"}  # the cursor's row, with a
 
 def state_label(request: RequestInfo) -> str:
     """The state as the table shows it; a prefill carries its progress; a request whose sequences are
-    reasoning, or that has a grammar, is marked [thinking] / [grammar]."""
+    reasoning, or that has a grammar, is marked [thinking] / [grammar], one with images [N image(s)]."""
     label = request.state
     if request.state == "prefill" and request.num_prompt_tokens:
         percent = 100 * request.num_computed_prompt_tokens // request.num_prompt_tokens
         label = f"prefill {percent}% {request.num_computed_prompt_tokens}/{request.num_prompt_tokens}"
-    marks = [mark for mark, shown in (("thinking", request.num_reasoning_seqs > 0), ("grammar", request.constrained))
+    num_images = len(request.image_spans)
+    marks = [mark for mark, shown in (("thinking", request.num_reasoning_seqs > 0), ("grammar", request.constrained),
+                                      (f"{num_images} image{'s' if num_images > 1 else ''}", num_images > 0))
              if shown]
     return f"{label} [{', '.join(marks)}]" if marks else label
 

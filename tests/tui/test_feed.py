@@ -211,7 +211,7 @@ def test_map_rows_draw_each_cell_with_its_glyph_and_colour(states, width, max_ro
              for strip in strips for segment in strip for char in segment.text][:grid.states.size]
     looks = cell_looks(Style())
     expected = [(looks[key][0], looks[key][1].color.name)
-                for key in (grid.states.astype(int) * 4 + grid.selected * 2 + grid.selected_shared)]
+                for key in (grid.states.astype(int) * 8 + grid.selected * 2 + grid.selected_shared)]
     assert drawn == expected
     tail = "".join(strip.text for strip in strips)[grid.states.size:]
     assert tail == " " * len(tail)  # the last row is padded, not drawn on

@@ -3,22 +3,25 @@
 // Cells are laid out row by row, as large as the canvas allows for the pool (a 1-pixel gap between cells
 // of 4 pixels or more). When the pool has more blocks than the canvas has pixels, a cell stands for
 // `blocksPerCell` consecutive blocks and shows the state most of them are in (ties go to the busier
-// state, as in the TUI). The selected request's blocks are yellow (its own) and dark yellow (shared).
+// state, as in the TUI). The selected request's blocks are yellow (its own) and dark yellow (shared), and
+// cyan where they hold image tokens (a cell with any such block is cyan).
 // Each frame is drawn into one ImageData kept from frame to frame: no allocation per frame.
 
 import {
-  BACKGROUND_COLOUR, BUSIEST_FIRST, NUM_STATES, SELECTED_COLOUR, SELECTED_SHARED_COLOUR, SHARED, STATE_COLOURS,
+  BACKGROUND_COLOUR, BUSIEST_FIRST, IMAGE_COLOUR, NUM_STATES, SELECTED_COLOUR, SELECTED_SHARED_COLOUR, SHARED,
+  STATE_COLOURS,
 } from "./block_states.js";
 
 const SELECTED = NUM_STATES; // colour indices after the states
 const SELECTED_SHARED = NUM_STATES + 1;
+const SELECTED_IMAGE = NUM_STATES + 2;
 
 function rgba(hex) { // as one little-endian Uint32 pixel of an ImageData
   const value = parseInt(hex.slice(1), 16);
   return (0xff << 24 | (value & 0xff) << 16 | (value >> 8 & 0xff) << 8 | value >> 16) >>> 0;
 }
 
-const PALETTE = Uint32Array.from([...STATE_COLOURS, SELECTED_COLOUR, SELECTED_SHARED_COLOUR].map(rgba));
+const PALETTE = Uint32Array.from([...STATE_COLOURS, SELECTED_COLOUR, SELECTED_SHARED_COLOUR, IMAGE_COLOUR].map(rgba));
 const BACKGROUND = rgba(BACKGROUND_COLOUR);
 
 /** Cell size and grid for `numCells` cells on a `width` x `height` pixel canvas. */
@@ -38,18 +41,20 @@ export class BlockMap {
     this.canvas = canvas;
     this.context = canvas.getContext("2d");
     this.states = new Uint8Array(0);
-    this.selected = new Uint8Array(0); // 1: the selected request's block
+    this.selected = new Uint8Array(0); // 1: the selected request's block, 2: ... holding image tokens
     this.cellColours = new Uint8Array(0); // the colour index each cell was drawn in
     this.image = null;
     this.layout = null;
   }
 
-  /** Draw `states` (Uint8Array of block states) with `selectedBlocks` (block numbers) highlighted. */
-  show(states, selectedBlocks = []) {
+  /** Draw `states` (Uint8Array of block states) with `selectedBlocks` (block numbers) highlighted, those of
+   * them in `imageBlocks` as holding image tokens. */
+  show(states, selectedBlocks = [], imageBlocks = []) {
     this.states = states;
     if (this.selected.length !== states.length) this.selected = new Uint8Array(states.length);
     else this.selected.fill(0);
     for (const block of selectedBlocks) if (block >= 0 && block < states.length) this.selected[block] = 1;
+    for (const block of imageBlocks) if (this.selected[block]) this.selected[block] = 2;
     this.draw();
   }
 
@@ -103,7 +108,8 @@ export class BlockMap {
     const { states, selected, cellColours } = this;
     if (blocksPerCell === 1) {
       for (let block = 0; block < states.length; block += 1) {
-        cellColours[block] = selected[block] ? (states[block] === SHARED ? SELECTED_SHARED : SELECTED) : states[block];
+        cellColours[block] = selected[block] === 2 ? SELECTED_IMAGE
+          : selected[block] ? (states[block] === SHARED ? SELECTED_SHARED : SELECTED) : states[block];
       }
       return;
     }
@@ -112,17 +118,19 @@ export class BlockMap {
       counts.fill(0);
       let anySelected = false;
       let selectedShared = false;
+      let anyImage = false;
       const end = Math.min(states.length, (cell + 1) * blocksPerCell);
       for (let block = cell * blocksPerCell; block < end; block += 1) {
         counts[states[block]] += 1;
         if (selected[block]) {
           anySelected = true;
           selectedShared ||= states[block] === SHARED;
+          anyImage ||= selected[block] === 2;
         }
       }
       let best = BUSIEST_FIRST[0];
       for (const state of BUSIEST_FIRST) if (counts[state] > counts[best]) best = state;
-      cellColours[cell] = anySelected ? (selectedShared ? SELECTED_SHARED : SELECTED) : best;
+      cellColours[cell] = anyImage ? SELECTED_IMAGE : anySelected ? (selectedShared ? SELECTED_SHARED : SELECTED) : best;
     }
   }
 

@@ -15,6 +15,7 @@ export const STATE_CLASSES = ["state-empty", "state-cached", "state-used", "stat
 export const STATE_COLOURS = ["#585858", "#5f87d7", "#5faf5f", "#d75fd7", "#d7875f"];
 export const SELECTED_COLOUR = "#ffff00"; // the selected request's own blocks
 export const SELECTED_SHARED_COLOUR = "#d7d700"; // ... and those it shares
+export const IMAGE_COLOUR = "#00d7d7"; // ... and those that hold image tokens (tui/block_map.py IMAGE_COLOUR)
 export const BACKGROUND_COLOUR = "#101010";
 // Majority vote order when a cell stands for several blocks: on a tie the first of these wins.
 export const BUSIEST_FIRST = [SHARED, USED, SWAPPED, CACHED, EMPTY];

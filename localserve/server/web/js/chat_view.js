@@ -1,7 +1,9 @@
 // The chat: the conversations (ConversationStore), the messages of the open one, and the composer.
 // Replies stream from /v1/chat/completions; Stop aborts the request, and the server frees its blocks as
-// soon as the connection goes. User text is only ever set as text; replies go through renderMarkdown.
+// soon as the connection goes. User text is only ever set as text; replies go through renderMarkdown. A user
+// message may carry images (js/attachments.js): shown as thumbnails, sent as `image_url` parts.
 
+import { Attachments, messageContent, thumbnail } from "./attachments.js";
 import { el, formatCount, replaceChildren } from "./dom.js";
 import { renderMarkdown, splitReasoning } from "./markdown.js";
 
@@ -28,6 +30,8 @@ export class ChatView {
     this.stopButton = root.querySelector("#stop");
     this.controller = null; // the request streaming now, if any
     this.pendingDraw = null;
+    this.onReplyDone = () => {}; // called after each reply (the page reads /v1/models again: a model may have loaded)
+    this.attachments = new Attachments(root, () => this.sentImages());
     root.querySelector("#new-chat").addEventListener("click", () => this.open(this.store.create().id));
     root.querySelector("#composer").addEventListener("submit", (event) => {
       event.preventDefault();
@@ -88,7 +92,8 @@ export class ChatView {
   messageNode(message, index) {
     const node = el("div", { class: `message ${message.role}`, dataset: { index } });
     if (message.role === "user") {
-      node.append(el("div", { class: "role" }, "you"), el("div", { class: "text" }, message.content),
+      const images = message.images?.length ? [el("div", { class: "images" }, ...message.images.map(thumbnail))] : [];
+      node.append(el("div", { class: "role" }, "you"), ...images, el("div", { class: "text" }, message.content),
         el("div", { class: "meta" }, el("button", { type: "button", class: "edit", disabled: this.busy,
           onclick: () => this.edit(node, index) }, "Edit")));
     } else {
@@ -148,11 +153,12 @@ export class ChatView {
   edit(node, index) {
     if (this.busy) return;
     const box = el("textarea", { class: "edit" });
-    box.value = this.current.messages[index].content;
+    const { content, images } = this.current.messages[index];
+    box.value = content;
     const resend = () => {
       const text = box.value.trim();
-      if (!text) return;
-      this.current.messages.splice(index, Infinity, { role: "user", content: text });
+      if (!text && !images?.length) return;
+      this.current.messages.splice(index, Infinity, { role: "user", content: text, ...(images ? { images } : {}) });
       this.store.save(this.current);
       this.generate(this.current);
     };
@@ -164,9 +170,10 @@ export class ChatView {
 
   send() {
     const text = this.prompt.value.trim();
-    if (!text || this.busy) return;
+    if ((!text && !this.attachments.images.length) || this.busy) return;
     this.prompt.value = "";
-    this.current.messages.push({ role: "user", content: text });
+    const images = this.attachments.take().map(({ url, name, bytes }) => ({ url, name, bytes }));
+    this.current.messages.push({ role: "user", content: text, ...(images.length ? { images } : {}) });
     this.store.save(this.current);
     this.drawList();
     this.generate(this.current);
@@ -183,7 +190,7 @@ export class ChatView {
   async generate(conversation) {
     const { system, fields } = this.settings.request();
     const history = conversation.messages.map((message) => ({ role: message.role,
-      content: message.role === "assistant" ? splitReasoning(message.content).answer : message.content }));
+      content: message.role === "assistant" ? splitReasoning(message.content).answer : messageContent(message) }));
     const messages = [...(system.trim() ? [{ role: "system", content: system }] : []), ...history];
     const reply = { role: "assistant", content: "", reasoning: "", toolCalls: [], stats: null, stopped: false,
       error: null };
@@ -231,6 +238,13 @@ export class ChatView {
     this.showBusy(false);
     if (conversation === this.current) this.drawMessages();
     this.drawList();
+    this.onReplyDone();
+  }
+
+  /** How many images the open conversation sends with its next message already, and their bytes. */
+  sentImages() {
+    const images = (this.current?.messages ?? []).flatMap((message) => message.images ?? []);
+    return { count: images.length, bytes: images.reduce((sum, image) => sum + (image.bytes ?? 0), 0) };
   }
 
   /** Redraw the streaming reply at most once a frame, however fast chunks come. */

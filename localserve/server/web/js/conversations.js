@@ -1,5 +1,7 @@
 // Conversations, kept in this browser's localStorage (never on the server). A conversation is
-// {id, title, created, updated, messages: [{role, content, reasoning, toolCalls, stats, stopped, error}]}.
+// {id, title, created, updated, messages: [{role, content, images, reasoning, toolCalls, stats, stopped, error}]}
+// (a user message's `images`: [{url (a data URL), name, bytes}]). When the images fill the browser's storage,
+// they are stored without their pixels (url null: shown as "not kept") and the rest is kept.
 
 const STORAGE_KEY = "localserve.conversations";
 const ACTIVE_KEY = "localserve.active-conversation";
@@ -46,7 +48,7 @@ export class ConversationStore {
     conversation.updated = Date.now();
     const first = conversation.messages.find((message) => message.role === "user");
     if (!conversation.titled && first) {
-      const title = first.content.replace(/\s+/g, " ").trim();
+      const title = first.content.replace(/\s+/g, " ").trim() || (first.images?.length ? "image" : "");
       conversation.title = title.length > TITLE_LENGTH ? `${title.slice(0, TITLE_LENGTH - 1)}…` : title || "New chat";
     }
     this.persist();
@@ -74,6 +76,12 @@ export class ConversationStore {
   }
 
   persist() {
-    this.storage.setItem(STORAGE_KEY, JSON.stringify(this.conversations));
+    try {
+      this.storage.setItem(STORAGE_KEY, JSON.stringify(this.conversations));
+    } catch {
+      // Over the storage quota (images are big): keep everything but the images' pixels.
+      this.storage.setItem(STORAGE_KEY, JSON.stringify(this.conversations,
+        (key, value) => (key === "url" && typeof value === "string" && value.startsWith("data:") ? null : value)));
+    }
   }
 }

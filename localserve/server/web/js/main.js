@@ -43,10 +43,13 @@ async function main() {
     document.title = `localserve · ${model.id}`;
     settings.showDefaults(model);
     chat.modelId = model.id;
+    chat.attachments.showFor(model);
   };
   showModel(settings.showModels(await api.models()));
   keyButton.hidden = keyStore.get() === null;
   settings.onModelChange = showModel;
+  // A reply may have loaded its model: read the list again (whether it takes images is known once it is loaded).
+  chat.onReplyDone = () => api.models().then((models) => showModel(settings.showModels(models)), () => {});
   // The statuses change as requests load models: the picker lists them afresh whenever it is opened.
   settings.modelPicker.addEventListener("focus", async () => showModel(settings.showModels(await api.models())));
 

@@ -7,6 +7,7 @@ import {
 } from "./block_states.js";
 import { clockTime, el, formatCount, replaceChildren } from "./dom.js";
 import { FeedHistory, WINDOW_S } from "./history.js";
+import { imageBlocks, imageCount } from "./image_spans.js";
 import { describeSwitch } from "./monitor_feed.js";
 import { Trends } from "./trends.js";
 
@@ -57,6 +58,7 @@ export class MonitorView {
     this.states = new Uint8Array(0);
     this.cpuStates = new Uint8Array(0);
     this.selectedLabel = null;
+    this.imageBlocks = []; // the selected request's blocks that hold image tokens
     this.paused = false;
     this.numMissedEvents = 0;
     this.map = new BlockMap(root.querySelector("#block-map"));
@@ -116,7 +118,8 @@ export class MonitorView {
     const selected = frame.requests.find((request) => request.label === this.selectedLabel) ?? null;
     this.selectedLabel = selected?.label ?? null;
     const mapStarted = performance.now();
-    this.map.show(this.states, selected ? selected.block_tables.flat() : []);
+    this.imageBlocks = selected ? imageBlocks(selected, this.hello.block_size) : [];
+    this.map.show(this.states, selected ? selected.block_tables.flat() : [], this.imageBlocks);
     if (this.cpuStates.length) this.swapMap.show(this.cpuStates);
     const mapMs = performance.now() - mapStarted;
     this.showLegend();
@@ -183,6 +186,10 @@ export class MonitorView {
     items.push(el("span", { class: "dim" }, `free queue ${formatCount(counts[EMPTY] + counts[1])}` +
       (blocksPerCell > 1 ? ` · ${blocksPerCell} blocks/cell` : "")));
     if (this.selectedLabel) {
+      if (this.imageBlocks.length) {
+        items.push(el("span", { dataset: { state: "image" } }, el("span", { class: "swatch state-image" }),
+          `image tokens ${formatCount(this.imageBlocks.length)}`));
+      }
       items.push(el("span", {}, el("span", { class: "swatch state-selected" }), `${this.selectedLabel}'s blocks`));
     }
     replaceChildren(this.root.querySelector("#map-legend"), ...items);
@@ -208,13 +215,16 @@ export class MonitorView {
       }
       const prompt = request.state === "prefill"
         ? `${request.num_computed_prompt_tokens}/${request.num_prompt_tokens}` : String(request.num_prompt_tokens);
-      const texts = [request.label, request.state, prompt, String(request.num_output_tokens), String(request.num_seqs),
+      const images = imageCount(request); // marked ▣N (the map's image glyph in the TUI), in words on hover
+      const texts = [request.label, images ? `${request.state} ▣${request.image_spans.length}` : request.state, prompt, String(request.num_output_tokens), String(request.num_seqs),
         String(request.num_cached_tokens), String(request.num_preemptions), request.tokens_per_s.toFixed(1),
         String(this.countBlocks(request.block_tables))];
       texts.forEach((text, index) => {
         const cell = row.cells[index];
         if (cell.textContent !== text) cell.textContent = text;
       });
+      if (images) row.cells[1].title = images;
+      else row.cells[1].removeAttribute("title");
       row.classList.toggle("selected", request.label === this.selectedLabel);
       return row;
     });
@@ -295,7 +305,10 @@ export class MonitorView {
     }
     const [first, end] = range;
     const holders = this.frame.requests.filter((request) => request.block_tables.some(
-      (table) => table.some((block) => block >= first && block < end))).map((request) => request.label);
+      (table) => table.some((block) => block >= first && block < end))).map((request) => {
+      const image = imageBlocks(request, this.hello?.block_size ?? 1).some((block) => block >= first && block < end);
+      return image ? `${request.label} (image tokens)` : request.label;
+    });
     const where = end - first > 1 ? `blocks ${first}-${end - 1}` : `block ${first}`;
     const state = STATE_NAMES[this.states[first]];
     this.hover.textContent = `${where}: ${state}${holders.length ? ` · ${holders.join(", ")}` : ""}`;
