@@ -22,7 +22,8 @@ from localserve.engine.outputs import RequestOutput
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import default_dtype, load_model, resolve_model_path
 from localserve.loading.image_encoders import load_image_encoder
-from localserve.loading.mmproj import mmproj_encoder_for, open_mmproj_for
+from localserve.loading.mmproj import open_mmproj_for
+from localserve.loading.mmproj_encoders import mmproj_encoder_for
 from localserve.models.vision.adapter import ImageEncoder
 from localserve.tokenizer.tokenizer import Tokenizer
 

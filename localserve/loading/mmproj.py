@@ -4,8 +4,9 @@ model's .gguf (llama.cpp's `--mmproj FILE`), as its converter (convert_hf_to_ggu
 An mmproj is a GGUF of architecture `clip`: the tower's shape under `clip.vision.*` (image and patch size,
 width, layers, heads, the normalisation's mean and std), the projector's kind under `clip.projector_type`
 and `clip.vision.projection_dim` = the language model's hidden size; its tensors are `v.*` (the tower) and
-`mm.*` (the projector). Served here: Gemma 3's (`gemma3`: SigLIP and Gemma's pooling projector, read into
-models/vision/gemma3_vision.py's `GemmaVision`) and Qwen3.5's (`qwen3vl_merger`: loading/mmproj_qwen.py).
+`mm.*` (the projector). Served here (loading/mmproj_encoders.py picks by projector): Gemma 3's (`gemma3`:
+SigLIP and Gemma's pooling projector, read into models/vision/gemma3_vision.py's `GemmaVision`) and
+Qwen3.5's (`qwen3vl_merger`: loading/mmproj_qwen.py).
 
 What the converter changed, undone here: Gemma 3's projector norm is stored as 1 + w (llama.cpp's RMSNorm
 has no offset), so the norm is built without its offset and takes the stored values as they are. Every
@@ -24,13 +25,12 @@ import numpy as np
 import torch
 
 from localserve.loading.gguf import GGUFLoadError, open_gguf
-from localserve.loading.hf import LoadedModel, ModelLoadError
+from localserve.loading.hf import ModelLoadError
 from localserve.models.config import ModelConfig
 from localserve.models.vision.adapter import ImageEncoder
 from localserve.models.vision.config import Gemma3VisionConfig, SiglipConfig, VisionConfigError
 from localserve.models.vision.gemma3_vision import GemmaVision
 from localserve.models.vision.preprocess import ImageProcessing
-from localserve.tokenizer.tokenizer import Tokenizer
 
 SERVED_PROJECTORS = ("gemma3", "qwen3vl_merger")
 GEMMA3_SCALE_FACTOR = 4  # llama.cpp's default pooling of Gemma 3's patches: 64 x 64 -> 16 x 16 tokens
@@ -288,15 +288,6 @@ def open_mmproj_for(mmproj: str | Path, model: Path) -> MmprojFile:
     return found
 
 
-def load_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, architecture: str,
-                        vocabulary: dict[str, int], dtype: torch.dtype,
-                        device: torch.device | str) -> ImageEncoder:
-    """The image encoder of the pair (the language model's .gguf at `model`, its `config`, its
-    `general.architecture` and its tokenizer's vocabulary: token text -> id)."""
-    check_language_model(mmproj, architecture, config.hidden_size, str(model))
-    return MMPROJ_ENCODERS[mmproj.projector](mmproj, model, config, vocabulary, dtype, device)
-
-
 def gemma3_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, vocabulary: dict[str, int],
                           dtype: torch.dtype, device: torch.device | str) -> ImageEncoder:
     """Gemma 3's encoder (models/vision/gemma3_encoder.py) over the mmproj's GemmaVision, the image tokens
@@ -314,26 +305,3 @@ def gemma3_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, 
     tokens = GemmaImageTokens(boi=GEMMA3_IMAGE_TOKENS["boi"], eoi=GEMMA3_IMAGE_TOKENS["eoi"],
                               soft=GEMMA3_IMAGE_TOKENS["image"], soft_id=ids["image"])
     return Gemma3ImageEncoder(vision, tokens)
-
-
-def mmproj_encoder_for(mmproj: MmprojFile, loaded: LoadedModel, tokenizer: Tokenizer, dtype: torch.dtype,
-                       device: torch.device | str) -> ImageEncoder:
-    """`load_mmproj_encoder` for a loaded language model (its .gguf's reader and config) and its tokenizer."""
-    architecture = loaded.gguf_reader.fields["general.architecture"].contents()
-    vocabulary = tokenizer.backend.get_vocab(with_added_tokens=True)
-    return load_mmproj_encoder(mmproj, loaded.path, loaded.config, architecture, vocabulary, dtype, device)
-
-
-MmprojEncoderLoader = Callable[[MmprojFile, Path, ModelConfig, dict, torch.dtype, torch.device | str], ImageEncoder]
-
-
-def qwen_mmproj_encoder(*args) -> ImageEncoder:
-    """loading/mmproj_qwen.py's (which imports this module)."""
-    from localserve.loading.mmproj_qwen import qwen_mmproj_encoder as load
-
-    return load(*args)
-
-
-# by clip.projector_type
-MMPROJ_ENCODERS: dict[str, MmprojEncoderLoader] = {"gemma3": gemma3_mmproj_encoder,
-                                                   "qwen3vl_merger": qwen_mmproj_encoder}

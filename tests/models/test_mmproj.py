@@ -235,7 +235,7 @@ def test_a_window_shorter_than_an_image_is_refused(gemma3_pair):
     """The engine's bidirectional span needs each image's tokens inside one sliding window (the contract)."""
     from localserve.models.config import ModelConfig
 
-    from localserve.loading.mmproj import load_mmproj_encoder
+    from localserve.loading.mmproj_encoders import load_mmproj_encoder
 
     _, files = gemma3_pair
     vocabulary = {"<start_of_image>": 317, "<end_of_image>": 318, "<image_soft_token>": 319}
