@@ -296,12 +296,6 @@ def gemma3_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, 
 
     ids = image_token_ids(vocabulary, GEMMA3_IMAGE_TOKENS, str(model))
     vision = load_mmproj_gemma_vision(mmproj, ids, dtype, device)
-    count = vision.config.mm_tokens_per_image
-    windows = [window for layer in range(config.num_layers)
-               if (window := config.attention_of(layer).sliding_window) is not None]
-    if windows and min(windows) < count:
-        raise MmprojError(f"{mmproj.path}: an image's {count} tokens do not fit in the sliding window "
-                          f"{min(windows)} of {model}")
     tokens = GemmaImageTokens(boi=GEMMA3_IMAGE_TOKENS["boi"], eoi=GEMMA3_IMAGE_TOKENS["eoi"],
                               soft=GEMMA3_IMAGE_TOKENS["image"], soft_id=ids["image"])
     return Gemma3ImageEncoder(vision, tokens)

@@ -20,8 +20,6 @@ from localserve.models.vision.gemma3_vision import GemmaVision
 from localserve.models.vision.preprocess import preprocess
 from PIL import Image
 
-DEFAULT_SLIDING_WINDOW = 4096  # Gemma3TextConfig's, where config.json leaves it out (as models/gemma3.py reads it)
-
 
 @dataclass(frozen=True)
 class GemmaImageTokens:
@@ -81,29 +79,15 @@ def gemma_image_tokens(folder: Path, config: dict) -> GemmaImageTokens:
                             soft_id=vision.image_token_id)
 
 
-def check_sliding_window(config: dict, mm_tokens_per_image: int, source: str) -> None:
-    """Refuse a text sliding window shorter than an image's tokens: the engine's bidirectional span needs each
-    image's tokens inside one window (contract: only the per-query upper key limit changes)."""
-    from localserve.loading.vision import VisionLoadError
-
-    window = (config.get("text_config") or {}).get("sliding_window") or DEFAULT_SLIDING_WINDOW
-    if int(window) < mm_tokens_per_image:
-        raise VisionLoadError(f"{source}: text_config.sliding_window {window} is shorter than mm_tokens_per_image "
-                             f"{mm_tokens_per_image}: an image's tokens must fit in one window")
-
-
 def load_gemma3_encoder(path: Path, config: dict, dtype: torch.dtype,
                         device: torch.device | str) -> ImageEncoder | None:
     """The encoder of a Gemma3ForConditionalGeneration folder; None where its config has no vision_config or its
     shards no vision tensor (a text-only save: served as text)."""
-    from localserve.models.vision.config import gemma3_vision_config
     from localserve.models.vision.gemma3_vision import checkpoint_target
 
     from localserve.loading.vision import has_vision_tensors, load_gemma_vision
 
     if config.get("vision_config") is None or not has_vision_tensors(path, checkpoint_target):
         return None
-    source = str(path / "config.json")
-    check_sliding_window(config, gemma3_vision_config(config, source).mm_tokens_per_image, source)
     tokens = gemma_image_tokens(path, config)
     return Gemma3ImageEncoder(load_gemma_vision(path, dtype=dtype, device=device), tokens)

@@ -7,7 +7,6 @@ plan counts the encoder's weights."""
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -32,7 +31,7 @@ from tests.helpers.gguf_convert import rewrite_gguf, write_spm_tokenizer
 from tests.helpers.mmproj_files import convert_mmproj, released_gemma3_layout
 from tests.helpers.models import save_random_model
 from tests.helpers.pictures import picture, reencoded
-from tests.models.test_gemma3_vision import save_processor, tiny_gemma3
+from tests.helpers.vision_models import save_processor, tiny_gemma3
 
 TOKEN_IDS = {"boi": 317, "image": 319, "eoi": 318}
 
@@ -231,8 +230,8 @@ def test_plan_counts_the_mmproj_weights(gemma3_pair, capsys):
     assert "none.gguf: no such mmproj file" in capsys.readouterr().err
 
 
-def test_a_window_shorter_than_an_image_is_refused(gemma3_pair):
-    """The engine's bidirectional span needs each image's tokens inside one sliding window (the contract)."""
+def test_a_window_shorter_than_an_image_is_served(gemma3_pair):
+    """The engine's mask is exact under a window shorter than an image (tests/engine/test_gemma3_image_mask.py)."""
     from localserve.models.config import ModelConfig
 
     from localserve.loading.mmproj_encoders import load_mmproj_encoder
@@ -241,12 +240,7 @@ def test_a_window_shorter_than_an_image_is_refused(gemma3_pair):
     vocabulary = {"<start_of_image>": 317, "<end_of_image>": 318, "<image_soft_token>": 319}
     config = ModelConfig(architecture="Gemma3ForCausalLM", vocab_size=320, hidden_size=64, intermediate_size=96,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=3)
-    with pytest.raises(MmprojError, match=r"mmproj-f32.gguf: an image's 4 tokens do not fit in the sliding window 3 "
-                                          r"of lm.gguf"):
-        load_mmproj_encoder(read_mmproj(files["f32"]), Path("lm.gguf"), config, "gemma3", vocabulary,
-                            torch.float32, "cpu")
-    encoder = load_mmproj_encoder(read_mmproj(files["f32"]), Path("lm.gguf"),
-                                  dataclasses.replace(config, sliding_window=4), "gemma3", vocabulary,
+    encoder = load_mmproj_encoder(read_mmproj(files["f32"]), Path("lm.gguf"), config, "gemma3", vocabulary,
                                   torch.float32, "cpu")
     prepared = encoder.prepare(picture(30, 20, seed=4))
     assert prepared.span_ids == (319,) * 4 and encoder.encode(prepared).shape == (4, 64)
