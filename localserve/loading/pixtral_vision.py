@@ -57,18 +57,6 @@ def token_embedding(folder: Path, token_id: int, dtype: torch.dtype, device: tor
     raise VisionLoadError(f"{folder}: no token embeddings ({' or '.join(EMBEDDING_NAMES)}) in its safetensors files")
 
 
-def has_vision_tensors(folder: Path) -> bool:
-    """Whether the folder's shards hold any of the tower's or projector's tensors (a text-only save has none)."""
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(file, framework="pt") as shard:
-                if any(checkpoint_target(name) is not None for name in shard.keys()):  # noqa: SIM118
-                    return True
-        except (SafetensorError, OSError) as exc:
-            raise VisionLoadError(f"{file}: unreadable safetensors file ({exc})") from None
-    return False
-
-
 def load_mistral3_vision(folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                          config_dict: dict | None = None) -> Mistral3Vision:
     """The Pixtral tower and Mistral 3 projector of a Mistral3ForConditionalGeneration folder, in `dtype` on

@@ -9,10 +9,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from localserve.loading.hf import safetensors_files
-from localserve.loading.vision import VisionLoadError, _read_json, load_vision_weights, processor_config
+from localserve.loading.vision import (
+    _read_json,
+    has_vision_tensors,
+    load_vision_weights,
+    processor_config,
+)
 from localserve.models.vision.qwen3_5_encoder import IMAGE_PAD, QwenImageEncoder
 from localserve.models.vision.qwen3_5_vision import QwenVision, QwenVisionConfig, checkpoint_target, qwen_vision_config
 from localserve.models.vision.qwen_preprocess import QwenImageProcessing, qwen_image_processing
@@ -40,18 +43,6 @@ def load_qwen3_5_vision(folder: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def has_vision_tensors(folder: Path) -> bool:
-    """Whether the folder's safetensors shards name any vision tensor (their headers only are read)."""
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(file, framework="pt") as shard:
-                if any(checkpoint_target(name) is not None for name in shard.keys()):  # noqa: SIM118
-                    return True
-        except (SafetensorError, OSError) as exc:
-            raise VisionLoadError(f"{file}: unreadable safetensors file ({exc})") from None
-    return False
-
-
 def image_token_text(folder: Path, token_id: int) -> str:
     """The text the folder's tokenizer gives the image token `token_id` (tokenizer_config.json's
     added_tokens_decoder, else tokenizer.json's added_tokens), else the released checkpoints' `<|image_pad|>`."""
@@ -72,7 +63,7 @@ def load_qwen3_5_encoder(path: Path, config: dict, dtype: torch.dtype,
     """The `ImageEncoder` of a Qwen3_5(Moe)ForConditionalGeneration folder (loading/image_encoders.py's loader
     signature), or None where its config has no vision_config or its shards no vision tensor (served as text)."""
     path = Path(path)
-    if not isinstance(config.get("vision_config"), dict) or not has_vision_tensors(path):
+    if not isinstance(config.get("vision_config"), dict) or not has_vision_tensors(path, checkpoint_target):
         return None
     vision = load_qwen3_5_vision(path, dtype, device)
     return QwenImageEncoder(vision, image_token_text(path, vision.config.image_token_id))

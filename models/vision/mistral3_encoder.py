@@ -121,9 +121,12 @@ def load_mistral3_encoder(path: Path, config: dict, dtype: torch.dtype,
                           device: torch.device | str) -> ImageEncoder | None:
     """The encoder of a Mistral3ForConditionalGeneration folder; None where its config has no vision_config or
     its shards no vision tensor (a text-only save: served as text)."""
-    from localserve.loading.pixtral_vision import has_vision_tensors, load_mistral3_vision, token_embedding
+    from localserve.models.vision.mistral3_vision import checkpoint_target
 
-    if config.get("vision_config") is None or not has_vision_tensors(path):
+    from localserve.loading.pixtral_vision import load_mistral3_vision, token_embedding
+    from localserve.loading.vision import has_vision_tensors
+
+    if config.get("vision_config") is None or not has_vision_tensors(path, checkpoint_target):
         return None
     vision = load_mistral3_vision(path, dtype=dtype, device=device, config_dict=config)
     tokens = pixtral_image_tokens(path, vision.config.image_token_id)
