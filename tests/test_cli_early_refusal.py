@@ -9,36 +9,14 @@ a writer comes, which none does, so a CLI that opened the model before refusing 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
 from localserve.kv.formats import FORMAT_NAMES
+from tests.helpers.cli_refusal import TIMEOUT_S, imported_modules, refusal, run_cli
 
-TIMEOUT_S = 2.0
 UNKNOWN_FORMAT = f"localserve: error: unknown KV cache type 'q5_9'; choose from {', '.join(FORMAT_NAMES)}"
 FLAGS = [["-ctk", "q5_9"], ["-ctv", "q5_9"], ["--kv-cache-dtype", "q5_9"]]
-
-
-def run_cli(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    try:
-        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "localserve.cli", *args],
-                                capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"localserve {' '.join(args)} ran past {TIMEOUT_S} s (it opened the model, or loaded it)")
-    return result, time.monotonic() - start
-
-
-def refusal(result: subprocess.CompletedProcess) -> str:
-    """The error lines of stderr (without the import-time table)."""
-    return "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
-
-
-def imported_modules(result: subprocess.CompletedProcess) -> set[str]:
-    return {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.test_cli_early_refusal import refusal, run_cli
+from tests.helpers.cli_refusal import refusal, run_cli
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO")

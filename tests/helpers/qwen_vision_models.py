@@ -1,6 +1,7 @@
 """Tiny random Qwen3.5 / Qwen3.5-MoE checkpoints with their vision tower (transformers' Qwen3_5Config /
 Qwen3_5MoeConfig, float32, saved by save_pretrained with an image processor config), prompts with images as
-our encoder makes them, and transformers' greedy reference (its processor's pixels, its generate).
+our encoder makes them, and transformers' greedy reference (its processor's pixels, its generate); the vision
+encoder tests' smaller Qwen3_5Config (one text layer) and image processor (a mean and std of its own).
 
 The language model is tests/helpers/hybrid_models.py's (Gated DeltaNet layers with long memory, one gated
 full-attention layer whose head of 32 turns a quarter: 4 rotary frequencies); `mrope_section` [2, 1, 1] gives
@@ -22,6 +23,7 @@ from tests.helpers.hybrid_models import qwen3_5_config, qwen3_5_moe_config, save
 IDS = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
 PATCH, MERGE, TEMPORAL = 4, 2, 2
 MIN_PIXELS, MAX_PIXELS = 16 * 16, 48 * 48
+MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]  # unlike the class defaults, so a folder's are seen read
 MROPE_SECTION = [2, 1, 1]
 VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE,
               temporal_patch_size=TEMPORAL, out_hidden_size=64, num_position_embeddings=16)
@@ -40,12 +42,32 @@ def tiny_config(moe: bool = False, ids: dict[str, int] | None = None, **text_cha
     return config_class(text_config=text.to_dict(), vision_config=vision, **(ids or IDS))
 
 
+def tiny_qwen3_5(depth: int = 2, **vision):
+    """The vision encoder tests' Qwen3_5Config: the tiny tower of `depth` blocks (`vision` to its other fields) over
+    one full-attention text layer (qwen3_5_config's), the vision token ids IDS."""
+    import transformers
+
+    text = qwen3_5_config(num_hidden_layers=1, layer_types=["full_attention"])
+    return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=VISION | {"depth": depth} | vision,
+                                      **IDS)
+
+
 def reference_processor():
     """transformers' image processor for the tiny tower (Pillow backend, as the Qwen3.5 processors pick)."""
     import transformers
 
     return transformers.Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
                                                  size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+
+
+def custom_processor(**options):
+    """reference_processor's with MEAN and STD (`options` to its fields): a folder saved with it shows its
+    preprocessor config read."""
+    import transformers
+
+    fields = dict(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, image_mean=MEAN, image_std=STD,
+                  size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}) | options
+    return transformers.Qwen2VLImageProcessorPil(**fields)
 
 
 def write_tiny_qwen3_5_vision(folder: Path, moe: bool = False, seed: int = 0, ids: dict[str, int] | None = None,

@@ -1,6 +1,7 @@
 """Tiny random vision models for the server's and the engine's image tests: a Gemma3ForConditionalGeneration
 folder (transformers' own classes and save_pretrained) with a tokenizer that has Gemma 3's turn and image tokens,
-Gemma 3's chat template and its processor's files, so that transformers' Gemma3Processor loads from it too.
+Gemma 3's chat template and its processor's files, so that transformers' Gemma3Processor loads from it too; the
+vision encoder tests' smaller Gemma3Config (one text layer) and image processor (a mean and std of its own).
 
 The chat template (templates/gemma3.jinja) is Google's Gemma 3 instruction template as the checkpoints ship it
 and as transformers' Gemma 3 processor tests use it: llama.cpp's template folder holds Gemma 2's and Gemma 4's but
@@ -29,14 +30,50 @@ CHARACTERS = ["\n"] + [chr(code) for code in range(33, 127)] + [chr(code) for co
 VOCAB_SIZE = 320
 
 
+MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]  # unlike the class defaults, so a folder's are seen read
+
+
+def tiny_siglip(image_size: int, layers: int, **fields):
+    """transformers' SiglipVisionConfig of the tiny tower: `layers` layers, hidden 32, 4 heads, `image_size` pixels
+    in patches of 14; `fields` to its other fields."""
+    import transformers
+
+    return transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                           num_attention_heads=4, image_size=image_size, patch_size=14, **fields)
+
+
+def tiny_gemma3(image_size: int = 56, mm_tokens: int = 4, layers: int = 2, **vision):
+    """The vision encoder tests' Gemma3Config: the tiny SigLIP tower (`vision` to its other fields) over one text
+    layer (gemma3_config's, Gemma 3's own sliding pattern), the image tokens at BOI_ID, EOI_ID and IMAGE_ID."""
+    import transformers
+
+    siglip = tiny_siglip(image_size, layers, **vision)
+    text = gemma3_config(num_hidden_layers=1, final_logit_softcapping=None)
+    return transformers.Gemma3Config(text_config=text, vision_config=siglip.to_dict(), mm_tokens_per_image=mm_tokens,
+                                     image_token_index=IMAGE_ID, boi_token_index=BOI_ID, eoi_token_index=EOI_ID)
+
+
+def gemma3_image_processor(size: int, **options):
+    """transformers' Gemma3ImageProcessorPil at `size` pixels a side with MEAN and STD; `options` to its other
+    fields."""
+    import transformers
+
+    return transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size}, image_mean=MEAN,
+                                                image_std=STD, **options)
+
+
+def save_processor(folder, size: int, **options) -> None:
+    """gemma3_image_processor(size, **options)'s preprocessor config, saved into `folder`."""
+    gemma3_image_processor(size, **options).save_pretrained(folder)
+
+
 def tiny_gemma3_vision_config(image_size: int = 28, mm_tokens_per_image: int = 4, vision_layers: int = 2,
                               text_layers: int = 2, **changes):
     """transformers' Gemma3Config: a SigLIP tower of `image_size` pixels in patches of 14, hidden 32; a text model
     of `text_layers` (sliding, full, ...), hidden 64, window 16; `changes` to the Gemma3Config's own fields."""
     import transformers
 
-    siglip = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=vision_layers,
-                                             num_attention_heads=4, image_size=image_size, patch_size=14)
+    siglip = tiny_siglip(image_size, vision_layers)
     text = gemma3_config(num_hidden_layers=text_layers, sliding_window_pattern=2, final_logit_softcapping=None,
                          vocab_size=VOCAB_SIZE)
     return transformers.Gemma3Config(**(dict(text_config=text, vision_config=siglip.to_dict(),

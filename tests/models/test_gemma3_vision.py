@@ -17,40 +17,14 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from localserve.loading.vision import VisionLoadError, folder_image_processing, load_gemma_vision
-from tests.helpers.gemma_models import gemma3_config
 from tests.helpers.models import save_random_model
 from tests.helpers.pictures import picture, reencoded
-
-MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]  # unlike the class defaults, so the folder's are read
-
-
-def tiny_gemma3(image_size: int = 56, mm_tokens: int = 4, layers: int = 2, **vision):
-    import transformers
-
-    siglip = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                             num_attention_heads=4, image_size=image_size, patch_size=14, **vision)
-    text = gemma3_config(num_hidden_layers=1, final_logit_softcapping=None)
-    return transformers.Gemma3Config(text_config=text, vision_config=siglip.to_dict(), mm_tokens_per_image=mm_tokens,
-                                     image_token_index=319, boi_token_index=317, eoi_token_index=318)
-
-
-def save_processor(folder, size: int, **options) -> None:
-    import transformers
-
-    transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size}, image_mean=MEAN, image_std=STD,
-                                         **options).save_pretrained(folder)
-
-
-def reference_processor(size: int, **options):
-    import transformers
-
-    return transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size}, image_mean=MEAN,
-                                                image_std=STD, **options)
+from tests.helpers.vision_models import MEAN, STD, gemma3_image_processor, save_processor, tiny_gemma3
 
 
 def assert_same_pixels(images: list[Image.Image], size: int, **options) -> None:
-    expected = reference_processor(size, **options)(images=images, return_tensors="pt")["pixel_values"]
-    processing = image_processing(json.loads(reference_processor(size, **options).to_json_string()), size, "test")
+    expected = gemma3_image_processor(size, **options)(images=images, return_tensors="pt")["pixel_values"]
+    processing = image_processing(json.loads(gemma3_image_processor(size, **options).to_json_string()), size, "test")
     ours = preprocess(images, processing)
     assert ours.dtype == torch.float32 and ours.shape == expected.shape
     assert torch.equal(ours, expected), (ours - expected).abs().max()

@@ -21,7 +21,7 @@ from tests.helpers.gguf_convert import rewrite_gguf
 from tests.helpers.mmproj_files import convert_mmproj
 from tests.helpers.models import save_random_model
 from tests.helpers.pictures import picture, reencoded
-from tests.models.test_qwen3_5_vision import IDS, MERGE, PATCH, reference_processor, tiny_qwen3_5
+from tests.helpers.qwen_vision_models import IDS, MERGE, PATCH, custom_processor, tiny_qwen3_5
 
 TOKEN_IDS = {"image": IDS["image_token_id"], "video": IDS["video_token_id"], "start": IDS["vision_start_token_id"],
              "end": IDS["vision_end_token_id"]}
@@ -34,8 +34,8 @@ def qwen_pair(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("qwen3_5_mmproj")
     save_random_model(folder, tiny_qwen3_5(), model_class=transformers.Qwen3_5ForConditionalGeneration)
-    reference_processor(size={"shortest_edge": 8 * TOKEN_PIXELS, "longest_edge": 4096 * TOKEN_PIXELS}
-                        ).save_pretrained(folder)
+    custom_processor(size={"shortest_edge": 8 * TOKEN_PIXELS, "longest_edge": 4096 * TOKEN_PIXELS}
+                     ).save_pretrained(folder)
     return folder, {outtype: convert_mmproj(folder, folder.parent / f"mmproj-qwen-{outtype}.gguf", outtype)
                     for outtype in ("f32", "f16")}
 
@@ -94,9 +94,9 @@ def test_generated_shapes_through_the_converter(tmp_path_factory, depth, heads, 
                           num_position_embeddings=positions_side ** 2)
     save_random_model(folder, config, seed=seed, model_class=transformers.Qwen3_5ForConditionalGeneration)
     token_pixels = (patch * merge) ** 2
-    reference_processor(patch_size=patch, merge_size=merge, size={"shortest_edge": 8 * token_pixels,
-                                                                  "longest_edge": 4096 * token_pixels}
-                        ).save_pretrained(folder)
+    custom_processor(patch_size=patch, merge_size=merge, size={"shortest_edge": 8 * token_pixels,
+                                                               "longest_edge": 4096 * token_pixels}
+                     ).save_pretrained(folder)
     reference = load_qwen3_5_vision(folder)
     vision = load_mmproj_qwen_vision(read_mmproj(convert_mmproj(folder, folder / "mmproj.gguf")), TOKEN_IDS)
     assert vision.config == reference.config

@@ -34,33 +34,20 @@ from safetensors.torch import load_file, save_file
 
 from localserve.loading.qwen_vision import load_qwen3_5_vision
 from localserve.loading.vision import VisionLoadError
-from tests.helpers.hybrid_models import qwen3_5_config
 from tests.helpers.models import save_random_model
 from tests.helpers.pictures import picture, reencoded
+from tests.helpers.qwen_vision_models import (
+    IDS,
+    MAX_PIXELS,
+    MEAN,
+    MERGE,
+    PATCH,
+    TEMPORAL,
+    custom_processor,
+    tiny_qwen3_5,
+)
 
-MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.3, 0.25]  # unlike the class defaults, so the folder's are read
-PATCH, MERGE, TEMPORAL = 4, 2, 2
-MIN_PIXELS, MAX_PIXELS = 16 * 16, 48 * 48
-IDS = {"image_token_id": 300, "video_token_id": 301, "vision_start_token_id": 302, "vision_end_token_id": 303}
 RELATIVE = 1e-5  # fp32: the largest difference from transformers, relative to its largest value
-
-
-def tiny_qwen3_5(depth: int = 2, **vision):
-    import transformers
-
-    text = qwen3_5_config(num_hidden_layers=1, layer_types=["full_attention"])
-    fields = dict(depth=depth, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH,
-                  spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, out_hidden_size=64,
-                  num_position_embeddings=16) | vision
-    return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=fields, **IDS)
-
-
-def reference_processor(**options):
-    import transformers
-
-    fields = dict(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, image_mean=MEAN, image_std=STD,
-                  size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}) | options
-    return transformers.Qwen2VLImageProcessorPil(**fields)
 
 
 def ours_for(processor, vision_fields: dict | None = None):
@@ -70,7 +57,7 @@ def ours_for(processor, vision_fields: dict | None = None):
 
 
 def assert_same_patches(images: list[Image.Image], **options) -> torch.Tensor:
-    processor = reference_processor(**options)
+    processor = custom_processor(**options)
     expected = processor(images=images, return_tensors="pt")
     pixel_values, grid_thw = qwen_preprocess(images, ours_for(processor))
     assert torch.equal(grid_thw, expected["image_grid_thw"]) and grid_thw.dtype == torch.int64
@@ -85,7 +72,7 @@ def qwen_vision(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("qwen3_5_vision")
     hf_model = save_random_model(folder, tiny_qwen3_5(), model_class=transformers.Qwen3_5ForConditionalGeneration)
-    reference_processor().save_pretrained(folder)
+    custom_processor().save_pretrained(folder)
     return folder, hf_model
 
 
@@ -221,9 +208,9 @@ def test_preprocess_at_the_size_bounds(width, height):
 @pytest.mark.parametrize("width,height", [(1, 201), (402, 2)])
 def test_preprocess_refuses_an_aspect_ratio_past_200(width, height):
     with pytest.raises(ValueError, match="absolute aspect ratio"):
-        reference_processor()(images=[picture(width, height, seed=0)])
+        custom_processor()(images=[picture(width, height, seed=0)])
     with pytest.raises(ValueError, match=f"image 0: .*a {width} x {height} picture is more than 200 times"):
-        qwen_preprocess([picture(width, height, seed=0)], ours_for(reference_processor()))
+        qwen_preprocess([picture(width, height, seed=0)], ours_for(custom_processor()))
 
 
 @pytest.mark.parametrize("options", [dict(resample=2), dict(resample=0), dict(do_rescale=False),

@@ -16,7 +16,7 @@ from localserve.tui.slots import SlotsTable
 
 from tests.helpers.fake_monitor import FakeMonitor
 from tests.helpers.monitor_frames import event_entry, hello_frame, request_entry, snapshot_frame
-from tests.helpers.tui_pilot import log_text, wait_until
+from tests.helpers.tui_pilot import log_text, map_cells, run_with_monitor, wait_until
 
 # 64 blocks: r1 has two sequences sharing blocks 0-3 (s) with tails 4-5 and 6-7; r2 holds 8-11; 12-17 cached.
 STATES = "s" * 4 + "u" * 8 + "c" * 6 + "." * 46
@@ -24,32 +24,6 @@ REQUESTS = [request_entry("r1", "decode", [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 6, 7
             request_entry("r2", "prefill", [[8, 9, 10, 11]], num_prompt_tokens=400, num_computed_prompt_tokens=64,
                           num_output_tokens=0, tokens_per_s=0.0),
             request_entry("r3", "preempted", [], num_preemptions=2, num_output_tokens=30)]
-
-
-def run_with_monitor(scenario, hello=None, size=(120, 40)) -> None:
-    """Run `scenario(pilot, app, monitor)` with a fake monitor and an app following it."""
-    async def main() -> None:
-        monitor = await FakeMonitor(hello or hello_frame(64)).start()
-        app = MonitorApp(monitor.url, reconnect_delay_s=0.05)
-        try:
-            async with app.run_test(size=size) as pilot:
-                await wait_until(pilot, lambda: app.hello is not None, "the hello frame")
-                await scenario(pilot, app, monitor)
-        finally:
-            await monitor.stop()
-    asyncio.run(main())
-
-
-def map_cells(block_map: BlockMap) -> list[tuple[str, str]]:
-    """(glyph, colour) of every cell the map draws for the GPU pool, in block order."""
-    chars = []
-    columns = block_map.size.width // block_map.cell_width
-    for y in range(-(-block_map.grid.states.size // columns)):
-        line = []
-        for segment in block_map.render_line(y):
-            line += [(char, str(segment.style.color.name)) for char in segment.text]
-        chars += line[:columns * block_map.cell_width:block_map.cell_width]
-    return chars[:block_map.grid.states.size]
 
 
 def test_block_map_draws_one_cell_per_block_in_its_state():

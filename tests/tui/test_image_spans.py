@@ -14,8 +14,7 @@ from localserve.tui.image_spans import image_block_ids, image_block_indices
 from localserve.tui.slots import SlotsTable, row_cells
 
 from tests.helpers.monitor_frames import hello_frame, request_entry, snapshot_frame
-from tests.helpers.tui_pilot import wait_until
-from tests.tui.test_app import map_cells, run_with_monitor
+from tests.helpers.tui_pilot import map_cells, run_with_monitor, wait_until
 
 
 def parsed(**fields):

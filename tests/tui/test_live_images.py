@@ -14,9 +14,8 @@ from localserve.tui.slots import SlotsTable
 from tests.helpers.browser import slowed
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, openai_client, running_server
-from tests.helpers.tui_pilot import wait_until
+from tests.helpers.tui_pilot import map_cells, wait_until
 from tests.helpers.vision_models import data_url, png_file, write_tiny_gemma3_vision
-from tests.tui.test_app import map_cells
 
 MM_TOKENS = 4
 ATTEMPTS = 3  # a random model may end its reply before the screen is held: then another request

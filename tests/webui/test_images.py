@@ -26,8 +26,7 @@ from tests.helpers.monitor_frames import hello_frame, request_entry, snapshot_fr
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, running_server
 from tests.helpers.vision_models import data_url, png_file
-from tests.helpers.webui_page import open_page, send, set_settings, wait_reply_done
-from tests.webui.test_monitor_page import READ_CELLS
+from tests.helpers.webui_page import DROP_OR_PASTE, READ_CELLS, open_page, send, set_settings, wait_reply_done
 
 MIB = 2 ** 20
 
@@ -117,17 +116,6 @@ def test_an_attached_image_is_shown_sent_as_an_image_url_part_and_the_servers_40
     assert thumbnails(page, ".message.user .images img") == [second]
     errors = [text for text in page.log.console_errors if "400" not in text]  # the refused requests' own lines
     assert errors == []
-
-
-DROP_OR_PASTE = """async ([kind, bytes, name]) => {
-  const transfer = new DataTransfer();
-  transfer.items.add(new File([new Uint8Array(bytes)], name, { type: 'image/png' }));
-  const init = { bubbles: true, cancelable: true };
-  const event = kind === 'drop' ? new DragEvent('drop', { ...init, dataTransfer: transfer })
-    : new ClipboardEvent('paste', { ...init, clipboardData: transfer });
-  document.querySelector('#prompt').dispatchEvent(event);
-  return event.defaultPrevented;
-}"""
 
 
 @pytest.mark.parametrize("kind", ["drop", "paste"])

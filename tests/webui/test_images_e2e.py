@@ -15,8 +15,7 @@ from tests.helpers.browser import slowed
 from tests.helpers.pictures import picture
 from tests.helpers.server import make_llm, openai_client, running_models_server, running_server
 from tests.helpers.vision_models import data_url, png_file, write_tiny_gemma3_vision
-from tests.helpers.webui_page import open_page, send, set_settings, wait_reply_done
-from tests.webui.test_images import DROP_OR_PASTE
+from tests.helpers.webui_page import DROP_OR_PASTE, open_page, send, set_settings, wait_reply_done
 
 STEP_DELAY_S = 0.05  # a reply spans a few monitor frames
 NUM_TOKENS = 8

@@ -20,25 +20,10 @@ from localserve.tui.feed import GPU_STATE_CHARS, BlockState, decode_block_states
 
 from tests.helpers.browser import slowed
 from tests.helpers.server import make_llm, running_server
-from tests.helpers.webui_page import open_page
+from tests.helpers.webui_page import READ_CELLS, open_page
 
 STEP_DELAY_S = 0.03
 LONG_PROMPT = " ".join(["the cat and the dog tell a story about the sun"] * 6)  # 66 words: 4 full blocks
-
-READ_CELLS = """() => {
-  const canvas = document.querySelector('#block-map');
-  const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
-  const {columns, pitch, numCells, time} = canvas.dataset;
-  const colours = [];
-  for (let cell = 0; cell < Number(numCells); cell += 1) {
-    const x = (cell % columns) * pitch, y = Math.floor(cell / columns) * pitch;
-    const offset = (y * canvas.width + x) * 4;
-    colours.push('#' + [0, 1, 2].map((i) => data[offset + i].toString(16).padStart(2, '0')).join(''));
-  }
-  const legend = Object.fromEntries([...document.querySelectorAll('#map-legend [data-state]')]
-    .map((item) => [item.dataset.state, Number(item.textContent.replace(/[^0-9]/g, ''))]));
-  return {time: Number(time), blocksPerCell: Number(canvas.dataset.blocksPerCell), colours, legend};
-}"""
 
 
 @pytest.fixture(scope="module")
