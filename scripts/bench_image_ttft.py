@@ -10,14 +10,16 @@ The client is the `openai` SDK on the same machine: `chat.completions.create(str
 of [text, image (a 640 x 480 PNG data URL), question]; time to first token is from the call to the first chunk
 carrying content (or the finish, when the first token is an end token: a random model may start with one).
 
-Four cases, one after the other in each repeat (the cold case's picture is new in every repeat; the text-only
-case runs first in even repeats and last in odd ones, so the machine's noise falls on all alike):
+Five cases, one after the other in each repeat (the cold case's picture is new in every repeat; the text-only
+cases run first in even repeats and last in odd ones, so the machine's noise falls on all alike):
 1. cold: a new picture, never seen (decode, preprocessing, the vision encoder, then the whole prompt's prefill);
 2. the same request again: a prefix-cache hit up to the prompt's last whole block (usage's cached_tokens);
 3. the same picture in another conversation (other text before it, as long): the embeddings cache gives the
    image's embeddings (no encoder run), but the prefix cache hits nothing past the chat template's first tokens,
    so the whole prompt is prefilled;
-4. text only, as many prompt tokens as case 1's: the baseline of a prefill without an image.
+4. text only, as many prompt tokens as case 1's: the baseline of a prefill without an image;
+5. the text-only request again: its prefix-cache hit, the baseline of case 2 (case 2 less case 5 is what a
+   cached image still costs a request: its decode, hash and preprocessing).
 Beside each: the prompt and cached tokens the server reported, and the deltas of /metrics' `images_encoded`,
 `image_cache_hits` and `image_encode_seconds` around the request (per request, averaged over the repeats). TTFT
 is the median of `--repeats`; the table gives each case's ratio to the cold case and to the text-only one.
@@ -53,7 +55,7 @@ SERVED = "served"
 BLOCK_SIZE = 16
 QUESTION = "What is in this picture? Describe it in a few words."
 CASES = ["1. cold: a new picture", "2. the same request again", "3. the same picture, another conversation",
-         "4. text only, as many tokens"]
+         "4. text only, as many tokens", "5. the text-only request again"]
 METRICS = ("images_encoded", "image_cache_hits", "image_encode_seconds")
 
 
@@ -155,13 +157,16 @@ def run_cases(sdk, port: int, shape: dict, repeats: int) -> list[list[Sample]]:
         png = png_file(picture(width, height, seed=repeat))
         cold_message = image_message(words(rng, chars), png)
         text_first = repeat % 2 == 0
+        text = text_message(words(rng, text_chars))
         if text_first:
-            samples[3].append(measure(sdk, port, text_message(words(rng, text_chars))))
+            samples[3].append(measure(sdk, port, text))
+            samples[4].append(measure(sdk, port, text))
         samples[0].append(measure(sdk, port, cold_message))
         samples[1].append(measure(sdk, port, cold_message))
         samples[2].append(measure(sdk, port, image_message(words(rng, chars), png)))
         if not text_first:
-            samples[3].append(measure(sdk, port, text_message(words(rng, text_chars))))
+            samples[3].append(measure(sdk, port, text))
+            samples[4].append(measure(sdk, port, text))
     return samples
 
 

@@ -1,7 +1,8 @@
 """scripts/bench_image_ttft.py runs its whole path on a tiny Gemma 3 vision model (`--dry-run`): the cold case
 encodes its picture once, the same request again reports cached tokens and encodes nothing, the same picture in
 another conversation takes its embeddings from the cache (no encode) with fewer cached tokens, and the text-only
-baseline has the cold case's prompt tokens and touches no image counter."""
+baseline has the cold case's prompt tokens and touches no image counter (sent again, it hits as many tokens as the
+image request sent again)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def rows(text: str) -> dict[str, list[str]]:
 
 def test_image_ttft_benchmark_dry_run(tmp_path):
     cases = rows(run_dry("bench_image_ttft.py", tmp_path / "table.md"))
-    assert sorted(cases) == ["1", "2", "3", "4"]
+    assert sorted(cases) == ["1", "2", "3", "4", "5"]
     numbers = {case: [float(cell.replace(",", "").rstrip("x")) for cell in cells[:6]] + [cells[7], cells[8]]
                for case, cells in cases.items()}
     prompt = {case: values[0] for case, values in numbers.items()}
@@ -32,3 +33,5 @@ def test_image_ttft_benchmark_dry_run(tmp_path):
     assert other_cached < again_cached and other_encoded == 0 and other_hits == 1 and other_encoder_ms == 0
     _, text_cached, text_encoded, text_hits, *_, text_ratio = numbers["4"]
     assert text_cached < 16 and text_encoded == text_hits == 0 and text_ratio == "1.00x"
+    _, text_again_cached, text_again_encoded, text_again_hits, *_ = numbers["5"]
+    assert text_again_cached == again_cached and text_again_encoded == text_again_hits == 0
