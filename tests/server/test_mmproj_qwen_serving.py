@@ -20,6 +20,7 @@ from tests.helpers.mmproj_files import convert_mmproj
 from tests.helpers.pictures import picture
 from tests.helpers.qwen_vision_models import MERGE, MROPE_SECTION, PATCH, custom_processor, write_tiny_qwen3_5_vision
 from tests.helpers.server import make_llm, running_server
+from tests.helpers.tokenizers import train_bpe
 from tests.helpers.vision_models import data_url, png_file
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -37,7 +38,8 @@ QUESTION = "which of these two pictures is wider?"
 def pair(tmp_path_factory):
     """(the folder, its language model .gguf, its mmproj)."""
     folder = tmp_path_factory.mktemp("qwen35_pair")
-    write_tiny_qwen3_5_vision(folder, ids=IDS, seed=4)
+    # the vocabulary as large as the tokenizer: the converter names ids past it [PADn], which the folder decodes as ""
+    write_tiny_qwen3_5_vision(folder, ids=IDS, seed=4, vocab_size=train_bpe(SPECIALS, 320).get_vocab_size())
     custom_processor(size={"shortest_edge": 8 * TOKEN_PIXELS, "longest_edge": 4096 * TOKEN_PIXELS}
                      ).save_pretrained(folder)
     write_bpe_tokenizer(folder, 320, SPECIALS)

@@ -1,0 +1,78 @@
+"""A Mistral 3 GGUF vision pair served (`LLM(model.gguf, mmproj=mmproj.gguf)`, what `localserve serve -m ...
+--mmproj ...` loads): a tiny random Mistral3ForConditionalGeneration folder (tests/helpers/pixtral_models.py's:
+Mistral's control tokens at their ids, the real Mistral Small 3.2 chat template, a tower of 3 layers whose
+image_size is the processor's bound) converted by llama.cpp's own convert_hf_to_gguf.py into its language model
+(f32, `mistral3`) and its mmproj (f32, `pixtral`), sent two pictures of different sizes by the openai SDK,
+answers with the greedy text and log-probabilities of the same folder served. This converter leaves the row
+break's embedding out of the mmproj of a transformers checkpoint, so the pair reads it from the language
+model's token embeddings (loading/mmproj_pixtral.py)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from localserve.loading.mmproj_pixtral import BREAK_TENSOR
+from tests.helpers.gguf_convert import convert
+from tests.helpers.mmproj_files import convert_mmproj
+from tests.helpers.pictures import picture
+from tests.helpers.pixtral_models import LONGEST_EDGE, SPECIALS, VOCAB, write_tiny_mistral3
+from tests.helpers.server import make_llm, running_server
+from tests.helpers.tokenizers import train_bpe
+from tests.helpers.vision_models import data_url, png_file
+
+NUM_TOKENS = 6
+PICTURES = [png_file(picture(53, 37, seed=1)), png_file(picture(20, 44, seed=2, mode="RGBA"))]
+QUESTION = "which of these two pictures is wider?"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(the folder, its language model .gguf, its mmproj)."""
+    folder = tmp_path_factory.mktemp("mistral3_pair")
+    # the vocabulary as large as the tokenizer: the converter names ids past it [PADn], which the folder decodes as ""
+    write_tiny_mistral3(folder, seed=5, vision={"num_hidden_layers": 3, "image_size": LONGEST_EDGE},
+                        text={"vocab_size": train_bpe(SPECIALS, VOCAB).get_vocab_size()})
+    # the converter names a BPE pre-tokenizer by a hash no tiny tokenizer matches: told GPT-2's, train_bpe's split
+    model = convert(folder, folder.parent / "mistral3-pair.gguf", "--outtype", "f32", pre_tokenizer="gpt2")
+    return folder, model, convert_mmproj(folder, folder.parent / "mmproj-mistral3-pair-f32.gguf")
+
+
+def make_pair_llm(model, mmproj):
+    from localserve.engine.config import EngineConfig
+    from localserve.llm import LLM
+
+    config = EngineConfig(num_kv_blocks=64, max_num_seqs=16, max_num_batched_tokens=256)
+    return LLM(str(model), device="cpu", engine_config=config, mmproj=mmproj)
+
+
+def chat_answer(llm) -> tuple[str, list[float], int]:
+    """The greedy answer to a short system prompt and one user message of QUESTION then both pictures: text,
+    logprobs, prompt tokens."""
+    content = [{"type": "text", "text": QUESTION}]
+    content += [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in PICTURES]
+    with running_server(llm, model_alias="served") as server, openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0) as client:
+        chat = client.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, logprobs=True,
+                                              messages=[{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": content}])
+    return (chat.choices[0].message.content, [token.logprob for token in chat.choices[0].logprobs.content],
+            chat.usage.prompt_tokens)
+
+
+def test_the_mistral3_pair_answers_as_the_folder(pair):
+    import gguf
+
+    folder, model, mmproj = pair
+    assert BREAK_TENSOR not in {tensor.name for tensor in gguf.GGUFReader(mmproj).tensors}
+    folder_llm = make_llm(folder, num_kv_blocks=64)
+    assert folder_llm.vision is not None and folder_llm.vision.marker == "[IMG]"
+    expected, expected_logprobs, prompt_tokens = chat_answer(folder_llm)
+    del folder_llm
+    pair_llm = make_pair_llm(model, mmproj)
+    assert (pair_llm.vision.marker, pair_llm.vision.hidden_size) == ("[IMG]", 64)
+    text, logprobs, pair_prompt_tokens = chat_answer(pair_llm)
+    assert (text, pair_prompt_tokens) == (expected, prompt_tokens)
+    assert prompt_tokens > 30 + 18  # both pictures' tokens among them (5 x 6 and 6 x 3 with their breaks)
+    assert len(logprobs) == len(expected_logprobs) == NUM_TOKENS
+    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
