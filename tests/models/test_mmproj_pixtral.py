@@ -29,6 +29,7 @@ from localserve.loading.mmproj_pixtral import (
     pixtral_mmproj_encoder,
 )
 from localserve.loading.pixtral_vision import load_mistral3_vision, token_embedding
+from tests.helpers.gguf import random_blocks
 from tests.helpers.gguf_convert import rewrite_gguf
 from tests.helpers.mmproj_files import convert_mmproj
 from tests.helpers.pictures import picture, reencoded
@@ -134,6 +135,31 @@ def test_pixtral_refusals_are_named(mistral3_pair, tmp_path):
     # no img_break in the file: read from the language model
     with pytest.raises(MmprojError, match="lm.gguf: cannot read the language model for the row break's embedding"):
         break_embedding(read_mmproj(source), tmp_path / "lm.gguf", IMG_BREAK, 64)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_K"])
+def test_the_break_row_is_read_alone_from_the_language_models_embeddings(mistral3_pair, tmp_path, qtype):
+    """Without `v.token_embd.img_break`, row [IMG_BREAK] of the language model's token_embd.weight, in its stored
+    type, de-quantized alone, equals that row of the whole table de-quantized."""
+    import gguf
+
+    _, files = mistral3_pair
+    kind = gguf.GGMLQuantizationType[qtype]
+    table = torch.randn(20, 256, generator=torch.Generator().manual_seed(3)).numpy()
+    writer = gguf.GGUFWriter(str(tmp_path / "lm.gguf"), "mistral3")
+    data = random_blocks(qtype, 20, 256) if qtype.endswith("_K") else gguf.quants.quantize(table, kind)
+    writer.add_tensor("token_embd.weight", data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    [stored] = gguf.GGUFReader(tmp_path / "lm.gguf").tensors
+    wanted = torch.from_numpy(gguf.quants.dequantize(stored.data, kind).reshape(20, 256)[IMG_BREAK].copy())
+    row = break_embedding(read_mmproj(files["f32"]), tmp_path / "lm.gguf", IMG_BREAK, 256)
+    assert torch.equal(row, wanted.float())
+    with pytest.raises(MmprojError, match=r"lm.gguf: token_embd.weight is \[20, 256\]; the row break token 12 of "
+                                          r"hidden size 64 is not in it"):
+        break_embedding(read_mmproj(files["f32"]), tmp_path / "lm.gguf", IMG_BREAK, 64)
 
 
 @settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck),
