@@ -207,6 +207,17 @@ def gemma3_target(name: str) -> str | None:
     return None
 
 
+def block_target(name: str, fixed: dict[str, str], layer: dict[str, str], blocks: str) -> str | None:
+    """An mmproj tensor's name in our model: `fixed` (whole names), else a `v.blk.N.<part>.<kind>` tensor under
+    `blocks`.N with its part renamed by `layer`; None for any other."""
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in layer:
+        return f"{blocks}.{parts[2]}.{layer[parts[3]]}.{parts[4]}"
+    return None
+
+
 # (the file's tensor name, its shape in torch's order, a call that reads it de-quantized into float32)
 MmprojTensor = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
 

@@ -35,6 +35,7 @@ from localserve.loading.gguf import GGUFLoadError, open_gguf
 from localserve.loading.mmproj import (
     MmprojError,
     MmprojFile,
+    block_target,
     image_token_ids,
     load_mmproj_weights,
     mmproj_tensors,
@@ -66,12 +67,7 @@ ROTATED = ("attn_q", "attn_k")  # permuted the llama way by the converter
 
 def pixtral_target(name: str) -> str | None:
     """An mmproj tensor's name in Mistral3Vision (None: not one of Mistral 3's)."""
-    if name in FIXED:
-        return FIXED[name]
-    parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in LAYER:
-        return f"vision_tower.transformer.layers.{parts[2]}.{LAYER[parts[3]]}.{parts[4]}"
-    return None
+    return block_target(name, FIXED, LAYER, "vision_tower.transformer.layers")
 
 
 def _activation(mmproj: MmprojFile) -> str:

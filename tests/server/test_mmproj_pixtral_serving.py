@@ -9,19 +9,17 @@ model's token embeddings (loading/mmproj_pixtral.py)."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from localserve.loading.mmproj_pixtral import BREAK_TENSOR
 from tests.helpers.gguf_convert import convert
 from tests.helpers.mmproj_files import convert_mmproj
+from tests.helpers.mmproj_pairs import assert_pair_answers_as_the_folder
 from tests.helpers.pictures import picture
 from tests.helpers.pixtral_models import LONGEST_EDGE, SPECIALS, VOCAB, write_tiny_mistral3
-from tests.helpers.server import make_llm, running_server
 from tests.helpers.tokenizers import train_bpe
 from tests.helpers.vision_models import data_url, png_file
 
-NUM_TOKENS = 6
 PICTURES = [png_file(picture(53, 37, seed=1)), png_file(picture(20, 44, seed=2, mode="RGBA"))]
 QUESTION = "which of these two pictures is wider?"
 
@@ -38,41 +36,13 @@ def pair(tmp_path_factory):
     return folder, model, convert_mmproj(folder, folder.parent / "mmproj-mistral3-pair-f32.gguf")
 
 
-def make_pair_llm(model, mmproj):
-    from localserve.engine.config import EngineConfig
-    from localserve.llm import LLM
-
-    config = EngineConfig(num_kv_blocks=64, max_num_seqs=16, max_num_batched_tokens=256)
-    return LLM(str(model), device="cpu", engine_config=config, mmproj=mmproj)
-
-
-def chat_answer(llm) -> tuple[str, list[float], int]:
-    """The greedy answer to a short system prompt and one user message of QUESTION then both pictures: text,
-    logprobs, prompt tokens."""
-    content = [{"type": "text", "text": QUESTION}]
-    content += [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in PICTURES]
-    with running_server(llm, model_alias="served") as server, openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0) as client:
-        chat = client.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, logprobs=True,
-                                              messages=[{"role": "system", "content": "Be brief."},
-                                                        {"role": "user", "content": content}])
-    return (chat.choices[0].message.content, [token.logprob for token in chat.choices[0].logprobs.content],
-            chat.usage.prompt_tokens)
-
-
 def test_the_mistral3_pair_answers_as_the_folder(pair):
     import gguf
 
     folder, model, mmproj = pair
     assert BREAK_TENSOR not in {tensor.name for tensor in gguf.GGUFReader(mmproj).tensors}
-    folder_llm = make_llm(folder, num_kv_blocks=64)
-    assert folder_llm.vision is not None and folder_llm.vision.marker == "[IMG]"
-    expected, expected_logprobs, prompt_tokens = chat_answer(folder_llm)
-    del folder_llm
-    pair_llm = make_pair_llm(model, mmproj)
-    assert (pair_llm.vision.marker, pair_llm.vision.hidden_size) == ("[IMG]", 64)
-    text, logprobs, pair_prompt_tokens = chat_answer(pair_llm)
-    assert (text, pair_prompt_tokens) == (expected, prompt_tokens)
+    content = [{"type": "text", "text": QUESTION}]
+    content += [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in PICTURES]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    prompt_tokens = assert_pair_answers_as_the_folder(folder, model, mmproj, "[IMG]", messages)
     assert prompt_tokens > 30 + 18  # both pictures' tokens among them (5 x 6 and 6 x 3 with their breaks)
-    assert len(logprobs) == len(expected_logprobs) == NUM_TOKENS
-    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4

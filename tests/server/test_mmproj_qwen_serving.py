@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from tests.helpers.gguf_convert import convert, write_bpe_tokenizer
 from tests.helpers.llama_cpp_files import template_text
 from tests.helpers.mmproj_files import convert_mmproj
+from tests.helpers.mmproj_pairs import assert_pair_answers_as_the_folder
 from tests.helpers.pictures import picture
 from tests.helpers.qwen_vision_models import MERGE, MROPE_SECTION, PATCH, custom_processor, write_tiny_qwen3_5_vision
-from tests.helpers.server import make_llm, running_server
 from tests.helpers.tokenizers import train_bpe
 from tests.helpers.vision_models import data_url, png_file
 
@@ -29,7 +28,6 @@ IDS = {"image_token_id": SPECIALS.index("<|image_pad|>"), "video_token_id": SPEC
        "vision_start_token_id": SPECIALS.index("<|vision_start|>"),
        "vision_end_token_id": SPECIALS.index("<|vision_end|>")}
 TOKEN_PIXELS = (PATCH * MERGE) ** 2
-NUM_TOKENS = 6
 PICTURES = [png_file(picture(53, 37, seed=1)), png_file(picture(70, 20, seed=2))]
 QUESTION = "which of these two pictures is wider?"
 
@@ -50,40 +48,14 @@ def pair(tmp_path_factory):
     return folder, model, convert_mmproj(folder, folder.parent / "mmproj-qwen35-pair-f32.gguf")
 
 
-def make_pair_llm(model, mmproj):
-    from localserve.engine.config import EngineConfig
-    from localserve.llm import LLM
-
-    config = EngineConfig(num_kv_blocks=64, max_num_seqs=16, max_num_batched_tokens=256)
-    return LLM(str(model), device="cpu", engine_config=config, mmproj=mmproj)
-
-
-def chat_answer(llm) -> tuple[str, list[float], int]:
-    """The greedy answer to one user message of both pictures then QUESTION: text, logprobs, prompt tokens."""
-    content = [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in PICTURES]
-    content.append({"type": "text", "text": QUESTION})
-    with running_server(llm, model_alias="served") as server, openai.OpenAI(
-            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0) as client:
-        chat = client.chat.completions.create(model="served", max_tokens=NUM_TOKENS, temperature=0, logprobs=True,
-                                              reasoning_effort="none", messages=[{"role": "user", "content": content}])
-    return (chat.choices[0].message.content, [token.logprob for token in chat.choices[0].logprobs.content],
-            chat.usage.prompt_tokens)
-
-
 def test_the_qwen35_pair_answers_as_the_folder(pair):
     from localserve.loading.hf import read_model_config
 
     folder, model, mmproj = pair
     sections = [read_model_config(path)[0].rope.mrope_section for path in (folder, model)]
     assert sections == [tuple(MROPE_SECTION)] * 2  # the GGUF's rope.dimension_sections, not the default
-    folder_llm = make_llm(folder, num_kv_blocks=64)
-    assert folder_llm.vision is not None and folder_llm.vision.marker == "<|image_pad|>"
-    expected, expected_logprobs, prompt_tokens = chat_answer(folder_llm)
-    del folder_llm
-    pair_llm = make_pair_llm(model, mmproj)
-    assert (pair_llm.vision.marker, pair_llm.vision.hidden_size) == ("<|image_pad|>", 64)
-    text, logprobs, pair_prompt_tokens = chat_answer(pair_llm)
-    assert (text, pair_prompt_tokens) == (expected, prompt_tokens)
+    content = [{"type": "image_url", "image_url": {"url": data_url(data)}} for data in PICTURES]
+    content.append({"type": "text", "text": QUESTION})
+    prompt_tokens = assert_pair_answers_as_the_folder(folder, model, mmproj, "<|image_pad|>",
+                                                      [{"role": "user", "content": content}], reasoning_effort="none")
     assert prompt_tokens > 35 + 27  # both pictures' tokens among them
-    assert len(logprobs) == len(expected_logprobs) == NUM_TOKENS
-    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
