@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from localserve.loading.mmproj_pixtral import BREAK_TENSOR
-from tests.helpers.gguf_convert import convert
+from tests.helpers.gguf_convert import convert, rewrite_gguf
 from tests.helpers.mmproj_files import convert_mmproj
-from tests.helpers.mmproj_pairs import assert_pair_answers_as_the_folder
+from tests.helpers.mmproj_pairs import assert_pair_answers_as_the_folder, make_pair_llm
 from tests.helpers.pictures import picture
 from tests.helpers.pixtral_models import LONGEST_EDGE, SPECIALS, VOCAB, write_tiny_mistral3
 from tests.helpers.tokenizers import train_bpe
@@ -46,3 +46,17 @@ def test_the_mistral3_pair_answers_as_the_folder(pair):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
     prompt_tokens = assert_pair_answers_as_the_folder(folder, model, mmproj, "[IMG]", messages)
     assert prompt_tokens > 30 + 18  # both pictures' tokens among them (5 x 6 and 6 x 3 with their breaks)
+
+
+def test_a_mistral3_pair_that_cannot_be_served_is_refused_naming_the_files(pair, tmp_path):
+    from localserve.loading.mmproj import MmprojError
+
+    _, model, mmproj = pair
+    wide = rewrite_gguf(mmproj, tmp_path / "wide.gguf", metadata={"clip.vision.projection_dim": 128})
+    with pytest.raises(MmprojError, match=r"wide.gguf: clip.vision.projection_dim 128 does not match the hidden size "
+                                          r"64 of .*mistral3-pair.gguf"):
+        make_pair_llm(model, wide)
+    other = rewrite_gguf(model, tmp_path / "other-lm.gguf", architecture="gemma3")
+    with pytest.raises(MmprojError, match="a pixtral projector feeds a mistral3 or llama language model; "
+                                          ".*other-lm.gguf is a gemma3 model"):
+        make_pair_llm(other, mmproj)
