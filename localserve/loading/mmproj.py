@@ -5,8 +5,8 @@ An mmproj is a GGUF of architecture `clip`: the tower's shape under `clip.vision
 width, layers, heads, the normalisation's mean and std), the projector's kind under `clip.projector_type`
 and `clip.vision.projection_dim` = the language model's hidden size; its tensors are `v.*` (the tower) and
 `mm.*` (the projector). Served here (loading/mmproj_encoders.py picks by projector): Gemma 3's (`gemma3`:
-SigLIP and Gemma's pooling projector, read into models/vision/gemma3_vision.py's `GemmaVision`) and
-Qwen3.5's (`qwen3vl_merger`: loading/mmproj_qwen.py).
+SigLIP and Gemma's pooling projector, read into models/vision/gemma3_vision.py's `GemmaVision`),
+Qwen3.5's (`qwen3vl_merger`: loading/mmproj_qwen.py) and Mistral 3's (`pixtral`: loading/mmproj_pixtral.py).
 
 What the converter changed, undone here: Gemma 3's projector norm is stored as 1 + w (llama.cpp's RMSNorm
 has no offset), so the norm is built without its offset and takes the stored values as they are. Every
@@ -32,10 +32,11 @@ from localserve.models.vision.config import Gemma3VisionConfig, SiglipConfig, Vi
 from localserve.models.vision.gemma3_vision import GemmaVision
 from localserve.models.vision.preprocess import ImageProcessing
 
-SERVED_PROJECTORS = ("gemma3", "qwen3vl_merger")
+SERVED_PROJECTORS = ("gemma3", "qwen3vl_merger", "pixtral")
 GEMMA3_SCALE_FACTOR = 4  # llama.cpp's default pooling of Gemma 3's patches: 64 x 64 -> 16 x 16 tokens
 # the language model families (general.architecture of the model's .gguf) each projector feeds
-PROJECTOR_LANGUAGE_MODELS = {"gemma3": ("gemma3",), "qwen3vl_merger": ("qwen35", "qwen35moe")}
+PROJECTOR_LANGUAGE_MODELS = {"gemma3": ("gemma3",), "qwen3vl_merger": ("qwen35", "qwen35moe"),
+                             "pixtral": ("mistral3", "llama")}  # earlier converters wrote Mistral 3 as llama
 # Gemma 3's image tokens, found by their text in the language model's vocabulary
 GEMMA3_IMAGE_TOKENS = {"boi": "<start_of_image>", "image": "<image_soft_token>", "eoi": "<end_of_image>"}
 
@@ -203,6 +204,17 @@ def gemma3_target(name: str) -> str | None:
     parts = stem.split(".")
     if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in layer:
         return f"vision_tower.encoder.layers.{parts[2]}.{layer[parts[3]]}.{kind}"
+    return None
+
+
+def block_target(name: str, fixed: dict[str, str], layer: dict[str, str], blocks: str) -> str | None:
+    """An mmproj tensor's name in our model: `fixed` (whole names), else a `v.blk.N.<part>.<kind>` tensor under
+    `blocks`.N with its part renamed by `layer`; None for any other."""
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in layer:
+        return f"{blocks}.{parts[2]}.{layer[parts[3]]}.{parts[4]}"
     return None
 
 

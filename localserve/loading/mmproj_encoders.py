@@ -1,6 +1,7 @@
 """The image encoder of a GGUF pair (a language model's .gguf and llama.cpp's mmproj file, `--mmproj`): the
 mmproj's projector type picks the family's reader (loading/mmproj.py for Gemma 3, loading/mmproj_qwen.py for
-Qwen3.5), after the pair is checked (the family and hidden size of the language model)."""
+Qwen3.5, loading/mmproj_pixtral.py for Mistral 3), after the pair is checked (the family and hidden size of the
+language model)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from localserve.loading.hf import LoadedModel
 from localserve.loading.mmproj import MmprojFile, check_language_model, gemma3_mmproj_encoder
+from localserve.loading.mmproj_pixtral import pixtral_mmproj_encoder
 from localserve.loading.mmproj_qwen import qwen_mmproj_encoder
 from localserve.models.config import ModelConfig
 from localserve.models.vision.adapter import ImageEncoder
@@ -20,7 +22,8 @@ MmprojEncoderLoader = Callable[[MmprojFile, Path, ModelConfig, dict, torch.dtype
 
 # by clip.projector_type
 MMPROJ_ENCODERS: dict[str, MmprojEncoderLoader] = {"gemma3": gemma3_mmproj_encoder,
-                                                   "qwen3vl_merger": qwen_mmproj_encoder}
+                                                   "qwen3vl_merger": qwen_mmproj_encoder,
+                                                   "pixtral": pixtral_mmproj_encoder}
 
 
 def load_mmproj_encoder(mmproj: MmprojFile, model: Path, config: ModelConfig, architecture: str,

@@ -21,6 +21,7 @@ from localserve.loading.mmproj import (
     MmprojError,
     MmprojFile,
     MmprojTensor,
+    block_target,
     image_token_ids,
     load_mmproj_weights,
     mmproj_tensors,
@@ -47,12 +48,7 @@ PATCH_FRAMES = ("v.patch_embd.weight", "v.patch_embd.weight.1")
 
 def qwen_target(name: str) -> str | None:
     """An mmproj tensor's name in QwenVision (None: not one of Qwen3.5's; the patch halves are combined apart)."""
-    if name in FIXED:
-        return FIXED[name]
-    parts = name.split(".")
-    if len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[2].isdigit() and parts[3] in LAYER:
-        return f"blocks.{parts[2]}.{LAYER[parts[3]]}.{parts[4]}"
-    return None
+    return block_target(name, FIXED, LAYER, "blocks")
 
 
 def qwen_mmproj_config(mmproj: MmprojFile, token_ids: dict[str, int]) -> QwenVisionConfig:

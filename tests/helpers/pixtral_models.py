@@ -31,7 +31,7 @@ def tiny_mistral3_config(vision: dict | None = None, text: dict | None = None, *
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
         patch_size=PATCH, hidden_act="silu") | (vision or {}))
     return transformers.Mistral3Config(text_config=text_config.to_dict(), vision_config=vision_config.to_dict(),
-                                       image_token_index=IMG, spatial_merge_size=MERGE, **fields)
+                                       **{"image_token_index": IMG, "spatial_merge_size": MERGE} | fields)
 
 
 def reference_image_processor(**options):

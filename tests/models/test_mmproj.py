@@ -137,7 +137,8 @@ def rewritten(source, out, change=lambda name, values: None, metadata=None, arch
 
 
 @pytest.mark.parametrize("metadata,message", [
-    ({"clip.projector_type": "pixtral"}, "clip.projector_type 'pixtral' is not served; served: gemma3, qwen3vl"),
+    ({"clip.projector_type": "llava"}, "clip.projector_type 'llava' is not served; served: gemma3, qwen3vl_merger, "
+                                      "pixtral"),
     ({"clip.has_vision_encoder": False}, "clip.has_vision_encoder is not true"),
     ({"clip.vision.attention.head_count": 5}, "clip.vision.embedding_length 32 is not a multiple of clip"),
     ({"clip.vision.image_size": 50}, "clip.vision.image_size 50 is not a multiple of clip.vision.patch_size 14"),
