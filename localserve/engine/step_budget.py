@@ -246,3 +246,13 @@ class StepTimeBudget:
         self.last_limit_s = limit
         left = limit / self.margin - cost.estimate(now) - cost.per_row_s
         return max(self.min_prefill_tokens, int(left / cost.per_prefill_token_s))
+
+    def encode_tokens_per_s(self) -> float | None:
+        """The prefill tokens one second of image encoding counts as against the tokens `prefill_tokens`
+        allows (engine/encode_budget.py), or None before the cost is learnt. The allowance is the limit over
+        the margin in tokens, and the margin is how far the forward pass overruns its estimate: an encode,
+        estimated on its own, counts as its seconds over the margin, in prefill tokens."""
+        cost = self.cost
+        if not cost.ready:
+            return None
+        return 1.0 / (self.margin * cost.per_prefill_token_s)
