@@ -202,8 +202,14 @@ class BatchFiller:
         if num_tokens > 0 and request.bidirectional_spans and num_tokens < remaining:
             num_tokens = span_safe_chunk(request.bidirectional_spans, start, num_tokens, slotted,
                                          batch.budget_left if batch.num_prefill_tokens else None)
-        if batch.images is not None and self.images is not None and request.image_spans and num_tokens > 0:
-            num_tokens = self.images.fit(batch, request, start, num_tokens, self.enable_chunked_prefill)
+        step_images = batch.images
+        if step_images is not None and self.images is not None and request.image_spans and num_tokens > 0:
+            fitted = self.images.fit(step_images, batch.num_tokens, batch.num_prefill_rows == 0, request, start,
+                                     num_tokens, self.enable_chunked_prefill)
+            if fitted < num_tokens and request.bidirectional_spans and fitted > 0:
+                fitted = span_safe_chunk(request.bidirectional_spans, start, fitted, fitted, None)
+            num_tokens = fitted
+            batch.token_budget = min(batch.token_budget, step_images.token_limit)
         if num_tokens <= 0:
             return
         pooled = request.pooling is not None  # an embedding prompt: hidden states, never logits

@@ -35,10 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from localserve.engine.batch import span_safe_chunk
-
 if TYPE_CHECKING:
-    from localserve.engine.batch import Batch
     from localserve.engine.sequence import Request
 
 ENCODE_DECAY = 0.7  # each earlier measured encode counts 30% less: the last few images shape the estimate
@@ -90,6 +87,11 @@ class StepImages:
         """What is left for a step holding `num_tokens` tokens and the charges so far."""
         return self.time_budget - num_tokens - self.charged
 
+    @property
+    def token_limit(self) -> int:
+        """The most tokens the step may hold beside its charges: the token budget never passes it."""
+        return math.floor(self.time_budget - self.charged)
+
 
 class ImageFit:
     """Fits prefill chunks' new images to the step's time budget (module doc). `is_cached(content_hash)`
@@ -100,15 +102,14 @@ class ImageFit:
         self.cost = cost
         self.is_cached = is_cached
 
-    def fit(self, batch: Batch, request: Request, start: int, num_tokens: int, chunked: bool) -> int:
+    def fit(self, step: StepImages, num_batch_tokens: int, first: bool, request: Request, start: int,
+            num_tokens: int, chunked: bool) -> int:
         """The length of the request's chunk of `num_tokens` from `start` (as the token budget and the span rule
-        made it) once its new images are charged to the step (module doc); charges them when it is not 0."""
-        step = batch.images
-        if step is None or num_tokens <= 0 or not request.image_spans:
-            return num_tokens
+        made it), in a step holding `num_batch_tokens` (`first`: no prefill chunk yet), once its new images
+        are charged to `step` (module doc); charges them when the length is not 0. The caller keeps the
+        chunk's end outside bidirectional spans (a trimmed chunk may end inside one after the images)."""
         end = start + num_tokens
-        room = step.room(batch.num_tokens)
-        first = batch.num_prefill_rows == 0
+        room = step.room(num_batch_tokens)
         charges: dict[bytes, float] = {}
         through = 0  # the chunk's tokens up to the last charged image's end in it
         cut = None
@@ -134,9 +135,7 @@ class ImageFit:
                 num_tokens = cut
             if charges and num_tokens + charged > room:  # text after the images, to what is left
                 num_tokens = max(through, min(num_tokens, math.floor(room - charged)))
-                num_tokens = span_safe_chunk(request.bidirectional_spans, start, num_tokens, num_tokens, None)
         if num_tokens > 0 and charges:
             step.charged += charged
             step.content_hashes.update(charges)
-            batch.token_budget = min(batch.token_budget, math.floor(step.time_budget - step.charged))
         return num_tokens
