@@ -20,6 +20,7 @@ from localserve.engine.sequence import Request
 from localserve.engine.step_budget import StepCostModel, StepShape, StepTimeBudget
 from localserve.kv.block_manager import BlockManager
 from tests.helpers.scheduler_states import make_request, query_lens, run, sample
+from tests.helpers.step_costs import LinearStepCost
 
 FIXED, PER_ROW, PER_TOKEN = 5e-3, 2e-3, 1e-3  # a step's law: 5 ms, 2 ms a row, 1 ms a prompt token
 DECODERS = 4
@@ -27,17 +28,8 @@ LIMIT = FIXED + DECODERS * PER_ROW + PER_ROW + 150.5 * PER_TOKEN  # 150 prompt t
 IMAGE = 64  # tokens of an image
 
 
-class LinearCost:
-    """A learnt step cost that is the law exactly (what StepTimeBudget reads of a StepCostModel)."""
-
-    ready = True
-    per_row_s, per_prefill_token_s, per_draft_token_s, per_block_s = PER_ROW, PER_TOKEN, 3e-3, 0.0
-
-    def estimate(self, shape: StepShape) -> float:
-        return (FIXED + PER_ROW * shape.num_rows + PER_TOKEN * shape.num_prefill_tokens
-                + self.per_draft_token_s * shape.num_draft_tokens)
-
-    estimate_decodes = estimate
+def LinearCost() -> LinearStepCost:  # noqa: N802 - the law, as a learnt cost
+    return LinearStepCost(FIXED, PER_ROW, PER_TOKEN)
 
 
 def make(cached: set[bytes], encode_equiv: float | None, chunked: bool = True, limit: float = LIMIT) -> Scheduler:
@@ -178,7 +170,9 @@ def test_a_second_of_encoding_counts_as_the_prompt_tokens_it_would_take_over_the
 def workloads():
     text = st.integers(1, 40)
     image = st.integers(0, 3).map(lambda index: b"image%d" % index)  # four pictures: the same one recurs
-    prompt = st.lists(st.one_of(text, image), min_size=1, max_size=4)
+    # Text last, as chat templates write it: a prompt's last token is computed as a decode row when a chunk
+    # ends one short of it (the scheduler charges prefill chunks' images, not decode rows').
+    prompt = st.tuples(st.lists(st.one_of(text, image), max_size=3), text).map(lambda parts: [*parts[0], parts[1]])
     request = st.tuples(st.integers(0, 6), prompt, st.booleans(), st.integers(1, 4))  # arrival step, parts, bidi, max
     return st.fixed_dictionaries({
         "decoders": st.integers(0, 3), "requests": st.lists(request, min_size=1, max_size=4),
@@ -240,20 +234,23 @@ def simulate(work: dict, image_fit: bool = True) -> list[list[int]]:
 
 def check_step(batch, cache: list[bytes], seconds_per_token: float, limit: float, chunked: bool) -> None:
     """The step's estimated time (the law, and the encodes of the images new to it) is within the limit, but
-    where its first prefill chunk took an image that did not fit (it starts at or inside the image), or, without
-    chunked prefill, is a whole prompt (which passes the budget alone as before): then it is the step's only
-    prefill chunk."""
+    where its first prefill chunk took an image that did not fit (it starts at or inside the image; or a
+    bidirectional one, which goes whole as before), or, without chunked prefill, is a whole prompt (which
+    passes the budget alone as before): then it is the step's only prefill chunk."""
     seen: set[bytes] = set()
     encode_s = 0.0
-    prefills = [row for row in batch.rows if row.chunk.start_pos < row.seq.prompt_len]
+    prefills = [row for row in batch.rows if row is not row.seq.decode_row]  # Batch.add's rows
     forced = bool(prefills) and not chunked
     for number, row in enumerate(prefills):
         start, end = row.chunk.start_pos, row.chunk.start_pos + row.query_len
         for offset, span_end, content_hash in row.request.image_spans:
-            if offset < end and start < span_end and content_hash not in cache and content_hash not in seen:
-                seen.add(content_hash)
-                encode_s += (span_end - offset) * seconds_per_token
-                forced |= number == 0 and offset <= start
+            new = content_hash not in cache and content_hash not in seen
+            if offset < end and start < span_end:
+                forced |= number == 0 and offset <= start and (new or (offset, span_end) in
+                                                               row.request.bidirectional_spans)
+                if new:
+                    seen.add(content_hash)
+                    encode_s += (span_end - offset) * seconds_per_token
     estimate = LinearCost().estimate(batch.shape(16)) + encode_s
     decodes = len(batch.rows) - len(prefills)
     if decodes and estimate > limit * (1 + 1e-9):
@@ -264,7 +261,9 @@ def check_step(batch, cache: list[bytes], seconds_per_token: float, limit: float
 @given(workloads())
 @example({"decoders": 2, "requests": [(0, [20, b"image0", 20], True, 2)], "encode_equiv": 400.0, "room": 100,
           "capacity": 1, "cached": set(), "chunked": True})
-@example({"decoders": 1, "requests": [(0, [5, b"image0", 3, b"image1"], False, 2), (1, [b"image0", 8], True, 3)],
+@example({"decoders": 1, "requests": [(0, [1], False, 1), (1, [b"image0", 1], False, 1), (0, [b"image0", 1], False, 1)],
+          "encode_equiv": 60.0, "room": 20, "capacity": 0, "chunked": True, "cached": set()})
+@example({"decoders": 1, "requests": [(0, [5, b"image0", 3, b"image1", 1], False, 2), (1, [b"image0", 8], True, 3)],
           "encode_equiv": 60.0, "room": 90, "capacity": 0, "cached": {0}, "chunked": True})
 @example({"decoders": 3, "requests": [(0, [30], True, 2), (0, [b"image2", 4], True, 1)], "encode_equiv": 140.0,
           "room": 120, "capacity": 2, "cached": set(), "chunked": False})
