@@ -15,7 +15,9 @@ token and position instead of making a row and a chunk per sequence per step.
 Two more limits may come between the decodes and the prefill chunks (engine/scheduler.py): speculative
 drafts lengthen decode rows into verify rows (engine/speculation.py; the batch asks for them in
 `drafting`, and the engine's drafter makes them before the rest is filled in), and a time budget may
-lower the token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`).
+lower the token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`); under it, a chunk
+reaching an image whose embeddings are not cached is charged the image's encode (engine/encode_budget.py):
+one that does not fit stops before the image, unless it is the step's first prefill chunk.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ draft and how many tokens, and stops there (`Batch.drafting`); the engine has th
 drafts (a draft model's forward passes never run in here) and hands them to `add_drafts`, which
 lengthens the rows and goes on with (3) and (4). With a time budget, the prefill
 chunks and admissions of (3) and (4) get only the tokens that keep the step within it
-(engine/step_budget.py), which learns each step's cost from the durations the engine measures. Each of
+(engine/step_budget.py), which learns each step's cost from the durations the engine measures, and a
+chunk's new images are charged their encoder time there (engine/encode_budget.py; whether an image is
+cached comes in as data, `image_cached`: the scheduler never reads the embeddings). Each of
 those modules states its rules and why they hold; docs/ARCHITECTURE.md, "Scheduling rules", sums them up.
 """
 

@@ -233,7 +233,8 @@ def simulate(work: dict, image_fit: bool = True) -> list[list[int]]:
 
 
 def check_step(batch, cache: list[bytes], seconds_per_token: float, limit: float, chunked: bool) -> None:
-    """The step's estimated time (the law, and the encodes of the images new to it) is within the limit, but
+    """The step's estimated time (the law, and the encodes of the images new to it; a row for its prefill chunks
+    as the budget counts them) is within the limit, but
     where its first prefill chunk took an image that did not fit (it starts at or inside the image; or a
     bidirectional one, which goes whole as before), or, without chunked prefill, is a whole prompt (which
     passes the budget alone as before): then it is the step's only prefill chunk."""
@@ -251,7 +252,8 @@ def check_step(batch, cache: list[bytes], seconds_per_token: float, limit: float
                 if new:
                     seen.add(content_hash)
                     encode_s += (span_end - offset) * seconds_per_token
-    estimate = LinearCost().estimate(batch.shape(16)) + encode_s
+    # The budget counts one prefill row's cost (StepTimeBudget.prefill_tokens): a further chunk's row is its own.
+    estimate = LinearCost().estimate(batch.shape(16)) + encode_s - max(0, len(prefills) - 1) * PER_ROW
     decodes = len(batch.rows) - len(prefills)
     if decodes and estimate > limit * (1 + 1e-9):
         assert forced and len(prefills) == 1, f"a step of {estimate:.4f} s over the limit of {limit:.4f} s"
@@ -265,6 +267,8 @@ def check_step(batch, cache: list[bytes], seconds_per_token: float, limit: float
           "encode_equiv": 60.0, "room": 20, "capacity": 0, "chunked": True, "cached": set()})
 @example({"decoders": 1, "requests": [(0, [5, b"image0", 3, b"image1", 1], False, 2), (1, [b"image0", 8], True, 3)],
           "encode_equiv": 60.0, "room": 90, "capacity": 0, "cached": {0}, "chunked": True})
+@example({"decoders": 1, "requests": [(0, [1], False, 1), (0, [1], False, 1), (0, [35], False, 1)],
+          "encode_equiv": 0.0, "room": 34, "capacity": 0, "chunked": False, "cached": set()})
 @example({"decoders": 3, "requests": [(0, [30], True, 2), (0, [b"image2", 4], True, 1)], "encode_equiv": 140.0,
           "room": 120, "capacity": 2, "cached": set(), "chunked": False})
 def test_no_step_passes_the_time_budget_but_by_the_first_chunk_allowance_and_every_request_finishes(work):
