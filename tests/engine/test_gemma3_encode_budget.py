@@ -7,17 +7,14 @@ laws here (tests/helpers/step_costs.py), so the schedule does not depend on the 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from localserve.loading.hf import load_model
-from localserve.loading.vision import load_gemma_vision
 from tests.helpers.gemma_image_engine import (
     ImagePrompt,
     assert_matches,
+    load_gemma3_image_models,
     make_engine,
     params,
     reference,
-    write_gemma3_image_model,
 )
 from tests.helpers.step_costs import FixedEncoderCost, FrozenTimeBudget, LinearStepCost
 
@@ -31,9 +28,7 @@ ENCODE_S_PER_TOKEN = 20 * PER_TOKEN / MM
 @pytest.fixture(scope="module")
 def gemma3_image(tmp_path_factory):
     """(our text model, our vision encoder, transformers' model), float32."""
-    folder = tmp_path_factory.mktemp("gemma3_encode_budget")
-    hf_model = write_gemma3_image_model(folder, MM).eval()
-    return load_model(folder, dtype=torch.float32).model, load_gemma_vision(folder), hf_model
+    return load_gemma3_image_models(tmp_path_factory.mktemp("gemma3_encode_budget"), MM)
 
 
 def prompt(*parts) -> ImagePrompt:
