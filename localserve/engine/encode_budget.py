@@ -8,15 +8,16 @@ engine thread in the step whose prefill chunk first reads it; an image whose emb
 Where a step has a time budget (decodes to keep steady, the cost learnt: `StepTimeBudget.prefill_tokens`),
 each prefill chunk that reaches an image not cached and not already encoded by the step is charged the
 image's estimated encode time, in prefill-token equivalents (`StepTimeBudget.encode_tokens_per_s`), against
-what the budget left; the charge lowers the step's token budget for the chunks and admissions after it
-(`ImageFit.fit`). The rules:
+what the budget left (`ImageFit.fit`); the charge lowers the step's token budget for the chunks and
+admissions after it (engine/batch.py's filler). The rules:
 - An image fits when the chunk's tokens up to the image's end in it, the images charged before it and its own
   charge fit the room left; the first image that does not fit cuts the chunk at its start (the text before
   it still goes; nothing, when the chunk starts inside it), and the image waits for a step with room.
 - Never starved: the step's first prefill chunk takes an image that does not fit when the chunk starts at
   or inside it (nothing before it to send first; a whole prompt, without chunked prefill, takes its images
-  whenever it is the step's first prefill, as it passes the token budget today). The oldest prefilling
-  sequence is the step's first prefill chunk, so it makes progress every step, and every prompt finishes.
+  whenever it is the step's first prefill, as it passes the token budget today). The first running
+  sequence with prompt left (else the first admitted) has the step's first prefill chunk and makes progress
+  every step (the text before an image, or the image), so every prompt finishes.
 - Text after the images charged is trimmed to the room left, never shorter than their end, and never ending
   strictly inside a bidirectional span (engine/batch.py, `span_safe_chunk`).
 - Without chunked prefill a prompt runs whole or not at all: one whose images do not fit waits, unless it is
@@ -25,7 +26,10 @@ what the budget left; the charge lowers the step's token budget for the chunks a
 
 Before an encode has been measured an image is estimated at nothing (its first encode is tried, as a
 drafted token's before its cost is learnt), and before the step cost is learnt no image is charged (the
-prefill is held to `UNLEARNT_PREFILL_TOKENS` then, and the fit is ready after a few steps).
+prefill is held to `UNLEARNT_PREFILL_TOKENS` then, and the fit is ready after a few steps). Not charged
+either: a prompt's last token computed as a decode row (after a prefix hit) inside an image not cached, and
+an image the step's other encodes evict from a cache too small for both (chat prompts end in text, and the
+cache holds many images).
 """
 
 from __future__ import annotations
