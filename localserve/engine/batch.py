@@ -15,7 +15,9 @@ token and position instead of making a row and a chunk per sequence per step.
 Two more limits may come between the decodes and the prefill chunks (engine/scheduler.py): speculative
 drafts lengthen decode rows into verify rows (engine/speculation.py; the batch asks for them in
 `drafting`, and the engine's drafter makes them before the rest is filled in), and a time budget may
-lower the token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`).
+lower the token budget the prefill chunks get (engine/step_budget.py, `limit_prefill`); under it, a chunk
+reaching an image whose embeddings are not cached is charged the image's encode (engine/encode_budget.py):
+one that does not fit stops before the image, unless it is the step's first prefill chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from localserve.engine.drafting import DraftRequest
 from localserve.engine.events import EventKind, EventLog
@@ -30,6 +33,9 @@ from localserve.engine.sequence import Request, ScheduledRow, Sequence
 from localserve.engine.step import SeqChunk, StepInput
 from localserve.engine.step_budget import StepShape
 from localserve.kv.block_manager import BlockManager
+
+if TYPE_CHECKING:
+    from localserve.engine.encode_budget import ImageFit, StepImages
 
 _multimodal = attrgetter("multimodal")
 
@@ -51,6 +57,9 @@ class Batch:
     num_draft_tokens: int = 0  # of those, the drafted tokens of verify rows (not prefill tokens)
     num_pooled_tokens: int = 0  # of those, the ones of embedding prompts (their hidden states are pooled)
     num_context_tokens: int = 0  # the rows' context lengths, summed: the KV the step reads
+    num_prefill_rows: int = 0  # the rows of prefill chunks (Batch.add), of one token or more
+    # The step's time budget for new images (engine/encode_budget.py); None: their encodes are not charged.
+    images: StepImages | None = None
     # Set by Scheduler.schedule() when decode rows are to draft: the step is complete once the drafts are
     # handed back (Scheduler.add_drafts); None: the step is complete as scheduled.
     drafting: DraftRequest | None = None
@@ -63,6 +72,7 @@ class Batch:
     def add(self, row: ScheduledRow) -> None:
         self.rows.append(row)
         self.num_tokens += row.query_len
+        self.num_prefill_rows += 1
         self.num_context_tokens += row.chunk.context_len
         if row.query_len > 1:
             self.num_prefill_tokens += row.query_len
@@ -124,10 +134,13 @@ def span_safe_chunk(spans: tuple[tuple[int, int], ...], start: int, num_tokens: 
 class BatchFiller:
     """Gives the running and admitted requests' sequences their rows of a step (module doc)."""
 
-    def __init__(self, enable_chunked_prefill: bool, block_manager: BlockManager, events: EventLog) -> None:
+    def __init__(self, enable_chunked_prefill: bool, block_manager: BlockManager, events: EventLog,
+                 images: ImageFit | None = None) -> None:
+        """`images` charges the encodes of a chunk's new images to the step's time budget (None: never)."""
         self.enable_chunked_prefill = enable_chunked_prefill
         self.block_manager = block_manager
         self.events = events
+        self.images = images
 
     def add_decodes(self, batch: Batch, running: list[Request]) -> tuple[int, list[tuple[Request, Sequence]]]:
         """Append each running sequence's last sampled token to its blocks (the room is made) and give a
@@ -191,6 +204,14 @@ class BatchFiller:
         if num_tokens > 0 and request.bidirectional_spans and num_tokens < remaining:
             num_tokens = span_safe_chunk(request.bidirectional_spans, start, num_tokens, slotted,
                                          batch.budget_left if batch.num_prefill_tokens else None)
+        step_images = batch.images
+        if step_images is not None and self.images is not None and request.image_spans and num_tokens > 0:
+            fitted = self.images.fit(step_images, batch.num_tokens, batch.num_prefill_rows == 0, request, start,
+                                     num_tokens, self.enable_chunked_prefill)
+            if fitted < num_tokens and request.bidirectional_spans and fitted > 0:
+                fitted = span_safe_chunk(request.bidirectional_spans, start, fitted, fitted, None)
+            num_tokens = fitted
+            batch.token_budget = min(batch.token_budget, step_images.token_limit)
         if num_tokens <= 0:
             return
         pooled = request.pooling is not None  # an embedding prompt: hidden states, never logits

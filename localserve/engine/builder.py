@@ -99,9 +99,9 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     if config.spec_type:
         drafter: Drafter = NgramDrafter() if config.spec_type == "ngram" else build_draft_drafter(draft_model, config)
         speculation = Speculation(drafter, config.spec_tokens, block_manager, config.max_num_seqs, step_cost, events)
-    scheduler = Scheduler(scheduler_config, block_manager, events, speculation=speculation, step_budget=step_budget,
-                          step_cost=step_cost)
     runner = ModelRunner(model, kv_cache, backend, max_model_len, config.image_cache_bytes)
+    scheduler = Scheduler(scheduler_config, block_manager, events, speculation=speculation, step_budget=step_budget,
+                          step_cost=step_cost, image_cached=runner.image_embeds.__contains__)
     return LLMEngine(config, runner, block_manager, scheduler, events, tokenizer, max_model_len=max_model_len)
 
 

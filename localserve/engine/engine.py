@@ -29,6 +29,7 @@ from localserve.engine.multimodal import (
     MultiModalInputs,
     bidirectional_spans,
     block_extra_keys,
+    image_spans,
     validate_multimodal,
 )
 from localserve.engine.outputs import RequestOutput, make_output
@@ -142,6 +143,7 @@ class LLMEngine:
             request.multimodal = multimodal
             request.block_extra_keys = block_extra_keys(multimodal.spans, self.config.block_size)
             request.bidirectional_spans = bidirectional_spans(multimodal.spans)
+            request.image_spans = image_spans(multimodal.spans)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
@@ -283,8 +285,11 @@ class LLMEngine:
     def _encode_images(self, batch: Batch) -> float:
         """Make the embeddings of the images the step's chunks overlap before the forward pass; a request whose
         images fail (its encoder raises, or gives embeddings of the wrong shape) fails alone: its rows leave
-        the step. Returns the seconds it took."""
+        the step. Returns the seconds it took; the scheduler's encoder cost learns from the images encoded
+        (engine/encode_budget.py)."""
         start = time.perf_counter()
+        cache = self.image_embeds
+        tokens_before, seconds_before = cache.num_encoded_tokens, cache.encode_s
         failed: dict[str, tuple[Request, str]] = {}
         for row in batch.rows:
             request = row.request
@@ -301,6 +306,7 @@ class LLMEngine:
             for request, reason in failed.values():
                 self._fail(request, reason)
                 batch.failed.append(request)
+        self.scheduler.observe_encode(cache.num_encoded_tokens - tokens_before, cache.encode_s - seconds_before)
         return time.perf_counter() - start
 
     def _draft(self, batch: Batch) -> float:

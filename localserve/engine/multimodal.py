@@ -150,6 +150,12 @@ def bidirectional_spans(spans: Sequence[ImageSpan]) -> tuple[tuple[int, int], ..
     return tuple((span.offset, span.end) for span in spans if span.bidirectional)
 
 
+def image_spans(spans: Sequence[ImageSpan]) -> tuple[tuple[int, int, bytes], ...]:
+    """(offset, end, content hash) of each span, in prompt order: what the step's time budget charges an
+    image's encode by (engine/encode_budget.py)."""
+    return tuple((span.offset, span.end, span.content_hash) for span in spans)
+
+
 def check_rope_positions(spans: Sequence[ImageSpan], rope_positions: Sequence[torch.Tensor]) -> None:
     """Raise ValueError naming the span unless there is one integer tensor [3, span.length] of non-negative
     offsets per span (MultiModalInputs.rope_positions)."""
@@ -191,8 +197,9 @@ class EmbeddingCache:
     """Images' embeddings by content hash, least recently used evicted first once over `max_bytes`.
 
     An entry bigger than the bound is used but not kept (so made again when the step's forward pass reads
-    it). `num_encoded` counts the embeddings made (the source called), `num_hits` those found here,
-    `encode_s` the seconds the sources took (the encoder's time, on the engine thread)."""
+    it). `num_encoded` counts the embeddings made (the source called), `num_encoded_tokens` their rows,
+    `num_hits` those found here, `encode_s` the seconds the sources took (the encoder's time, on the engine
+    thread)."""
 
     def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
         if max_bytes < 0:
@@ -200,6 +207,7 @@ class EmbeddingCache:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_encoded = 0
+        self.num_encoded_tokens = 0
         self.num_hits = 0
         self.encode_s = 0.0  # seconds in the sources (the encoder)
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
@@ -226,6 +234,7 @@ class EmbeddingCache:
         finally:
             self.encode_s += time.perf_counter() - start
         self.num_encoded += 1
+        self.num_encoded_tokens += span.length
         check_span_embeddings(embeddings, index, span, hidden_size)
         embeddings = embeddings.to(device=device, dtype=dtype)
         self._put(span.content_hash, embeddings)

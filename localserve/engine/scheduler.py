@@ -11,18 +11,22 @@ draft and how many tokens, and stops there (`Batch.drafting`); the engine has th
 drafts (a draft model's forward passes never run in here) and hands them to `add_drafts`, which
 lengthens the rows and goes on with (3) and (4). With a time budget, the prefill
 chunks and admissions of (3) and (4) get only the tokens that keep the step within it
-(engine/step_budget.py), which learns each step's cost from the durations the engine measures. Each of
+(engine/step_budget.py), which learns each step's cost from the durations the engine measures, and a
+chunk's new images are charged their encoder time there (engine/encode_budget.py; whether an image is
+cached comes in as data, `image_cached`: the scheduler never reads the embeddings). Each of
 those modules states its rules and why they hold; docs/ARCHITECTURE.md, "Scheduling rules", sums them up.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from localserve.engine.admission import Admission
 from localserve.engine.batch import Batch, BatchFiller
 from localserve.engine.config import SchedulerConfig
 from localserve.engine.drafting import Draft
+from localserve.engine.encode_budget import EncoderCost, ImageFit, StepImages
 from localserve.engine.events import EventKind, EventLog
 from localserve.engine.preemption import Preemption
 from localserve.engine.request_queues import RequestQueues
@@ -40,14 +44,20 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, events: EventLog | None = None, *,
                  speculation: Speculation | None = None, step_budget: StepTimeBudget | None = None,
-                 step_cost: StepCostModel | None = None) -> None:
+                 step_cost: StepCostModel | None = None, image_cached: Callable[[bytes], bool] | None = None) -> None:
         """`speculation` drafts for the decodes, `step_budget` bounds the prefill in time; both read
-        `step_cost` (the step budget's own when not given), which `observe_step` feeds."""
+        `step_cost` (the step budget's own when not given), which `observe_step` feeds. `image_cached` tells
+        whether an image's embeddings are held (by content hash; the engine's `EmbeddingCache`): with a step
+        budget, a chunk's other images are charged their encoder time (engine/encode_budget.py), learnt in
+        `encoder_cost` from what `observe_encode` is shown."""
         self.config = config
         self.block_manager = block_manager
         self.events = events if events is not None else EventLog()
         self.queues = RequestQueues()
-        self.filler = BatchFiller(config.enable_chunked_prefill, block_manager, self.events)
+        self.encoder_cost = EncoderCost() if step_budget is not None else None
+        image_fit = (ImageFit(self.encoder_cost, image_cached)
+                     if self.encoder_cost is not None and image_cached is not None else None)
+        self.filler = BatchFiller(config.enable_chunked_prefill, block_manager, self.events, image_fit)
         self.preemption = Preemption(config.preemption_mode, config.max_num_seqs, block_manager, self.events,
                                      self.queues)
         self.admission = Admission(config.max_num_seqs, block_manager, self.events, self.queues, self.filler)
@@ -104,8 +114,12 @@ class Scheduler:
             self.step_budget.start_step(decodes)
             # Asked only with prompt tokens to place: a usual gap costs a sort of the recent steps.
             if prefills or self.queues.waiting or self.queues.swapped:
-                batch.limit_prefill(self.step_budget.prefill_tokens(decodes,
-                                                                    batch.shape(self.block_manager.block_size)))
+                allowed = self.step_budget.prefill_tokens(decodes, batch.shape(self.block_manager.block_size))
+                batch.limit_prefill(allowed)
+                if allowed is not None and self.filler.images is not None:
+                    tokens_per_s = self.step_budget.encode_tokens_per_s()
+                    if tokens_per_s is not None:  # new images are charged their encodes (encode_budget.py)
+                        batch.images = StepImages(batch.num_tokens + allowed, tokens_per_s)
         for request, seq in prefills:  # prefill chunks of running requests, arrival order
             self.filler.add_prefill(batch, request, seq)
         if not batch.preempted:
@@ -143,6 +157,12 @@ class Scheduler:
             if self.step_budget is not None:
                 self.step_budget.observe(shape, duration_s)  # before the cost model learns from the step
             self.step_cost.observe(shape, duration_s)
+
+    def observe_encode(self, num_tokens: int, duration_s: float) -> None:
+        """The step's encoder made the embeddings of images of `num_tokens` tokens in all in `duration_s`: the
+        encoder's cost learns from it (engine/encode_budget.py)."""
+        if self.encoder_cost is not None:
+            self.encoder_cost.observe(num_tokens, duration_s)
 
     def finish(self, request: Request) -> None:
         """Take a request out of its queue, free the blocks of its live sequences, and drop their rows."""

@@ -169,6 +169,9 @@ class Request:
     # Its bidirectional spans' (offset, end), in prompt order: no prefill chunk ends strictly inside one
     # (engine/batch.py, `span_safe_chunk`).
     bidirectional_spans: tuple[tuple[int, int], ...] = ()
+    # Its images' (offset, end, content hash), in prompt order: what the step's time budget charges their
+    # encodes by (engine/encode_budget.py).
+    image_spans: tuple[tuple[int, int, bytes], ...] = ()
 
     def __post_init__(self) -> None:
         params = self.params

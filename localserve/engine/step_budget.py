@@ -13,6 +13,13 @@ not by their estimates on average: a step's estimate is fitted to the limit over
 how far recent steps with prefill overran theirs (`StepTimeBudget.margin`). `max_num_batched_tokens`
 stays an upper bound. The trade-off is the time to first token: a prompt arriving among running streams
 is prefilled in chunks of what the budget leaves (docs/BENCHMARKS.md, "Step budget in time", has the figures).
+
+An image's encode runs in the step whose prefill chunk first reads it, and is counted in the same budget:
+the cost model learns the forward pass alone (the engine leaves the encoder's and the drafter's time out of
+what it is shown), the encoder's cost is learnt apart in seconds per image token (engine/encode_budget.py,
+`EncoderCost`), and a chunk reaching an image whose embeddings are not cached is charged its estimated
+encode in prefill tokens (`encode_tokens_per_s`) against what `prefill_tokens` allowed: an image that does
+not fit waits for a step with room (the chunk stops before it), but as the step's first prefill chunk it goes.
 """
 
 from __future__ import annotations
@@ -246,3 +253,13 @@ class StepTimeBudget:
         self.last_limit_s = limit
         left = limit / self.margin - cost.estimate(now) - cost.per_row_s
         return max(self.min_prefill_tokens, int(left / cost.per_prefill_token_s))
+
+    def encode_tokens_per_s(self) -> float | None:
+        """The prefill tokens one second of image encoding counts as against the tokens `prefill_tokens`
+        allows (engine/encode_budget.py), or None before the cost is learnt. The allowance is the limit over
+        the margin in tokens, and the margin is how far the forward pass overruns its estimate: an encode,
+        estimated on its own, counts as its seconds over the margin, in prefill tokens."""
+        cost = self.cost
+        if not cost.ready:
+            return None
+        return 1.0 / (self.margin * cost.per_prefill_token_s)

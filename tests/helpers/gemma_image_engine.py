@@ -16,6 +16,8 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.engine import LLMEngine
 from localserve.engine.multimodal import ImageSpan, MultiModalInputs
 from localserve.engine.sampling_params import SamplingParams
+from localserve.loading.hf import load_model
+from localserve.loading.vision import load_gemma_vision
 from tests.helpers.gemma_models import WINDOW, gemma3_config
 from tests.helpers.models import save_random_model
 
@@ -43,6 +45,13 @@ def write_gemma3_image_model(folder: Path, mm_tokens: int = 16, seed: int = 0, w
 
     return save_random_model(folder, tiny_gemma3_vision_config(mm_tokens, window), seed=seed,
                              model_class=transformers.Gemma3ForConditionalGeneration)
+
+
+def load_gemma3_image_models(folder: Path, mm_tokens: int = 16):
+    """(our text model, our vision encoder, transformers' model in eval mode) of a new random tiny Gemma 3 in
+    `folder`, float32."""
+    hf_model = write_gemma3_image_model(folder, mm_tokens).eval()
+    return load_model(folder, dtype=torch.float32).model, load_gemma_vision(folder), hf_model
 
 
 def pixels(seed: int) -> torch.Tensor:
