@@ -6,6 +6,8 @@ builds the prompt (the server: server/generation/image_prompt.py; the offline AP
 - `ImagePrompt.multimodal` finds image i's span (the first run of its `span_ids` after image i-1's) in the
   prompt's ids and gives the engine its `ImageSpan`s (content hash: engine/image_hash.py's `pixel_hash`) and the
   encoder's embeddings, made on the engine thread on first use.
+
+The server reaches `ImageEncoder` and `PreparedImage` through this module (it imports no model code).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 from localserve.engine.multimodal import ImageSpan, MultiModalInputs
 from localserve.models.vision.adapter import ImageEncoder, PreparedImage
+
+__all__ = ["ImageCountError", "ImageEncoder", "ImagePrompt", "PreparedImage", "SpanNotFoundError", "find_run"]
 
 
 class ImageCountError(ValueError):

@@ -26,9 +26,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from localserve.engine.image_prompt import ImageCountError, ImagePrompt, SpanNotFoundError
+from localserve.engine.image_prompt import ImageCountError, ImageEncoder, ImagePrompt, PreparedImage, SpanNotFoundError
 from localserve.engine.multimodal import MultiModalInputs
-from localserve.models.vision.adapter import ImageEncoder, PreparedImage
 from localserve.server.request.generation_request import STORED_IMAGES, Message
 from localserve.server.request.images import ImageInput, PlacedImage
 from localserve.server.request.validation import ProtocolError

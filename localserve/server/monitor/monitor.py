@@ -28,8 +28,8 @@ from websockets.exceptions import ConnectionClosed
 
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
+from localserve.engine.image_prompt import ImageEncoder
 from localserve.engine.snapshot import EngineSnapshot
-from localserve.models.vision.adapter import ImageEncoder
 from localserve.server.registry.engine_access import EngineAccess
 from localserve.server.registry.served_model import ServedModel
 from localserve.server.wire.closing import close_within

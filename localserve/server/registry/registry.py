@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from localserve.engine.image_prompt import ImageEncoder
 from localserve.loading.model_card import ModelCard
 from localserve.loading.model_folder import (
     AmbiguousModelError,
@@ -45,7 +46,6 @@ from localserve.loading.model_folder import (
     UnknownModelError,
 )
 from localserve.loading.sampling_defaults import LLAMA_CPP_DEFAULTS, SamplingDefaults
-from localserve.models.vision.adapter import ImageEncoder
 from localserve.server.monitor.monitor import MonitorHub, ServingNow, monitor_hello
 from localserve.server.registry.description import ModelDescribe, ModelDescriptions, ShownModel
 from localserve.server.registry.engine_access import EngineAccess, engine_result
