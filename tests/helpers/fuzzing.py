@@ -15,14 +15,17 @@ from PIL import Image
 
 from tests.helpers.server import wait_until_idle
 
+DROPS = st.none() | st.integers(1, 3)
 
-def send_generated_requests(fuzzer, requests: st.SearchStrategy, num_cases: int) -> None:
+
+def send_generated_requests(fuzzer, requests: st.SearchStrategy, num_cases: int,
+                            drops: st.SearchStrategy = DROPS) -> None:
     """`num_cases` requests drawn from `requests`, each sent by `fuzzer.send(*request, drop_after)` (the
-    client vanishing after 1-3 reads, or never), then the fuzzer's connection closed."""
+    client vanishing after `drops` reads: 1-3, or never), then the fuzzer's connection closed."""
 
     @settings(max_examples=num_cases, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-    @given(request=requests, drop_after=st.none() | st.integers(1, 3))
+    @given(request=requests, drop_after=drops)
     def one_case(request, drop_after):
         fuzzer.send(*request, drop_after)
 

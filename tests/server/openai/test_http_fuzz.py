@@ -31,6 +31,13 @@ from tests.helpers.fuzzing import (
     responses_image_parts,
     send_generated_requests,
 )
+from tests.helpers.image_fuzzing import (
+    VISION_DROPS,
+    VisionFuzzer,
+    assert_embeddings_cache_bounded,
+    vision_cases,
+    vision_fuzz_server,
+)
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import CLOSING_EVENTS, running_server
 
@@ -135,6 +142,7 @@ class HttpFuzzer:
         self.connection: http.client.HTTPConnection | None = None
         self.outcomes: Counter[str] = Counter()  # the fuzzer must reach every kind of answer
         self.codes: Counter[str] = Counter()  # the refusals' codes
+        self.refusals: list[tuple[int, str | None, str | None]] = []  # (status, code, param) of each
 
     def send(self, path: str, body: bytes, drop_after: int | None) -> None:
         if self.connection is None:
@@ -148,6 +156,7 @@ class HttpFuzzer:
             error = json.loads(response.read())["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
             self.codes[error["code"]] += 1
+            self.refusals.append((status, error["code"], error["param"]))
         elif content_type.startswith("text/event-stream"):
             if not self.read_stream(response, path, drop_after):
                 self.reconnect()
@@ -221,3 +230,29 @@ def test_http_bodies_never_break_the_server(server):
     assert fuzzer.codes["model_takes_no_images"] and broken, fuzzer.codes  # images reached, valid and broken
     assert health_ok(server.port)
     assert_server_whole(server)
+
+
+VISION_CASES = 40
+
+
+@pytest.fixture(scope="module")
+def vision_server(tiny_vision_llm):
+    with vision_fuzz_server(tiny_vision_llm) as server:
+        yield server
+
+
+def test_image_parts_to_a_model_that_takes_images(vision_server):
+    """Chat and Responses requests holding image parts (tests/helpers/image_fuzzing.py: valid pictures of many
+    sizes, modes and formats, broken files, bombs, wrong types, too many, URLs, among hostile text) to a tiny
+    Gemma 3: each answered (200) or refused by the rules (4xx naming the part that is wrong, with its documented
+    code); clients that vanish mid-stream or never read; at the end the engine idle, every block back, the
+    image embeddings cache within its bound."""
+    fuzzer = VisionFuzzer(HttpFuzzer(vision_server.port), vision_server.port)
+    cases = vision_cases(("chat", "responses")).map(lambda case: (case,))
+    send_generated_requests(fuzzer, cases, VISION_CASES, drops=VISION_DROPS)
+    fuzzer.close_idle()
+    outcomes = fuzzer.fuzzer.outcomes
+    assert outcomes["whole"] + outcomes["stream"] >= 5 and fuzzer.refused >= 5, (outcomes, fuzzer.fuzzer.codes)
+    assert health_ok(vision_server.port)
+    assert_server_whole(vision_server)
+    assert_embeddings_cache_bounded(vision_server)
