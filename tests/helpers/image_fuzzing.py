@@ -14,10 +14,12 @@ import base64
 import io
 import json
 import re
+import itertools
 import socket
 import struct
 import zlib
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -25,6 +27,7 @@ from PIL import Image
 
 from localserve.server.request.images import ImageBounds
 from tests.helpers.pictures import picture
+from tests.helpers.server import CLOSING_EVENTS
 
 # The run's bounds, small, so that the fuzzer reaches each of them with files that fit its bodies.
 VISION_BOUNDS = ImageBounds(max_bytes=3000, max_total_bytes=6000, max_images=3, max_pixels=48 * 48)
@@ -235,13 +238,17 @@ class VisionCase:
     path: str
     body: dict
     refused_at: tuple[tuple[str, frozenset[str]], ...] | None
+    # where the chat template may refuse a request whose parts are all right (`invalid_prompt`): images in a
+    # system or assistant turn, which Gemma 3's template drops (naming the image) or fails on (naming the field)
+    may_refuse: tuple[str, ...] = ()
 
     def check_refusal(self, status: int, code: str | None, param: str | None) -> None:
         """A refusal by the rules: expected, with a documented code, naming the part that is wrong."""
-        assert self.refused_at is not None, f"a request the server must answer was refused: {status} {code} {param}"
+        refused_at = self.refused_at or tuple((where, frozenset({"invalid_prompt"})) for where in self.may_refuse)
+        assert refused_at, f"a request the server must answer was refused: {status} {code} {param}"
         assert 400 <= status < 500 and code in IMAGE_CODES, (status, code, param)
         assert param is not None and any(re.match(re.escape(where) + r"($|\.)", param) and code in codes
-                                         for where, codes in self.refused_at), (code, param, self.refused_at)
+                                         for where, codes in refused_at), (code, param, refused_at)
 
     def encoded(self) -> tuple[str, bytes]:
         return self.path, json.dumps(self.body).encode()
@@ -253,7 +260,7 @@ def _oracle(parts: list[tuple[str, frozenset[str], int | None]], texts: list[tup
     them) and `texts` ((where, text)): a text holding a lone surrogate (the body is checked for those first);
     else the first part that is wrong on its own, is past the request's count, or brings its bytes past the
     request's total; None when every part is right."""
-    invalid = tuple((where, frozenset({"invalid_value"})) for where, text in texts if _lone_surrogate(text))
+    invalid = _surrogates(texts)
     if invalid:
         return invalid
     total = 0
@@ -269,8 +276,10 @@ def _oracle(parts: list[tuple[str, frozenset[str], int | None]], texts: list[tup
     return None
 
 
-def _lone_surrogate(text: str) -> bool:
-    return any(0xD800 <= ord(character) <= 0xDFFF for character in text)
+def _surrogates(texts: list[tuple[str, str]]) -> tuple[tuple[str, frozenset[str]], ...]:
+    """The texts holding a lone surrogate (invalid Unicode: refused before anything else is read)."""
+    return tuple((where, frozenset({"invalid_value"})) for where, text in texts
+                 if any(0xD800 <= ord(character) <= 0xDFFF for character in text))
 
 
 def _text(draw, where: str, texts: list[tuple[str, str]]) -> str:
@@ -281,7 +290,8 @@ def _text(draw, where: str, texts: list[tuple[str, str]]) -> str:
 
 
 def _content(draw, part_strategy, where: str, text_type: str, counts: list[int], texts: list) -> tuple[list, list]:
-    """A user message's content: text parts of hostile text and image parts (`counts`: how many), in any order."""
+    """A message's content: text parts of hostile text and image parts (each drawn from `part_strategy()`;
+    `counts`: how many), in any order."""
     count = draw(st.sampled_from(counts))
     kinds = draw(st.permutations(["image"] * count + ["text"] * draw(st.integers(0, 2))))
     content, parts = [], []
@@ -289,60 +299,79 @@ def _content(draw, part_strategy, where: str, text_type: str, counts: list[int],
         if kind == "text":
             content.append({"type": text_type, "text": _text(draw, f"{where}.content[{len(content)}]", texts)})
             continue
-        part, codes, size = draw(part_strategy)
+        part, codes, size = draw(part_strategy())
         parts.append((f"{where}.content[{len(content)}]", codes, size))
         content.append(part)
     return content, parts
 
 
+def _roles(draw, api: str, clean: bool) -> list[str]:
+    """The turns of a conversation Gemma 3's template takes (alternating, ending with the user's); now and then a
+    system turn first (OpenAI's)."""
+    turns = 1 if clean else draw(st.sampled_from([1, 1, 3]))
+    roles = ["user" if turn % 2 == 0 else "assistant" for turn in range(turns)]
+    if not clean and api in ("chat", "responses") and draw(st.integers(0, 3)) == 0:
+        roles.insert(0, draw(st.sampled_from(["system", "developer"])))
+    return roles
+
+
 @st.composite
 def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
-    """A request with image parts to one of `apis` ("chat", "responses", "ollama_chat", "ollama_generate",
-    "anthropic"), in a conversation Gemma 3's template takes (turns that alternate, ending with the user's; images
-    in user turns)."""
+    """A request with image parts to one of `apis` ("chat", "responses", "responses_socket", "ollama_chat",
+    "ollama_generate", "anthropic"), in a conversation Gemma 3's template takes (turns that alternate, ending with
+    the user's; images in user turns, and in system and assistant turns on OpenAI's APIs). Half the cases hold
+    only valid pictures, rightly sent, within the bounds; in the others about a third of the parts are wrong."""
     api = draw(st.sampled_from(apis))
-    clean = draw(st.booleans())  # valid pictures only, rightly sent, within the bounds: half the cases
-    turns = 1 if clean else draw(st.sampled_from([1, 1, 3]))
+    clean = draw(st.booleans())
     counts = [1, 1, 2, 3] if clean else [1, 1, 2, 4, 12]
     stream = draw(st.booleans())
     texts: list[tuple[str, str]] = []
+
+    def right() -> bool:  # whether the next part is drawn right
+        return clean or draw(st.integers(0, 2)) > 0
+
     if api == "ollama_generate":
-        images = [draw(base64_image(clean)) for _ in range(draw(st.sampled_from(counts)))]
+        images = [draw(base64_image(right())) for _ in range(draw(st.sampled_from(counts)))]
         parts = [(f"images[{number}]", codes, size) for number, (_, codes, size) in enumerate(images)]
         body = {"model": "served", "prompt": _text(draw, "prompt", texts), "images": [text for text, _, _ in images],
                 "stream": stream, "options": {"num_predict": draw(st.integers(1, 3))}}
         if not clean and draw(st.integers(0, 5)) == 0:  # images with a raw prompt: refused, naming images[0]
             body["raw"] = True
             bounds = {"invalid_prompt", "too_many_images", "image_too_large"}
-            return VisionCase("/api/generate", body, tuple((where, codes | bounds) for where, codes, _ in parts))
+            raw = tuple((where, codes | bounds) for where, codes, _ in parts)
+            return VisionCase("/api/generate", body, _surrogates(texts) or raw)
         return VisionCase("/api/generate", body, _oracle(parts, texts))
-    messages, parts = [], []
-    for turn in range(turns):
-        where = f"{'input' if api == 'responses' else 'messages'}[{turn}]"
-        if turn % 2:
+    messages, parts, may_refuse = [], [], []
+    for turn, role in enumerate(_roles(draw, api, clean)):
+        where = f"{'input' if api.startswith('responses') else 'messages'}[{turn}]"
+        if role == "assistant" and (api not in ("chat", "responses") or draw(st.booleans())):
             messages.append({"role": "assistant", "content": _text(draw, f"{where}.content", texts)})
             continue
         if api == "ollama_chat":
-            images = [draw(base64_image(clean)) for _ in range(draw(st.sampled_from(counts)))]
+            images = [draw(base64_image(right())) for _ in range(draw(st.sampled_from(counts)))]
             parts += [(f"{where}.images[{number}]", codes, size) for number, (_, codes, size) in enumerate(images)]
             messages.append({"role": "user", "content": _text(draw, f"{where}.content", texts),
                              "images": [text for text, _, _ in images]})
             continue
-        strategy, text_type = {"chat": (chat_image_part, "text"), "responses": (responses_image_part, "input_text"),
-                               "anthropic": (anthropic_image_block, "text")}[api]
-        content, found = _content(draw, strategy(clean), where, text_type, counts, texts)
+        strategy, text_type = {"chat": (chat_image_part, "text"), "anthropic": (anthropic_image_block, "text")}.get(
+            api, (responses_image_part, "input_text"))
+        content, found = _content(draw, lambda: strategy(right()), where, text_type, counts, texts)
         parts += found
-        messages.append({"role": "user", "content": content})
+        if role != "user":  # images where Gemma 3's template may drop them, or fail
+            may_refuse += [where for where, _, _ in found] + [where.split("[")[0]]
+        messages.append({"role": role, "content": content})
     limit = draw(st.integers(1, 3))
     if api == "chat":
         path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": limit, "stream": stream}
-    elif api == "responses":
+    elif api.startswith("responses"):
         path, body = "/v1/responses", {"input": messages, "max_output_tokens": limit, "stream": stream}
+        if api == "responses_socket":
+            path, body = "ws:/v1/responses", {"type": "response.create", "input": messages, "max_output_tokens": limit}
     elif api == "anthropic":
         path, body = "/v1/messages", {"messages": messages, "max_tokens": limit, "stream": stream}
     else:
         path, body = "/api/chat", {"messages": messages, "stream": stream, "options": {"num_predict": limit}}
-    return VisionCase(path, {"model": "served", **body}, _oracle(parts, texts))
+    return VisionCase(path, {"model": "served", **body}, _oracle(parts, texts), tuple(may_refuse))
 
 
 class VisionFuzzer:
@@ -353,12 +382,17 @@ class VisionFuzzer:
     def __init__(self, fuzzer, port: int) -> None:
         self.fuzzer = fuzzer
         self.port = port
-        self.idle: list[socket.socket] = []
+        self.idle: list = []  # the connections of clients that never read
+        self.socket = None  # a Responses websocket, kept open across its cases
+        self.connections = ExitStack()  # every websocket opened
+        self.socket_outcomes: Counter[str] = Counter()
         self.refused = 0
         self.never_read = 0
 
     def send(self, case: VisionCase, drop_after: int | None) -> None:
         path, body = case.encoded()
+        if path.startswith("ws:"):
+            return self.send_event(case, body, drop_after)
         if drop_after == 0:
             self.never_read += 1
             client = socket.create_connection(("127.0.0.1", self.port), timeout=30)
@@ -374,13 +408,49 @@ class VisionFuzzer:
         if len(self.fuzzer.refusals) == seen:
             assert case.refused_at is None, f"a request the server must refuse was answered: {case.refused_at}"
 
+    def send_event(self, case: VisionCase, event: bytes, drop_after: int | None) -> None:
+        """A `response.create` event over the Responses websocket; its events read to the closing one or an error
+        (or `drop_after` of them, then the connection closed)."""
+        from websockets.sync.client import connect
+
+        if self.socket is None:  # closed by close_idle at the latest
+            self.socket = self.connections.enter_context(connect(f"ws://127.0.0.1:{self.port}/v1/responses",
+                                                                 max_size=None))
+        self.socket.send(event.decode())
+        if drop_after == 0:
+            self.never_read += 1
+            self.idle.append(self.socket)
+            self.socket = None
+            return
+        for count in itertools.count(1):
+            answer = json.loads(self.socket.recv(timeout=60))
+            if answer["type"] == "error":
+                self.refused += 1
+                self.socket_outcomes["error"] += 1
+                return case.check_refusal(answer["status"], answer["error"]["code"], answer["error"]["param"])
+            assert answer["type"] != "response.failed", answer
+            if answer["type"] in CLOSING_EVENTS:
+                assert case.refused_at is None, f"a request the server must refuse was answered: {case.refused_at}"
+                self.socket_outcomes["answer"] += 1
+                return None
+            if drop_after is not None and count >= drop_after:
+                self.socket_outcomes["dropped"] += 1
+                return self.reconnect()
+        return None
+
     def reconnect(self) -> None:
         self.fuzzer.reconnect()
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
 
     def close_idle(self) -> None:
+        """Close the connections of the clients that never read, and every websocket."""
         for client in self.idle:
             client.close()
         self.idle.clear()
+        self.connections.close()
+        self.socket = None
 
 
 @contextmanager

@@ -232,7 +232,7 @@ def test_http_bodies_never_break_the_server(server):
     assert_server_whole(server)
 
 
-VISION_CASES = 40
+VISION_CASES = 400
 
 
 @pytest.fixture(scope="module")
@@ -248,11 +248,53 @@ def test_image_parts_to_a_model_that_takes_images(vision_server):
     code); clients that vanish mid-stream or never read; at the end the engine idle, every block back, the
     image embeddings cache within its bound."""
     fuzzer = VisionFuzzer(HttpFuzzer(vision_server.port), vision_server.port)
-    cases = vision_cases(("chat", "responses")).map(lambda case: (case,))
+    cases = vision_cases(("chat", "responses", "responses_socket")).map(lambda case: (case,))
     send_generated_requests(fuzzer, cases, VISION_CASES, drops=VISION_DROPS)
+    fuzzer.reconnect()
     fuzzer.close_idle()
     outcomes = fuzzer.fuzzer.outcomes
+    print("VISION", outcomes, getattr(fuzzer.fuzzer, "codes", None), fuzzer.never_read, fuzzer.refused, fuzzer.socket_outcomes)
     assert outcomes["whole"] + outcomes["stream"] >= 5 and fuzzer.refused >= 5, (outcomes, fuzzer.fuzzer.codes)
     assert health_ok(vision_server.port)
     assert_server_whole(vision_server)
     assert_embeddings_cache_bounded(vision_server)
+
+
+def _image(name: str) -> dict:
+    from tests.helpers.image_fuzzing import BROKEN_FILES, VALID_FILES, b64
+
+    data = (VALID_FILES.get(name) or BROKEN_FILES[name])[0]
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(data)}"}}
+
+
+PINNED = [
+    # found by the fuzzer: Gemma 3's template drops a system turn's image and places the user's; the 400 named the
+    # user's image (the one placed), not the system's
+    ([{"role": "system", "content": [{"type": "text", "text": "<start_of_image>"}, _image("png 1x1")]},
+      {"role": "user", "content": [_image("png 1x1")]}], "invalid_prompt", "messages[0].content[1]"),
+    ([{"role": "user", "content": [_image("png 1x1")]}, {"role": "assistant", "content": "ok"},
+      {"role": "user", "content": [{"type": "text", "text": "and"}, _image("jpeg CMYK")]}], None, None),
+    # pictures of every mode and format accepted; each bound named at its part
+    *(([{"role": "user", "content": [_image(name) for name in names]}], None, None) for names in (
+        ("png 16-bit grey", "png 1-bit", "gif animated"), ("jpeg 2304x1", "png 1x2304 at the pixel bound"),
+        ("png palette with transparency", "webp RGBA", "png LA"))),
+    ([{"role": "user", "content": [_image("png 1x1")] * 12}], "too_many_images", "messages[0].content[3]"),
+    ([{"role": "user", "content": [_image("png 1x1"), _image("png bomb 100000x100000")]}], "image_too_large",
+     "messages[0].content[1]"),
+    ([{"role": "user", "content": [_image("png 49x48 past the pixel bound")]}], "image_too_large",
+     "messages[0].content[0]"),
+]
+
+
+@pytest.mark.parametrize("messages, code, param", PINNED)
+def test_image_cases_the_fuzzer_pins(vision_server, messages, code, param):
+    connection = http.client.HTTPConnection("127.0.0.1", vision_server.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps({"model": "served", "max_tokens": 1,
+                                                                   "messages": messages}))
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    if code is None:
+        assert response.status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
+    else:
+        assert response.status == 400 and (body["error"]["code"], body["error"]["param"]) == (code, param), body
