@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import re
-import itertools
 import socket
 import struct
 import zlib
@@ -289,9 +289,10 @@ def _text(draw, where: str, texts: list[tuple[str, str]]) -> str:
     return text
 
 
-def _content(draw, part_strategy, where: str, text_type: str, counts: list[int], texts: list) -> tuple[list, list]:
-    """A message's content: text parts of hostile text and image parts (each drawn from `part_strategy()`;
-    `counts`: how many), in any order."""
+def _content(draw, part_strategy, right, where: str, text_type: str, counts: list[int], texts: list) \
+        -> tuple[list, list]:
+    """A message's content: text parts of hostile text and image parts (each drawn from `part_strategy(right())`,
+    `right()` saying whether it is drawn right; `counts`: how many), in any order."""
     count = draw(st.sampled_from(counts))
     kinds = draw(st.permutations(["image"] * count + ["text"] * draw(st.integers(0, 2))))
     content, parts = [], []
@@ -299,7 +300,7 @@ def _content(draw, part_strategy, where: str, text_type: str, counts: list[int],
         if kind == "text":
             content.append({"type": text_type, "text": _text(draw, f"{where}.content[{len(content)}]", texts)})
             continue
-        part, codes, size = draw(part_strategy())
+        part, codes, size = draw(part_strategy(right()))
         parts.append((f"{where}.content[{len(content)}]", codes, size))
         content.append(part)
     return content, parts
@@ -355,7 +356,7 @@ def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
             continue
         strategy, text_type = {"chat": (chat_image_part, "text"), "anthropic": (anthropic_image_block, "text")}.get(
             api, (responses_image_part, "input_text"))
-        content, found = _content(draw, lambda: strategy(right()), where, text_type, counts, texts)
+        content, found = _content(draw, strategy, right, where, text_type, counts, texts)
         parts += found
         if role != "user":  # images where Gemma 3's template may drop them, or fail
             may_refuse += [where for where, _, _ in found] + [where.split("[")[0]]
