@@ -306,20 +306,24 @@ def _content(draw, part_strategy, right, where: str, text_type: str, counts: lis
     return content, parts
 
 
+OPENAI_CONTENT = ("chat", "apply_template", "responses", "responses_socket")  # images in any role's content
+
+
 def _roles(draw, api: str, clean: bool) -> list[str]:
     """The turns of a conversation Gemma 3's template takes (alternating, ending with the user's); now and then a
     system turn first (OpenAI's)."""
     turns = 1 if clean else draw(st.sampled_from([1, 1, 3]))
     roles = ["user" if turn % 2 == 0 else "assistant" for turn in range(turns)]
-    if not clean and api in ("chat", "responses") and draw(st.integers(0, 3)) == 0:
+    if not clean and api in OPENAI_CONTENT and draw(st.integers(0, 3)) == 0:
         roles.insert(0, draw(st.sampled_from(["system", "developer"])))
     return roles
 
 
 @st.composite
 def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
-    """A request with image parts to one of `apis` ("chat", "responses", "responses_socket", "ollama_chat",
-    "ollama_generate", "anthropic"), in a conversation Gemma 3's template takes (turns that alternate, ending with
+    """A request with image parts to one of `apis` ("chat", "apply_template", "responses", "responses_socket" (a
+    follow-up of the last stored response now and then), "ollama_chat", "ollama_generate", "anthropic",
+    "anthropic_count"), in a conversation Gemma 3's template takes (turns that alternate, ending with
     the user's; images in user turns, and in system and assistant turns on OpenAI's APIs). Half the cases hold
     only valid pictures, rightly sent, within the bounds; in the others about a third of the parts are wrong."""
     api = draw(st.sampled_from(apis))
@@ -345,7 +349,7 @@ def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
     messages, parts, may_refuse = [], [], []
     for turn, role in enumerate(_roles(draw, api, clean)):
         where = f"{'input' if api.startswith('responses') else 'messages'}[{turn}]"
-        if role == "assistant" and (api not in ("chat", "responses") or draw(st.booleans())):
+        if role == "assistant" and (api not in OPENAI_CONTENT or draw(st.booleans())):
             messages.append({"role": "assistant", "content": _text(draw, f"{where}.content", texts)})
             continue
         if api == "ollama_chat":
@@ -354,8 +358,8 @@ def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
             messages.append({"role": "user", "content": _text(draw, f"{where}.content", texts),
                              "images": [text for text, _, _ in images]})
             continue
-        strategy, text_type = {"chat": (chat_image_part, "text"), "anthropic": (anthropic_image_block, "text")}.get(
-            api, (responses_image_part, "input_text"))
+        strategy, text_type = (responses_image_part, "input_text") if api.startswith("responses") else (
+            (anthropic_image_block, "text") if api.startswith("anthropic") else (chat_image_part, "text"))
         content, found = _content(draw, strategy, right, where, text_type, counts, texts)
         parts += found
         if role != "user":  # images where Gemma 3's template may drop them, or fail
@@ -364,10 +368,18 @@ def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
     limit = draw(st.integers(1, 3))
     if api == "chat":
         path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": limit, "stream": stream}
+    elif api == "apply_template":  # renders the markers: no image dropped is refused here
+        path, body = "/apply-template", {"messages": messages}
+        may_refuse = [where for where in may_refuse if "[" not in where]
+    elif api == "anthropic_count":
+        path, body = "/v1/messages/count_tokens", {"messages": messages}
     elif api.startswith("responses"):
         path, body = "/v1/responses", {"input": messages, "max_output_tokens": limit, "stream": stream}
         if api == "responses_socket":
-            path, body = "ws:/v1/responses", {"type": "response.create", "input": messages, "max_output_tokens": limit}
+            path, body = "ws:/v1/responses", {"type": "response.create", "input": messages, "max_output_tokens": limit,
+                                              "store": True}
+            if messages[0]["role"] == "user" and draw(st.integers(0, 2)) == 0:
+                body["previous_response_id"] = "@last"  # the last stored response (not itself a follow-up)
     elif api == "anthropic":
         path, body = "/v1/messages", {"messages": messages, "max_tokens": limit, "stream": stream}
     else:
@@ -387,13 +399,14 @@ class VisionFuzzer:
         self.socket = None  # a Responses websocket, kept open across its cases
         self.connections = ExitStack()  # every websocket opened
         self.socket_outcomes: Counter[str] = Counter()
+        self.last_response_id: str | None = None
         self.refused = 0
         self.never_read = 0
 
     def send(self, case: VisionCase, drop_after: int | None) -> None:
         path, body = case.encoded()
         if path.startswith("ws:"):
-            return self.send_event(case, body, drop_after)
+            return self.send_event(case, drop_after)
         if drop_after == 0:
             self.never_read += 1
             client = socket.create_connection(("127.0.0.1", self.port), timeout=30)
@@ -409,15 +422,22 @@ class VisionFuzzer:
         if len(self.fuzzer.refusals) == seen:
             assert case.refused_at is None, f"a request the server must refuse was answered: {case.refused_at}"
 
-    def send_event(self, case: VisionCase, event: bytes, drop_after: int | None) -> None:
-        """A `response.create` event over the Responses websocket; its events read to the closing one or an error
-        (or `drop_after` of them, then the connection closed)."""
+    def send_event(self, case: VisionCase, drop_after: int | None) -> None:
+        """A `response.create` event over the Responses websocket (`@last`: the last stored response's id, left out
+        while there is none); its events read to the closing one or an error (or `drop_after` of them, then the
+        connection closed)."""
         from websockets.sync.client import connect
+
+        event, follow_up = dict(case.body), "previous_response_id" in case.body
+        if follow_up:
+            event["previous_response_id"] = self.last_response_id
+            if self.last_response_id is None:
+                del event["previous_response_id"]
 
         if self.socket is None:  # closed by close_idle at the latest
             self.socket = self.connections.enter_context(connect(f"ws://127.0.0.1:{self.port}/v1/responses",
                                                                  max_size=None))
-        self.socket.send(event.decode())
+        self.socket.send(json.dumps(event))
         if drop_after == 0:
             self.never_read += 1
             self.idle.append(self.socket)
@@ -432,7 +452,9 @@ class VisionFuzzer:
             assert answer["type"] != "response.failed", answer
             if answer["type"] in CLOSING_EVENTS:
                 assert case.refused_at is None, f"a request the server must refuse was answered: {case.refused_at}"
-                self.socket_outcomes["answer"] += 1
+                self.socket_outcomes["follow-up" if follow_up else "answer"] += 1
+                if not follow_up:
+                    self.last_response_id = answer["response"]["id"]
                 return None
             if drop_after is not None and count >= drop_after:
                 self.socket_outcomes["dropped"] += 1
@@ -466,9 +488,10 @@ def vision_fuzz_server(llm, **config):
 
 
 def assert_embeddings_cache_bounded(server) -> None:
-    """The image embeddings cache within its bound, after encoding (and finding) images."""
+    """The image embeddings cache within its bound, after encoding images and finding some again."""
     cache = server.server.models.serving_now().engine.engine.runner.image_embeds
-    assert cache.num_encoded > 0 and cache.num_bytes <= cache.max_bytes, (cache.num_encoded, cache.num_bytes)
+    assert cache.num_encoded > 0 and cache.num_hits > 0 and cache.num_bytes <= cache.max_bytes, \
+        (cache.num_encoded, cache.num_hits, cache.num_bytes)
 
 
 # the clients: read to the end (None), vanish after 1-3 reads, or never read (0)

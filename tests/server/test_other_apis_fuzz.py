@@ -298,7 +298,7 @@ def test_other_api_bodies_never_break_the_server(server):
     assert_server_whole(server)
 
 
-VISION_CASES = 400
+VISION_CASES = 300
 
 
 @pytest.fixture(scope="module")
@@ -308,15 +308,16 @@ def vision_server(tiny_vision_llm):
 
 
 def test_image_parts_to_a_model_that_takes_images(vision_server):
-    """Ollama's chat and generate and Anthropic's messages holding images (tests/helpers/image_fuzzing.py) to a
-    tiny Gemma 3: each answered or refused by the rules, naming the part; clients that vanish or never read; at
-    the end the engine idle, every block back, the image embeddings cache within its bound."""
+    """Ollama's chat and generate, Anthropic's messages and count_tokens and llama.cpp's /apply-template holding
+    images (tests/helpers/image_fuzzing.py) to a tiny Gemma 3: each answered or refused by the rules, naming the
+    part; clients that vanish or never read; at the end the engine idle, every block back, the image embeddings
+    cache within its bound."""
     fuzzer = VisionFuzzer(Fuzzer(vision_server.port), vision_server.port)
-    cases = vision_cases(("ollama_chat", "ollama_generate", "anthropic")).map(lambda case: (case,))
+    apis = ("ollama_chat", "ollama_generate", "anthropic", "anthropic_count", "apply_template")
+    cases = vision_cases(apis).map(lambda case: (case,))
     send_generated_requests(fuzzer, cases, VISION_CASES, drops=VISION_DROPS)
     fuzzer.close_idle()
     outcomes = fuzzer.fuzzer.outcomes
-    print("VISION", outcomes, getattr(fuzzer.fuzzer, "codes", None), fuzzer.never_read, fuzzer.refused)
     assert outcomes["ndjson"] + outcomes["sse"] + outcomes["whole"] >= 5 and fuzzer.refused >= 5, outcomes
     assert_server_whole(vision_server)
     assert_embeddings_cache_bounded(vision_server)

@@ -232,7 +232,7 @@ def test_http_bodies_never_break_the_server(server):
     assert_server_whole(server)
 
 
-VISION_CASES = 400
+VISION_CASES = 300
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,6 @@ def test_image_parts_to_a_model_that_takes_images(vision_server):
     fuzzer.reconnect()
     fuzzer.close_idle()
     outcomes = fuzzer.fuzzer.outcomes
-    print("VISION", outcomes, getattr(fuzzer.fuzzer, "codes", None), fuzzer.never_read, fuzzer.refused, fuzzer.socket_outcomes)
     assert outcomes["whole"] + outcomes["stream"] >= 5 and fuzzer.refused >= 5, (outcomes, fuzzer.fuzzer.codes)
     assert health_ok(vision_server.port)
     assert_server_whole(vision_server)
