@@ -487,6 +487,23 @@ def vision_fuzz_server(llm, **config):
         yield server
 
 
+def run_vision_fuzz(fuzzer, server, apis: tuple[str, ...], num_cases: int) -> VisionFuzzer:
+    """`num_cases` of `vision_cases(apis)` sent through `fuzzer` (one of the HTTP fuzzers, with its own checks of
+    each answer) to `server` (`vision_fuzz_server`), by clients that read to the end, vanish or never read; then
+    the server whole (the engine idle, every block back, no exchange in flight) and its image embeddings cache
+    within its bound. Returns the VisionFuzzer, for its counts."""
+    from tests.helpers.fuzzing import assert_server_whole, send_generated_requests
+
+    vision = VisionFuzzer(fuzzer, server.port)
+    send_generated_requests(vision, vision_cases(apis).map(lambda case: (case,)), num_cases, drops=VISION_DROPS)
+    vision.reconnect()
+    vision.close_idle()
+    assert vision.refused >= 5, vision.refused
+    assert_server_whole(server)
+    assert_embeddings_cache_bounded(server)
+    return vision
+
+
 def assert_embeddings_cache_bounded(server) -> None:
     """The image embeddings cache within its bound, after encoding images and finding some again."""
     cache = server.server.models.serving_now().engine.engine.runner.image_embeds

@@ -33,13 +33,7 @@ from tests.helpers.fuzzing import (
     ollama_images,
     send_generated_requests,
 )
-from tests.helpers.image_fuzzing import (
-    VISION_DROPS,
-    VisionFuzzer,
-    assert_embeddings_cache_bounded,
-    vision_cases,
-    vision_fuzz_server,
-)
+from tests.helpers.image_fuzzing import run_vision_fuzz
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import running_server
 
@@ -301,26 +295,16 @@ def test_other_api_bodies_never_break_the_server(server):
 VISION_CASES = 300
 
 
-@pytest.fixture(scope="module")
-def vision_server(tiny_vision_llm):
-    with vision_fuzz_server(tiny_vision_llm) as server:
-        yield server
-
-
-def test_image_parts_to_a_model_that_takes_images(vision_server):
+def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
     """Ollama's chat and generate, Anthropic's messages and count_tokens and llama.cpp's /apply-template holding
     images (tests/helpers/image_fuzzing.py) to a tiny Gemma 3: each answered or refused by the rules, naming the
     part; clients that vanish or never read; at the end the engine idle, every block back, the image embeddings
     cache within its bound."""
-    fuzzer = VisionFuzzer(Fuzzer(vision_server.port), vision_server.port)
-    apis = ("ollama_chat", "ollama_generate", "anthropic", "anthropic_count", "apply_template")
-    cases = vision_cases(apis).map(lambda case: (case,))
-    send_generated_requests(fuzzer, cases, VISION_CASES, drops=VISION_DROPS)
-    fuzzer.close_idle()
+    fuzzer = run_vision_fuzz(Fuzzer(image_fuzz_server.port), image_fuzz_server,
+                             ("ollama_chat", "ollama_generate", "anthropic", "anthropic_count", "apply_template"),
+                             VISION_CASES)
     outcomes = fuzzer.fuzzer.outcomes
-    assert outcomes["ndjson"] + outcomes["sse"] + outcomes["whole"] >= 5 and fuzzer.refused >= 5, outcomes
-    assert_server_whole(vision_server)
-    assert_embeddings_cache_bounded(vision_server)
+    assert outcomes["ndjson"] + outcomes["sse"] + outcomes["whole"] >= 5, outcomes
 
 
 @pytest.mark.parametrize("path, body, status, param", [
