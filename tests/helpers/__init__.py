@@ -121,13 +121,15 @@ def weather_client(weather_server):
 @pytest.fixture(scope="session")
 def tiny_vision_llm(tmp_path_factory):
     """An LLM over a tiny Gemma 3 that takes images (tests/helpers/vision_models.py: 4 tokens per image, hidden
-    64), 128 KV blocks, its image embeddings cache bounded to 3000 bytes (two images' embeddings)."""
+    64), 128 KV blocks checked after every step, its image embeddings cache bounded to 3000 bytes (two images'
+    embeddings)."""
     from localserve.engine.config import EngineConfig
     from localserve.llm import LLM
     from tests.helpers.vision_models import write_tiny_gemma3_vision
 
     folder = write_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"), seed=3, mm_tokens_per_image=4)
-    config = EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256, image_cache_bytes=3000)
+    config = EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256, image_cache_bytes=3000,
+                          check_integrity=True)
     return LLM(str(folder), device="cpu", engine_config=config)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import time
 import zlib
 
 from hypothesis import HealthCheck, given, settings
@@ -33,12 +34,16 @@ def send_generated_requests(fuzzer, requests: st.SearchStrategy, num_cases: int,
     fuzzer.reconnect()
 
 
-def assert_server_whole(server) -> None:
+def assert_server_whole(server, timeout_s: float = 10.0) -> None:
     """The served model's engine idle with every block back (its integrity checked), its thread alive, and no
-    HTTP exchange left in flight."""
+    HTTP exchange left in flight (within `timeout_s`: a client that has just closed its connection is noticed
+    by the server's next read or write)."""
     engine = server.server.models.serving_now().engine
     wait_until_idle(engine)
     assert engine._thread.is_alive()
+    deadline = time.monotonic() + timeout_s
+    while server.server.http_api.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not server.server.http_api.in_flight
 
 

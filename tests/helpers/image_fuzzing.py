@@ -11,6 +11,7 @@ crosses a request's bound, is the one its 400 names; a request whose parts are a
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import itertools
 import json
@@ -390,7 +391,7 @@ def vision_cases(draw, apis: tuple[str, ...]) -> VisionCase:
 class VisionFuzzer:
     """Sends `VisionCase`s through one of the fuzzers (its own checks of each answer), checking each refusal
     against the case's oracle. `drop_after` 0: a client that sends and never reads (its connection left open
-    until `close_idle`)."""
+    until `close_idle`); BURST: six clients send it at once."""
 
     def __init__(self, fuzzer, port: int) -> None:
         self.fuzzer = fuzzer
@@ -399,6 +400,7 @@ class VisionFuzzer:
         self.socket = None  # a Responses websocket, kept open across its cases
         self.connections = ExitStack()  # every websocket opened
         self.socket_outcomes: Counter[str] = Counter()
+        self.burst_outcomes: Counter[int] = Counter()  # the statuses of the bursts' answers
         self.last_response_id: str | None = None
         self.refused = 0
         self.never_read = 0
@@ -406,7 +408,9 @@ class VisionFuzzer:
     def send(self, case: VisionCase, drop_after: int | None) -> None:
         path, body = case.encoded()
         if path.startswith("ws:"):
-            return self.send_event(case, drop_after)
+            return self.send_event(case, drop_after if drop_after != BURST else None)
+        if drop_after == BURST:
+            return self.send_burst(case, path, body)
         if drop_after == 0:
             self.never_read += 1
             client = socket.create_connection(("127.0.0.1", self.port), timeout=30)
@@ -421,6 +425,28 @@ class VisionFuzzer:
             case.check_refusal(status, code, param)
         if len(self.fuzzer.refusals) == seen:
             assert case.refused_at is None, f"a request the server must refuse was answered: {case.refused_at}"
+
+    def send_burst(self, case: VisionCase, path: str, body: bytes, clients: int = 6) -> None:
+        """The request sent by `clients` clients at once (each on its connection, all sent before any is read),
+        then each answer read whole: a 200, or the case's refusal."""
+        connections = [http.client.HTTPConnection("127.0.0.1", self.port, timeout=60) for _ in range(clients)]
+        try:
+            for connection in connections:
+                connection.request("POST", path, body, {"Content-Type": "application/json"})
+            for connection in connections:
+                response = connection.getresponse()
+                data = response.read()
+                self.burst_outcomes[response.status] += 1
+                if response.status == 200:
+                    assert case.refused_at is None, f"a request the server must refuse was answered: {case.refused_at}"
+                    continue
+                error = json.loads(data)
+                inner = error if path.startswith("/api/") else error["error"]
+                self.refused += 1
+                case.check_refusal(response.status, inner.get("code"), inner.get("param"))
+        finally:
+            for connection in connections:
+                connection.close()
 
     def send_event(self, case: VisionCase, drop_after: int | None) -> None:
         """A `response.create` event over the Responses websocket (`@last`: the last stored response's id, left out
@@ -511,5 +537,6 @@ def assert_embeddings_cache_bounded(server) -> None:
         (cache.num_encoded, cache.num_hits, cache.num_bytes)
 
 
-# the clients: read to the end (None), vanish after 1-3 reads, or never read (0)
-VISION_DROPS = st.sampled_from([None, None, None, None, 1, 2, 3, 0])
+# the clients: read to the end (None), vanish after 1-3 reads, never read (0), or six at once (BURST)
+BURST = -1
+VISION_DROPS = st.sampled_from([None, None, None, None, 1, 2, 3, 0, BURST])
