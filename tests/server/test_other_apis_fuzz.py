@@ -297,7 +297,7 @@ VISION_CASES = 300
 
 def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
     """Ollama's chat and generate, Anthropic's messages and count_tokens and llama.cpp's /apply-template holding
-    images (tests/helpers/image_fuzzing.py) to a tiny Gemma 3: each answered or refused by the rules, naming the
+    images (tests/helpers/image_parts.py) to a tiny Gemma 3: each answered or refused by the rules, naming the
     part; clients that vanish or never read; at the end the engine idle, every block back, the image embeddings
     cache within its bound."""
     fuzzer = run_vision_fuzz(Fuzzer(image_fuzz_server.port), image_fuzz_server,

@@ -230,7 +230,7 @@ VISION_CASES = 300
 
 
 def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
-    """Chat and Responses requests (HTTP and websocket) holding image parts (tests/helpers/image_fuzzing.py: valid
+    """Chat and Responses requests (HTTP and websocket) holding image parts (tests/helpers/image_parts.py: valid
     pictures of many sizes, modes and formats, broken files, bombs, wrong types, too many, URLs, among hostile
     text) to a tiny Gemma 3: each answered (200) or refused by the rules (4xx naming the part that is wrong, with
     its documented code); clients that vanish mid-stream or never read; at the end the engine idle, every block
@@ -243,7 +243,7 @@ def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
 
 
 def _image(name: str) -> dict:
-    from tests.helpers.image_fuzzing import BROKEN_FILES, VALID_FILES, b64
+    from tests.helpers.image_parts import BROKEN_FILES, VALID_FILES, b64
 
     data = (VALID_FILES.get(name) or BROKEN_FILES[name])[0]
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(data)}"}}
