@@ -287,7 +287,7 @@ class GenerationService:
             prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt,
                                                  **template_inputs, **expand)
         except ProtocolError as error:  # the images' expansion: the template placed another number of images
-            if images is None:
+            if images is None or error.param not in {image.where for image in images.images}:
                 raise
             marker = images.prompt.encoder.marker
 
