@@ -116,3 +116,28 @@ def weather_client(weather_server):
 
     with openai_client(weather_server.port) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_llm(tmp_path_factory):
+    """An LLM over a tiny Gemma 3 that takes images (tests/helpers/vision_models.py: 4 tokens per image, hidden
+    64), 128 KV blocks checked after every step, its image embeddings cache bounded to 3000 bytes (two images'
+    embeddings)."""
+    from localserve.engine.config import EngineConfig
+    from localserve.llm import LLM
+    from tests.helpers.vision_models import write_tiny_gemma3_vision
+
+    folder = write_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"), seed=3, mm_tokens_per_image=4)
+    config = EngineConfig(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256, image_cache_bytes=3000,
+                          check_integrity=True)
+    return LLM(str(folder), device="cpu", engine_config=config)
+
+
+@pytest.fixture(scope="module")
+def image_fuzz_server(tiny_vision_llm):
+    """A server for `tiny_vision_llm` as the image fuzzers run it (tests/helpers/image_fuzzing.py's bounds), one
+    per test module that asks for it."""
+    from tests.helpers.image_fuzzing import vision_fuzz_server
+
+    with vision_fuzz_server(tiny_vision_llm) as server:
+        yield server

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import time
 import zlib
 
 from hypothesis import HealthCheck, given, settings
@@ -15,14 +16,17 @@ from PIL import Image
 
 from tests.helpers.server import wait_until_idle
 
+DROPS = st.none() | st.integers(1, 3)
 
-def send_generated_requests(fuzzer, requests: st.SearchStrategy, num_cases: int) -> None:
+
+def send_generated_requests(fuzzer, requests: st.SearchStrategy, num_cases: int,
+                            drops: st.SearchStrategy = DROPS) -> None:
     """`num_cases` requests drawn from `requests`, each sent by `fuzzer.send(*request, drop_after)` (the
-    client vanishing after 1-3 reads, or never), then the fuzzer's connection closed."""
+    client vanishing after `drops` reads: 1-3, or never), then the fuzzer's connection closed."""
 
     @settings(max_examples=num_cases, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-    @given(request=requests, drop_after=st.none() | st.integers(1, 3))
+    @given(request=requests, drop_after=drops)
     def one_case(request, drop_after):
         fuzzer.send(*request, drop_after)
 
@@ -30,12 +34,16 @@ def send_generated_requests(fuzzer, requests: st.SearchStrategy, num_cases: int)
     fuzzer.reconnect()
 
 
-def assert_server_whole(server) -> None:
+def assert_server_whole(server, timeout_s: float = 10.0) -> None:
     """The served model's engine idle with every block back (its integrity checked), its thread alive, and no
-    HTTP exchange left in flight."""
+    HTTP exchange left in flight (within `timeout_s`: a client that has just closed its connection is noticed
+    by the server's next read or write)."""
     engine = server.server.models.serving_now().engine
     wait_until_idle(engine)
     assert engine._thread.is_alive()
+    deadline = time.monotonic() + timeout_s
+    while server.server.http_api.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not server.server.http_api.in_flight
 
 

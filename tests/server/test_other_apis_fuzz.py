@@ -33,6 +33,7 @@ from tests.helpers.fuzzing import (
     ollama_images,
     send_generated_requests,
 )
+from tests.helpers.image_fuzzing import run_vision_fuzz
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import running_server
 
@@ -199,6 +200,7 @@ class Fuzzer:
         self.port = port
         self.connection: http.client.HTTPConnection | None = None
         self.outcomes: Counter[str] = Counter()
+        self.refusals: list[tuple[int, str | None, str | None]] = []  # (status, code, param) of each
 
     def send(self, path: str, body: bytes, drop_after: int | None) -> None:
         if self.connection is None:
@@ -213,7 +215,9 @@ class Fuzzer:
             data = response.read()
             check_error(path, data)
             error = json.loads(data)
-            code = error.get("code") if path.startswith("/api/") else error["error"].get("code")
+            inner = error if path.startswith("/api/") else error["error"]
+            code = inner.get("code")
+            self.refusals.append((status, code, inner.get("param")))
             for kind, codes in IMAGE_REFUSALS.items():
                 self.outcomes[kind] += code in codes
         elif kind == "whole":
@@ -286,6 +290,21 @@ def test_other_api_bodies_never_break_the_server(server):
     # in 191 cases, so the bound asks for a few of each answer kind, not 5.
     assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400")) >= 2, fuzzer.outcomes
     assert_server_whole(server)
+
+
+VISION_CASES = 300
+
+
+def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
+    """Ollama's chat and generate, Anthropic's messages and count_tokens and llama.cpp's /apply-template holding
+    images (tests/helpers/image_parts.py) to a tiny Gemma 3: each answered or refused by the rules, naming the
+    part; clients that vanish or never read; at the end the engine idle, every block back, the image embeddings
+    cache within its bound."""
+    fuzzer = run_vision_fuzz(Fuzzer(image_fuzz_server.port), image_fuzz_server,
+                             ("ollama_chat", "ollama_generate", "anthropic", "anthropic_count", "apply_template"),
+                             VISION_CASES)
+    outcomes = fuzzer.fuzzer.outcomes
+    assert outcomes["ndjson"] + outcomes["sse"] + outcomes["whole"] >= 5, outcomes
 
 
 @pytest.mark.parametrize("path, body, status, param", [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from localserve.engine.image_prompt import ImageCountError, ImageEncoder, ImagePrompt, PreparedImage, SpanNotFoundError
@@ -43,6 +43,23 @@ def keep_images(messages: Sequence[Message], images: Sequence[PlacedImage]) -> l
         by_message.setdefault(placed.message, []).append((placed.offset, placed.image))
     return [{**message, STORED_IMAGES: tuple(by_message[index])} if index in by_message else message
             for index, message in enumerate(messages)]
+
+
+def keep_first_images(messages: Sequence[Message], count: int) -> list[Message]:
+    """`messages` in `with_image_parts`' form with only their first `count` image parts (in order)."""
+    kept, seen = [], 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                image = isinstance(part, dict) and part.get("type") == "image"
+                seen += image
+                if not image or seen <= count:
+                    parts.append(part)
+            message = {**message, "content": parts}
+        kept.append(message)
+    return kept
 
 
 def conversation_images(conversation: Sequence[Message]) -> list[PlacedImage]:
@@ -68,6 +85,22 @@ class RequestImages:
             where = self.images[min(error.found, len(self.images) - 1)].where
             raise ProtocolError("invalid_prompt", f"'{where}': {error} in the conversation (does the model's chat "
                                 "template take images in this role?)", where) from None
+
+    def name_unplaced(self, error: ProtocolError, messages: Sequence[Message],
+                      markers: Callable[[list[Message]], int]) -> ProtocolError:
+        """`expand`'s 400 naming the first image the template did not place (a template that drops a system
+        turn's image and keeps a later user's: not the image at the count of markers found): the k-th, for the
+        first k whose conversation with only its first k images (`keep_first_images`) gets fewer than k
+        markers from `markers` (which renders it; a template that raises on it has placed none)."""
+        for count in range(1, len(self.images) + 1):
+            try:
+                placed = markers(keep_first_images(messages, count))
+            except Exception:  # noqa: BLE001 - the template's refusal of the cut conversation
+                placed = -1
+            if placed < count:
+                where = self.images[count - 1].where
+                return ProtocolError(error.code, f"'{where}'" + error.message[len(f"'{error.param}'"):], where)
+        return error
 
     def refusal(self, error: ValueError) -> ProtocolError | None:
         """The engine's refusal of image span i (engine/multimodal.py names it "image span i ...", e.g. a

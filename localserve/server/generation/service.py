@@ -286,8 +286,20 @@ class GenerationService:
         try:  # rendering and tokenizing a long prompt must not hold up the other connections
             prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt,
                                                  **template_inputs, **expand)
-        except ProtocolError:  # the images' expansion: the template placed another number of images
-            raise
+        except ProtocolError as error:  # the images' expansion: the template placed another number of images
+            if images is None or error.param not in {image.where for image in images.images}:
+                raise
+            marker = images.prompt.encoder.marker
+
+            def markers(kept: list[Message]) -> int:  # the markers the template writes for `kept`
+                found: list[int] = []
+
+                def count(text: str) -> str:
+                    found.append(text.count(marker))
+                    return text
+                tokenizer.encode_chat(kept, add_generation_prompt, **template_inputs, expand=count)
+                return found[-1]
+            raise await asyncio.to_thread(images.name_unplaced, error, messages, markers) from None
         except Exception as exc:  # no chat template, a template that raised, a tokenizer that refused
             raise ProtocolError("invalid_prompt", f"the chat template could not render the input: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}", field) from None

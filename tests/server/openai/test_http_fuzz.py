@@ -31,6 +31,7 @@ from tests.helpers.fuzzing import (
     responses_image_parts,
     send_generated_requests,
 )
+from tests.helpers.image_fuzzing import run_vision_fuzz
 from tests.helpers.json_strategies import extreme_numbers, json_values, maybe, nasty_text
 from tests.helpers.server import CLOSING_EVENTS, running_server
 
@@ -135,6 +136,7 @@ class HttpFuzzer:
         self.connection: http.client.HTTPConnection | None = None
         self.outcomes: Counter[str] = Counter()  # the fuzzer must reach every kind of answer
         self.codes: Counter[str] = Counter()  # the refusals' codes
+        self.refusals: list[tuple[int, str | None, str | None]] = []  # (status, code, param) of each
 
     def send(self, path: str, body: bytes, drop_after: int | None) -> None:
         if self.connection is None:
@@ -148,6 +150,7 @@ class HttpFuzzer:
             error = json.loads(response.read())["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
             self.codes[error["code"]] += 1
+            self.refusals.append((status, error["code"], error["param"]))
         elif content_type.startswith("text/event-stream"):
             if not self.read_stream(response, path, drop_after):
                 self.reconnect()
@@ -221,3 +224,59 @@ def test_http_bodies_never_break_the_server(server):
     assert fuzzer.codes["model_takes_no_images"] and broken, fuzzer.codes  # images reached, valid and broken
     assert health_ok(server.port)
     assert_server_whole(server)
+
+
+VISION_CASES = 300
+
+
+def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
+    """Chat and Responses requests (HTTP and websocket) holding image parts (tests/helpers/image_parts.py: valid
+    pictures of many sizes, modes and formats, broken files, bombs, wrong types, too many, URLs, among hostile
+    text) to a tiny Gemma 3: each answered (200) or refused by the rules (4xx naming the part that is wrong, with
+    its documented code); clients that vanish mid-stream or never read; at the end the engine idle, every block
+    back, the image embeddings cache within its bound."""
+    fuzzer = run_vision_fuzz(HttpFuzzer(image_fuzz_server.port), image_fuzz_server,
+                             ("chat", "responses", "responses_socket"), VISION_CASES)
+    outcomes = fuzzer.fuzzer.outcomes
+    assert outcomes["whole"] + outcomes["stream"] + fuzzer.socket_outcomes["answer"] >= 5, outcomes
+    assert health_ok(image_fuzz_server.port)
+
+
+def _image(name: str) -> dict:
+    from tests.helpers.image_parts import BROKEN_FILES, VALID_FILES, b64
+
+    data = (VALID_FILES.get(name) or BROKEN_FILES[name])[0]
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(data)}"}}
+
+
+PINNED = [
+    # found by the fuzzer: Gemma 3's template drops a system turn's image and places the user's; the 400 named the
+    # user's image (the one placed), not the system's
+    ([{"role": "system", "content": [{"type": "text", "text": "<start_of_image>"}, _image("png 1x1")]},
+      {"role": "user", "content": [_image("png 1x1")]}], "invalid_prompt", "messages[0].content[1]"),
+    ([{"role": "user", "content": [_image("png 1x1")]}, {"role": "assistant", "content": "ok"},
+      {"role": "user", "content": [{"type": "text", "text": "and"}, _image("jpeg CMYK")]}], None, None),
+    # pictures of every mode and format accepted; each bound named at its part
+    *(([{"role": "user", "content": [_image(name) for name in names]}], None, None) for names in (
+        ("png 16-bit grey", "png 1-bit", "gif animated"), ("jpeg 2304x1", "png 1x2304 at the pixel bound"),
+        ("png palette with transparency", "webp RGBA", "png LA"))),
+    ([{"role": "user", "content": [_image("png 1x1")] * 12}], "too_many_images", "messages[0].content[3]"),
+    ([{"role": "user", "content": [_image("png 1x1"), _image("png bomb 100000x100000")]}], "image_too_large",
+     "messages[0].content[1]"),
+    ([{"role": "user", "content": [_image("png 49x48 past the pixel bound")]}], "image_too_large",
+     "messages[0].content[0]"),
+]
+
+
+@pytest.mark.parametrize("messages, code, param", PINNED)
+def test_image_cases_the_fuzzer_pins(image_fuzz_server, messages, code, param):
+    connection = http.client.HTTPConnection("127.0.0.1", image_fuzz_server.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps({"model": "served", "max_tokens": 1,
+                                                                   "messages": messages}))
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    if code is None:
+        assert response.status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
+    else:
+        assert response.status == 400 and (body["error"]["code"], body["error"]["param"]) == (code, param), body
