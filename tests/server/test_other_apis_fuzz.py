@@ -284,7 +284,9 @@ def server(tiny_chat_llm):
 def test_other_api_bodies_never_break_the_server(server):
     fuzzer = Fuzzer(server.port)
     send_generated_requests(fuzzer, requests, NUM_CASES)
-    assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400", *IMAGE_REFUSALS)) >= 1, \
+    # A broken image is not drawn in every run (seen once in ~7): it is pinned below (test_each_bound_of_the_new_paths)
+    # and drawn in half the cases of the vision fuzzer (test_image_parts_to_a_model_that_takes_images).
+    assert min(fuzzer.outcomes[kind] for kind in ("ndjson", "sse", "whole", "400", "image to a text model")) >= 1, \
         fuzzer.outcomes
     # Image parts take a share of the draws since issue 38: a full run saw only 4 streamed Anthropic answers
     # in 191 cases, so the bound asks for a few of each answer kind, not 5.
@@ -330,6 +332,12 @@ def test_image_parts_to_a_model_that_takes_images(image_fuzz_server):
     ("/v1/messages", {"model": "served", "max_tokens": 2, "messages": [{"role": [], "content": [None]}]}, 400,
      "messages[0].content[0]"),
     ("/tokenize", {"content": ["a", "b"]}, 400, "content"),
+    # a broken image to the text model: refused as broken (its part named) before the model is asked
+    ("/api/chat", {"model": "served", "messages": [{"role": "user", "content": "hi", "images": ["bm90IGFuIGltYWdl"]}]},
+     400, "messages[0].images[0]"),
+    ("/v1/messages", {"model": "served", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}]}]},
+     400, "messages[0].content[0]"),
 ])
 def test_each_bound_of_the_new_paths(server, path, body, status, param):
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
