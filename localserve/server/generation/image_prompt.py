@@ -2,7 +2,9 @@
 `ImageEncoder`): from the conversation's images to the engine's `MultiModalInputs`.
 
 1. Each image is made ready for the model (`ImageEncoder.prepare` on its first frame as decoded) on a worker
-   thread: Pillow and the preprocessing never hold up the event loop.
+   thread: Pillow and the preprocessing never hold up the event loop. What the model's encoder made of a picture
+   is kept by its pixel hash while the model is loaded (`ModelLease.prepared_images`, server/request/
+   image_cache.py), so a picture sent again is neither decoded nor prepared again.
 2. The chat template renders the conversation with an image part where each image stands (`with_image_parts`)
    and writes the family's marker there; `RequestImages.expand` (engine/image_prompt.py's `ImagePrompt.expand`,
    its error a 400 naming the part), run by the tokenizer on the rendered text,
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 from localserve.engine.image_prompt import ImageCountError, ImageEncoder, ImagePrompt, PreparedImage, SpanNotFoundError
 from localserve.engine.multimodal import MultiModalInputs
 from localserve.server.request.generation_request import STORED_IMAGES, Message
+from localserve.server.request.image_cache import BytesLRU
 from localserve.server.request.images import ImageInput, PlacedImage
 from localserve.server.request.validation import ProtocolError
 
@@ -121,24 +124,46 @@ class RequestImages:
                                 error_type="server_error", status=500) from None
 
 
-async def prepare_images(encoder: ImageEncoder, images: Sequence[PlacedImage]) -> RequestImages:
+async def prepare_images(encoder: ImageEncoder, images: Sequence[PlacedImage],
+                         cache: BytesLRU[bytes, PreparedImage] | None = None) -> RequestImages:
     """`images` (in prompt order) made ready for `encoder` on a worker thread; a picture the model's processing
-    refuses is a 400 naming its part."""
+    refuses is a 400 naming its part. `cache`: this encoder's prepared images by pixel hash (`ModelLease.
+    prepared_images`): a picture it holds is not decoded nor prepared again (the same pixels prepare alike)."""
+    def prepare_one(image: ImageInput) -> PreparedImage:
+        found = cache.get(image.sha256) if cache is not None else None
+        if found is not None:
+            return found
+        try:
+            prepared = encoder.prepare(image.picture())
+        except (ValueError, OSError) as exc:
+            raise ProtocolError("invalid_image", f"'{image.where}' cannot be made ready for the model: "
+                                f"{str(exc)[:200]}", image.where) from None
+        if cache is not None:
+            cache.put(image.sha256, prepared, prepared_bytes(prepared))
+        return prepared
+
     def prepare_all() -> tuple[PreparedImage, ...]:
-        prepared = []
-        for placed in images:
-            try:
-                prepared.append(encoder.prepare(placed.image.picture()))
-            except (ValueError, OSError) as exc:
-                where = placed.image.where
-                raise ProtocolError("invalid_image", f"'{where}' cannot be made ready for the model: "
-                                    f"{str(exc)[:200]}", where) from None
-        return tuple(prepared)
+        return tuple(prepare_one(placed.image) for placed in images)
 
     prepared = await asyncio.to_thread(prepare_all)
     images_in_order = tuple(placed.image for placed in images)
     return RequestImages(ImagePrompt(encoder, tuple(image.sha256 for image in images_in_order), prepared),
                          images_in_order)
+
+
+def prepared_bytes(prepared: PreparedImage) -> int:
+    """About what `prepared` holds in memory: its tensors' bytes (in `inputs`, however nested in tuples, lists and
+    dicts, and its rope positions), its text and span ids."""
+    def held(value) -> int:
+        if hasattr(value, "element_size") and hasattr(value, "numel"):
+            return value.element_size() * value.numel()
+        if isinstance(value, (tuple, list)):
+            return sum(held(item) for item in value)
+        if isinstance(value, dict):
+            return sum(held(item) for item in value.values())
+        return 64
+    return (held(prepared.inputs) + held(prepared.rope_positions) + 4 * len(prepared.text)
+            + 8 * len(prepared.span_ids) + 256)
 
 
 def in_prompt_order(images: Sequence[PlacedImage]) -> list[PlacedImage]:

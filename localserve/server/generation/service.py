@@ -196,7 +196,7 @@ class GenerationService:
             ids = await self._encode_text(lease.tokenizer, request.prompt, request.wire_name("input"))
             return ids, None, None, None
         messages, template_inputs, plan = self._chat_inputs(request, conversation, lease)
-        image_prompt = await prepare_images(lease.vision, images) if images else None
+        image_prompt = await prepare_images(lease.vision, images, lease.prepared_images) if images else None
         # A warm-up renders no assistant header, so a later turn's prompt begins with exactly its tokens.
         prompt_ids = await self._encode_chat(lease.tokenizer, messages, request.generate, request.wire_name("input"),
                                              template_inputs, image_prompt)

@@ -28,10 +28,11 @@ from websockets.exceptions import ConnectionClosed
 
 from localserve.engine.events import EngineEvent
 from localserve.engine.facts import EngineFacts
-from localserve.engine.image_prompt import ImageEncoder
+from localserve.engine.image_prompt import ImageEncoder, PreparedImage
 from localserve.engine.snapshot import EngineSnapshot
 from localserve.server.registry.engine_access import EngineAccess
 from localserve.server.registry.served_model import ServedModel
+from localserve.server.request.image_cache import BytesLRU
 from localserve.server.wire.closing import close_within
 from localserve.server.wire.connection_phases import ConnectionCounts
 
@@ -108,6 +109,8 @@ class ServingNow:
     monitor_hub: MonitorHub
     monitor_hello: dict[str, Any]
     vision: ImageEncoder | None = None  # the model's image encoder (models/vision/adapter.py), None: text only
+    # what `vision` made of the pictures seen, by pixel hash (server/request/image_cache.py); dropped with the model
+    prepared_images: BytesLRU[bytes, PreparedImage] | None = None
 
 
 class MonitorSource(Protocol):

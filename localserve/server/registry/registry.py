@@ -50,6 +50,7 @@ from localserve.server.monitor.monitor import MonitorHub, ServingNow, monitor_he
 from localserve.server.registry.description import ModelDescribe, ModelDescriptions, ShownModel
 from localserve.server.registry.engine_access import EngineAccess, engine_result
 from localserve.server.registry.served_model import ChatTokenizer, ServedModel, model_chat_format
+from localserve.server.request.image_cache import PREPARED_IMAGES_BOUND, BytesLRU
 from localserve.server.request.validation import ProtocolError, shown
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class ModelLease:
     def __init__(self, serving: ServingNow, tokenizer: ChatTokenizer, on_release: Callable[[], None]) -> None:
         self.model, self.engine, self.tokenizer = serving.model, serving.engine, tokenizer
         self.vision: ImageEncoder | None = serving.vision  # the model's image encoder (None: text only)
+        self.prepared_images = serving.prepared_images  # what `vision` made of pictures seen (image_cache.py)
         self._on_release: Callable[[], None] | None = on_release
 
     def release(self) -> None:
@@ -414,7 +416,9 @@ class ModelRegistry:
                              chat_format=model_chat_format(loaded.tokenizer), card=loaded.card)
         hub = MonitorHub(lambda after_seq: engine_result(engine.snapshot_and_events(after_seq)),
                          start_seq=engine.last_event_seq)
-        model.serving = ServingNow(served, engine, hub, monitor_hello(engine.facts, served.served_name), vision)
+        prepared = BytesLRU(PREPARED_IMAGES_BOUND) if vision is not None else None  # dropped on unload
+        model.serving = ServingNow(served, engine, hub, monitor_hello(engine.facts, served.served_name), vision,
+                                   prepared)
         model.loaded, model.phase = loaded, _Phase.LOADED
         model.loaded_at = model.last_used = time.monotonic()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import re
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from PIL import Image, UnidentifiedImageError
 
 from localserve.engine.image_hash import pixel_hash
+from localserve.server.request.image_cache import DECODED_FILE_BYTES, DECODED_FILES, BytesLRU, DecodedFile
 from localserve.server.request.validation import ProtocolError, shown
 
 # Pillow's format name -> ours (the media type is image/<ours>)
@@ -124,13 +126,30 @@ def with_image_parts(messages: list[dict], images: Sequence[PlacedImage], first:
     return out
 
 
-def decode_image(data: bytes, where: str, bounds: ImageBounds, media_type: str | None = None) -> ImageInput:
+def decode_image(data: bytes, where: str, bounds: ImageBounds, media_type: str | None = None,
+                 cache: BytesLRU[bytes, DecodedFile] | None = DECODED_FILES) -> ImageInput:
     """`data` (an image file) decoded within `bounds`; `media_type`, when the client declared one, must be the
     file's. A ProtocolError naming `where` for anything else: whatever a decoder raises on a client's bytes is
-    that client's broken image, never the server's failure."""
+    that client's broken image, never the server's failure. A file `cache` (image_cache.py) holds is not decoded
+    again: its entry is checked against the bounds as the decoded file is, and gives the same ImageInput."""
     if len(data) > bounds.max_bytes:
         raise ProtocolError("image_too_large", f"'{where}' is an image of {len(data)} bytes; at most "
                             f"{bounds.max_bytes} are accepted per image", where)
+    if cache is None:
+        return _decode(data, where, bounds, media_type)
+    key = hashlib.sha256(data).digest()
+    found = cache.get(key)
+    if found is None:
+        image = _decode(data, where, bounds, media_type)
+        cache.put(key, DecodedFile(image.format, image.width, image.height, image.sha256), DECODED_FILE_BYTES)
+        return image
+    _check_header(found.format, found.width, found.height, where, bounds, media_type)
+    return ImageInput(data=data, format=found.format, width=found.width, height=found.height, sha256=found.sha256,
+                      where=where)
+
+
+def _decode(data: bytes, where: str, bounds: ImageBounds, media_type: str | None) -> ImageInput:
+    """`decode_image` without a cache: the file opened and decoded with Pillow."""
     try:
         image = Image.open(io.BytesIO(data), formats=list(FORMATS))
     except Image.DecompressionBombError:  # Pillow's own guard: beyond twice Image.MAX_IMAGE_PIXELS
@@ -147,14 +166,8 @@ def decode_image(data: bytes, where: str, bounds: ImageBounds, media_type: str |
 def _decoded(image: Image.Image, data: bytes, where: str, bounds: ImageBounds, media_type: str | None) -> ImageInput:
     """The ImageInput of an opened `image` whose header has been read (its pixels not yet decoded)."""
     kind = FORMATS[image.format]
-    if media_type is not None and MEDIA_TYPES.get(media_type) != kind:
-        raise ProtocolError("invalid_image", f"'{where}' is a {kind.upper()} image, not the declared "
-                            f"{shown(media_type)}", where)
     width, height = image.size
-    if width < 1 or height < 1:
-        raise ProtocolError("invalid_image", f"'{where}' is an image of no pixels ({width}x{height})", where)
-    if width * height > bounds.max_pixels:  # from the header: no pixel decoded yet
-        raise _too_many_pixels(where, bounds, (width, height))
+    _check_header(kind, width, height, where, bounds, media_type)
     try:
         image.seek(0)
         image.load()
@@ -164,6 +177,18 @@ def _decoded(image: Image.Image, data: bytes, where: str, bounds: ImageBounds, m
     except Exception as exc:  # noqa: BLE001 - a decoder's error on the client's bytes
         raise _undecodable(where, exc) from None
     return ImageInput(data=data, format=kind, width=width, height=height, sha256=digest, where=where)
+
+
+def _check_header(kind: str, width: int, height: int, where: str, bounds: ImageBounds, media_type: str | None) -> None:
+    """The checks on what a file's header says (a decoded file's, or a cached entry's): its declared media type,
+    some pixels, and no more than the bound."""
+    if media_type is not None and MEDIA_TYPES.get(media_type) != kind:
+        raise ProtocolError("invalid_image", f"'{where}' is a {kind.upper()} image, not the declared "
+                            f"{shown(media_type)}", where)
+    if width < 1 or height < 1:
+        raise ProtocolError("invalid_image", f"'{where}' is an image of no pixels ({width}x{height})", where)
+    if width * height > bounds.max_pixels:  # from the header: no pixel decoded yet
+        raise _too_many_pixels(where, bounds, (width, height))
 
 
 def _undecodable(where: str, exc: Exception) -> ProtocolError:
