@@ -11,6 +11,7 @@ import pytest
 
 from localserve.engine.config import EngineConfig
 from localserve.llm import LLM
+from localserve.server.request import images as images_module
 from tests.helpers.pictures import picture
 from tests.helpers.server import running_server
 from tests.helpers.vision_models import data_url, png_file, write_tiny_gemma3_vision
@@ -26,7 +27,8 @@ FIRST = picture(40, 30, seed=1)
 CHANGED = FIRST.copy()
 CHANGED.putpixel((7, 5), tuple((value + 1) % 256 for value in FIRST.getpixel((7, 5))))
 PICTURES = {"first": png_file(FIRST), "other": png_file(picture(40, 30, seed=2)), "changed": png_file(CHANGED),
-            "fresh": png_file(picture(40, 30, seed=3))}  # "fresh": sent by one test only
+            "fresh": png_file(picture(40, 30, seed=3)),  # "fresh", "resent": sent by one test each
+            "resent": png_file(picture(40, 30, seed=4))}
 
 
 def llm(folder, prefix_caching: bool) -> LLM:
@@ -38,8 +40,10 @@ def llm(folder, prefix_caching: bool) -> LLM:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     folder = write_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3"), seed=5, mm_tokens_per_image=4)
-    with running_server(llm(folder, True), model_alias="served") as cached, \
-            running_server(llm(folder, False), model_alias="served") as uncached:
+    with_cache, without_cache = llm(folder, True), llm(folder, False)
+    with running_server(with_cache, model_alias="served") as cached, \
+            running_server(without_cache, model_alias="served") as uncached:
+        cached.llm, uncached.llm = with_cache, without_cache
         yield cached, uncached
 
 
@@ -135,3 +139,19 @@ def test_requests_with_pictures_together_answer_as_alone(servers):
     for name in names:
         assert together[name][0] == alone[name][0]
         assert max(abs(a - b) for a, b in zip(together[name][1], alone[name][1])) < 2e-3
+
+
+def test_a_picture_sent_again_is_decoded_and_prepared_once_and_answers_alike(servers, monkeypatch):
+    """The decoded-file and prepared-image caches (server/request/image_cache.py): the second request's picture is
+    neither decoded (Pillow's opens counted) nor prepared (the encoder's calls counted) again, on the server
+    without the prefix cache, and answers as the first did (decoded and prepared then)."""
+    _, uncached = servers
+    encoder, opens, prepares = uncached.llm.vision, [], []
+    real_open, real_prepare = images_module.Image.open, encoder.prepare
+    monkeypatch.setattr(images_module.Image, "open", lambda *args, **kw: opens.append(1) or real_open(*args, **kw))
+    monkeypatch.setattr(encoder, "prepare", lambda picture: prepares.append(1) or real_prepare(picture))
+    first = ask(uncached, "resent")
+    assert (len(opens), len(prepares)) == (2, 1)  # decode_image's open, then ImageInput.picture()'s
+    again = ask(uncached, "resent")
+    assert (len(opens), len(prepares)) == (2, 1) and cached_tokens(again) == 0
+    assert answer(again) == answer(first)
