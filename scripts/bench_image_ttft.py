@@ -19,7 +19,8 @@ cases run first in even repeats and last in odd ones, so the machine's noise fal
    so the whole prompt is prefilled;
 4. text only, as many prompt tokens as case 1's: the baseline of a prefill without an image;
 5. the text-only request again: its prefix-cache hit, the baseline of case 2 (case 2 less case 5 is what a
-   cached image still costs a request: its decode, hash and preprocessing).
+   cached image still costs a request: its base64 and the file's hash, since the file's decoding and the
+   model's preprocessing are remembered: server/request/image_cache.py).
 Beside each: the prompt and cached tokens the server reported, and the deltas of /metrics' `images_encoded`,
 `image_cache_hits` and `image_encode_seconds` around the request (per request, averaged over the repeats). TTFT
 is the median of `--repeats`; the table gives each case's ratio to the cold case and to the text-only one.
