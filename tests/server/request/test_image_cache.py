@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -88,6 +89,27 @@ def test_the_lru_behaves_as_a_model_dict(bound, ops):
         assert cache.num_bytes == sum(held for _, held in model.values()) <= bound
 
 
+def test_threads_together_keep_the_books():
+    """Puts and gets from several threads at once (request parsing and preparing run on worker threads): the
+    bytes held stay within the bound and equal to what the entries were put with."""
+    cache, bound = BytesLRU(1000), 1000
+
+    def work(seed: int) -> None:
+        for step in range(2000):
+            key = (seed * 7 + step) % 23
+            if step % 3:
+                cache.put(key, (key, step), 10 + key * 5)
+            else:
+                value = cache.get(key)
+                assert value is None or value[0] == key
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert cache.num_bytes == sum(10 + key * 5 for key in cache.keys()) <= bound
+
+
 # ---------------------------------------------------------------- decoded files
 def test_a_file_sent_again_is_decoded_once_and_gives_the_same_input(opens):
     cache, bounds, data = BytesLRU(1 << 20), ImageBounds(), png()
@@ -144,7 +166,8 @@ class CountingEncoder:
 
     def prepare(self, picture: Image.Image) -> PreparedImage:
         self.calls += 1
-        return PreparedImage(text=f"[{self.name}]", span_ids=(1, 2), inputs=(self.name, picture.convert("RGB").tobytes()))
+        pixels = picture.convert("RGB").tobytes()
+        return PreparedImage(text=f"[{self.name}]", span_ids=(1, 2), inputs=(self.name, pixels))
 
     def encode(self, prepared):
         raise AssertionError("not here")
