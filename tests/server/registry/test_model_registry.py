@@ -448,3 +448,34 @@ def test_every_api_lists_the_same_model_facts(tmp_path):
     assert (gamma.name, gamma.aliases, gamma.format, gamma.family, gamma.size_bytes) == (
         "gamma", (), "safetensors", "llama", 100)
     assert [info.name for info in registry.models()] == [entry["id"] for entry in registry.listing()]
+
+
+def test_each_loaded_model_keeps_its_own_prepared_images_and_drops_them_on_unload(tmp_path, loop):
+    """`ModelLease.prepared_images` (server/request/image_cache.py): one per load of a model that takes images,
+    shared by its leases, another model's apart, a fresh one after an unload; none for a text model."""
+    class SeeingLoads(PlayedLoads):
+        def __call__(self, entry: ModelEntry) -> PlayedModel:
+            model = super().__call__(entry)
+            model.vision = object() if entry.id != "gamma" else None  # gamma: a text model
+            return model
+
+    found = find_models([], write_models_folder(tmp_path / "models"))
+    registry = ModelRegistry(found.catalog, SeeingLoads(("broken",)), found.sampling_defaults, ModelPolicy())
+    alpha, beta, gamma = (registry.find(name) for name in ("Alpha-1B", "beta", "gamma"))
+
+    def lease_of(entry: ModelEntry) -> ModelLease:
+        return loop.run_until_complete(registry.acquire(entry))
+
+    first, second = lease_of(alpha), lease_of(alpha)
+    assert first.prepared_images is second.prepared_images is not None
+    first.prepared_images.put(b"pixels", "prepared", 10)
+    release(first), release(second)
+    on_beta = lease_of(beta)
+    assert on_beta.prepared_images is not None and len(on_beta.prepared_images) == 0
+    release(on_beta)
+    again = lease_of(alpha)  # loaded again: what the first load prepared went with it
+    assert again.prepared_images is not first.prepared_images and again.prepared_images.get(b"pixels") is None
+    release(again)
+    text = lease_of(gamma)
+    assert text.vision is None and text.prepared_images is None
+    release(text)
