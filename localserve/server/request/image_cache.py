@@ -9,6 +9,9 @@ Two of them serve the image path (docs/ARCHITECTURE.md):
   against the entry as they are against a decoded file.
 - one per served model, made when the model is loaded and dropped with it (`ModelLease.prepared_images`):
   pixel hash -> the `PreparedImage` its encoder made (server/generation/image_prompt.py's `prepare_images`).
+  Sound because each family's preprocessing begins with models/vision/preprocess.py's `to_rgb`, which reads
+  exactly what the pixel hash hashes (RGB, or RGBA laid over white where the picture has transparency, and the
+  size); the prefix cache and the embeddings cache rest on the same hash already.
 
 No torch here: the request parsing imports it.
 """
