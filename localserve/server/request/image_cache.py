@@ -11,7 +11,9 @@ Two of them serve the image path (docs/ARCHITECTURE.md):
   pixel hash -> the `PreparedImage` its encoder made (server/generation/image_prompt.py's `prepare_images`).
   Sound because each family's preprocessing begins with models/vision/preprocess.py's `to_rgb`, which reads
   exactly what the pixel hash hashes (RGB, or RGBA laid over white where the picture has transparency, and the
-  size); the prefix cache and the embeddings cache rest on the same hash already.
+  size); the prefix cache and the embeddings cache rest on the same hash already. One corner: a processor
+  configured with `do_convert_rgb: false` refuses a picture not in RGB mode, unless an RGB picture of the same
+  pixels was prepared before (then it is served as that one; only successes are kept).
 
 No torch here: the request parsing imports it.
 """
