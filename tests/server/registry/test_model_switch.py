@@ -6,10 +6,11 @@ unload is back to its level before the first load.
 
 The memory is the resident set of this process (CPU): the tiny models' weights are small, so each
 engine gets a KV pool of 48 MiB (6144 blocks of 8 KiB) written at load; a model that stayed in memory
-would leave at least that much. The tolerance, 16 MiB (a third of a pool), holds what the first load
+would leave at least that much. The tolerance, 32 MiB (two thirds of a pool), holds what the first load
 and the first server of a process leave for good besides the model: modules imported on first use and
 torch's CPU kernel state and thread pools, measured here at 11.2-11.6 MiB when this test runs first in
-its process and 0.1-0.3 MiB when a load came before; after the first unload, each further unload comes
+its process and 0.1-0.3 MiB when a load came before (another worktree's run saw 20.6 MiB: the RSS of a
+process is coarse; the weak references below are the exact check); after the first unload, each further unload comes
 back near it (0.3 MiB over seven switches run alone; but in the whole suite, where other tests' threads
 share the heap, one CI run saw the last unload 24 MiB above the first), so the growth allowed is 32 MiB,
 under the 48 MiB a pool left behind per switch would add. The exact check is by reference: no tensor of
@@ -40,7 +41,7 @@ from tests.helpers.webui_page import get_json
 
 MiB = 1 << 20
 POOL_BLOCKS = 6144  # x 8 KiB (2 layers x K and V x 16 tokens x 2 heads x 16 dims x 4 bytes) = 48 MiB
-RSS_TOLERANCE = 16 * MiB
+RSS_TOLERANCE = 32 * MiB
 RSS_GROWTH_TOLERANCE = 32 * MiB
 PROMPTS = ["hello world tell me a story", "what is the capital of france", "the cat and the dog",
            "one two three four", "where is the sun", "tell me about the moon"]
