@@ -142,3 +142,20 @@ def reference_processor(folder: Path):
     import transformers
 
     return transformers.Gemma3Processor.from_pretrained(folder)
+
+
+def assert_bad_weights_refused(folder: Path, scratch: Path, load, changes) -> None:
+    """A vision loader (`load(folder)`) refuses each changed copy of `folder`'s weights, naming the tensor:
+    `changes` is a list of (tensors -> changed tensors, the message's pattern); the configs are copied as they are."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from localserve.loading.vision import VisionLoadError
+
+    for name in ("config.json", "preprocessor_config.json"):
+        (scratch / name).write_text((folder / name).read_text())
+    tensors = load_file(folder / "model.safetensors")
+    for change, message in changes:
+        save_file(change(tensors), scratch / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(VisionLoadError, match=message):
+            load(scratch)

@@ -16,10 +16,17 @@ from localserve.models.vision.preprocess import ImageProcessing, image_processin
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from localserve.loading.vision import VisionLoadError, folder_image_processing, load_gemma_vision
+from localserve.loading.vision import folder_image_processing, load_gemma_vision
 from tests.helpers.models import save_random_model
 from tests.helpers.pictures import picture, reencoded
-from tests.helpers.vision_models import MEAN, STD, gemma3_image_processor, save_processor, tiny_gemma3
+from tests.helpers.vision_models import (
+    MEAN,
+    STD,
+    assert_bad_weights_refused,
+    gemma3_image_processor,
+    save_processor,
+    tiny_gemma3,
+)
 
 
 def assert_same_pixels(images: list[Image.Image], size: int, **options) -> None:
@@ -211,21 +218,13 @@ def test_processor_config_errors_name_the_field(change, message):
 
 def test_bad_weights_and_inputs_are_named(gemma3_vision, tmp_path):
     folder, _ = gemma3_vision
-    for name in ("config.json", "preprocessor_config.json"):
-        (tmp_path / name).write_text((folder / name).read_text())
-    tensors = load_file(folder / "model.safetensors")
-    missing = {name: tensor for name, tensor in tensors.items() if "mm_soft_emb_norm" not in name}
-    save_file(missing, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VisionLoadError, match="missing vision tensors: multi_modal_projector.mm_soft_emb_norm"):
-        load_gemma_vision(tmp_path)
-    wrong = tensors | {"vision_tower.post_layernorm.weight": torch.zeros(31)}
-    save_file(wrong, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VisionLoadError, match=r"vision_tower.post_layernorm.weight has shape \[31\]"):
-        load_gemma_vision(tmp_path)
-    extra = tensors | {"vision_tower.encoder.layers.5.mlp.fc1.bias": torch.zeros(48)}
-    save_file(extra, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(VisionLoadError, match="unexpected vision tensor vision_tower.encoder.layers.5"):
-        load_gemma_vision(tmp_path)
+    assert_bad_weights_refused(folder, tmp_path, load_gemma_vision, [
+        (lambda tensors: {name: tensor for name, tensor in tensors.items() if "mm_soft_emb_norm" not in name},
+         "missing vision tensors: multi_modal_projector.mm_soft_emb_norm"),
+        (lambda tensors: tensors | {"vision_tower.post_layernorm.weight": torch.zeros(31)},
+         r"vision_tower.post_layernorm.weight has shape \[31\]"),
+        (lambda tensors: tensors | {"vision_tower.encoder.layers.5.mlp.fc1.bias": torch.zeros(48)},
+         "unexpected vision tensor vision_tower.encoder.layers.5")])
     vision = load_gemma_vision(folder)
     with pytest.raises(ValueError, match=r"pixel_values must be \[images, 3, 56, 56\]; got \[1, 3, 28, 28\]"):
         vision.encode(torch.zeros(1, 3, 28, 28))

@@ -33,7 +33,6 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from localserve.loading.qwen_vision import load_qwen3_5_vision
-from localserve.loading.vision import VisionLoadError
 from tests.helpers.models import save_random_model
 from tests.helpers.pictures import picture, reencoded
 from tests.helpers.qwen_vision_models import (
@@ -46,6 +45,7 @@ from tests.helpers.qwen_vision_models import (
     custom_processor,
     tiny_qwen3_5,
 )
+from tests.helpers.vision_models import assert_bad_weights_refused
 
 RELATIVE = 1e-5  # fp32: the largest difference from transformers, relative to its largest value
 
@@ -319,21 +319,13 @@ def test_processor_config_errors_name_the_field(change, message):
 
 def test_bad_weights_and_inputs_are_named(qwen_vision, tmp_path):
     folder, _ = qwen_vision
-    for name in ("config.json", "preprocessor_config.json"):
-        (tmp_path / name).write_text((folder / name).read_text())
-    tensors = load_file(folder / "model.safetensors")
-    refused = [
-        ({name: tensor for name, tensor in tensors.items() if "merger.norm" not in name},
+    assert_bad_weights_refused(folder, tmp_path, load_qwen3_5_vision, [
+        (lambda tensors: {name: tensor for name, tensor in tensors.items() if "merger.norm" not in name},
          "missing vision tensors: merger.norm.bias, merger.norm.weight"),
-        (tensors | {"model.visual.pos_embed.weight": torch.zeros(25, 32)},
+        (lambda tensors: tensors | {"model.visual.pos_embed.weight": torch.zeros(25, 32)},
          r"model.visual.pos_embed.weight has shape \[25, 32\]"),
-        (tensors | {"model.visual.blocks.5.norm1.weight": torch.zeros(32)},
-         "unexpected vision tensor model.visual.blocks.5.norm1.weight"),
-    ]
-    for changed, message in refused:
-        save_file(changed, tmp_path / "model.safetensors", metadata={"format": "pt"})
-        with pytest.raises(VisionLoadError, match=message):
-            load_qwen3_5_vision(tmp_path)
+        (lambda tensors: tensors | {"model.visual.blocks.5.norm1.weight": torch.zeros(32)},
+         "unexpected vision tensor model.visual.blocks.5.norm1.weight")])
     vision = load_qwen3_5_vision(folder)
     grid = torch.tensor([[1, 4, 4]])
     with pytest.raises(ValueError, match=r"pixel_values must be \[patches, 96\]; got \[16, 48\]"):
