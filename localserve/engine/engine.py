@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from localserve.engine.admission import peak_blocks
 from localserve.engine.batch import Batch
 from localserve.engine.beam_search import beam_search_step
 from localserve.engine.config import EngineConfig
@@ -30,10 +29,10 @@ from localserve.engine.multimodal import (
     bidirectional_spans,
     block_extra_keys,
     image_spans,
-    validate_multimodal,
 )
 from localserve.engine.outputs import RequestOutput, make_output
 from localserve.engine.pooling import PromptPooling
+from localserve.engine.request_checks import PROMPT_ONLY, RequestChecks
 from localserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from localserve.engine.sampling_params import SamplingParams
 from localserve.engine.scheduler import Scheduler
@@ -46,9 +45,6 @@ from localserve.kv.block_manager import BlockManager
 
 log = logging.getLogger(__name__)
 
-# An embedding request's sampling: nothing is sampled; one token of room is what its blocks are sized by
-# (admission's peak_blocks), so it takes exactly its prompt's blocks.
-PROMPT_ONLY = SamplingParams(max_tokens=1)
 
 
 @dataclass
@@ -93,6 +89,11 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer.backend if tokenizer else None, self.model_config.vocab_size,
                                         self.eos_token_ids)
         self.grammar_masks = GrammarMasks(self.model_config.vocab_size, self.device)
+        scheduler_config = scheduler.config
+        self.checks = RequestChecks(
+            self.model_config, config, max_model_len, runner.model.can_generate, tokenizer is not None,
+            self.grammars, block_manager, scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens if scheduler_config.enable_chunked_prefill else None)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -159,59 +160,9 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | EmbeddingParams,
                  multimodal: MultiModalInputs | None = None) -> None:
-        """The checks add_request makes, usable on their own by a server before it commits to a request."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
-        if multimodal is not None:
-            scheduler = self.scheduler.config
-            validate_multimodal(multimodal, len(prompt_token_ids), self.model_config.hidden_size,
-                                scheduler.max_num_batched_tokens if scheduler.enable_chunked_prefill else None)
-            if multimodal.mrope is not None and self.model_config.rope.mrope_section is None:
-                raise ValueError(f"multimodal: the images carry 3D rotary positions (rope_positions) but "
-                                 f"{self.model_config.architecture} has no multimodal rotary (mrope_section)")
-        if isinstance(params, EmbeddingParams):
-            return self._validate_embedding(prompt_token_ids, params)
-        if not self.runner.model.can_generate:
-            raise ValueError("this model has no output head (an embedding model): it computes embeddings, "
-                             "it cannot generate text")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                             f"exceeds the context length of {self.max_model_len} tokens")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detokenize the output, and this engine has none")
-        if params.reasoning_end and self.tokenizer is None:
-            raise ValueError("a reasoning marker needs a tokenizer to detokenize the output, and this engine has none")
-        self.grammars.check(params)  # compiled here (and kept), or refused naming why
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds the {self.scheduler.config.max_num_seqs} parallel slots")
-        # Exactly the tokens written: the last sampled token never is; samples share full prompt blocks.
-        blocks = peak_blocks(len(prompt_token_ids), params.max_tokens, params.n, self.config.block_size)
-        if not self.block_manager.can_ever_hold(len(prompt_token_ids), blocks):
-            samples = f" for n={params.n}" if params.n > 1 else ""
-            raise ValueError(f"the prompt plus max_tokens{samples} needs {blocks} blocks, the pool has "
-                             f"{self.config.num_kv_blocks} (of {self.config.block_size} tokens): it can never run")
-
-    def _validate_embedding(self, prompt_token_ids: list[int], params: EmbeddingParams) -> None:
-        pooling, hidden_size = self.model_config.pooling, self.model_config.hidden_size
-        if pooling is None:
-            raise ValueError("this model is not an embedding model (its folder has no sentence-transformers "
-                             "pooling config, its GGUF no pooling_type): it generates text")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"the input ({len(prompt_token_ids)} tokens) exceeds the context length of "
-                             f"{self.max_model_len} tokens")
-        if params.dimensions is not None:
-            if not pooling.truncatable:
-                raise ValueError("dimensions: this model's embeddings cannot be shortened (it is not trained for "
-                                 "Matryoshka truncation)")
-            if params.dimensions > hidden_size:
-                raise ValueError(f"dimensions: at most the model's {hidden_size}, got {params.dimensions}")
-        blocks = peak_blocks(len(prompt_token_ids), PROMPT_ONLY.max_tokens, 1, self.config.block_size)
-        if not self.block_manager.can_ever_hold(len(prompt_token_ids), blocks):
-            raise ValueError(f"the input needs {blocks} blocks, the pool has {self.config.num_kv_blocks} "
-                             f"(of {self.config.block_size} tokens): it can never run")
+        """The checks add_request makes, usable on their own by a server before it commits to a request
+        (engine/request_checks.py; they read only settings fixed at build: thread-safe)."""
+        self.checks.check(prompt_token_ids, params, multimodal)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once; its blocks go back to the pool. Returns its final output (its unfinished
