@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from localserve.engine.builder import build_engine, check_speculation
+from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
 from localserve.engine.embedding_params import EmbeddingParams
 from localserve.engine.image_hash import pixel_hash
@@ -83,8 +83,6 @@ class LLM:
                             loaded_apart=VISION_PARTS if self.vision is not None else ())
         self.model_path = path  # the local folder or .gguf file the model came from
         self.model_config = loaded.config
-        if engine_config is not None:  # before a draft model is loaded for nothing
-            check_speculation(loaded.config, engine_config.spec_type)
         self.tokenizer = read_tokenizer(path, loaded.gguf_reader)
         if mmproj_file is not None:  # a .gguf's vision encoder, from its mmproj
             self.vision = mmproj_encoder_for(mmproj_file, loaded, self.tokenizer, dtype or default_dtype(device),

@@ -50,13 +50,12 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     caller that loads both, `localserve.llm.check_same_tokenizer`).
 
     Raises ValueError when the backend asked for cannot run here with these formats, the pool's memory
-    budget holds no block, the draft model is missing or has another vocabulary, or speculation is asked of
-    a model with recurrent layers; all before the pool is allocated.
+    budget holds no block, the draft model is missing, has another vocabulary or has recurrent layers; all
+    before the pool is allocated.
     """
     config = config or EngineConfig()
-    check_speculation(model.config, config.spec_type)
     if draft_model is not None and config.spec_type == "draft":  # a draft model drafts with a plain KV pool
-        check_speculation(draft_model.config, config.spec_type)
+        check_draft_model(draft_model.config)
     if config.spec_type == "draft" and draft_model is None:
         raise ValueError("--spec-type draft needs a draft model (-md/--model-draft)")
     if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
@@ -105,15 +104,15 @@ def build_engine(model: CausalLM, tokenizer=None, config: EngineConfig | None = 
     return LLMEngine(config, runner, block_manager, scheduler, events, tokenizer, max_model_len=max_model_len)
 
 
-def check_speculation(model_config: ModelConfig, spec_type: str | None) -> None:
-    """Refuse speculative decoding for a model with recurrent (linear-attention) layers: a rejected drafted
-    token would stay in their state, which cannot be cut back to the last accepted token (and a draft model
-    drafts over a plain KV pool, without states)."""
-    if spec_type is not None and model_config.recurrent_layers:
-        flag = "--spec-type ngram" if spec_type == "ngram" else "--spec-type draft / -md"
+def check_draft_model(model_config: ModelConfig) -> None:
+    """Refuse a draft model with recurrent (linear-attention) layers: it drafts over a plain KV pool of its
+    own, without states. (A target with such layers verifies drafts exactly: the model runner writes the
+    states of its kept tokens only, after the verification.)"""
+    if model_config.recurrent_layers:
         raise ValueError(f"{model_config.name} has recurrent (linear-attention) layers "
-                         f"{list(model_config.recurrent_layers)}: speculative decoding ({flag}) cannot run on it, "
-                         "since a rejected draft token would stay in their state; start it without speculation")
+                         f"{list(model_config.recurrent_layers)}: it cannot be the draft model (--spec-type draft / "
+                         "-md), which drafts over a plain KV pool; use a draft model of attention layers only, or "
+                         "--spec-type ngram")
 
 
 def build_draft_drafter(draft_model: CausalLM, config: EngineConfig) -> DraftModelDrafter:

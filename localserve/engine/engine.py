@@ -311,7 +311,11 @@ class LLMEngine:
             rows = [row.seq.sampling_row or self._sampling_row(row.request, row.seq) for row in sampled]
             self._append_sampled(sampled, self.sampler(logits, rows, index))
         if verified:
-            self._append_verified(verified, verify(logits, verified))
+            verifications = verify(logits, verified)
+            # Recurrent layers (a state group) write a verify row's states only now, for its kept tokens.
+            self.runner.settle_states({row.seq.seq_id: 1 + verification.num_accepted
+                                       for row, verification in zip(verified, verifications, strict=True)})
+            self._append_verified(verified, verifications)
         for beams in beam_rows.values():
             self._beam_step(beams, logits)
         return self._report(moved.values())

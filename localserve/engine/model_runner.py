@@ -32,7 +32,8 @@ class ModelRunner:
 
     With a state group (a model with recurrent layers, `kv_cache.states`), every forward pass gets the
     step's `StepStates`, built from each chunk's state-group table by `step_state_slots`; that group has no
-    K/V, so the attention inputs carry only the other groups' tables, and decodes run eagerly.
+    K/V, so the attention inputs carry only the other groups' tables, and decodes run eagerly. A speculative
+    verify row's states are written only after its verification (`settle_states`), for its kept tokens.
 
     Chunks with images (`SeqChunk.multimodal`) hand the model their image tokens' embeddings
     (engine/multimodal.py), made once per image while `image_embeds` (an `EmbeddingCache` of
@@ -53,6 +54,8 @@ class ModelRunner:
         self.num_groups = len(kv_cache.group_num_blocks) - (self.state_group is not None)
         self.block_tables = [BlockTableRows() for _ in range(self.num_groups)]  # a mirror per K/V group
         self.decode_graphs = None
+        # The last step's verify rows, whose recurrent states wait for `settle_states`: (states, seq id -> row).
+        self.held_states: tuple[StepStates, dict[int, int]] | None = None
         self.image_embeds = EmbeddingCache(image_cache_bytes)
         # The dtype image embeddings are handed over in: the model's (its first floating-point weights').
         self.embeds_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -175,21 +178,35 @@ class ModelRunner:
 
     def step_states(self, step: StepInput) -> StepStates | None:
         """The step's recurrent-state reads and writes, chunk after chunk (None without a state group): each
-        chunk's from its state-group table, its computed tokens (`start_pos`) and its new ones."""
+        chunk's from its state-group table, its computed tokens (`start_pos`) and its new ones. A verify row
+        (drafted tokens) is held: its states are written by `settle_states` once its verification is done."""
         if self.state_group is None:
             return None
         block_size, group = self.kv_cache.block_size, self.state_group
-        read_slots, saves = [], []
-        for chunk in step.chunks:
-            if chunk.num_draft_tokens:
-                raise ValueError("a model with recurrent layers cannot verify drafted tokens: its state would keep "
-                                 "the rejected ones")
+        read_slots, saves, held = [], [], []
+        for index, chunk in enumerate(step.chunks):
             read, writes = step_state_slots(chunk.group_block_tables[group], chunk.start_pos, len(chunk.token_ids),
                                             block_size)
             read_slots.append(read)
             saves.append(writes)
-        return StepStates(self.kv_cache.states, torch.tensor(read_slots, dtype=torch.int64, device=self.device),
-                          saves)
+            if chunk.num_draft_tokens:
+                held.append(index)
+        states = StepStates(self.kv_cache.states, torch.tensor(read_slots, dtype=torch.int64, device=self.device),
+                            saves, frozenset(held))
+        self.held_states = (states, {step.chunks[index].seq_id: index for index in held}) if held else None
+        return states
+
+    @torch.inference_mode()
+    def settle_states(self, kept: dict[int, int]) -> None:
+        """After the last step's verification: write the recurrent states of its verify rows' kept tokens
+        (`kept`: sequence id -> the row's tokens that stay, its last real token and the accepted drafted
+        ones), so no rejected token reaches a state. A sequence left out (it ended) writes nothing. Nothing to
+        do for a model without recurrent layers or a step without verify rows."""
+        if self.held_states is None:
+            return
+        states, index_of = self.held_states
+        self.held_states = None
+        states.settle({index_of[seq_id]: num_kept for seq_id, num_kept in kept.items() if seq_id in index_of})
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], block_table: list[int],

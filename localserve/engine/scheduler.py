@@ -131,11 +131,14 @@ class Scheduler:
     def mark_computed(self, batch: Batch) -> None:
         """After the forward pass: the step's tokens have their KV; followers take what their leader computed."""
         mark_computed = self.block_manager.mark_computed
+        holds_states = self.block_manager.state_group is not None
         for row in batch.rows:
             seq = row.seq
             # A verify row's drafted tokens count once accepted (engine/speculation.py, `commit`).
             num_computed = seq.num_computed_tokens + row.query_len - row.num_draft_tokens
             seq.num_computed_tokens = num_computed
+            if row.num_draft_tokens and holds_states:
+                continue  # its recurrent states are written after the verification: `commit` marks them all
             mark_computed(seq.seq_id, num_computed)
         if self._with_followers:
             self._catch_up_followers()

@@ -48,6 +48,7 @@ from localserve.engine.sequence import ScheduledRow, Sequence
 from localserve.engine.spec_state import SpecState
 from localserve.engine.step_budget import StepCostModel, StepShape
 from localserve.kv.block_manager import BlockManager
+from localserve.kv.out_of_blocks import OutOfBlocksError
 
 SPEC_TYPES = ("ngram", "draft")
 # Before the cost model has learnt a token's cost, a drafted token is taken to cost this share of the
@@ -142,8 +143,7 @@ class Speculation:
         for (row, _), draft in zip(planned, drafts, strict=True):
             draft = constrain_draft(row.seq, draft)
             if draft.token_ids:
-                self._lengthen(batch, row, draft)
-                num_drafted += len(draft.token_ids)
+                num_drafted += self._lengthen(batch, row, draft)
         if num_drafted:
             per_token = drafting_s / num_drafted
             self.drafter_s_per_token = (per_token if not self.totals.num_drafts else DRAFTER_COST_DECAY
@@ -205,14 +205,24 @@ class Speculation:
             budget -= 1
         return [(row, num_tokens) for row, num_tokens in planned.values()]
 
-    def _lengthen(self, batch: Batch, row: ScheduledRow, draft: Draft) -> None:
-        """Make the decode row a verify row: the draft joins the sequence's tokens, its blocks and its chunk."""
+    def _lengthen(self, batch: Batch, row: ScheduledRow, draft: Draft) -> int:
+        """Make the decode row a verify row: the draft joins the sequence's tokens, its blocks and its chunk,
+        as far as the pools have room (all of it but where a state group's slots run short); returns the
+        tokens it took."""
         seq, chunk = row.seq, row.chunk
-        tokens = draft.token_ids
-        seq.token_ids.extend(tokens)
         append_token = self.block_manager.append_token
-        for token in tokens:
-            batch.step_input.block_copies += append_token(seq.seq_id, token)
+        num_appended = 0
+        for token in draft.token_ids:
+            seq.token_ids.append(token)
+            try:
+                batch.step_input.block_copies += append_token(seq.seq_id, token)
+            except OutOfBlocksError:  # a state group's slots can run short where a block was counted: cut here
+                seq.token_ids.pop()
+                break
+            num_appended += 1
+        if not num_appended:
+            return 0
+        tokens = draft.token_ids[:num_appended]
         chunk.token_ids.extend(tokens)
         chunk.num_draft_tokens = row.num_draft_tokens = len(tokens)
         row.query_len += len(tokens)
@@ -220,7 +230,8 @@ class Speculation:
         batch.num_draft_tokens += len(tokens)
         batch.num_context_tokens += len(tokens)
         state = seq.speculation
-        state.draft, state.draft_probs = tokens, draft.probs
+        state.draft, state.draft_probs = tokens, None if draft.probs is None else draft.probs[:num_appended]
+        return num_appended
 
     # ---- after the forward pass ----
     def restore_row(self, row: ScheduledRow) -> Draft:

@@ -30,7 +30,8 @@ A state group (`RECURRENT`, recurrent layers: at most one, last) holds state slo
 `NO_BLOCK` but at checkpoints, the running state and the slot a step's final state goes to; it grants
 slots a chunk at a time like a window group, and kv/state_group.py keeps its rules (which checkpoints,
 when the running slot moves, which prefix hits it accepts); kv/state_steps.py reads its tables. With a
-state group, `truncate` is refused (a recurrent state cannot be cut back) and so is `allocate_sharing`.
+state group, `allocate_sharing` is refused, and `truncate` after a verify row keeps the slot its kept
+tokens' final state was written to (`StateGroup.cut`; the model runner writes no rejected token's state).
 
 The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
@@ -46,7 +47,8 @@ In an engine step the calls come in this order:
 2. After the forward pass: `mark_computed(seq_id, n)`, n = tokens whose KV is now written. Only then
    do full blocks enter the prefix cache. Forks (parallel samples, beams) come after this.
 3. After sampling a speculative verify row (its drafted tokens appended in step 1, only its last real
-   token marked computed in step 2): `truncate` to the accepted tokens, then `mark_computed` them.
+   token marked computed in step 2, or nothing with a state group: its states are not written yet):
+   `truncate` to the accepted tokens, then `mark_computed` them.
 """
 
 from __future__ import annotations
@@ -530,15 +532,15 @@ class BlockManager:
         (`share_token_ids`) is its owner's to shorten; a copy is shortened here.
         """
         seq = self._gpu_seq(seq_id)
-        if self._state is not None:
-            raise ValueError(f"sequence {seq_id}: truncate is refused with a state group (recurrent layers): the "
-                             f"running state of the dropped tokens cannot be taken back (no speculative decoding)")
         if not max(1, seq.num_computed_tokens) <= num_tokens <= seq.num_tokens:
             raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
                              f"{seq.num_tokens}] tokens, got {num_tokens}")
         num_blocks = self._num_blocks_for(num_tokens)
         for group, pool in enumerate(self._pools):
             table = seq.block_tables[group]
+            if group == self.state_group:
+                seq.block_tables[group] = self._state.cut(table, num_tokens)
+                continue
             dropped = table[num_blocks:]
             if dropped:
                 # A new list: a table that shrank is never the same list grown back (whoever mirrors tables by

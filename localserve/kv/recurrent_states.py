@@ -9,17 +9,25 @@ sequences. Block moves of the state group copy whole slots.
 of the step, in the batch's order, the slot its state is read from (-1: it starts from zeros) and the
 slots to write, each after a number of the step's tokens of that sequence (a checkpoint inside the chunk,
 and always, last, the running state after all of them).
+
+A speculative verify row's sequence is `held`: the layers compute its outputs over the whole row but write
+none of its states, since the drafted tokens may be rejected; each layer hands over instead a `Replay` (its
+states after given numbers of the row's tokens, from the state the row read), and once the verification
+has decided how many of the row's tokens stay, `settle` writes their states (kv/state_steps.py,
+`kept_state_slots`): a rejected token never reaches a slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from localserve.kv.block_pool import BlockMove
 from localserve.kv.state_shape import StateShape
+from localserve.kv.state_steps import kept_state_slots
 
 
 class RecurrentStateCache:
@@ -76,17 +84,30 @@ class RecurrentStateCache:
                 self.matrix[layer][gpu].copy_(self.cpu_matrix[layer][cpu], non_blocking=True)
 
 
+class Replay(Protocol):
+    """A held sequence's states in one layer, made again from the state its step read (module doc)."""
+
+    def __call__(self, conv: torch.Tensor, matrix: torch.Tensor,
+                 tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the step's starting conv inputs [conv_dim, conv_width - 1] and matrices [heads, key_dim,
+        value_dim]: the states after each of `tokens` (increasing counts of the step's tokens of the
+        sequence), conv [N, conv_dim, conv_width - 1] and matrices [N, heads, key_dim, value_dim]."""
+
+
 @dataclass
 class StepStates:
     """One step's recurrent-state reads and writes (module doc), built by the model runner.
 
     `read_slots` [S] int64 on the cache's device (-1: start from zeros); `saves[i]`: sequence i's writes,
-    (tokens of its query after which, slot), strictly increasing, the last at its whole query.
+    (tokens of its query after which, slot), strictly increasing, the last at its whole query. `held`: the
+    sequences (indices) whose writes wait for `settle` (verify rows); a layer writes only the others'.
     """
 
     cache: RecurrentStateCache
     read_slots: torch.Tensor
     saves: list[list[tuple[int, int]]]
+    held: frozenset[int] = frozenset()
+    replays: dict[int, list[tuple[int, Replay]]] = field(default_factory=dict)  # layer -> (sequence, replay)
 
     def initial(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's starting state: conv inputs [S, conv_dim, conv_width - 1] and matrices
@@ -114,7 +135,36 @@ class StepStates:
         self.cache.matrix[layer].index_copy_(0, slots, matrix.to(self.cache.state_dtype))
 
     def save_slots(self) -> torch.Tensor:
-        """Every slot of `saves`, sequence after sequence, in order: the `slots` argument of `save` for
-        states computed in that order."""
-        return torch.tensor([slot for seq in self.saves for _, slot in seq], dtype=torch.int64,
-                            device=self.read_slots.device)
+        """Every slot of `saves` but the held sequences', sequence after sequence, in order: the `slots`
+        argument of `save` for states computed in that order."""
+        return torch.tensor([slot for index, seq in enumerate(self.saves) if index not in self.held
+                             for _, slot in seq], dtype=torch.int64, device=self.read_slots.device)
+
+    def hold(self, layer: int, seq: int, replay: Replay) -> None:
+        """A layer's states of held sequence `seq`, made by `replay` once `settle` knows which tokens stay."""
+        if seq not in self.held:
+            raise ValueError(f"layer {layer}: sequence {seq} of the step is not held; its states are saved at once")
+        self.replays.setdefault(layer, []).append((seq, replay))
+
+    def settle(self, kept: Mapping[int, int]) -> None:
+        """Write the states of the held sequences: of sequence i (an index into the step), those of its first
+        `kept[i]` tokens (`kept_state_slots`); a held sequence not in `kept` writes nothing (it has ended).
+        Every layer must have handed over its replays (`hold`)."""
+        for layer, entries in self.replays.items():
+            entries = [(seq, replay) for seq, replay in entries if seq in kept]
+            if not entries:
+                continue
+            reads = self.read_slots[[seq for seq, _ in entries]]
+            fresh = (reads < 0).view(-1, 1, 1)
+            convs = self.cache.conv[layer][reads.clamp(min=0)].masked_fill(fresh, 0)
+            matrices = self.cache.matrix[layer][reads.clamp(min=0)].masked_fill(fresh.unsqueeze(-1), 0)
+            slots, saved_conv, saved_matrix = [], [], []
+            for (seq, replay), conv, matrix in zip(entries, convs, matrices, strict=True):
+                writes = kept_state_slots(self.saves[seq], kept[seq])
+                conv_after, matrix_after = replay(conv, matrix, [tokens for tokens, _ in writes])
+                slots += [slot for _, slot in writes]
+                saved_conv.append(conv_after)
+                saved_matrix.append(matrix_after)
+            self.save(layer, torch.tensor(slots, dtype=torch.int64, device=self.read_slots.device),
+                      torch.cat(saved_conv), torch.cat(saved_matrix))
+        self.replays.clear()

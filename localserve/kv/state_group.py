@@ -232,6 +232,22 @@ class StateGroup:
         pool.release(free_spares)
         return new_table, moves
 
+    # ---- after a speculative verification ----
+    def cut(self, table: list[int], num_tokens: int) -> list[int]:
+        """The table of a step that was laid out past `num_tokens` (a verify row) but whose states were
+        written as a step ending at `num_tokens` (kv/state_steps.py, `kept_state_slots`): the final state's
+        slot, its last entry, moves to the entry of the block holding token `num_tokens - 1`, and the slots of
+        the entries from there on (unwritten, or the running slot that slot replaces) are released; the same
+        list when nothing is dropped. `after_step` then reads it as after such a step."""
+        keep = -(-num_tokens // self.block_size)
+        if len(table) <= keep:
+            return table
+        final = table[-1]
+        if final == NO_BLOCK:
+            raise ValueError(f"state table {table} has no final state's slot to keep for {num_tokens} tokens")
+        self.pool.release([slot for slot in reversed(table[keep - 1:-1]) if slot != NO_BLOCK])
+        return table[:keep - 1] + [final]
+
     # ---- after a step ----
     def after_step(self, table: list[int], num_before: int, num_computed: int, num_prompt_tokens: int,
                    register: Callable[[int, int], None]) -> list[int]:

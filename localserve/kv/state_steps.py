@@ -48,3 +48,14 @@ def step_state_slots(table: Sequence[int], num_computed: int, num_new: int,
             saves.append((boundary * block_size - num_computed, table[boundary - 1]))
     saves.append((num_new, table[last]))
     return read, saves
+
+
+def kept_state_slots(saves: Sequence[tuple[int, int]], num_kept: int) -> list[tuple[int, int]]:
+    """The writes of a step of which only the first `num_kept` tokens stay (a speculative verify row: its
+    last real token and the accepted drafted tokens), from `saves`, the writes `step_state_slots` gave the
+    whole step: its checkpoints strictly inside the kept tokens, and the state after them into the final
+    state's slot (the table's last entry), as if the step had computed `num_kept` tokens. The block manager
+    then treats the table as after such a step (`BlockManager.truncate`, then `mark_computed`)."""
+    if not 1 <= num_kept <= saves[-1][0]:
+        raise ValueError(f"a step of {saves[-1][0]} tokens keeps 1 to {saves[-1][0]} of them, got {num_kept}")
+    return [(tokens, slot) for tokens, slot in saves[:-1] if tokens < num_kept] + [(num_kept, saves[-1][1])]

@@ -23,6 +23,8 @@ LinearAttentionConfig's switches too.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from localserve.models.config import LinearAttentionConfig
@@ -157,27 +159,58 @@ class GatedDeltaNet(nn.Module):
     def prefill(self, lengths: list[int], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 conv_states: torch.Tensor, matrices: torch.Tensor, weight: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        """Sequence after sequence, segment by segment between its save points (module doc)."""
+        """Sequence after sequence, segment by segment between its save points (module doc). A held
+        sequence (a verify row, StepStates.held) runs whole and saves nothing: its `replay` goes to the
+        step's states, which make its kept tokens' states once the verification is done."""
         outputs, saved_conv, saved_matrix = [], [], []
         start = 0
+        states = ctx.states
         for seq, length in enumerate(lengths):
             stop = start + length
             past = conv_states[seq]
             qkv = causal_conv(mixed[start:stop], past, weight)
             history = torch.cat((past, mixed[start:stop].t().to(past.dtype)), dim=1)  # [C, K - 1 + T]
-            state, done = matrices[seq:seq + 1], 0
-            for tokens, _ in ctx.states.saves[seq]:
-                if tokens > done:  # (a save point at 0 tokens saves the state read)
-                    segment = slice(start + done, start + tokens)
-                    out, state = self.delta_rule(qkv[None, done:tokens], g[None, segment], beta[None, segment],
-                                                 state)
-                    outputs.append(out[0])
-                saved_conv.append(history[:, tokens:tokens + past.shape[1]])
-                saved_matrix.append(state[0])
-                done = tokens
+            segment = (qkv, g[start:stop], beta[start:stop], history)
+            if seq in states.held:
+                outputs.append(self.delta_rule(qkv[None], g[None, start:stop], beta[None, start:stop],
+                                               matrices[seq:seq + 1])[0][0])
+                states.hold(self.layer, seq, partial(self.replay, *segment))
+            else:
+                out, conv, matrix = self.segments(*segment, matrices[seq:seq + 1],
+                                                  [tokens for tokens, _ in states.saves[seq]])
+                outputs.append(out)
+                saved_conv.append(conv)
+                saved_matrix.append(matrix)
             start = stop
-        ctx.states.save(self.layer, ctx.states.save_slots(), torch.stack(saved_conv), torch.stack(saved_matrix))
+        if saved_conv:
+            states.save(self.layer, states.save_slots(), torch.cat(saved_conv), torch.cat(saved_matrix))
         return torch.cat(outputs)
+
+    def segments(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, history: torch.Tensor,
+                 state: torch.Tensor, save_points: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's tokens (qkv [T, conv_dim], g and beta [T, Hv], history [C, K - 1 + T]: its conv
+        inputs, the past ones first) from `state` [1, Hv, Dk, Dv], run up to each save point (increasing
+        token counts) in turn: the outputs [t, Hv, Dv] of the tokens before the last save point t, and the
+        states after each save point, conv [N, C, K - 1] and matrices [N, Hv, Dk, Dv]."""
+        outputs, saved_conv, saved_matrix, done = [], [], [], 0
+        width = history.shape[1] - qkv.shape[0]
+        for tokens in save_points:
+            if tokens > done:  # (a save point at 0 tokens saves the state read)
+                out, state = self.delta_rule(qkv[None, done:tokens], g[None, done:tokens], beta[None, done:tokens],
+                                             state)
+                outputs.append(out[0])
+            saved_conv.append(history[:, tokens:tokens + width])
+            saved_matrix.append(state[0])
+            done = tokens
+        out = torch.cat(outputs) if outputs else qkv.new_empty(0, self.v_heads, self.v_dim)
+        return out, torch.stack(saved_conv), torch.stack(saved_matrix)
+
+    def replay(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, history: torch.Tensor,
+               conv: torch.Tensor, matrix: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A held sequence's states after each of `tokens` of its step (kv/recurrent_states.py, `Replay`),
+        from the matrices it read (`history` already holds the conv inputs it read: `conv` is not needed)."""
+        _, conv_after, matrix_after = self.segments(qkv, g, beta, history, matrix[None], tokens)
+        return conv_after, matrix_after
 
     def delta_rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

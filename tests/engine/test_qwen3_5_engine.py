@@ -7,16 +7,21 @@ step checked (tests/helpers/engine_checks.py) and every block and state slot bac
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
 
 from localserve.engine.builder import build_engine
 from localserve.engine.config import EngineConfig
+from localserve.engine.drafting import DraftQuery
+from localserve.engine.ngram_drafter import NgramDrafter
 from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
 from tests.helpers.engine_checks import run_requests
 from tests.helpers.hybrid_models import VOCAB, qwen3_5_config, qwen3_5_moe_config, qwen3_next_config, save_hybrid
+from tests.helpers.oracle_drafter import OracleDrafter
+from tests.helpers.spec_costs import FixedStepCost
 
 CHECKPOINT = 32  # tokens between state checkpoints: two blocks
 CONFIGS = {"qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config, "qwen3_next": qwen3_next_config}
@@ -35,12 +40,12 @@ def workload(seed: int = 0, count: int = 5) -> list[tuple[list[int], SamplingPar
     return work
 
 
-def run(model, work, **config) -> tuple[list[list[int]], object]:
-    """Each request's tokens from an engine with `config` (every step checked), which ends with every KV
-    block and state slot free."""
+def run(model, work, build=None, **config) -> tuple[list[list[int]], object]:
+    """Each request's tokens from an engine with `config` (every step checked; `build(model, config)` makes
+    it where given), which ends with every KV block and state slot free."""
     config = {"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
               "state_checkpoint_tokens": CHECKPOINT, "check_integrity": True} | config
-    engine = build_engine(model, None, EngineConfig(**config))
+    engine = (build or (lambda model, config: build_engine(model, None, config)))(model, EngineConfig(**config))
     results = run_requests(engine, work, check=True)
     assert engine.block_manager.num_used_blocks == 0
     return [list(result.outputs[0].token_ids) for result in results], engine
@@ -108,9 +113,57 @@ def test_preemption_keeps_greedy_output(models):
         assert tokens == expected, mode
 
 
-def test_speculative_decoding_is_refused(models):
-    with pytest.raises(ValueError, match=r"recurrent \(linear-attention\) layers \[0, 1, 3\]"):
-        build_engine(models[1], None, EngineConfig(spec_type="ngram"))
+@pytest.mark.parametrize(("budget", "prefix_caching"), [(64, True), (13, False)])
+def test_verified_drafts_keep_greedy_output(models, budget, prefix_caching):
+    """Drafts are verified over the recurrent layers too: a rejected drafted token must leave no trace in
+    their states (the runner writes the states of the kept tokens only, after the verification), so the
+    tokens equal those without speculation, batched, in chunks off the blocks. The drafter drafts the known
+    greedy continuation with planted wrong tokens (tests/helpers/oracle_drafter.py): whole drafts kept,
+    drafts cut inside, drafts rejected at once."""
+    work = [(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for prompt, _ in workload(seed=3)]
+    expected, _ = run(models[1], work, max_num_seqs=1, enable_prefix_caching=False)
+    oracle = OracleDrafter([prompt + tokens for (prompt, _), tokens in zip(work, expected)], VOCAB, seed=budget)
+    kept = Counter()
+
+    def build(model, config):
+        engine = build_engine(model, None, config)
+        engine.scheduler.speculation.drafter = oracle
+        engine.scheduler.speculation.cost = FixedStepCost()  # drafts whatever this machine's speed
+        settle = engine.scheduler.speculation.settle
+        engine.scheduler.speculation.settle = lambda seq, drafted, accepted: (
+            kept.update([(drafted, accepted)]), settle(seq, drafted, accepted))
+        return engine
+
+    tokens, engine = run(models[1], work, spec_type="ngram", spec_tokens=4, max_num_batched_tokens=budget,
+                         enable_prefix_caching=prefix_caching, build=build)
+    assert tokens == expected
+    assert oracle.num_planted > 0
+    # Drafts rejected at once, cut inside, kept whole (which cuts: the cost model picks the drafts' lengths).
+    assert any(accepted == 0 for _, accepted in kept) and any(accepted == drafted for drafted, accepted in kept)
+    assert any(0 < accepted < drafted for drafted, accepted in kept)
+
+
+def drafts_something(tokens: list[int], prompt_len: int) -> bool:
+    """Whether the n-gram drafter would draft at some decode of this whole token list (prompt and output)."""
+    return any(NgramDrafter().propose([DraftQuery(0, tokens[:end], prompt_len, 4, SamplingParams())])[0].token_ids
+               for end in range(prompt_len + 1, len(tokens)))
+
+
+def test_ngram_speculation_keeps_greedy_output(models):
+    """The n-gram drafter on prompts that repeat a stretch of text, the first whose greedy output it drafts
+    for (found by running the drafter over the output without speculation): the tokens are those without it."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        stretch = [rng.randrange(3, VOCAB) for _ in range(12)]
+        work = [(stretch * 3, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+        [expected], _ = run(models[1], work, max_num_seqs=1, enable_prefix_caching=False)
+        if drafts_something(work[0][0] + expected, len(work[0][0])):
+            break
+    else:
+        pytest.fail("no prompt found whose greedy output the n-gram drafter drafts for")
+    [tokens], engine = run(models[1], work, spec_type="ngram", spec_tokens=4)
+    assert tokens == expected
+    assert engine.scheduler.speculation.totals.num_draft_tokens > 0
 
 
 @pytest.mark.gpu

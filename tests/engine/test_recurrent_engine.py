@@ -6,7 +6,8 @@ parallel samples (forks copy the running state: each sample's log-probabilities 
 its own tokens) and beams, prefix reuse (a request sharing part of a block resumes from the checkpoint
 before it and answers as with the cache off; a ten-turn conversation resumes each turn from the previous
 prompt's end checkpoint, its last block boundary at least PROMPT_TAIL tokens before its end), the state
-flags, speculative decoding refused at start, and the engine idle with every block and slot back after each
+flags, speculative decoding (a verify row's states written for its kept tokens only; a draft model with
+recurrent layers refused), and the engine idle with every block and slot back after each
 run (the integrity check after every step)."""
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from localserve.engine.config import EngineConfig
 from localserve.engine.sampling_params import SamplingParams
 from localserve.kv.state_group import PROMPT_TAIL
 from tests.helpers.engine_checks import StepChecker, run_requests
+from tests.helpers.oracle_drafter import OracleDrafter
 from tests.helpers.recurrent_toy import STATE, VOCAB, make_toy_model, reference_greedy, reference_logits
+from tests.helpers.spec_costs import FixedStepCost
 
 CHECKPOINT = 32  # tokens between checkpoints in these tests: two blocks
 
@@ -219,19 +222,62 @@ def test_beam_search_runs_and_ends_clean(model):
         assert out.cumulative_logprob == pytest.approx(float(score), abs=1e-3)
 
 
-@pytest.mark.parametrize("spec_type", ["ngram", "draft"])
-def test_speculative_decoding_is_refused_at_start(model, spec_type):
-    with pytest.raises(ValueError, match=r"recurrent-toy has recurrent \(linear-attention\) layers \[1\]: "
-                                         r"speculative decoding \(--spec-type"):
-        build_engine(model, None, EngineConfig(spec_type=spec_type), draft_model=model)
+def speculating(model, expected: list[list[int]], seed: int, guess=None, **config):
+    """An engine (as `run` builds) whose drafter drafts the known continuations with planted wrong tokens
+    (tests/helpers/oracle_drafter.py), drafting whatever this machine's speed."""
+    config = {"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64, "spec_type": "ngram",
+              "spec_tokens": 4, "state_checkpoint_tokens": CHECKPOINT, "check_integrity": True} | config
+    engine = build_engine(model, None, EngineConfig(**config))
+    engine.scheduler.speculation.drafter = OracleDrafter(expected, VOCAB, seed=seed, guess=guess)
+    engine.scheduler.speculation.cost = FixedStepCost()
+    return engine
+
+
+@pytest.mark.parametrize("budget", [64, 13])
+def test_verified_drafts_leave_no_trace_in_the_state(model, budget):
+    """Speculative decoding over the recurrent layer: each verify row's states are written after its
+    verification, for its kept tokens only, so greedy tokens are the reference's with drafts kept whole,
+    cut and rejected; and a later request resending a prompt and its speculated reply resumes from a
+    checkpoint inside that reply (written by a verification) and still answers as the reference."""
+    work = [(prompt, greedy(30)) for prompt, _ in requests(seed=11, count=4)]
+    expected = [reference_greedy(model, prompt, 30) for prompt, _ in work]
+    engine = speculating(model, [prompt + tokens for (prompt, _), tokens in zip(work, expected)], seed=budget,
+                         max_num_batched_tokens=budget, enable_prefix_caching=True)
+    turns = Turns(engine)
+    assert tokens_of(turns.run(work)) == expected
+    totals = engine.scheduler.speculation.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    prompt = max((prompt + tokens for (prompt, _), tokens in zip(work, expected)), key=len)
+    [result] = turns.run([(prompt, greedy(8))])
+    assert result.num_cached_tokens >= CHECKPOINT * ((len(prompt) - 30) // CHECKPOINT)  # a checkpoint in the reply
+    assert tokens_of([result]) == [reference_greedy(model, prompt, 8)]
+
+
+def test_sampled_verifications_keep_each_samples_own_state(model):
+    """Sampling with drafts (the reference's greedy tokens, kept or not by the point-mass rejection rule),
+    three samples forked from one prompt: each
+    sample's log-probabilities are the reference's over its own tokens, so no rejected token stayed in the
+    state of any of them."""
+    prompt = [5 + i % 23 for i in range(27)]
+    params = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=24, ignore_eos=True, logprobs=0)
+    engine = speculating(model, [], seed=1, max_num_batched_tokens=16,
+                         guess=lambda tokens, count: reference_greedy(model, tokens, count))
+    [result] = run_requests(engine, [(prompt, params)], check=True)
+    totals = engine.scheduler.speculation.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    for out in result.outputs:
+        tokens = prompt + list(out.token_ids)
+        expected = torch.log_softmax(reference_logits(model, tokens)[len(prompt) - 1:-1].float(), dim=-1)
+        chosen = expected[torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)]
+        torch.testing.assert_close(torch.tensor(out.logprobs), chosen, atol=1e-4, rtol=0)
 
 
 def test_a_draft_model_with_recurrent_layers_is_refused(model):
     target = make_toy_model(seed=2, name="plain-target")
     # A target without recurrent layers (its config says so; the check reads only configs, before any pool).
     target.config = dataclasses.replace(target.config, layer_attention=())
-    with pytest.raises(ValueError, match=r"recurrent-toy has recurrent \(linear-attention\) layers \[1\]: "
-                                         r"speculative decoding \(--spec-type draft / -md\)"):
+    with pytest.raises(ValueError, match=r"recurrent-toy has recurrent \(linear-attention\) layers \[1\]: it "
+                                         r"cannot be the draft model \(--spec-type draft / -md\)"):
         build_engine(target, None, EngineConfig(spec_type="draft"), draft_model=model)
 
 

@@ -112,11 +112,35 @@ def test_prompt_logits_take_the_state_table(model):
     torch.testing.assert_close(logits, reference_logits(model, tokens), atol=TOLERANCE, rtol=0)
 
 
-def test_a_draft_row_is_refused(model):
+@pytest.mark.parametrize("num_kept", [1, 2, 3, 4])
+def test_a_verify_row_writes_the_states_of_its_kept_tokens_only_once_settled(model, num_kept):
+    """A verify row (its last real token and three drafted ones, past a block boundary, with a second
+    sequence decoding beside it): its logits are the reference's at every row, its state slot is untouched
+    by the forward pass, and `settle_states` writes the state of its first `num_kept` tokens: the next
+    token's logits are the reference's over the kept tokens."""
     runner = make_runner(model)
-    chunk = SeqChunk([1, 2], 0, [0], num_draft_tokens=1, group_block_tables=[[0], [0]])
-    with pytest.raises(ValueError, match="recurrent layers cannot verify drafted tokens"):
-        runner.execute(StepInput([chunk]))
+    prompt, other = [(5 * i + 1) % 64 for i in range(6)], [(3 * i + 2) % 64 for i in range(5)]
+    run_chunks(runner, prompt, [6], [0, 1, 2], StateTable(set(), [0]))  # its running state in slot 0
+    run_chunks(runner, other, [5], [5, 6], StateTable(set(), [1]))
+    before = runner.kv_cache.states.matrix[1][0].clone()
+    row = [9, 17, 23, 31]  # tokens 6-9: blocks 1 and 2; the running slot moved to entry 2
+    step = StepInput([SeqChunk(row, 6, [0, 1, 2], seq_id=1, num_draft_tokens=3,
+                               group_block_tables=[[0, 1, 2], [NO_BLOCK, NO_BLOCK, 0]]),
+                      SeqChunk([40], 5, [5, 6], seq_id=2, group_block_tables=[[5, 6], [NO_BLOCK, 1]])])
+    logits = runner.execute(step)
+    torch.testing.assert_close(logits[:4], reference_logits(model, prompt + row)[6:], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(logits[4], reference_logits(model, other + [40])[-1], atol=TOLERANCE, rtol=0)
+    assert torch.equal(runner.kv_cache.states.matrix[1][0], before)  # held: nothing written yet
+    runner.settle_states({1: num_kept, 2: 1})  # sequence 2 was no verify row: left as its step wrote it
+    kept = prompt + row[:num_kept]
+    table = [NO_BLOCK] * (len(kept) // BLOCK) + [0]  # the running slot moved to the new token's block
+    step = StepInput([SeqChunk([50], len(kept), [0, 1, 2], seq_id=1, group_block_tables=[[0, 1, 2], table]),
+                      SeqChunk([41], 6, [5, 6], seq_id=2, group_block_tables=[[5, 6], [NO_BLOCK, 1]])])
+    logits = runner.execute(step)
+    torch.testing.assert_close(logits[0], reference_logits(model, kept + [50])[-1], atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(logits[1], reference_logits(model, other + [40, 41])[-1], atol=TOLERANCE, rtol=0)
+    assert runner.held_states is None
+    runner.settle_states({1: 1})  # nothing held any more: nothing happens
 
 
 def test_state_moves_copy_and_swap_slots_not_kv(model):

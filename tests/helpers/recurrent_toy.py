@@ -11,7 +11,8 @@ grouped-query), layer 1 a recurrent layer whose state is exactly what a test can
 So its output at a token depends on every token before it through the state alone: a state read from the
 wrong slot, saved at the wrong point, or left with a rejected token changes the logits. The layer reads its
 starting states from `ctx.states.initial`, carries them through each sequence's tokens, and saves the
-states after each save point (`StepStates.saves`), as a Gated DeltaNet layer does.
+states after each save point (`StepStates.saves`), as a Gated DeltaNet layer does; a held sequence (a
+speculative verify row) saves nothing and hands the step a replay of its states instead.
 
 `reference_logits` computes the same function over a whole sequence in plain torch: causal softmax
 attention and the recurrences written out token by token, no paged cache and no states.
@@ -81,20 +82,37 @@ class ToyRecurrent(nn.Module):
         start = 0
         for seq, saves in enumerate(states.saves):
             length = saves[-1][0]
-            inputs = torch.cat((conv_states[seq].T.to(x.dtype), x[start:start + length]))  # [w - 1 + length, H]
+            x_seq = x[start:start + length]
+            inputs = torch.cat((conv_states[seq].T.to(x.dtype), x_seq))  # [w - 1 + length, H]
             matrix = matrices[seq].to(x.dtype)
-            save_points = dict(saves)
+            save_points = set() if seq in states.held else {tokens for tokens, _ in saves}
             for i in range(length):
-                matrix = self.update(matrix, x[start + i])
-                outputs.append(self.mix(inputs[i:i + CONV_WIDTH], x[start + i], matrix, positions[start + i]))
+                matrix = self.update(matrix, x_seq[i])
+                outputs.append(self.mix(inputs[i:i + CONV_WIDTH], x_seq[i], matrix, positions[start + i]))
                 if i + 1 in save_points:
                     saved_conv.append(inputs[i + 1:i + CONV_WIDTH].T)
                     saved_matrix.append(matrix)
+            if seq in states.held:  # a verify row: its states once the kept tokens are known
+                states.hold(self.layer, seq, lambda conv, matrix, tokens, x_seq=x_seq, inputs=inputs:
+                            self.replay(x_seq, inputs, matrix, tokens))
             start += length
         if start != x.shape[0]:
             raise ValueError(f"the step's states cover {start} tokens, the batch has {x.shape[0]}")
-        states.save(self.layer, states.save_slots(), torch.stack(saved_conv), torch.stack(saved_matrix))
+        if saved_conv:
+            states.save(self.layer, states.save_slots(), torch.stack(saved_conv), torch.stack(saved_matrix))
         return torch.stack(outputs)
+
+    def replay(self, x_seq: torch.Tensor, inputs: torch.Tensor, matrix: torch.Tensor,
+               tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states after each of `tokens` of a held sequence's step, from the matrices it read."""
+        matrix, done, convs, matrices = matrix.to(x_seq.dtype), 0, [], []
+        for count in tokens:
+            for i in range(done, count):
+                matrix = self.update(matrix, x_seq[i])
+            convs.append(inputs[count:count + CONV_WIDTH - 1].T)
+            matrices.append(matrix)
+            done = count
+        return torch.stack(convs), torch.stack(matrices)
 
 
 class RecurrentToyLM(nn.Module):

@@ -15,7 +15,8 @@ Some managers have a state group last (recurrent layers): its model keeps, per s
 into the state it holds. Each step reads and writes the slots `step_state_slots` names on the manager's
 table (it must never raise there, whatever the step's length): the read slot must hold exactly the
 state of the computed tokens, no write may land in a shared or registered slot, and a registered
-checkpoint holds the state of the tokens its key names. Such a manager refuses `truncate`.
+checkpoint holds the state of the tokens its key names. A verify step there writes the states of its kept
+tokens only (`kept_state_slots`), then `truncate` moves the final state's slot back to the last kept entry.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from localserve.kv.block_manager import BlockManager
 from localserve.kv.block_pool import NO_BLOCK
 from localserve.kv.layer_groups import RECURRENT, window_start
 from localserve.kv.out_of_blocks import OutOfBlocksError
-from localserve.kv.state_steps import step_state_slots
+from localserve.kv.state_steps import kept_state_slots, step_state_slots
 
 SMALL_VOCAB = st.integers(0, 2)  # few distinct tokens, so prompts often share prefixes by chance
 MAX_RUNNING_REQUESTS = 4  # like the scheduler's slots: leaves room in the pool for decoding
@@ -104,9 +105,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.manager.ref_count(block_id, group) == 1, f"KV written into shared block {block_id}"
                 self.gpu_kv[group][block_id][position % self.block_size] = tuple(tokens[:position + 1])
 
-    def step_states(self, seq_id: int, start: int, end: int) -> None:
+    def step_states(self, seq_id: int, start: int, end: int, kept_end: int | None = None) -> None:
         """The recurrent layers' part of a step over positions [start, end): read the state of `start`
-        tokens, write the checkpoints inside the step and the final state where `step_state_slots` says."""
+        tokens, write the checkpoints inside the step and the final state where `step_state_slots` says; a
+        verify row's step keeps only the tokens before `kept_end` (`kept_state_slots`)."""
         if self.state_group is None:
             return
         group, tokens = self.state_group, self.token_ids[seq_id]
@@ -117,6 +119,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len({step_state_slots(table, start, num_new, self.block_size)[0]
                     for num_new in range(1, num_slotted - start + 1)}) == 1
         read, saves = step_state_slots(table, start, end - start, self.block_size)
+        if kept_end is not None:
+            saves = kept_state_slots(saves, kept_end - start)
+            end = kept_end
         if start == 0:
             assert read == -1, f"seq {seq_id}: a first step reads slot {read}"
         else:
@@ -222,26 +227,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(self.gpu_requests()))
         seq_id = data.draw(st.sampled_from(self.requests[request_id]))
         manager, tokens = self.manager, self.token_ids[seq_id]
-        if self.state_group is not None:  # no speculation over recurrent layers
-            with pytest.raises(ValueError, match="state group"):
-                manager.truncate(seq_id, len(tokens))
-            return
         if not self.compute(seq_id, max(self.num_computed[seq_id], len(tokens) - 1)) \
                 or manager.make_slots(seq_id) < len(tokens):
             return  # not decoding yet: its window groups have no slots for the rest of its prompt now
+        if self.state_group is not None and self.num_computed[seq_id] == len(tokens) \
+                and not self.append_one_token_each([seq_id], data):
+            return  # a verify row's step computes its last real token too: one must be pending
         num_real = len(tokens)
         drafted = 0
         while drafted < num_drafted and self.append_one_token_each([seq_id], data):
             drafted += 1
-        self.write_kv(seq_id, self.num_computed[seq_id], len(tokens))
-        manager.mark_computed(seq_id, num_real)
-        self.num_computed[seq_id] = num_real
+        start = self.num_computed[seq_id]
         num_kept = num_real + data.draw(st.integers(0, drafted))
+        self.write_kv(seq_id, start, len(tokens))
+        if self.state_group is not None:  # the states of the kept tokens only, written after the verification
+            self.step_states(seq_id, start, len(tokens), kept_end=num_kept)
+        else:
+            manager.mark_computed(seq_id, num_real)
+            self.num_computed[seq_id] = num_real
         available = self.available()
         tables = [manager.block_table(seq_id, group) for group in range(self.num_groups)]
         manager.truncate(seq_id, num_kept)
         num_blocks_kept = -(-num_kept // self.block_size)
         for group, table in enumerate(tables):
+            if group == self.state_group:  # the final state's slot moves back to the last kept entry
+                cut = table if len(table) <= num_blocks_kept else table[:num_blocks_kept - 1] + [table[-1]]
+                assert manager.block_table(seq_id, group) == cut
+                released = [slot for slot in table[num_blocks_kept - 1:-1] if slot != NO_BLOCK]
+                assert self.available()[group] - available[group] == (len(released) if cut is not table else 0)
+                continue
             assert manager.block_table(seq_id, group) == table[:num_blocks_kept]
             dropped = table[num_blocks_kept:]
             assert NO_BLOCK not in dropped
@@ -249,7 +263,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             free_queue = manager.free_queue_block_ids(group)
             assert free_queue[len(free_queue) - len(dropped):] == dropped[::-1]
         del tokens[num_kept:]
-        self.compute(seq_id, data.draw(st.integers(num_real, num_kept)))  # the accepted tokens' KV is theirs
+        if self.state_group is not None:
+            manager.mark_computed(seq_id, num_kept)
+            self.num_computed[seq_id] = num_kept
+        else:
+            self.compute(seq_id, data.draw(st.integers(num_real, num_kept)))  # the accepted tokens' KV is theirs
 
     @precondition(lambda self: self.gpu_requests())
     @rule(data=st.data())
