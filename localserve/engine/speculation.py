@@ -34,6 +34,11 @@ The rules, and why:
   verification advance it). So a drafted token is kept only if the grammar allows it, greedy output is
   the same as without a draft, and sampled output is the masked target's.
 - Beam search drafts nothing (a beam step needs every beam's logits at once).
+- Recurrent layers (a state group): their state after a token cannot be taken back, so the model runner
+  writes a verify row's states only after the verification, for its kept tokens (`settle_states`); the
+  row is marked computed only then, by `commit` (`Scheduler.mark_computed` skips it), whose `truncate`
+  moves the final state's slot back to the last kept block (kv/state_group.py, `cut`). A drafted token
+  the state pool has no slot for is not drafted (`_lengthen` stops there).
 """
 
 from __future__ import annotations
