@@ -4,7 +4,8 @@ checkpoints at their default spacing, a ten-turn conversation through the `opena
 whole history every turn. Each turn's `cached_tokens` is the boundary the cache can resume from, computed
 here from the token ids the engine saw (the last checkpoint at or before the first token where the prompt
 leaves an earlier sequence), and each answer is the one a server with prefix caching off gives. A prompt
-sharing only part of a block with a cached one resumes from the boundary before it.
+sharing only part of a block with a cached one resumes from the boundary before it. A server that speculates
+(drafts verified over the recurrent layers) answers and resumes each turn alike.
 
 Checkpoints (kv/state_group.py): the state after every `state_checkpoint_tokens` tokens and at the last
 boundary `PROMPT_TAIL` (8) tokens or more before a prompt's end. A turn's prompt leaves the previous one
@@ -28,7 +29,9 @@ from localserve.kv.state_group import PROMPT_TAIL
 from localserve.loading.hf import load_model
 from tests.helpers.chat_families import family_tokenizer
 from tests.helpers.hybrid_models import BLOCK_SIZE, qwen3_5_config, save_hybrid
+from tests.helpers.oracle_drafter import OracleDrafter
 from tests.helpers.server import openai_client, running_server
+from tests.helpers.spec_costs import FixedStepCost
 
 QWEN35_VOCAB = 151_936
 ANSWER_TOKENS = 10
@@ -181,3 +184,36 @@ def test_a_prompt_sharing_part_of_a_block_resumes_from_the_boundary_before_it(co
     assert reused.usage.prompt_tokens_details.cached_tokens == boundary == expected_cached(prompt, seen[:TURNS])
     assert plain.usage.prompt_tokens_details.cached_tokens == 0
     assert reused.choices[0].text == plain.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def speculated(folder, conversation):
+    """The same ten turns sent to a server that speculates (the cache on): its drafter drafts each turn's
+    known answer with planted wrong tokens (tests/helpers/oracle_drafter.py), so drafts are kept whole, cut
+    and rejected over the recurrent layers. (its answers, the cached server's, the speculation totals)"""
+    on, _, seen, *_ = conversation
+    oracle = OracleDrafter([record["prompt"] + record["output"] for record in seen], QWEN35_VOCAB, seed=1)
+
+    def install(engine):
+        engine.scheduler.speculation.drafter = oracle
+        engine.scheduler.speculation.cost = FixedStepCost()  # drafts whatever this machine's speed
+
+    messages, answers = [{"role": "system", "content": SYSTEM}], []
+    with serve(folder, spec_type="ngram", spec_tokens=4) as (server, thread), openai_client(server.port) as client:
+        thread.call(install).result(30)
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": user_message(turn)})
+            answers.append(chat(client, messages))
+            messages.append({"role": "assistant", "content": on[turn].choices[0].message.content})
+        totals = thread.call(lambda engine: engine.scheduler.speculation.totals).result(30)
+    return answers, on, totals
+
+
+def test_speculated_turns_answer_and_resume_as_without_speculation(speculated):
+    """Drafts verified over the recurrent layers change no answer and no checkpoint a later turn resumes
+    from: each turn's text and cached tokens are the non-speculating server's."""
+    answers, on, totals = speculated
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    for turn, (answer, plain) in enumerate(zip(answers, on)):
+        assert answer.choices[0].message.content == plain.choices[0].message.content, f"turn {turn}"
+        assert answer.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens_details.cached_tokens
