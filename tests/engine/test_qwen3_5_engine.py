@@ -190,3 +190,34 @@ def test_on_cuda_the_kernels_give_the_cpu_models_tokens(tmp_path):
                 break
             assert have.token_ids[step] == token, step
             assert abs(have.logprobs[step] - want.logprobs[step]) < 0.1, step
+
+
+@pytest.mark.gpu
+def test_on_cuda_verified_drafts_keep_the_cpu_models_tokens(tmp_path):
+    """On CUDA (float32 weights and states: these tiny random models' wide logits make bfloat16 pick other
+    tokens from the first one, on the CPU too), verify rows through the prefill path (fla-core's chunked
+    kernel) held and settled: with oracle drafts kept whole, cut and rejected, each request's tokens equal
+    the CPU model's without speculation while its top two are apart, logprobs within 0.05."""
+    save_hybrid(tmp_path, qwen3_5_config())
+    work = [(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2))
+            for prompt, _ in workload(seed=8, count=4)]
+    cpu_engine = build_engine(load_model(tmp_path, dtype=torch.float32).model, None,
+                              EngineConfig(num_kv_blocks=64, max_num_seqs=4, state_checkpoint_tokens=CHECKPOINT))
+    expected = run_requests(cpu_engine, work, check=False)
+    cuda_engine = build_engine(load_model(tmp_path, dtype=torch.float32, device="cuda").model, None,
+                               EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=13,
+                                            state_checkpoint_tokens=CHECKPOINT, check_integrity=True,
+                                            spec_type="ngram", spec_tokens=4))
+    cuda_engine.scheduler.speculation.drafter = OracleDrafter(
+        [prompt + list(out.outputs[0].token_ids) for (prompt, _), out in zip(work, expected)], VOCAB, seed=2)
+    cuda_engine.scheduler.speculation.cost = FixedStepCost()
+    got = run_requests(cuda_engine, work, check=True)
+    totals = cuda_engine.scheduler.speculation.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    for want, have in zip(expected, got):
+        want, have = want.outputs[0], have.outputs[0]
+        for step, (top, token) in enumerate(zip(want.top_logprobs, want.token_ids)):
+            if top[0][1] - top[1][1] < 0.1:  # a near tie: TF32 products may pick the other
+                break
+            assert have.token_ids[step] == token, step
+            assert abs(have.logprobs[step] - want.logprobs[step]) < 0.05, step
