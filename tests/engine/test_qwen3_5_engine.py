@@ -20,6 +20,7 @@ from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
 from tests.helpers.engine_checks import run_requests
 from tests.helpers.hybrid_models import VOCAB, qwen3_5_config, qwen3_5_moe_config, qwen3_next_config, save_hybrid
+from tests.helpers.models import write_tiny_model
 from tests.helpers.oracle_drafter import OracleDrafter
 from tests.helpers.spec_costs import FixedStepCost
 
@@ -162,6 +163,25 @@ def test_ngram_speculation_keeps_greedy_output(models):
     else:
         pytest.fail("no prompt found whose greedy output the n-gram drafter drafts for")
     [tokens], engine = run(models[1], work, spec_type="ngram", spec_tokens=4)
+    assert tokens == expected
+    assert engine.scheduler.speculation.totals.num_draft_tokens > 0
+
+
+def test_a_draft_model_of_attention_layers_drafts_for_a_hybrid_target(models, tmp_path):
+    """A plain draft model (a tiny Qwen3 of the same vocabulary: its own KV pool, no states) drafts for the
+    hybrid target: its drafts are verified over the target's recurrent layers and the tokens are those
+    without speculation."""
+    write_tiny_model(tmp_path, "qwen3", vocab_size=VOCAB)
+    draft = load_model(tmp_path, dtype=torch.float32).model
+    work = [(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for prompt, _ in workload(seed=5)]
+    expected, _ = run(models[1], work, max_num_seqs=1, enable_prefix_caching=False)
+
+    def build(model, config):
+        engine = build_engine(model, None, config, draft_model=draft)
+        engine.scheduler.speculation.cost = FixedStepCost()
+        return engine
+
+    tokens, engine = run(models[1], work, build=build, spec_type="draft", spec_tokens=3)
     assert tokens == expected
     assert engine.scheduler.speculation.totals.num_draft_tokens > 0
 
