@@ -85,13 +85,14 @@ class RecurrentStateCache:
 
 
 class Replay(Protocol):
-    """A held sequence's states in one layer, made again from the state its step read (module doc)."""
+    """One layer's states of the step's held sequences, made again from the states they read (module doc)."""
 
-    def __call__(self, conv: torch.Tensor, matrix: torch.Tensor,
-                 tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the step's starting conv inputs [conv_dim, conv_width - 1] and matrices [heads, key_dim,
-        value_dim]: the states after each of `tokens` (increasing counts of the step's tokens of the
-        sequence), conv [N, conv_dim, conv_width - 1] and matrices [N, heads, key_dim, value_dim]."""
+    def __call__(self, members: list[int], conv: torch.Tensor, matrix: torch.Tensor,
+                 tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the held sequences `members` (places in the layer's `hold` list), from the conv inputs
+        [M, conv_dim, conv_width - 1] and matrices [M, heads, key_dim, value_dim] they read: the states after
+        each of `tokens[i]` (increasing counts of member i's tokens of the step), member after member: conv
+        [N, conv_dim, conv_width - 1] and matrices [N, heads, key_dim, value_dim]."""
 
 
 @dataclass
@@ -107,7 +108,7 @@ class StepStates:
     read_slots: torch.Tensor
     saves: list[list[tuple[int, int]]]
     held: frozenset[int] = frozenset()
-    replays: dict[int, list[tuple[int, Replay]]] = field(default_factory=dict)  # layer -> (sequence, replay)
+    replays: dict[int, tuple[list[int], Replay]] = field(default_factory=dict)  # layer -> (sequences, replay)
 
     def initial(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's starting state: conv inputs [S, conv_dim, conv_width - 1] and matrices
@@ -140,31 +141,30 @@ class StepStates:
         return torch.tensor([slot for index, seq in enumerate(self.saves) if index not in self.held
                              for _, slot in seq], dtype=torch.int64, device=self.read_slots.device)
 
-    def hold(self, layer: int, seq: int, replay: Replay) -> None:
-        """A layer's states of held sequence `seq`, made by `replay` once `settle` knows which tokens stay."""
-        if seq not in self.held:
-            raise ValueError(f"layer {layer}: sequence {seq} of the step is not held; its states are saved at once")
-        self.replays.setdefault(layer, []).append((seq, replay))
+    def hold(self, layer: int, seqs: list[int], replay: Replay) -> None:
+        """A layer's states of the held sequences `seqs` (indices into the step), made by `replay` once
+        `settle` knows which tokens stay."""
+        if not set(seqs) <= self.held:
+            raise ValueError(f"layer {layer}: sequences {sorted(set(seqs) - self.held)} of the step are not held; "
+                             "their states are saved at once")
+        self.replays[layer] = (list(seqs), replay)
 
     def settle(self, kept: Mapping[int, int]) -> None:
         """Write the states of the held sequences: of sequence i (an index into the step), those of its first
         `kept[i]` tokens (`kept_state_slots`); a held sequence not in `kept` writes nothing (it has ended).
-        Every layer must have handed over its replays (`hold`)."""
-        for layer, entries in self.replays.items():
-            entries = [(seq, replay) for seq, replay in entries if seq in kept]
-            if not entries:
+        Every layer must have handed over its replay (`hold`)."""
+        for layer, (seqs, replay) in self.replays.items():
+            members = [member for member, seq in enumerate(seqs) if seq in kept]
+            if not members:
                 continue
-            reads = self.read_slots[[seq for seq, _ in entries]]
+            chosen = [seqs[member] for member in members]
+            reads = self.read_slots[chosen]
             fresh = (reads < 0).view(-1, 1, 1)
-            convs = self.cache.conv[layer][reads.clamp(min=0)].masked_fill(fresh, 0)
-            matrices = self.cache.matrix[layer][reads.clamp(min=0)].masked_fill(fresh.unsqueeze(-1), 0)
-            slots, saved_conv, saved_matrix = [], [], []
-            for (seq, replay), conv, matrix in zip(entries, convs, matrices, strict=True):
-                writes = kept_state_slots(self.saves[seq], kept[seq])
-                conv_after, matrix_after = replay(conv, matrix, [tokens for tokens, _ in writes])
-                slots += [slot for _, slot in writes]
-                saved_conv.append(conv_after)
-                saved_matrix.append(matrix_after)
-            self.save(layer, torch.tensor(slots, dtype=torch.int64, device=self.read_slots.device),
-                      torch.cat(saved_conv), torch.cat(saved_matrix))
+            conv = self.cache.conv[layer][reads.clamp(min=0)].masked_fill(fresh, 0)
+            matrix = self.cache.matrix[layer][reads.clamp(min=0)].masked_fill(fresh.unsqueeze(-1), 0)
+            writes = [kept_state_slots(self.saves[seq], kept[seq]) for seq in chosen]
+            conv_after, matrix_after = replay(members, conv, matrix, [[tokens for tokens, _ in seq] for seq in writes])
+            slots = torch.tensor([slot for seq in writes for _, slot in seq], dtype=torch.int64,
+                                 device=self.read_slots.device)
+            self.save(layer, slots, conv_after, matrix_after)
         self.replays.clear()

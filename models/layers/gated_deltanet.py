@@ -13,6 +13,11 @@ asks for (a checkpoint inside the chunk, and always the state after its last tok
 segment by segment between save points, carrying the state, so a saved state is exactly the state of the
 tokens before it. A sequence's query length is its last save point (StepStates.saves).
 
+A speculative verify row (StepStates.held) gets its outputs like any chunk but saves nothing: the layer
+hands the step a replay, which makes the states of the row's kept tokens once the verification is done
+(`StepStates.settle`), so a rejected drafted token never reaches a state. A step of such rows beside
+decodes runs in one padded recurrence (`short_rows`, SHORT_ROWS), and so does the replay of its rows.
+
 Parameter names follow transformers' Qwen3.5 (`linear_attn.in_proj_qkv`, `in_proj_z`, `in_proj_b`,
 `in_proj_a`, `conv1d` [conv_dim, 1, kernel], `A_log`, `dt_bias`, `norm`, `out_proj`). Qwen3-Next's
 checkpoints fuse the input projections per key head (`in_proj_qkvz`, `in_proj_ba`): kept fused as stored
@@ -35,6 +40,12 @@ from localserve.models.layers.gated_delta import (
 )
 from localserve.models.protocol import ForwardContext
 from torch import nn
+
+SHORT_ROWS = 16
+"""A step with speculative verify rows whose sequences all compute at most this many tokens, each saving only
+its final state (verify rows beside decodes), runs them in one padded batch (`GatedDeltaNet.short_rows`)
+instead of one after another; its recurrence goes token by token, as long as the longest. (Other steps keep
+the chunked form for chunks: their numbers stay those of a step without drafts.)"""
 
 
 class GatedRMSNorm(nn.Module):
@@ -132,8 +143,12 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = self.decay_rate() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight[:, 0, :]
-        if max(lengths) == 1 and all(len(saves) == 1 for saves in ctx.states.saves):  # decodes only
-            core = self.decode(mixed, g, beta, ctx.states.initial_conv(self.layer), weight, ctx)
+        states = ctx.states
+        if max(lengths) == 1 and all(len(saves) == 1 for saves in states.saves):  # decodes only
+            core = self.decode(mixed, g, beta, states.initial_conv(self.layer), weight, ctx)
+        elif states.held and max(lengths) <= SHORT_ROWS and all(len(saves) == 1 or seq in states.held
+                                                                for seq, saves in enumerate(states.saves)):
+            core = self.short_rows(lengths, mixed, g, beta, weight, ctx)  # verify rows beside decodes
         else:
             conv_states, matrices = ctx.states.initial(self.layer)
             core = self.prefill(lengths, mixed, g, beta, conv_states, matrices, weight, ctx)
@@ -162,7 +177,7 @@ class GatedDeltaNet(nn.Module):
         """Sequence after sequence, segment by segment between its save points (module doc). A held
         sequence (a verify row, StepStates.held) runs whole and saves nothing: its `replay` goes to the
         step's states, which make its kept tokens' states once the verification is done."""
-        outputs, saved_conv, saved_matrix = [], [], []
+        outputs, saved_conv, saved_matrix, held = [], [], [], {}
         start = 0
         states = ctx.states
         for seq, length in enumerate(lengths):
@@ -174,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             if seq in states.held:
                 outputs.append(self.delta_rule(qkv[None], g[None, start:stop], beta[None, start:stop],
                                                matrices[seq:seq + 1])[0][0])
-                states.hold(self.layer, seq, partial(self.replay, *segment))
+                held[seq] = segment
             else:
                 out, conv, matrix = self.segments(*segment, matrices[seq:seq + 1],
                                                   [tokens for tokens, _ in states.saves[seq]])
@@ -184,7 +199,39 @@ class GatedDeltaNet(nn.Module):
             start = stop
         if saved_conv:
             states.save(self.layer, states.save_slots(), torch.cat(saved_conv), torch.cat(saved_matrix))
+        if held:
+            states.hold(self.layer, list(held), partial(self.replay, list(held.values())))
         return torch.cat(outputs)
+
+    def short_rows(self, lengths: list[int], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   weight: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Sequences of at most SHORT_ROWS tokens, each saving only its state after all of them (decodes,
+        verify rows, short chunks inside a block), all at once: padded to the longest, the padding made a
+        no-op of the delta rule (decay exp(0) = 1, write strength 0: the state passes it unchanged), one
+        batched recurrence. A held sequence's replay reuses the padded inputs, masked at its kept tokens."""
+        states, num_seqs, longest = ctx.states, len(lengths), max(lengths)
+        device = mixed.device
+        counts = torch.tensor(lengths, device=device)
+        places = torch.arange(longest, device=device)
+        valid = places[None, :] < counts[:, None]  # [S, T]
+        rows = torch.where(valid, (counts.cumsum(0) - counts)[:, None] + places[None, :], 0)
+        conv_states, matrices = states.initial(self.layer)
+        window = torch.cat((conv_states, mixed[rows].transpose(1, 2).to(conv_states.dtype)), dim=2)  # [S, C, K-1+T]
+        qkv = F.silu(F.conv1d(window.to(weight.dtype), weight[:, None, :], groups=weight.shape[0]))
+        query, key, value = self.heads(qkv.transpose(1, 2).to(mixed.dtype))
+        g_rows, beta_rows = g[rows] * valid[..., None], beta[rows] * valid[..., None]
+        out, final = recurrent_gated_delta_rule(query, key, value, g_rows, beta_rows, matrices, l2norm_qk=True)
+        width = conv_states.shape[2]
+        writing = [seq for seq in range(num_seqs) if seq not in states.held]
+        if writing:
+            states.save(self.layer, states.save_slots(),
+                        torch.stack([window[seq, :, lengths[seq]:lengths[seq] + width] for seq in writing]),
+                        final[writing])
+        held = sorted(states.held)
+        if held:
+            states.hold(self.layer, held, partial(self.replay_rows, query[held], key[held], value[held],
+                                                  g_rows[held], beta_rows[held], window[held]))
+        return out[valid]
 
     def segments(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, history: torch.Tensor,
                  state: torch.Tensor, save_points: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,12 +252,41 @@ class GatedDeltaNet(nn.Module):
         out = torch.cat(outputs) if outputs else qkv.new_empty(0, self.v_heads, self.v_dim)
         return out, torch.stack(saved_conv), torch.stack(saved_matrix)
 
-    def replay(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, history: torch.Tensor,
-               conv: torch.Tensor, matrix: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A held sequence's states after each of `tokens` of its step (kv/recurrent_states.py, `Replay`),
-        from the matrices it read (`history` already holds the conv inputs it read: `conv` is not needed)."""
-        _, conv_after, matrix_after = self.segments(qkv, g, beta, history, matrix[None], tokens)
-        return conv_after, matrix_after
+    def replay(self, segments: list[tuple[torch.Tensor, ...]], members: list[int], conv: torch.Tensor,
+               matrix: torch.Tensor, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of held sequences after each of their `tokens` (kv/recurrent_states.py, `Replay`), from
+        the matrices they read, segment by segment (`segments`: each held sequence's qkv, g, beta and conv
+        history, which holds the conv inputs it read: `conv` is not needed)."""
+        convs, matrices = [], []
+        for member, state, counts in zip(members, matrix, tokens, strict=True):
+            _, conv_after, matrix_after = self.segments(*segments[member], state[None], counts)
+            convs.append(conv_after)
+            matrices.append(matrix_after)
+        return torch.cat(convs), torch.cat(matrices)
+
+    def replay_rows(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, window: torch.Tensor, members: list[int], conv: torch.Tensor,
+                    matrix: torch.Tensor, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`replay` over `short_rows`' padded inputs of the held sequences: where each keeps one state (its
+        kept tokens', the common case), one batched recurrence masked past them; else sequence by sequence."""
+        width = conv.shape[2]
+        if any(len(counts) != 1 for counts in tokens):
+            convs, matrices = [], []
+            for member, state, counts in zip(members, matrix, tokens, strict=True):
+                for count in counts:
+                    _, after = recurrent_gated_delta_rule(
+                        query[member:member + 1, :count], key[member:member + 1, :count],
+                        value[member:member + 1, :count], g[member:member + 1, :count],
+                        beta[member:member + 1, :count], state[None], l2norm_qk=True)
+                    convs.append(window[member, :, count:count + width])
+                    matrices.append(after[0])
+            return torch.stack(convs), torch.stack(matrices)
+        counts = torch.tensor([counts[0] for counts in tokens], device=g.device)
+        keep = (torch.arange(g.shape[1], device=g.device)[None, :] < counts[:, None])[..., None]
+        _, after = recurrent_gated_delta_rule(query[members], key[members], value[members], g[members] * keep,
+                                              beta[members] * keep, matrix, l2norm_qk=True)
+        return torch.stack([window[member, :, count:count + width]
+                            for member, [count] in zip(members, tokens, strict=True)]), after
 
     def delta_rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,6 +99,7 @@ class Chunk:
     read_slot: int
     saves: list[tuple[int, int]]
     table: list[int]
+    held: bool = False  # a verify row: its states wait for `HybridDriver.settle`
 
 
 class HybridDriver:
@@ -134,10 +135,15 @@ class HybridDriver:
         inputs = AttentionInputs(slots, positions, tables, [len(c.tokens) for c in chunks],
                                  [c.start + len(c.tokens) for c in chunks], BLOCK_SIZE)
         states = StepStates(self.states, torch.tensor([c.read_slot for c in chunks], dtype=torch.int64),
-                            [list(c.saves) for c in chunks])
+                            [list(c.saves) for c in chunks], frozenset(i for i, c in enumerate(chunks) if c.held))
+        self.held = states
         ctx = ForwardContext(self.backend, self.kv_cache, self.backend.build_metadata(inputs), states)
         input_ids = torch.tensor([t for c in chunks for t in c.tokens])
         return self.model.compute_logits(self.model(input_ids, positions, ctx))
+
+    def settle(self, kept: dict[int, int]) -> None:
+        """The last step's held chunks (by place) keep their first `kept[i]` tokens: their states written."""
+        self.held.settle(kept)
 
     def prefill_in_pieces(self, prompt: list[int], cuts: list[int], table: list[int], slot: int = 0,
                           first_read: int = -1) -> torch.Tensor:

@@ -78,7 +78,7 @@ class ToyRecurrent(nn.Module):
         if states is None:
             raise ValueError(f"layer {self.layer} keeps a recurrent state: the step must carry StepStates")
         conv_states, matrices = states.initial(self.layer)  # [S, HIDDEN, w - 1], [S, heads, Dk, Dv]
-        outputs, saved_conv, saved_matrix = [], [], []
+        outputs, saved_conv, saved_matrix, held = [], [], [], {}
         start = 0
         for seq, saves in enumerate(states.saves):
             length = saves[-1][0]
@@ -93,25 +93,31 @@ class ToyRecurrent(nn.Module):
                     saved_conv.append(inputs[i + 1:i + CONV_WIDTH].T)
                     saved_matrix.append(matrix)
             if seq in states.held:  # a verify row: its states once the kept tokens are known
-                states.hold(self.layer, seq, lambda conv, matrix, tokens, x_seq=x_seq, inputs=inputs:
-                            self.replay(x_seq, inputs, matrix, tokens))
+                held[seq] = (x_seq, inputs)
             start += length
         if start != x.shape[0]:
             raise ValueError(f"the step's states cover {start} tokens, the batch has {x.shape[0]}")
         if saved_conv:
             states.save(self.layer, states.save_slots(), torch.stack(saved_conv), torch.stack(saved_matrix))
+        if held:
+            rows = list(held.values())
+            states.hold(self.layer, list(held), lambda members, conv, matrix, tokens: self.replay(rows, members,
+                                                                                                 matrix, tokens))
         return torch.stack(outputs)
 
-    def replay(self, x_seq: torch.Tensor, inputs: torch.Tensor, matrix: torch.Tensor,
-               tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The states after each of `tokens` of a held sequence's step, from the matrices it read."""
-        matrix, done, convs, matrices = matrix.to(x_seq.dtype), 0, [], []
-        for count in tokens:
-            for i in range(done, count):
-                matrix = self.update(matrix, x_seq[i])
-            convs.append(inputs[count:count + CONV_WIDTH - 1].T)
-            matrices.append(matrix)
-            done = count
+    def replay(self, rows: list[tuple[torch.Tensor, torch.Tensor]], members: list[int], matrix: torch.Tensor,
+               tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states after each of `tokens[i]` of held sequence `members[i]`'s step (`rows`: each held
+        sequence's inputs and conv window), from the matrices they read."""
+        convs, matrices = [], []
+        for member, start_matrix, counts in zip(members, matrix, tokens, strict=True):
+            (x_seq, inputs), state, done = rows[member], start_matrix.to(rows[member][0].dtype), 0
+            for count in counts:
+                for i in range(done, count):
+                    state = self.update(state, x_seq[i])
+                convs.append(inputs[count:count + CONV_WIDTH - 1].T)
+                matrices.append(state)
+                done = count
         return torch.stack(convs), torch.stack(matrices)
 
 

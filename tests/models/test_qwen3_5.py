@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from localserve.models.config import ModelConfigError
 from localserve.models.registry import config_from_hf
 
+from localserve.kv.state_steps import kept_state_slots
 from localserve.loading.hf import load_model
 from tests.helpers.hybrid_models import (
     VOCAB,
@@ -131,6 +132,53 @@ def test_decodes_batched_with_a_prefill(dense):
     logits = driver.step([Chunk(PROMPT[31:], 31, 0, [(22, 0)], [1, 2, 7, 8]),
                           Chunk(other[41:42], 41, 1, [(1, 1)], [3, 4, 5])])
     assert_close_logits(logits, torch.cat([theirs[31:], other_logits[41:42]]))
+
+
+def settle_case(driver: HybridDriver, length: int, checkpoint: int | None, num_kept: int) -> None:
+    """A held row of `length` tokens after 20 computed ones (their state in slot 0), beside a decode of
+    another sequence, then settled at `num_kept`: its logits are those of the row computed plainly, it writes
+    nothing before it is settled, and then every state it writes (its checkpoint inside the kept tokens,
+    its final state) is the one a plain step of the kept tokens writes."""
+    other = PROMPT[::-1]
+    driver.step([Chunk(PROMPT[:20], 0, -1, [(20, 0)], [1, 2]), Chunk(other[:9], 0, -1, [(9, 1)], [5])])
+    row = PROMPT[20:20 + length]
+    saves = ([(checkpoint, 3)] if checkpoint else []) + [(length, 4)]
+    plain = driver.step([Chunk(row, 20, 0, [(c, slot + 6) for c, slot in saves], [1, 2, 3]),
+                         Chunk(other[9:10], 9, 1, [(1, 5)], [5])])
+    layer = driver.model.config.recurrent_layers[0]
+    before = {slot: driver.state(layer, slot) for slot in (3, 4)}
+    held = driver.step([Chunk(row, 20, 0, saves, [1, 2, 3], held=True), Chunk(other[9:10], 9, 1, [(1, 6)], [5])])
+    assert_close_logits(held, plain)  # (one padded recurrence, or segments: the same to rounding)
+    for slot, (conv, matrix) in before.items():  # held: nothing written yet
+        assert torch.equal(driver.state(layer, slot)[0], conv) and torch.equal(driver.state(layer, slot)[1], matrix)
+    torch.testing.assert_close(driver.state(layer, 6)[1], driver.state(layer, 5)[1], atol=1e-5, rtol=1e-5)
+    driver.settle({0: num_kept})
+    # The kept tokens computed plainly, their states into slots 11 and 12 (the held row's 3 and 4, plus 8).
+    reference = [(tokens, slot + 8) for tokens, slot in kept_state_slots(saves, num_kept)]
+    driver.step([Chunk(row[:num_kept], 20, 0, reference, [1, 2, 3])])
+    for tokens, slot in kept_state_slots(saves, num_kept):
+        conv, matrix = driver.state(layer, slot + 8)
+        got_conv, got_matrix = driver.state(layer, slot)
+        # (the projections' rounding depends on the step's rows: the same inputs to 1e-5)
+        torch.testing.assert_close(got_conv, conv, atol=1e-5, rtol=1e-5, msg=f"conv after {tokens}")
+        torch.testing.assert_close(got_matrix, matrix, atol=1e-5, rtol=1e-5, msg=f"matrix after {tokens}")
+
+
+@pytest.mark.parametrize(("length", "checkpoint", "num_kept"), [
+    (5, None, 5), (5, None, 1), (5, None, 3),  # short rows: kept whole, its first token only, cut
+    (6, 2, 4), (6, 2, 2), (6, 2, 1),  # a checkpoint inside (kept past it, on it, before it)
+    (16, None, 9), (17, None, 9),  # SHORT_ROWS and one past (the prefill path)
+    (20, 12, 15), (20, 12, 20),  # long rows with a checkpoint inside
+])
+def test_held_rows_settle_to_the_states_of_their_kept_tokens(dense, length, checkpoint, num_kept):
+    settle_case(HybridDriver(dense[2].model), length, checkpoint, num_kept)
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), length=st.integers(2, 24))
+def test_generated_held_rows_settle_to_the_states_of_their_kept_tokens(dense, data, length):
+    checkpoint = data.draw(st.none() | st.integers(1, length - 1))
+    settle_case(HybridDriver(dense[2].model), length, checkpoint, data.draw(st.integers(1, length)))
 
 
 @pytest.mark.parametrize("tied", [False, True])
