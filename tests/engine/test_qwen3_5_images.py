@@ -2,8 +2,9 @@
 Qwen3_5(Moe)ForConditionalGeneration folders): our encoder's embeddings equal transformers' image features,
 and greedy tokens and log-probabilities equal transformers' generate with pixel_values and image_grid_thw
 (its mRoPE positions) for prompts with one or two images of different sizes: alone, batched, in chunks that
-split an image, under preemption by recompute and by swap, and after a prefix hit on an image (resumed from
-the linear layers' state checkpoints). Every step checked, every block and state slot back."""
+split an image, under preemption by recompute and by swap, after a prefix hit on an image (resumed from
+the linear layers' state checkpoints), and with speculative decoding. Every step checked, every block and
+state slot back."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from localserve.engine.sampling_params import SamplingParams
 from localserve.loading.hf import load_model
 from localserve.loading.image_encoders import load_image_encoder
 from tests.helpers.engine_checks import StepChecker
+from tests.helpers.oracle_drafter import OracleDrafter
 from tests.helpers.pictures import picture, reencoded
 from tests.helpers.qwen_vision_models import (
     IDS,
@@ -28,6 +30,7 @@ from tests.helpers.qwen_vision_models import (
     transformers_greedy,
     write_tiny_qwen3_5_vision,
 )
+from tests.helpers.spec_costs import FixedStepCost
 
 CHECKPOINT = 32  # tokens between the linear layers' state checkpoints: two blocks
 LOGPROB_TOLERANCE = 1e-4
@@ -52,12 +55,12 @@ def layouts(encoder) -> list[tuple]:
             image_prompt([[24 + i for i in range(30)]], encoder)]
 
 
-def run(model, work, max_tokens: int = 6, **config) -> tuple[list, object]:
-    """Each (ids, multimodal) request's final output from an engine of `config`, every step checked; the
-    engine ends idle with every block and state slot back."""
+def run(model, work, max_tokens: int = 6, build=build_engine, **config) -> tuple[list, object]:
+    """Each (ids, multimodal) request's final output from an engine of `config` (made by `build`), every
+    step checked; the engine ends idle with every block and state slot back."""
     config = {"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
               "state_checkpoint_tokens": CHECKPOINT, "check_integrity": True} | config
-    engine = build_engine(model, None, EngineConfig(**config))
+    engine = build(model, None, EngineConfig(**config))
     checker = StepChecker(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     ids = [engine.add_request(prompt, params, multimodal=multimodal) for prompt, multimodal, _ in work]
@@ -151,3 +154,26 @@ def test_a_prefix_hit_after_an_image_resumes_from_a_checkpoint(models):
     assert_equals_transformers(hf_model, second, outputs[1].outputs[0])
     assert_equals_transformers(hf_model, other, outputs[2].outputs[0])
 
+
+
+def test_verified_drafts_after_images_keep_greedy_tokens(models):
+    """Speculative decoding after images: verify rows carry the request's mRoPE positions (text after an image
+    shifted by its delta) and are held over the linear layers; with drafts kept whole, cut and rejected
+    (oracle drafts with planted wrong tokens), tokens and logprobs equal those without speculation."""
+    work = layouts(models[2])
+    expected = [run(models[1], [item], max_tokens=20, max_num_seqs=1)[0][0] for item in work]
+    oracle = OracleDrafter([prompt + list(out.token_ids) for (prompt, _, _), out in zip(work, expected)],
+                           models[1].config.vocab_size, seed=4)
+
+    def speculating(model, tokenizer, config):
+        engine = build_engine(model, tokenizer, config)
+        engine.scheduler.speculation.drafter = oracle
+        engine.scheduler.speculation.cost = FixedStepCost()
+        return engine
+
+    outputs, engine = run(models[1], work, max_tokens=20, build=speculating, spec_type="ngram", spec_tokens=4)
+    totals = engine.scheduler.speculation.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    for output, want in zip(outputs, expected):
+        assert list(output.token_ids) == list(want.token_ids)
+        assert max(abs(a - b) for a, b in zip(output.logprobs, want.logprobs)) <= LOGPROB_TOLERANCE
