@@ -9,7 +9,8 @@ shared rules (temperature up to 2, where Anthropic stops at 1). `output_config.f
 constrains the answer. `tools` (custom tools: name, description, input_schema) and `tool_choice` (auto,
 any, tool, none; `disable_parallel_tool_use`) become the shared tool fields; an assistant's `tool_use`
 blocks become its calls and a user's `tool_result` blocks the tool messages before its text, as chat
-completions spell them; earlier `thinking` blocks are dropped (templates drop earlier reasoning).
+completions spell them; an assistant's `thinking` blocks its reasoning (`redacted_thinking` is encrypted:
+dropped), which the templates that render reasoning keep in a tool loop (server/request/messages.py).
 `thinking` enabled or disabled turns the model's reasoning on or off where its template can
 (`budget_tokens` is not enforced: the reasoning ends when the model ends it, within `max_tokens`); left
 out, the template's default holds.
@@ -51,18 +52,17 @@ def _image_block(block: dict[str, Any], where: str, bounds: ImageBounds) -> tupl
 
 
 # the messages once their tool blocks are spelled as chat completions spell calls and results
+THINKING = "localserve_thinking"  # an assistant message's thinking blocks' text, once respelled
 ANTHROPIC_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True, tool_turns="chat",
                                    refused_roles={"system": SYSTEM_FIELD, "developer": SYSTEM_FIELD},
-                                   image_parts={"image": _image_block})
+                                   image_parts={"image": _image_block}, reasoning_fields=(THINKING,))
 NO_ACCOUNTS = "there are no accounts"
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool", naming one
 ANTHROPIC_TOOL_WHY = ("is not a custom tool: Anthropic runs its server tools on its side, and its built-in client "
                       "tools have schemas of their own; this server's model calls custom tools, which the client runs")
-DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # an earlier turn's reasoning: templates drop it
-
-
-# Context edits that change nothing here: earlier turns' thinking is never rendered (templates drop it), so
-# clearing it, or keeping it (Claude Code's `keep: "all"`), leaves the prompt as it is.
+# Context edits that change nothing here: thinking of turns before the last user message is never rendered
+# (the templates drop it), and that of the turns after it (a tool loop) is what the model must see again, so
+# clearing earlier thinking, or keeping it (Claude Code's `keep: "all"`), leaves the prompt as it is.
 NO_OP_CONTEXT_EDITS = ("clear_thinking_20251015",)
 
 
@@ -97,6 +97,7 @@ def _chat_messages(message: Any, where: str) -> list[Any]:
     texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    thinking: list[str] = []
     for number, block in enumerate(content):
         at = f"{where}.content[{number}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -104,8 +105,10 @@ def _chat_messages(message: Any, where: str) -> list[Any]:
             texts.append({"type": "text", "text": check_type(block, "text", str, f"{at}.text") or ""})
         elif kind == "image" and role == "user":
             texts.append(_image_part(block, at))
-        elif kind in DROPPED_BLOCKS and role == "assistant":
-            continue
+        elif kind == "thinking" and role == "assistant":
+            thinking.append(check_type(block, "thinking", str, f"{at}.thinking") or "")
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # encrypted: nothing to render
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
@@ -115,7 +118,8 @@ def _chat_messages(message: Any, where: str) -> list[Any]:
             raise ProtocolError("unsupported_value", f"'{at}' must be a text block{_blocks_of(role)}: "
                                 f"this server takes no {shown(kind)} block here", at)
     if role == "assistant":
-        return [{"role": "assistant", "content": texts, **({"tool_calls": calls} if calls else {})}]
+        return [{"role": "assistant", "content": texts, **({"tool_calls": calls} if calls else {}),
+                 **({THINKING: "".join(thinking)} if thinking else {})}]
     return results + ([{**message, "content": texts}] if texts or not results else [])
 
 

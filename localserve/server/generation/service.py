@@ -41,6 +41,7 @@ from localserve.server.request.generation_request import (
     template_view,
 )
 from localserve.server.request.images import with_image_parts
+from localserve.server.request.messages import REASONING_KEY
 from localserve.server.request.validation import ProtocolError
 from localserve.tokenizer.tools import ChatFormatError
 
@@ -372,6 +373,8 @@ class GenerationService:
         if stream.samples:
             sample = stream.samples[0]
             reply = [{"role": "assistant", "content": sample.content}]
+            if sample.reasoning:  # rendered again where the template keeps it (a tool loop)
+                reply[0][REASONING_KEY] = sample.reasoning
             if sample.calls:
                 reply[0]["tool_calls"] = [call.message_call() for call in sample.calls]
         self.conversations.put(stream.response_id, run.conversation + reply,

@@ -26,7 +26,7 @@ NO_LIMIT = (-1, -2)  # num_predict: Ollama's unlimited and fill-the-context
 THINK_LEVELS = ("low", "medium", "high")  # `think` as a string (gpt-oss); true thinks at the template's default
 # Ollama's messages once their calls carry ids (chat completions' shape): what the shared parser reads
 OLLAMA_MESSAGES = MessageFormat(text_parts=(), unused_text_fields=("tool_name",), tool_turns="chat",
-                                message_images=True)
+                                message_images=True, reasoning_fields=("thinking",))
 HARDWARE = "set when the server starts (see localserve serve --help)"
 
 
@@ -80,15 +80,15 @@ def _with_call_ids(messages: list[Any], param: str) -> list[Any]:
     """`messages`, with Ollama's tool turns: an assistant's `tool_calls` are `{"function": {"name", "arguments":
     {...}}}` with no id, and a `tool` message names the function it answers (`tool_name`) rather than a call.
     Each call is given an id here and each result the id of the earliest unanswered call of its function (of
-    any function without `tool_name`), so the conversation reads as chat completions spell it. An earlier
-    turn's `thinking` is dropped, as templates drop earlier reasoning."""
+    any function without `tool_name`), so the conversation reads as chat completions spell it. An assistant's
+    `thinking` stays: its reasoning (OLLAMA_MESSAGES' reasoning field)."""
     unanswered: list[tuple[str, str]] = []  # (call id, function name), oldest first
     spelled = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             spelled.append(message)
             continue
-        message = {key: item for key, item in message.items() if key != "thinking"}
+        message = dict(message)
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and isinstance(calls, list):
             message["tool_calls"] = [_call(call, f"{param}[{index}].tool_calls[{number}]", f"call_{index}_{number}")

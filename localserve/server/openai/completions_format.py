@@ -36,7 +36,8 @@ CHAT_MESSAGES = MessageFormat(text_parts=("text",), at_least_one=True,
                                      refused_fields=("function_call", "audio"),
                                      unused_text_fields=("name", "refusal"),  # the templates use neither
                                      null_assistant_content=True, tool_turns="chat",
-                                     image_parts={"image_url": _image_url_part})
+                                     image_parts={"image_url": _image_url_part},
+                                     reasoning_fields=("reasoning_content", "reasoning"))
 TEXT_ONLY = "the server answers in text only"
 
 

@@ -7,9 +7,15 @@ an assistant message's `tool_calls` (each with its `id` and its arguments as JSO
 message's `tool_call_id`. Chat completions write them so; the Responses API writes `function_call` items
 (joined into the assistant message before them) and `function_call_output` items (which may name the
 function instead of the call: `tool_call_id` None and its `name`, resolved against the whole conversation by
-server/generation/chat_turns.py), and its `reasoning` items are accepted and left out (templates drop earlier turns'
-reasoning). A call whose arguments are no JSON object (one cut short, as an older answer may hold) is the
-model's own text (request_model.UNFINISHED_CALL_IDS), never a refusal.
+server/generation/chat_turns.py). A call whose arguments are no JSON object (one cut short, as an older answer
+may hold) is the model's own text (request_model.UNFINISHED_CALL_IDS), never a refusal.
+
+An assistant turn's reasoning, as the client resends it (chat completions' `reasoning_content` or
+`reasoning`, Ollama's `thinking`, Anthropic's `thinking` blocks, the Responses API's `reasoning` items'
+`reasoning_text` before the turn they belong to), becomes the message's `reasoning_content`
+(REASONING_KEY), which the chat templates that render reasoning read (Qwen3, Qwen3.5 / 3.6, Gemma 4: in a
+tool loop, the turns after the last user message keep their reasoning, as the model wrote it); the others
+ignore it. Reasoning of an assistant turn given no text is nothing.
 
 Image parts (a format's `image_parts`: a reader of the part's file and declared media type) and Ollama's
 `images` list on a message (`message_images`) are decoded into an `ImageSink` (server/request/images.py),
@@ -31,6 +37,7 @@ ImagePartReader = Callable[[dict[str, Any], str, ImageBounds], tuple[bytes, str 
 # a part's path in the request as sent, kept in the part when a respelling moved it (Anthropic's image blocks)
 PART_PATH = "localserve_path"
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+REASONING_KEY = "reasoning_content"  # an assistant message's reasoning, as the chat templates read it
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class MessageFormat:
     tool_turns: Literal["chat", "responses"] | None = None  # how the API spells calls and results (None: no tools)
     image_parts: Mapping[str, ImagePartReader] = field(default_factory=dict)  # part type -> its reader
     message_images: bool = False  # a message's `images`: base64 files before its text (Ollama's)
+    reasoning_fields: tuple[str, ...] = ()  # an assistant message's fields holding its reasoning (the first set)
 
 
 @dataclass(frozen=True)
@@ -72,12 +80,16 @@ def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestL
         raise ProtocolError("invalid_value", f"'{param}' must hold at least one message", param)
     check_length(value, param, limits.max_input_items)
     messages: list[Message] = []
+    reasoning = ""  # a `reasoning` item's text, for the assistant turn after it
     for index, item in enumerate(value):
         where = f"{param}[{index}]"
         kind = item.get("type") if form.tool_turns == "responses" and isinstance(item, dict) else None
+        if kind == "reasoning":
+            reasoning += _reasoning_item_text(item, where)
+            continue
         if kind == "function_call":
             call = _call(item, where, "call_id", item.get("name"), item.get("arguments"), f"{where}.")
-            if not messages or messages[-1]["role"] != "assistant":
+            if not messages or messages[-1]["role"] != "assistant" or reasoning:
                 messages.append({"role": "assistant", "content": ""})
             _join_call(messages[-1], call)
         elif kind == "function_call_output":
@@ -89,9 +101,30 @@ def parse_messages(value: Any, param: str, form: MessageFormat, limits: RequestL
                 raise ProtocolError("invalid_type", f"'{where}.output' must be a string or text parts",
                                     f"{where}.output")
             messages.append(_function_output(item, where, output))
-        elif kind != "reasoning":
+        else:
             messages.append(_message(item, where, form, _Placing(sink, len(messages))))
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1][REASONING_KEY] = reasoning
+        reasoning = ""  # reasoning with no assistant turn after it belongs to none
     return messages
+
+
+def _reasoning_item_text(item: Mapping[str, Any], where: str) -> str:
+    """A Responses `reasoning` item's reasoning: the text of its `reasoning_text` parts (its summary is a
+    summary, not what the model wrote; encrypted content cannot be read here)."""
+    content = item.get("content")
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise ProtocolError("invalid_type", f"'{where}.content' must be an array of reasoning_text parts",
+                            f"{where}.content")
+    texts = []
+    for number, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text":
+            raise ProtocolError("invalid_type", f"'{where}.content[{number}]' must be a reasoning_text part",
+                                f"{where}.content[{number}]")
+        texts.append(check_type(part, "text", str, f"{where}.content[{number}].text") or "")
+    return "".join(texts)
 
 
 def _function_output(item: Mapping[str, Any], where: str, output: str) -> Message:
@@ -166,9 +199,21 @@ def _message(item: Any, where: str, form: MessageFormat, placing: _Placing) -> M
         message = {"role": "assistant", "content": _content(item, where, form, placing, null_allowed=True)}
         for number, call in enumerate(calls):
             _join_call(message, _chat_call(call, f"{where}.tool_calls[{number}]"))
-        return message
+        return _with_reasoning(message, item, where, form)
     content = _content(item, where, form, placing, null_allowed=role == "assistant" and form.null_assistant_content)
-    return {"role": ROLES[role], "content": content}
+    message = {"role": ROLES[role], "content": content}
+    return _with_reasoning(message, item, where, form) if role == "assistant" else message
+
+
+def _with_reasoning(message: Message, item: Mapping[str, Any], where: str, form: MessageFormat) -> Message:
+    """The assistant `message` with the reasoning the client resent in the first of the format's reasoning
+    fields that holds some (module doc)."""
+    for name in form.reasoning_fields:
+        text = check_type(item, name, str, f"{where}.{name}")
+        if text:
+            message[REASONING_KEY] = text
+            break
+    return message
 
 
 def _chat_call(call: Any, where: str) -> dict[str, Any]:

@@ -15,25 +15,20 @@ renders a past answer), which lies past that checkpoint: every turn resumes from
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
-import torch
 
-from localserve.engine.builder import build_engine
-from localserve.engine.config import STATE_CHECKPOINT_TOKENS, EngineConfig
+from localserve.engine.config import STATE_CHECKPOINT_TOKENS
 from localserve.engine.engine_thread import EngineThread
 from localserve.kv.state_group import PROMPT_TAIL
-from localserve.loading.hf import load_model
 from tests.helpers.chat_families import family_tokenizer
-from tests.helpers.hybrid_models import BLOCK_SIZE, qwen3_5_config, save_hybrid
+from tests.helpers.hybrid_models import BLOCK_SIZE
 from tests.helpers.oracle_drafter import OracleDrafter
-from tests.helpers.server import openai_client, running_server
+from tests.helpers.qwen35_serving import QWEN35_VOCAB, serve_qwen35, write_tiny_qwen35
+from tests.helpers.server import openai_client
 from tests.helpers.spec_costs import FixedStepCost
 
-QWEN35_VOCAB = 151_936
 ANSWER_TOKENS = 10
 TURNS = 10
 SYSTEM = "You are a patient guide to the countryside. Answer in short sentences and ask one question back."
@@ -95,23 +90,15 @@ def expected_cached(prompt: list[int], earlier: list[dict]) -> int:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen35-reuse")
-    save_hybrid(folder, qwen3_5_config(vocab_size=QWEN35_VOCAB, hidden_size=32, intermediate_size=48))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645]}))  # <|im_end|>
-    return folder
+    return write_tiny_qwen35(tmp_path_factory.mktemp("qwen35-reuse"))
 
 
 @contextmanager
 def serve(folder, **config):
-    """A server of the model in `folder` (served as "qwen3.5") with the Qwen3.5 family's tokenizer and
-    template, on a recording engine thread; yields (server, that thread)."""
-    loaded = load_model(folder, dtype=torch.float32, device="cpu")
-    tokenizer = family_tokenizer("qwen3.5")
-    engine = build_engine(loaded.model, tokenizer, EngineConfig(num_kv_blocks=128, max_num_seqs=4,
-                                                                max_num_batched_tokens=256, **config))
-    llm = SimpleNamespace(engine=engine, tokenizer=tokenizer, model_config=loaded.config, model_path=folder)
-    with running_server(llm, engine_thread_type=SeenEngineThread, model_alias="qwen3.5") as server:
-        yield server, engine.seen_thread
+    """A server of the tiny Qwen3.5 (served as "qwen3.5", its real template and vocabulary) on a recording
+    engine thread; yields (server, that thread)."""
+    with serve_qwen35(folder, engine_thread_type=SeenEngineThread, **config) as server:
+        yield server, server.server.models.serving_now().engine  # the engine thread
 
 
 def chat(client, messages: list[dict]):
