@@ -37,3 +37,31 @@ def test_messages_in_each_form():
         with pytest.raises(ProtocolError) as raised:
             parse_messages(value, "m", form, LIMITS)
         assert (raised.value.code, raised.value.param) == expected, value
+
+
+def test_resent_reasoning_joins_its_assistant_turn():
+    """Chat completions' `reasoning_content` (else `reasoning`) on an assistant message; a Responses reasoning
+    item's text joins the assistant turn after it (a message or calls), and starts a new one; reasoning before
+    a user message belongs to no turn; a user's reasoning field is not read."""
+    chat = MessageFormat(text_parts=("text",), tool_turns="chat", reasoning_fields=("reasoning_content", "reasoning"))
+    assert parse_messages([{"role": "user", "content": "q", "reasoning_content": 5},
+                           {"role": "assistant", "content": "a", "reasoning_content": "", "reasoning": "r"}],
+                          "m", chat, RequestLimits()) == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]
+    responses = MessageFormat(text_parts=("input_text", "output_text"), item_types=("message",),
+                              tool_turns="responses")
+
+    def thought(text: str) -> dict:
+        return {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    parsed = parse_messages([{"role": "user", "content": "q"}, thought("one"), {"role": "assistant", "content": "a"},
+                             thought("two"), call, {**call, "call_id": "c2"},
+                             {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                             thought("lost"), {"role": "user", "content": "again"}], "m", responses, RequestLimits())
+    assert [(message["role"], message.get("reasoning_content")) for message in parsed] == [
+        ("user", None), ("assistant", "one"), ("assistant", "two"), ("tool", None), ("user", None)]
+    assert [call["id"] for call in parsed[2]["tool_calls"]] == ["c1", "c2"]  # both calls in the turn after "two"
+    assert parse_messages([thought("a"), thought("b"), {"role": "assistant", "content": "x"}], "m", responses,
+                          RequestLimits())[0]["reasoning_content"] == "ab"
