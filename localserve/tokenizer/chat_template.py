@@ -96,8 +96,10 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
     """
     if not messages:
         raise ChatTemplateError("cannot apply a chat template to an empty conversation")
-    # Like transformers: keys whose value is None are dropped (APIs send `content=None` with tool calls).
-    messages = [{key: value for key, value in dict(m).items() if value is not None} for m in messages]
+    # Like transformers: keys whose value is None are dropped (APIs send `content=None` with tool calls), and a
+    # message's reasoning goes under both names templates read it by (`reasoning_content`; gpt-oss's `thinking`).
+    messages = [_with_reasoning_names({key: value for key, value in dict(m).items() if value is not None})
+                for m in messages]
     variables = {**(special_tokens or {}), **kwargs}
     try:
         compiled = compile_chat_template(template)
@@ -107,3 +109,14 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *
         raise
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed to render: {exc}") from None
+
+
+REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+"""The names a message's reasoning may come under, the one templates read first (transformers' order)."""
+
+
+def _with_reasoning_names(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its reasoning (the first of REASONING_NAMES it holds) as `reasoning_content` and as
+    `thinking`, which is what transformers' apply_chat_template hands a template."""
+    reasoning = next((message[name] for name in REASONING_NAMES if name in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}

@@ -10,7 +10,8 @@ for a call, its recipient:
     (<|call|>, which ends the output)
 
 - `analysis` is reasoning (`reasoning_content`, Responses reasoning items, Anthropic thinking blocks, Ollama's
-  `thinking`); the template drops it from earlier turns;
+  `thinking`); resent, it is the analysis before a call in a tool loop (the template's `thinking`; left out
+  beside the turn's text, which the template renders as the analysis), and the template drops it elsewhere;
 - `commentary` with a recipient `to=functions.NAME` (before or after the channel: the template writes
   `assistant to=functions.NAME<|channel|>commentary json`) is a call whose body is its JSON arguments;
   `commentary` without one is a preamble the user sees, content like `final`;
@@ -30,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from localserve.tokenizer.chat_template import REASONING_NAMES
 from localserve.tokenizer.chat_turn import ChatFormat, ChatInputs, ChatStreamParser, ChatTurn, check_tool_names
 from localserve.tokenizer.held_text import split_at_marker
 from localserve.tokenizer.json_stream import JsonValueScanner
@@ -89,7 +91,7 @@ class HarmonyCalls:
             tools = [tool.template_tool() for tool in use.shown_tools]
             for tool in tools:
                 tool["function"].setdefault("description", "")
-        return one_call_per_message(template_messages(messages)), tools
+        return one_call_per_message([_analysis_or_content(message) for message in template_messages(messages)]), tools
 
     def grammar(self, use: ToolUse) -> CallGrammar:
         """The whole output's grammar (harmony's structure is in special tokens, so it is constrained from the
@@ -145,10 +147,26 @@ def one_call_per_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
             index += 1
         ids = [call.get("id") for call in calls]
         for number, call in enumerate(calls):
-            out.append({**message, "tool_calls": [call], **({"content": ""} if number else {})})
+            split = {**message, "tool_calls": [call]}
+            if number:  # the turn's text and its reasoning (analysis) came once, before its first call
+                split = {**_without_reasoning(split), "content": ""}
+            out.append(split)
             out += [result for result in results if result.get("tool_call_id") == ids[number]]
         out += [result for result in results if result.get("tool_call_id") not in ids]
     return out
+
+
+def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in message.items() if key not in REASONING_NAMES}
+
+
+def _analysis_or_content(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with calls and text: the template renders the text as the analysis before its call
+    and refuses a `thinking` beside it, so a resent reasoning is left out there (elsewhere it is the analysis:
+    the template's `thinking`, filled by render_chat_template)."""
+    if message.get("tool_calls") and message.get("content"):
+        return _without_reasoning(message)
+    return message
 
 
 class HarmonyFormat(ChatFormat):

@@ -104,6 +104,35 @@ def test_tools_and_results_render_as_transformers_one_call_per_message():
     assert prompt.endswith("<|start|>assistant")
 
 
+def test_a_tool_loops_resent_reasoning_is_its_analysis_message():
+    """An assistant turn's resent reasoning (`reasoning_content`, server/request/messages.py) is the analysis the
+    template renders before its call (its `thinking`), on the first of several calls only, as transformers
+    renders it; with content beside it (which the template renders as the analysis itself and refuses with
+    `thinking`) it is left out; a final answer's reasoning is dropped by the template."""
+    ours, reference = harmony_tokenizer(), harmony_reference()
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+    second = {"id": "c2", "type": "function", "function": {"name": "search", "arguments": '{"query": "föhn"}'}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call, second]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "c2", "content": "a wind"}]
+    inputs = harmony().turn(TOOLS).chat_inputs(messages)
+    prompt = ours.apply_chat_template(inputs.messages, tools=inputs.tools, **inputs.variables)
+    assert prompt == reference.apply_chat_template(inputs.messages, tools=inputs.tools, tokenize=False,
+                                                   add_generation_prompt=True, **inputs.variables)
+    assert prompt.count("<|channel|>analysis<|message|>Look it up.<|end|>") == 1
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant "
+            "to=functions.get_weather") in prompt
+    with_content = [messages[0], {**messages[1], "content": "Checking.", "tool_calls": [call]}, messages[2]]
+    inputs = harmony().turn(TOOLS).chat_inputs(with_content)
+    prompt = ours.apply_chat_template(inputs.messages, tools=inputs.tools, **inputs.variables)
+    assert "analysis<|message|>Checking.<|end|>" in prompt and "Look it up." not in prompt
+    final = [messages[0], {"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."},
+             {"role": "user", "content": "Thanks"}]
+    inputs = harmony().turn(TOOLS).chat_inputs(final)
+    assert "Easy." not in ours.apply_chat_template(inputs.messages, tools=inputs.tools, **inputs.variables)
+
+
 def test_a_tool_without_a_description_renders():
     bare = ToolSpec("ping")
     inputs = harmony().turn([bare]).chat_inputs([{"role": "user", "content": "Hi"}])
