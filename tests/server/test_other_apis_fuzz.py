@@ -60,14 +60,18 @@ ollama_common = {"model": models, "stream": maybe(st.booleans()), "options": may
                  "tools": maybe(st.just([])), "unknown": json_values}
 ollama_chat = st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hello"}]) | maybe(st.lists(
     st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text)}, optional={"images": json_values
-                                                                                 | ollama_images}),
+                                                                                 | ollama_images,
+                                                                                 "thinking": maybe(nasty_text)
+                                                                                 | json_values}),
     max_size=3))}, optional=ollama_common)
 ollama_generate = st.fixed_dictionaries({"prompt": st.just("hello world") | maybe(nasty_text)}, optional={
     **ollama_common, "system": maybe(nasty_text), "raw": maybe(st.booleans()), "suffix": maybe(nasty_text),
     "context": maybe(st.just([1, 2])), "images": maybe(ollama_images | json_values)})
 ollama_show = st.fixed_dictionaries({}, optional={"model": models, "name": models, "verbose": maybe(st.booleans())})
-blocks = st.lists(st.fixed_dictionaries({"type": maybe(st.sampled_from(["text", "image", "tool_use", "tool_result"])),
-                                         "text": maybe(nasty_text)}) | anthropic_image_blocks, max_size=2)
+blocks = st.lists(st.fixed_dictionaries({"type": maybe(st.sampled_from(["text", "image", "tool_use", "tool_result",
+                                                                      "thinking", "redacted_thinking"])),
+                                         "text": maybe(nasty_text)}, optional={"thinking": maybe(nasty_text)})
+                  | anthropic_image_blocks, max_size=2)
 anthropic_messages = st.lists(st.fixed_dictionaries({"role": roles, "content": maybe(nasty_text | blocks)}),
                               max_size=3)
 anthropic_prompt = {"model": models, "system": maybe(nasty_text | blocks),

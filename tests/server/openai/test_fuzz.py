@@ -38,9 +38,10 @@ messages = st.lists(st.fixed_dictionaries({"role": maybe(st.sampled_from(["user"
                                                                           "developer", "tool"])),
                                            "content": maybe(nasty_text | st.lists(st.fixed_dictionaries(
                                                {"type": maybe(st.sampled_from(["input_text", "output_text",
-                                                                               "input_image"])),
+                                                                               "input_image", "reasoning_text"])),
                                                 "text": maybe(nasty_text)}) | responses_image_parts, max_size=3))},
-                                          optional={"type": maybe(st.just("message"))}), max_size=3)
+                                          optional={"type": maybe(st.sampled_from(["message", "reasoning"])),
+                                                    "reasoning_content": maybe(nasty_text)}), max_size=3)
 extension = st.fixed_dictionaries({}, optional={
     "top_k": maybe(extreme_numbers), "min_p": maybe(extreme_numbers), "seed": maybe(extreme_numbers),
     "stop": maybe(nasty_text | st.lists(nasty_text, max_size=10)), "n": maybe(st.integers(0, 20)),
