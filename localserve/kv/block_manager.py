@@ -28,7 +28,8 @@ when the running slot moves, which prefix hits it accepts); kv/state_steps.py re
 state group, `allocate_sharing` is refused, and `truncate` after a verify row keeps the slot its kept
 tokens' final state was written to (`StateGroup.cut`; the model runner writes no rejected token's state).
 
-The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; the work of its
+The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself, and reads them
+through `BlockViews` (kv/block_views.py: the counts, a sequence's tables, `books()`); the work of its
 operations is done by functions over them: admission (kv/allocation_plan.py), the window and state groups'
 slots (kv/group_slots.py), appending a token (kv/token_append.py), swapping (kv/swap_moves.py). Its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
@@ -53,10 +54,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from localserve.kv.allocation_plan import AllocationPlan, plan_allocation, take_tables
-from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, GroupUsage, PoolBooks, pool_snapshot
 from localserve.kv.block_hash import hash_payload
 from localserve.kv.block_pool import BlockMove, BlockPool
 from localserve.kv.block_tier import BlockTier
+from localserve.kv.block_views import BlockViews
 from localserve.kv.followers import Followers
 from localserve.kv.group_slots import GroupSlots
 from localserve.kv.integrity import check_integrity
@@ -69,7 +70,7 @@ from localserve.kv.swap_pool import CpuSwapPool
 from localserve.kv.token_append import append_token, num_blocks_to_append
 
 
-class BlockManager:
+class BlockManager(BlockViews):
     """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping,
     per layer group (module doc).
 
@@ -126,130 +127,11 @@ class BlockManager:
         self.prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
         self.cow_copies = 0
 
-    # ---- observability ----
-    @property
-    def num_groups(self) -> int:
-        return len(self._pools)
-
-    @property
-    def state_group(self) -> int | None:
-        """The state group's index (the last group), None without one."""
-        return None if self._state is None else self._state.group
-
-    @property
-    def group_num_blocks(self) -> tuple[int, ...]:
-        """Each group's pool size."""
-        return tuple(pool.num_blocks for pool in self._pools)
-
-    @property
-    def num_blocks(self) -> int:
-        """GPU blocks of all groups' pools."""
-        return sum(pool.num_blocks for pool in self._pools)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """GPU blocks in the free queues holding nothing reusable (all groups)."""
-        return sum(pool.num_free_blocks for pool in self._pools)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """GPU blocks in the free queues whose contents the prefix cache can still hand out (all groups)."""
-        return sum(pool.num_cached_blocks for pool in self._pools)
-
-    @property
-    def num_available_blocks(self) -> int:
-        """Blocks allocations can take, free + cached (taking a cached one evicts its contents), in the group
-        that has the fewest."""
-        return min(pool.num_available_blocks for pool in self._pools)
-
-    @property
-    def group_available_blocks(self) -> list[int]:
-        """`num_available_blocks` of each group, group 0 first."""
-        return [pool.num_available_blocks for pool in self._pools]
-
-    @property
-    def num_used_blocks(self) -> int:
-        """GPU blocks pointed at by at least one block table (all groups)."""
-        return sum(pool.num_used_blocks for pool in self._pools)
-
-    @property
-    def usage_ratio(self) -> float:
-        """Used over all GPU blocks of the fullest group, 0..1 (cached blocks count as not used)."""
-        return max(pool.num_used_blocks / pool.num_blocks for pool in self._pools)
-
-    @property
-    def cached_block_evictions(self) -> int:
-        """Cached blocks overwritten by an allocation (all groups)."""
-        return sum(pool.cached_block_evictions for pool in self._pools)
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        """Blocks of the CPU swap pools (one per group)."""
-        return sum(tier.capacity for tier in self._swap_tiers)
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        """CPU blocks not holding a swapped-out sequence (all groups)."""
-        return sum(tier.num_free_blocks for tier in self._swap_tiers)
-
-    def group_usage(self) -> list[GroupUsage]:
-        """Blocks used, cached and free in each group's pool."""
-        return [GroupUsage(window, pool.num_blocks, pool.num_used_blocks, pool.num_cached_blocks,
-                           pool.num_free_blocks) for window, pool in zip(self.group_windows, self._pools, strict=True)]
-
-    def free_queue_block_ids(self, group: int = 0) -> list[int]:
-        """GPU block ids in the group's free queue, head (next to be handed out) first."""
-        return list(self._pools[group].free_queue)
-
-    def ref_count(self, block_id: int, group: int = 0) -> int:
-        """Number of block tables pointing at GPU block `block_id` of the group."""
-        return self._pools[group].ref_counts[block_id]
-
-    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        """A copy of the sequence's block table in the group (CPU block ids while it is swapped out)."""
-        return list(self._seqs[seq_id].block_tables[group])
-
-    def live_block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        """The sequence's block table in the group itself, not a copy: read-only, and true only until the
-        sequence's next operation (the step contract carries tables this way, sparing a copy per sequence a step)."""
-        return self._seqs[seq_id].block_tables[group]
-
-    def live_block_tables(self, seq_id: int) -> list[list[int]]:
-        """Every group's `live_block_table` of the sequence, in group order (the list itself, read-only)."""
-        return self._seqs[seq_id].block_tables
-
-    def num_tokens(self, seq_id: int) -> int:
-        """Tokens of the sequence, including appended ones whose KV is not written yet."""
-        return self._seqs[seq_id].num_tokens
-
-    def num_computed_tokens(self, seq_id: int) -> int:
-        """Leading tokens of the sequence whose KV is written (prefix hits included)."""
-        return self._seqs[seq_id].num_computed_tokens
-
-    def is_swapped(self, seq_id: int) -> bool:
-        """True while the sequence lives in the CPU pool."""
-        return self._seqs[seq_id].is_swapped
-
-    def awaits_leader(self, seq_id: int) -> bool:
-        """True while the sequence shares blocks its leader has not computed yet (see `allocate_sharing`)."""
-        return self._followers.awaits_leader(seq_id)
-
-    def books(self) -> BlockBooks:
-        """A read-only view of every book the manager keeps, true until its next operation (no copies)."""
-        pools = tuple(PoolBooks.of(pool, window, tier.holder_counts)
-                      for pool, window, tier in zip(self._pools, self.group_windows, self._swap_tiers, strict=True))
-        return BlockBooks(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching, pools=pools,
-                          sequences=self._seqs, followers=self._followers.links,
-                          state_checkpoint_blocks=self.state_checkpoint_blocks)
-
-    def snapshot(self) -> BlockPoolSnapshot:
-        """The state of every GPU and CPU block, group after group (see `BlockPoolSnapshot`)."""
-        return pool_snapshot(self.books())
-
+    # ---- window and state groups' slots ----
     def can_ever_hold(self, num_prompt_tokens: int, num_peak_blocks: int) -> bool:
         """True when a sequence of this prompt, growing to `num_peak_blocks` blocks, fits the pools when
         alone: a full group holds all its blocks, a window group its first chunk's, a state group its first
-        chunk's slots and, to pass a checkpoint, two (module doc)."""
+        chunk's slots and, to pass a checkpoint, two (kv/group_slots.py)."""
         return self._slots.can_ever_hold(num_prompt_tokens, num_peak_blocks)
 
     @property
@@ -355,7 +237,7 @@ class BlockManager:
         if not self._slots.windows_hold(leader, num_computed_blocks, num_shared_blocks):
             return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids,
                                  block_extra_keys=leader.block_extra_keys)
-        num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
+        num_new_blocks = self._slots.num_blocks_for(len(token_ids)) - num_shared_blocks
         if not self._has_room([num_new_blocks] * self.num_groups):
             raise OutOfBlocksError(f"{num_new_blocks} blocks needed per group, "
                                    f"{self.num_available_blocks} available")
@@ -420,7 +302,7 @@ class BlockManager:
                 for index in range(len(seq.block_hashes), num_full_blocks):
                     content = seq.block_payload(index, self.block_size)
                     seq.block_hashes.append(hash_payload(content))
-                    # The KV groups (the state group, last, registers its checkpoints below).
+                    # The KV groups (the state group, last, registers its checkpoints in `move_on`).
                     for pool, table in zip(self._kv_pools, seq.block_tables):
                         pool.register(table[index], seq.block_hashes[index], content)
             if self._followers.leads(seq_id):
@@ -442,7 +324,7 @@ class BlockManager:
         if not max(1, seq.num_computed_tokens) <= num_tokens <= seq.num_tokens:
             raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
                              f"{seq.num_tokens}] tokens, got {num_tokens}")
-        num_blocks = self._num_blocks_for(num_tokens)
+        num_blocks = self._slots.num_blocks_for(num_tokens)
         for group, pool in enumerate(self._pools):
             table = seq.block_tables[group]
             if group == self.state_group:
@@ -545,9 +427,6 @@ class BlockManager:
         check_integrity(self.books())
 
     # ---- internals ----
-    def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def _has_room(self, num_blocks_per_group: Sequence[int]) -> bool:
         return all(num_blocks <= pool.num_available_blocks
                    for num_blocks, pool in zip(num_blocks_per_group, self._pools, strict=True))
