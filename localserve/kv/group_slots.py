@@ -110,8 +110,11 @@ class GroupSlots:
                 seq.block_tables[state.group], num_computed_before, seq.num_computed_tokens, seq.num_prompt_tokens,
                 lambda index, slot: pool.register(slot, seq.block_hashes[index],
                                                   seq.block_payload(index, self.block_size)))
-        self.slide_windows(seq, num_computed_before)
-        self.extend(seq)
+        if self.window_groups:  # (a full-attention model's step calls nothing more)
+            self.slide_windows(seq, num_computed_before)
+            self._extend_windows(seq)
+        if state is not None:
+            self._extend_states(seq)
 
     def slide_windows(self, seq: SequenceBlocks, num_computed_before: int) -> None:
         """Window groups give back the sequence's blocks that its computed tokens moved out of the window,
