@@ -76,9 +76,7 @@ def move_in(pools: Sequence[BlockPool], tiers: Sequence[BlockTier], seqs: Mappin
             seq = seqs[seq_id]
             tier.release(seq.block_tables[group])
             table = seq.block_tables[group] = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_tables[group]]
-            for block_id in table:
-                if block_id != NO_BLOCK:
-                    pool.ref_counts[block_id] += 1
+            pool.share(table)
             for index, block_hash in enumerate(seq.block_hashes):
                 if table[index] != NO_BLOCK and registers(group, index, seq):
                     pool.register(table[index], block_hash, seq.block_payload(index, block_size))
