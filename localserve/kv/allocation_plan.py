@@ -1,5 +1,6 @@
-"""Admission planning for the block manager: a prompt's prefix hits as every layer group accepts them, and
-what each group's table takes from its free queue. No state of its own: it reads the pools.
+"""Admission for the block manager (kv/block_manager.py, `allocate`): a prompt's prefix hits as every layer
+group accepts them, what each group's table takes from its free queue, and the tables that plan gives the new
+sequence. No state of its own: it reads and changes the pools.
 
 A hit of k blocks needs, in a full group, each of the k blocks in its prefix cache; in a window group,
 those the window of the query at position k * block_size covers; in the state group, entry k - 1's
@@ -9,13 +10,13 @@ groups may then lower it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from localserve.kv.block_hash import ROOT_HASH, block_extra_key, hash_block
-from localserve.kv.block_pool import NO_BLOCK, BlockPool
+from localserve.kv.block_pool import NO_BLOCK
+from localserve.kv.group_slots import GroupSlots
 from localserve.kv.layer_groups import RECURRENT, GroupWindow, num_blocks_out_of_window
-from localserve.kv.state_group import StateGroup
 
 
 @dataclass(slots=True)
@@ -39,16 +40,13 @@ def num_hits_dropped(num_hits: int, window: GroupWindow, block_size: int) -> int
     return num_blocks_out_of_window(num_hits * block_size, window, block_size)
 
 
-def plan_allocation(pools: Sequence[BlockPool], group_windows: Sequence[GroupWindow], block_size: int,
-                    token_ids: Sequence[int], extra_key: bytes, look_up: bool, state: StateGroup | None,
-                    num_table_blocks: Callable[[int | None, int, int], int],
-                    slot_target: Callable[[int, int], int],
+def plan_allocation(slots: GroupSlots, token_ids: Sequence[int], extra_key: bytes, look_up: bool,
                     block_extra_keys: Sequence[bytes] = ()) -> AllocationPlan:
-    """The prefix hits every group accepts (module doc) and the blocks the prompt takes from each free queue.
+    """The prefix hits every group accepts (module doc) and the blocks the prompt takes from each free queue
+    (a window or state group: for its first chunk, `slots`).
 
-    `look_up` False: no hits. `num_table_blocks(window, num_tokens, num_computed)`: entries of a new table in
-    a full or window group; `slot_target(num_tokens, num_computed)`: the tokens the state group slots first;
-    `block_extra_keys`: each block's own extra key (block_hash.block_extra_key)."""
+    `look_up` False: no hits. `block_extra_keys`: each block's own extra key (block_hash.block_extra_key)."""
+    pools, group_windows, block_size, state = slots.pools, slots.group_windows, slots.block_size, slots.state
     full_groups = [group for group, window in enumerate(group_windows) if window is None]
     window_groups = [group for group, window in enumerate(group_windows) if window is not None
                      and window is not RECURRENT]
@@ -88,8 +86,28 @@ def plan_allocation(pools: Sequence[BlockPool], group_windows: Sequence[GroupWin
         if window is RECURRENT:
             table = [NO_BLOCK] * num_dropped + hits
             num_blocks_to_take.append(num_taken + state.num_slots_to_grant(
-                table, num_cached_tokens, len(token_ids), slot_target(len(token_ids), num_cached_tokens)))
+                table, num_cached_tokens, len(token_ids), slots.slot_target(len(token_ids), num_cached_tokens)))
         else:
-            num_new = num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
+            num_new = slots.num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
             num_blocks_to_take.append(num_new + num_taken)
     return AllocationPlan(hashes[:num_hits], group_hits, num_blocks_to_take)
+
+
+def take_tables(slots: GroupSlots, plan: AllocationPlan, num_tokens: int) -> list[list[int]]:
+    """Carry the plan out for a prompt of `num_tokens` tokens, which the pools have room for: the new
+    sequence's table in each group, its hits held and new blocks taken for the rest (a window or state group:
+    its first chunk)."""
+    num_cached_tokens = plan.num_hits * slots.block_size
+    block_tables = []
+    for pool, window, hits in zip(slots.pools, slots.group_windows, plan.group_hits, strict=True):
+        # Hits leave the free queue before new blocks are taken from its head, which could evict them.
+        for block_id in hits:
+            pool.hold(block_id)
+        num_dropped = num_hits_dropped(plan.num_hits, window, slots.block_size)
+        if window is RECURRENT:
+            block_tables.append(slots.state.grant([NO_BLOCK] * num_dropped + hits, num_cached_tokens, num_tokens,
+                                                  slots.slot_target(num_tokens, num_cached_tokens), exact=True)[0])
+            continue
+        num_new_blocks = slots.num_table_blocks(window, num_tokens, num_cached_tokens) - num_dropped - len(hits)
+        block_tables.append([NO_BLOCK] * num_dropped + hits + [pool.take_free_block() for _ in range(num_new_blocks)])
+    return block_tables

@@ -13,18 +13,13 @@ A full block's prefix-cache key (kv/block_hash.py) hashes its parent's key, its 
 key and the block's own extra key where it has one (`block_extra_keys`: the content of the image whose
 tokens it covers, engine/multimodal.py); a text-only block's key is that of its tokens alone.
 
-A window group gives back the blocks that fall wholly before the window of the sequence's next query
-(positions < num_computed_tokens - W + 1) as soon as they do: their entries become `NO_BLOCK`, always a
-prefix of the table, and the blocks join the free queue still cached, so a later prompt with the same
-tokens finds them. A prefix hit of L tokens is one every group accepts: a full group needs every block
-before L, a window group only those its window at L covers. Block moves (copy-on-write, swap) name
-their group: (source, destination, group).
-
-With `window_chunk_tokens` (the step's token budget), a window group gives a sequence blocks for at most
-that many tokens past its computed ones at a time: at admission for its first prefill chunk, then as
-`mark_computed` moves on (as many as its pool has then), and for each appended token once its prompt is
-computed. The tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk, and a
-window pool of max_num_seqs x (ceil((W + chunk - 1) / block_size) + 1) blocks always has room for them.
+A window group gives back the blocks that fall wholly before the window of the sequence's next query as
+soon as they do (their entries become `NO_BLOCK`, the blocks stay cached), and with `window_chunk_tokens`
+(the step's token budget) window and state groups give a sequence slots a prefill chunk at a time: the
+tokens with a slot in every group (`num_slotted_tokens`) bound each prefill chunk (kv/group_slots.py). A
+prefix hit of L tokens is one every group accepts: a full group needs every block before L, a window group
+only those its window at L covers (kv/allocation_plan.py). Block moves (copy-on-write, swap) name their
+group: (source, destination, group).
 
 A state group (`RECURRENT`, recurrent layers: at most one, last) holds state slots, not KV: its tables are
 `NO_BLOCK` but at checkpoints, the running state and the slot a step's final state goes to; it grants
@@ -33,7 +28,10 @@ when the running slot moves, which prefix hits it accepts); kv/state_steps.py re
 state group, `allocate_sharing` is refused, and `truncate` after a verify row keeps the slot its kept
 tokens' final state was written to (`StateGroup.cut`; the model runner writes no rejected token's state).
 
-The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself; its parts sit
+The manager keeps these books and its record of each sequence (`SequenceBlocks`) itself, and reads them
+through `BlockViews` (kv/block_views.py: the counts, a sequence's tables, `books()`); the work of its
+operations is done by functions over them: admission (kv/allocation_plan.py), the window and state groups'
+slots (kv/group_slots.py), appending a token (kv/token_append.py), swapping (kv/swap_moves.py). Its parts sit
 behind small interfaces: the CPU swap pool, a tier (kv/block_tier.py: store blocks, give them back) of
 `num_cpu_blocks` blocks holding the sequences preempted by swap, with no prefix cache; the followers
 (kv/followers.py: which sequences share blocks their leader has not computed yet); the integrity check
@@ -55,22 +53,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from localserve.kv.allocation_plan import AllocationPlan, num_hits_dropped, plan_allocation
-from localserve.kv.block_books import BlockBooks, BlockPoolSnapshot, GroupUsage, PoolBooks, pool_snapshot
+from localserve.kv.allocation_plan import AllocationPlan, plan_allocation, take_tables
 from localserve.kv.block_hash import hash_payload
-from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
+from localserve.kv.block_pool import BlockMove, BlockPool
 from localserve.kv.block_tier import BlockTier
+from localserve.kv.block_views import BlockViews
 from localserve.kv.followers import Followers
+from localserve.kv.group_slots import GroupSlots
 from localserve.kv.integrity import check_integrity
-from localserve.kv.layer_groups import RECURRENT, GroupWindow, num_blocks_out_of_window
+from localserve.kv.layer_groups import RECURRENT, GroupWindow
 from localserve.kv.out_of_blocks import OutOfBlocksError
-from localserve.kv.sequence_blocks import SequenceBlocks
+from localserve.kv.sequence_blocks import SequenceBlocks, gpu_sequence
 from localserve.kv.state_group import CheckpointPolicy, StateGroup
-from localserve.kv.swap_moves import distinct_blocks, move_in, move_out
+from localserve.kv.swap_moves import blocks_to_move_in, fits_out, move_in, move_out
 from localserve.kv.swap_pool import CpuSwapPool
+from localserve.kv.token_append import append_token, num_blocks_to_append
 
 
-class BlockManager:
+class BlockManager(BlockViews):
     """Lazy paged allocation with reference counts, copy-on-write, a hashed prefix cache and swapping,
     per layer group (module doc).
 
@@ -111,11 +111,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = tuple(group_windows)
         self._pools = [BlockPool(size) for size in pool_sizes]
-        self._window_groups = [g for g, window in enumerate(self.group_windows)
-                               if window is not None and window is not RECURRENT]
         self._state = (StateGroup(len(pool_sizes) - 1, self._pools[-1],
                                   CheckpointPolicy(block_size, state_checkpoint_blocks, enable_prefix_caching))
                        if group_windows[-1] is RECURRENT else None)
+        self._slots = GroupSlots(self._pools, self.group_windows, block_size, window_chunk_tokens, self._state)
         self.state_checkpoint_blocks = state_checkpoint_blocks
         self._kv_pools = self._pools[:-1] if self._state is not None else self._pools  # the groups keeping KV
         cpu_sizes = [num_cpu_blocks] * len(pool_sizes) if isinstance(num_cpu_blocks, int) else list(num_cpu_blocks)
@@ -128,164 +127,29 @@ class BlockManager:
         self.prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
         self.cow_copies = 0
 
-    # ---- observability ----
-    @property
-    def num_groups(self) -> int:
-        return len(self._pools)
-
-    @property
-    def state_group(self) -> int | None:
-        """The state group's index (the last group), None without one."""
-        return None if self._state is None else self._state.group
-
-    @property
-    def group_num_blocks(self) -> tuple[int, ...]:
-        """Each group's pool size."""
-        return tuple(pool.num_blocks for pool in self._pools)
-
-    @property
-    def num_blocks(self) -> int:
-        """GPU blocks of all groups' pools."""
-        return sum(pool.num_blocks for pool in self._pools)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """GPU blocks in the free queues holding nothing reusable (all groups)."""
-        return sum(pool.num_free_blocks for pool in self._pools)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """GPU blocks in the free queues whose contents the prefix cache can still hand out (all groups)."""
-        return sum(pool.num_cached_blocks for pool in self._pools)
-
-    @property
-    def num_available_blocks(self) -> int:
-        """Blocks allocations can take, free + cached (taking a cached one evicts its contents), in the group
-        that has the fewest."""
-        return min(pool.num_available_blocks for pool in self._pools)
-
-    @property
-    def group_available_blocks(self) -> list[int]:
-        """`num_available_blocks` of each group, group 0 first."""
-        return [pool.num_available_blocks for pool in self._pools]
-
-    @property
-    def num_used_blocks(self) -> int:
-        """GPU blocks pointed at by at least one block table (all groups)."""
-        return sum(pool.num_used_blocks for pool in self._pools)
-
-    @property
-    def usage_ratio(self) -> float:
-        """Used over all GPU blocks of the fullest group, 0..1 (cached blocks count as not used)."""
-        return max(pool.num_used_blocks / pool.num_blocks for pool in self._pools)
-
-    @property
-    def cached_block_evictions(self) -> int:
-        """Cached blocks overwritten by an allocation (all groups)."""
-        return sum(pool.cached_block_evictions for pool in self._pools)
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        """Blocks of the CPU swap pools (one per group)."""
-        return sum(tier.capacity for tier in self._swap_tiers)
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        """CPU blocks not holding a swapped-out sequence (all groups)."""
-        return sum(tier.num_free_blocks for tier in self._swap_tiers)
-
-    def group_usage(self) -> list[GroupUsage]:
-        """Blocks used, cached and free in each group's pool."""
-        return [GroupUsage(window, pool.num_blocks, pool.num_used_blocks, pool.num_cached_blocks,
-                           pool.num_free_blocks) for window, pool in zip(self.group_windows, self._pools, strict=True)]
-
-    def free_queue_block_ids(self, group: int = 0) -> list[int]:
-        """GPU block ids in the group's free queue, head (next to be handed out) first."""
-        return list(self._pools[group].free_queue)
-
-    def ref_count(self, block_id: int, group: int = 0) -> int:
-        """Number of block tables pointing at GPU block `block_id` of the group."""
-        return self._pools[group].ref_counts[block_id]
-
-    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        """A copy of the sequence's block table in the group (CPU block ids while it is swapped out)."""
-        return list(self._seqs[seq_id].block_tables[group])
-
-    def live_block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        """The sequence's block table in the group itself, not a copy: read-only, and true only until the
-        sequence's next operation (the step contract carries tables this way, sparing a copy per sequence a step)."""
-        return self._seqs[seq_id].block_tables[group]
-
-    def live_block_tables(self, seq_id: int) -> list[list[int]]:
-        """Every group's `live_block_table` of the sequence, in group order (the list itself, read-only)."""
-        return self._seqs[seq_id].block_tables
-
-    def num_tokens(self, seq_id: int) -> int:
-        """Tokens of the sequence, including appended ones whose KV is not written yet."""
-        return self._seqs[seq_id].num_tokens
-
-    def num_computed_tokens(self, seq_id: int) -> int:
-        """Leading tokens of the sequence whose KV is written (prefix hits included)."""
-        return self._seqs[seq_id].num_computed_tokens
-
-    def is_swapped(self, seq_id: int) -> bool:
-        """True while the sequence lives in the CPU pool."""
-        return self._seqs[seq_id].is_swapped
-
-    def awaits_leader(self, seq_id: int) -> bool:
-        """True while the sequence shares blocks its leader has not computed yet (see `allocate_sharing`)."""
-        return self._followers.awaits_leader(seq_id)
-
-    def books(self) -> BlockBooks:
-        """A read-only view of every book the manager keeps, true until its next operation (no copies)."""
-        pools = tuple(PoolBooks.of(pool, window, tier.holder_counts)
-                      for pool, window, tier in zip(self._pools, self.group_windows, self._swap_tiers, strict=True))
-        return BlockBooks(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching, pools=pools,
-                          sequences=self._seqs, followers=self._followers.links,
-                          state_checkpoint_blocks=self.state_checkpoint_blocks)
-
-    def snapshot(self) -> BlockPoolSnapshot:
-        """The state of every GPU and CPU block, group after group (see `BlockPoolSnapshot`)."""
-        return pool_snapshot(self.books())
-
+    # ---- window and state groups' slots ----
     def can_ever_hold(self, num_prompt_tokens: int, num_peak_blocks: int) -> bool:
         """True when a sequence of this prompt, growing to `num_peak_blocks` blocks, fits the pools when
         alone: a full group holds all its blocks, a window group its first chunk's, a state group its first
-        chunk's slots and, to pass a checkpoint, two (module doc)."""
-        num_first_blocks = self._num_blocks_for(self._slot_target(num_prompt_tokens, 0))
-        if self._state is not None:
-            num_first_slots = self._state.num_slots_to_grant([], 0, num_prompt_tokens,
-                                                             self._slot_target(num_prompt_tokens, 0))
-            if self._state.pool.num_blocks < max(num_first_slots, min(2, num_peak_blocks)):
-                return False
-        return all(pool.num_blocks >= (num_peak_blocks if window is None else min(num_first_blocks, num_peak_blocks))
-                   for pool, window in zip(self._pools, self.group_windows, strict=True) if window is not RECURRENT)
+        chunk's slots and, to pass a checkpoint, two (kv/group_slots.py)."""
+        return self._slots.can_ever_hold(num_prompt_tokens, num_peak_blocks)
 
     @property
     def shares_uncomputed_blocks(self) -> bool:
         """Whether `allocate_sharing` shares a leader's blocks: not where window groups give slots a chunk at a
         time (a leader's window table does not reach the blocks it has not computed yet), nor with a state
         group (a follower would need the leader's states at blocks it has not computed yet)."""
-        return not (self._window_groups and self.window_chunk_tokens is not None) and self._state is None
+        return not (self._slots.window_groups and self.window_chunk_tokens is not None) and self._state is None
 
     def make_slots(self, seq_id: int) -> int:
         """Give the sequence's window and state groups slots up to `window_chunk_tokens` past its computed
         tokens, as far as their pools have them now; returns `num_slotted_tokens` (a prefill chunk's end at most)."""
-        seq = self._gpu_seq(seq_id)
-        self._extend_windows(seq)
-        self._extend_states(seq)
+        self._slots.extend(gpu_sequence(self._seqs, seq_id))
         return self.num_slotted_tokens(seq_id)
 
     def num_slotted_tokens(self, seq_id: int) -> int:
         """Leading tokens of the sequence with a KV slot in every group: a prefill chunk ends there at most."""
-        seq = self._seqs[seq_id]
-        num_slotted = seq.num_tokens
-        if self._window_groups:
-            num_slotted = min(num_slotted, len(seq.block_tables[self._window_groups[0]]) * self.block_size)
-        if self._state is not None:
-            num_slotted = min(num_slotted, self._state.coverage(seq.block_tables[self._state.group],
-                                                                seq.num_computed_tokens, seq.num_tokens))
-        return num_slotted
+        return self._slots.num_slotted_tokens(self._seqs[seq_id])
 
     # ---- admission ----
     def num_blocks_to_allocate(self, token_ids: Sequence[int], extra_key: bytes = b"",
@@ -331,24 +195,10 @@ class BlockManager:
         if not self._has_room(plan.num_blocks_to_take):
             raise OutOfBlocksError(f"prompt of {len(token_ids)} tokens needs {plan.num_blocks_to_take} blocks "
                                    f"per group, {[pool.num_available_blocks for pool in self._pools]} available")
-        num_cached_tokens = len(plan.hit_hashes) * self.block_size
-        block_tables = []
-        for pool, window, hits in zip(self._pools, self.group_windows, plan.group_hits, strict=True):
-            # Hits leave the free queue before new blocks are taken from its head, which could evict them.
-            for block_id in hits:
-                pool.hold(block_id)
-            num_dropped = num_hits_dropped(plan.num_hits, window, self.block_size)
-            if window is RECURRENT:
-                block_tables.append(self._state.grant([NO_BLOCK] * num_dropped + hits, num_cached_tokens,
-                                                      len(token_ids),
-                                                      self._slot_target(len(token_ids), num_cached_tokens),
-                                                      exact=True)[0])
-                continue
-            num_new_blocks = self._num_table_blocks(window, len(token_ids), num_cached_tokens) - num_dropped - len(hits)
-            block_tables.append([NO_BLOCK] * num_dropped + hits
-                                + [pool.take_free_block() for _ in range(num_new_blocks)])
+        num_cached_tokens = plan.num_hits * self.block_size
         self._seqs[seq_id] = SequenceBlocks(
-            token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
+            token_ids=token_ids if share_token_ids else list(token_ids),
+            block_tables=take_tables(self._slots, plan, len(token_ids)),
             num_computed_tokens=num_cached_tokens, block_hashes=plan.hit_hashes, extra_key=extra_key,
             num_tokens=len(token_ids), num_prompt_tokens=len(token_ids), shares_token_ids=share_token_ids,
             block_extra_keys=tuple(block_extra_keys))
@@ -374,7 +224,7 @@ class BlockManager:
         if self._state is not None:
             raise ValueError("allocate_sharing: a manager with a state group shares no uncomputed blocks "
                              "(shares_uncomputed_blocks is False); allocate each sequence alone")
-        leader = self._gpu_seq(leader_id)
+        leader = gpu_sequence(self._seqs, leader_id)
         num_shared_tokens = num_shared_blocks * self.block_size
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
@@ -384,23 +234,17 @@ class BlockManager:
         if not can_share:
             raise ValueError(f"sequence {seq_id} cannot share {num_shared_blocks} blocks of sequence {leader_id}")
         num_computed_blocks = min(leader.num_computed_tokens // self.block_size, num_shared_blocks)
-        for group in self._window_groups:
-            first_needed = num_blocks_out_of_window(num_computed_blocks * self.block_size, self.group_windows[group],
-                                                    self.block_size)
-            leader_table = leader.block_tables[group]
-            if len(leader_table) < num_shared_blocks or NO_BLOCK in leader_table[first_needed:num_shared_blocks]:
-                return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids,
-                                     block_extra_keys=leader.block_extra_keys)
-        num_new_blocks = self._num_blocks_for(len(token_ids)) - num_shared_blocks
+        if not self._slots.windows_hold(leader, num_computed_blocks, num_shared_blocks):
+            return self.allocate(seq_id, token_ids, leader.extra_key, share_token_ids,
+                                 block_extra_keys=leader.block_extra_keys)
+        num_new_blocks = self._slots.num_blocks_for(len(token_ids)) - num_shared_blocks
         if not self._has_room([num_new_blocks] * self.num_groups):
             raise OutOfBlocksError(f"{num_new_blocks} blocks needed per group, "
                                    f"{self.num_available_blocks} available")
         block_tables = []
         for pool, leader_table in zip(self._pools, leader.block_tables, strict=True):
             table = leader_table[:num_shared_blocks]
-            for block_id in table:
-                if block_id != NO_BLOCK:
-                    pool.ref_counts[block_id] += 1
+            pool.share(table)
             block_tables.append(table + [pool.take_free_block() for _ in range(num_new_blocks)])
         seq = SequenceBlocks(token_ids=token_ids if share_token_ids else list(token_ids), block_tables=block_tables,
                              num_computed_tokens=0, block_hashes=[], extra_key=leader.extra_key,
@@ -418,11 +262,11 @@ class BlockManager:
         token, in any order: one per full last block; writers into a shared, partly filled last block need a
         copy each, except that when all its holders write, the last one finds itself sole owner and writes in
         place."""
-        return max(self._num_blocks_to_append(seq_ids))
+        return max(num_blocks_to_append(self._pools, self._state, self.block_size, self._seqs, seq_ids))
 
     def can_append(self, seq_ids: Iterable[int]) -> bool:
         """True when each of these sequences can append one token now."""
-        return self._has_room(self._num_blocks_to_append(seq_ids))
+        return self._has_room(num_blocks_to_append(self._pools, self._state, self.block_size, self._seqs, seq_ids))
 
     def append_token(self, seq_id: int, token_id: int) -> list[BlockMove]:
         """Grow the sequence by one token, whose KV the next forward pass writes: in each group a new block
@@ -430,55 +274,9 @@ class BlockManager:
         keep the original). Returns the (source, destination, group) block copies to make first."""
         seq = self._seqs[seq_id]
         if seq.is_swapped:
-            self._gpu_seq(seq_id)  # raises
-        num_tokens = seq.num_tokens
-        if not seq.shares_token_ids:
-            seq.token_ids.append(token_id)
-        elif len(seq.token_ids) <= num_tokens:
-            raise ValueError(f"sequence {seq_id}: append token {num_tokens} to the shared token list first")
-        needs_new_block = num_tokens % self.block_size == 0
-        pools = self._pools
-        # A window or state group whose table stops short of the tokens (a prompt not yet computed) gives no
-        # slot here.
-        covers = [len(table) * self.block_size >= num_tokens for table in seq.block_tables]
-        if not needs_new_block and (not seq.may_share_last_block or all(
-                pool.ref_counts[table[-1]] == 1 for pool, table, covered in zip(pools, seq.block_tables, covers,
-                                                                                strict=True) if covered)):
-            seq.num_tokens = num_tokens + 1  # the common case: room in its own last block
-            seq.may_share_last_block = False  # its other holders, if any, have left
-            return []
-        writes_copy = [covered and (needs_new_block or pool.ref_counts[table[-1]] > 1)
-                       for pool, table, covered in zip(pools, seq.block_tables, covers, strict=True)]
-        state = self._state
-        grants_state = state is not None and writes_copy[state.group]
-        if grants_state:
-            writes_copy[state.group] = False  # the state group's rules, below
-        if any(needs and not pool.free_queue for needs, pool in zip(writes_copy, pools, strict=True)) or (
-                grants_state and state.num_slots_to_grant(seq.block_tables[state.group], seq.num_computed_tokens,
-                                                          seq.num_prompt_tokens, num_tokens + 1)
-                > state.pool.num_available_blocks):
-            if not seq.shares_token_ids:
-                seq.token_ids.pop()  # changes nothing
-            raise OutOfBlocksError(f"sequence {seq_id} needs a block, none available")
-        seq.num_tokens = num_tokens + 1
-        seq.may_share_last_block = False  # a new block, or a copy of its last: its own
-        copies = []
-        if grants_state:
-            seq.block_tables[state.group], copies = state.grant(
-                seq.block_tables[state.group], seq.num_computed_tokens, seq.num_prompt_tokens, num_tokens + 1,
-                exact=True)
-            self.cow_copies += len(copies)
-        for group, (pool, block_table) in enumerate(zip(pools, seq.block_tables, strict=True)):
-            if not writes_copy[group]:
-                continue
-            block_id = pool.take_free_block()
-            if needs_new_block:
-                block_table.append(block_id)
-                continue
-            pool.ref_counts[block_table[-1]] -= 1  # stays >= 1: the other holders keep it
-            copies.append((block_table[-1], block_id, group))
-            block_table[-1] = block_id
-            self.cow_copies += 1
+            gpu_sequence(self._seqs, seq_id)  # raises
+        copies = append_token(self._pools, self._state, self.block_size, seq, seq_id, token_id)
+        self.cow_copies += len(copies)
         return copies
 
     def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
@@ -491,7 +289,7 @@ class BlockManager:
         seq = self._seqs[seq_id]
         num_before = seq.num_computed_tokens
         if seq.is_swapped or not num_before <= num_computed_tokens <= self.num_slotted_tokens(seq_id):
-            self._gpu_seq(seq_id)  # raises if swapped
+            gpu_sequence(self._seqs, seq_id)  # raises if swapped
             raise ValueError(f"sequence {seq_id}: num_computed_tokens must be in [{num_before}, "
                              f"{self.num_slotted_tokens(seq_id)}] (its tokens with slots), got {num_computed_tokens}")
         seq.num_computed_tokens = num_computed_tokens
@@ -504,22 +302,13 @@ class BlockManager:
                 for index in range(len(seq.block_hashes), num_full_blocks):
                     content = seq.block_payload(index, self.block_size)
                     seq.block_hashes.append(hash_payload(content))
-                    # The KV groups (the state group, last, registers its checkpoints below).
+                    # The KV groups (the state group, last, registers its checkpoints in `move_on`).
                     for pool, table in zip(self._kv_pools, seq.block_tables):
                         pool.register(table[index], seq.block_hashes[index], content)
             if self._followers.leads(seq_id):
                 for follower_id, num_blocks in self._followers.catch_up(seq_id, num_full_blocks):
                     self._take_computed_blocks(self._seqs[follower_id], seq, num_blocks)
-        if self._state is not None:
-            group = self._state.group
-            pool = self._pools[group]
-            seq.block_tables[group] = self._state.after_step(
-                seq.block_tables[group], num_before, num_computed_tokens, seq.num_prompt_tokens,
-                lambda index, slot: pool.register(slot, seq.block_hashes[index],
-                                                  seq.block_payload(index, self.block_size)))
-        self._slide_windows(seq, num_before)
-        self._extend_windows(seq)
-        self._extend_states(seq)
+        self._slots.move_on(seq, num_before)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the sequence's first `num_tokens` tokens: the rejected tokens of a speculative draft.
@@ -531,11 +320,11 @@ class BlockManager:
         and the kept last block is written again only past the kept tokens. A shared token list
         (`share_token_ids`) is its owner's to shorten; a copy is shortened here.
         """
-        seq = self._gpu_seq(seq_id)
+        seq = gpu_sequence(self._seqs, seq_id)
         if not max(1, seq.num_computed_tokens) <= num_tokens <= seq.num_tokens:
             raise ValueError(f"sequence {seq_id}: truncate to [{max(1, seq.num_computed_tokens)}, "
                              f"{seq.num_tokens}] tokens, got {num_tokens}")
-        num_blocks = self._num_blocks_for(num_tokens)
+        num_blocks = self._slots.num_blocks_for(num_tokens)
         for group, pool in enumerate(self._pools):
             table = seq.block_tables[group]
             if group == self.state_group:
@@ -556,7 +345,7 @@ class BlockManager:
         parent's KV must be fully written (fork after `mark_computed`, before `append_token`), so shared
         blocks never receive writes: each sample or beam then appends its own token. `child_token_ids`: the
         caller's list of the parent's tokens for the child to share (see `allocate`); else a copy."""
-        parent = self._gpu_seq(parent_seq_id)
+        parent = gpu_sequence(self._seqs, parent_seq_id)
         if parent.num_computed_tokens != parent.num_tokens:
             raise ValueError(f"sequence {parent_seq_id} has tokens whose KV is not written; fork after "
                              f"mark_computed, before append_token")
@@ -566,9 +355,7 @@ class BlockManager:
         if child_token_ids is not None and child_token_ids[:parent.num_tokens] != tokens:
             raise ValueError(f"sequence {child_seq_id}: its token list is not sequence {parent_seq_id}'s")
         for pool, table in zip(self._pools, parent.block_tables, strict=True):
-            for block_id in table:
-                if block_id != NO_BLOCK:
-                    pool.ref_counts[block_id] += 1
+            pool.share(table)
         self._seqs[child_seq_id] = SequenceBlocks(
             token_ids=tokens if child_token_ids is None else child_token_ids,
             block_tables=[list(table) for table in parent.block_tables],
@@ -594,8 +381,7 @@ class BlockManager:
     # ---- preemption by swap ----
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
         """True when every group's CPU pool has room for the distinct blocks of these GPU sequences."""
-        return all(len(distinct_blocks(self._seqs, seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
-                   for group, tier in enumerate(self._swap_tiers))
+        return fits_out(self._seqs, self._swap_tiers, seq_ids)
 
     def swap_out(self, seq_ids: Sequence[int]) -> list[BlockMove]:
         """Move these sequences (all of one request's samples or beams) to the CPU pools.
@@ -609,8 +395,7 @@ class BlockManager:
 
     def group_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> list[int]:
         """`num_blocks_to_swap_in` of each group, group 0 first."""
-        return [len(distinct_blocks(self._seqs, seq_ids, swapped=True, group=group))
-                for group in range(self.num_groups)]
+        return blocks_to_move_in(self._seqs, seq_ids, self.num_groups)
 
     def num_blocks_to_swap_in(self, seq_ids: Sequence[int]) -> int:
         """GPU blocks that swapping these sequences back in would take in the group taking most (shared
@@ -629,10 +414,7 @@ class BlockManager:
         """
         if not self.can_swap_in(seq_ids):
             raise OutOfBlocksError(f"swapping in sequences {list(seq_ids)}: a pool has too few blocks")
-        state = self._state
-        return move_in(self._pools, self._swap_tiers, self._seqs, seq_ids, self.block_size,
-                       lambda group, index, seq: state is None or group != state.group
-                       or state.is_checkpoint(index, seq.num_prompt_tokens))  # the state group: its checkpoints
+        return move_in(self._pools, self._swap_tiers, self._seqs, seq_ids, self.block_size, self._state)
 
     # ---- integrity ----
     def check_integrity(self) -> None:
@@ -645,97 +427,16 @@ class BlockManager:
         check_integrity(self.books())
 
     # ---- internals ----
-    def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def _has_room(self, num_blocks_per_group: Sequence[int]) -> bool:
         return all(num_blocks <= pool.num_available_blocks
                    for num_blocks, pool in zip(num_blocks_per_group, self._pools, strict=True))
-
-    def _gpu_seq(self, seq_id: int) -> SequenceBlocks:
-        seq = self._seqs[seq_id]
-        if seq.is_swapped:
-            raise ValueError(f"sequence {seq_id} is swapped out")
-        return seq
 
     def _plan_allocation(self, token_ids: Sequence[int], extra_key: bytes, use_prefix_cache: bool,
                          block_extra_keys: Sequence[bytes] = ()) -> AllocationPlan:
         """The prefix hits every group accepts, and the blocks the prompt takes from each free queue
         (kv/allocation_plan.py)."""
-        return plan_allocation(self._pools, self.group_windows, self.block_size, token_ids, extra_key,
-                               self.enable_prefix_caching and use_prefix_cache, self._state, self._num_table_blocks,
-                               self._slot_target, block_extra_keys)
-
-    def _num_blocks_to_append(self, seq_ids: Iterable[int]) -> list[int]:
-        """Per group, what `num_blocks_to_append` counts."""
-        num_blocks = [0] * self.num_groups
-        writers_per_shared_block: dict[tuple[int, int], int] = {}  # (group, block) -> writers
-        for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            if seq.is_swapped:
-                self._gpu_seq(seq_id)  # raises
-            covers = [len(table) * self.block_size >= seq.num_tokens for table in seq.block_tables]
-            state = self._state
-            if state is not None and covers[state.group] and seq.num_tokens % self.block_size == 0:
-                covers[state.group] = False  # a new block's slot: the state group's rules
-                num_blocks[state.group] += state.num_slots_to_grant(
-                    seq.block_tables[state.group], seq.num_computed_tokens, seq.num_prompt_tokens, seq.num_tokens + 1)
-            if seq.num_tokens % self.block_size == 0:
-                num_blocks = [count + covered for count, covered in zip(num_blocks, covers, strict=True)]
-            elif seq.may_share_last_block:
-                for group, (pool, table) in enumerate(zip(self._pools, seq.block_tables, strict=True)):
-                    if covers[group] and pool.ref_counts[table[-1]] > 1:
-                        key = (group, table[-1])
-                        writers_per_shared_block[key] = writers_per_shared_block.get(key, 0) + 1
-        for (group, block_id), num_writers in writers_per_shared_block.items():
-            holders = self._pools[group].ref_counts[block_id]
-            num_blocks[group] += num_writers if num_writers < holders else num_writers - 1
-        return num_blocks
-
-    def _slot_target(self, num_tokens: int, num_computed_tokens: int) -> int:
-        """Tokens a window group gives slots to: up to `window_chunk_tokens` past the computed ones."""
-        if self.window_chunk_tokens is None:
-            return num_tokens
-        return min(num_tokens, num_computed_tokens + self.window_chunk_tokens)
-
-    def _num_table_blocks(self, window: int | None, num_tokens: int, num_computed_tokens: int) -> int:
-        """Entries of a new table in a group of this window: every token's, or a window group's slotted ones."""
-        if window is None:
-            return self._num_blocks_for(num_tokens)
-        return self._num_blocks_for(self._slot_target(num_tokens, num_computed_tokens))
-
-    def _extend_windows(self, seq: SequenceBlocks) -> None:
-        """Window groups give the sequence slots up to `window_chunk_tokens` past its computed tokens, as many
-        blocks as every window pool has now (the same number in each)."""
-        if not self._window_groups:
-            return
-        tables = [seq.block_tables[group] for group in self._window_groups]
-        wanted = self._num_blocks_for(self._slot_target(seq.num_tokens, seq.num_computed_tokens)) - len(tables[0])
-        num_new_blocks = min(wanted, *(self._pools[group].num_available_blocks for group in self._window_groups))
-        for group, table in zip(self._window_groups, tables, strict=True):
-            pool = self._pools[group]
-            table += [pool.take_free_block() for _ in range(num_new_blocks)]
-
-    def _extend_states(self, seq: SequenceBlocks) -> None:
-        """The state group gives the sequence slots up to `window_chunk_tokens` past its computed tokens, as
-        many as its pool has now (kv/state_group.py)."""
-        if self._state is not None:
-            group = self._state.group
-            seq.block_tables[group] = self._state.grant(
-                seq.block_tables[group], seq.num_computed_tokens, seq.num_prompt_tokens,
-                self._slot_target(seq.num_tokens, seq.num_computed_tokens), exact=False)[0]
-
-    def _slide_windows(self, seq: SequenceBlocks, num_computed_before: int) -> None:
-        """Window groups give back the sequence's blocks that its computed tokens moved out of the window,
-        oldest first, still cached where they have a key."""
-        for group in self._window_groups:
-            window = self.group_windows[group]
-            start = num_blocks_out_of_window(num_computed_before, window, self.block_size)
-            end = num_blocks_out_of_window(seq.num_computed_tokens, window, self.block_size)
-            if end > start:
-                table = seq.block_tables[group]
-                self._pools[group].release(table[start:end])
-                table[start:end] = [NO_BLOCK] * (end - start)
+        return plan_allocation(self._slots, token_ids, extra_key, self.enable_prefix_caching and use_prefix_cache,
+                               block_extra_keys)
 
     def _take_computed_blocks(self, follower: SequenceBlocks, leader: SequenceBlocks, num_blocks: int) -> None:
         """The follower counts the leader's first `num_blocks` blocks, which it shares, as computed."""
@@ -743,4 +444,4 @@ class BlockManager:
         if num_blocks * self.block_size > num_before:
             follower.num_computed_tokens = num_blocks * self.block_size
             follower.block_hashes = leader.block_hashes[:num_blocks]
-            self._slide_windows(follower, num_before)
+            self._slots.slide_windows(follower, num_before)

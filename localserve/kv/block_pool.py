@@ -74,6 +74,14 @@ class BlockPool:
             self.num_cached_blocks -= self.block_hashes[block_id] is not None
         self.ref_counts[block_id] += 1
 
+    def share(self, block_ids: Iterable[int]) -> None:
+        """One more table points at each of these used blocks (a fork, a follower); `NO_BLOCK` entries are
+        skipped."""
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
+            if block_id != NO_BLOCK:
+                ref_counts[block_id] += 1
+
     def release(self, block_ids: Iterable[int]) -> None:
         """Each block loses one count, in the order given; a block reaching 0 joins the free-queue tail,
         still cached if it has a key. `NO_BLOCK` entries are skipped."""

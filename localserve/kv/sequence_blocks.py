@@ -5,6 +5,7 @@ Its read-only view is `block_books.SequenceView`; only the manager changes it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from localserve.kv.block_hash import ROOT_HASH, BlockContent, block_extra_key, block_payload
@@ -39,3 +40,11 @@ class SequenceBlocks:
         parent_hash = self.block_hashes[index - 1] if index else ROOT_HASH
         return block_payload(parent_hash, self.token_ids[index * block_size:(index + 1) * block_size],
                              block_extra_key(self.extra_key, self.block_extra_keys, index))
+
+
+def gpu_sequence(seqs: Mapping[int, SequenceBlocks], seq_id: int) -> SequenceBlocks:
+    """The record of sequence `seq_id`, which must be on the GPU (not swapped out)."""
+    seq = seqs[seq_id]
+    if seq.is_swapped:
+        raise ValueError(f"sequence {seq_id} is swapped out")
+    return seq

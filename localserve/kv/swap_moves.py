@@ -1,15 +1,22 @@
-"""Moving sequences' block tables between the GPU pools and the CPU swap tiers: the work of the block
-manager's `swap_out` and `swap_in` (kv/block_manager.py), which check room first. No torch: the block
-copies are returned, (source, destination, group), for the KV pool to make.
+"""Preemption by swap: moving sequences' block tables between the GPU pools and the CPU swap tiers, the
+work of the block manager's `swap_out` and `swap_in` (kv/block_manager.py), and the room each takes, which
+the manager checks first. No torch: the block copies are returned, (source, destination, group), for the KV
+pool to make.
+
+A swap moves all of one request's sequences (its samples or beams) together, one copy per distinct block,
+so shared blocks are copied once and stay shared. The tiers keep no prefix cache: a sequence swapped back
+in registers its full computed blocks (in the state group, its policy checkpoints: kv/state_group.py) in
+the prefix cache again where their keys are free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from localserve.kv.block_pool import NO_BLOCK, BlockMove, BlockPool
 from localserve.kv.block_tier import BlockTier
 from localserve.kv.sequence_blocks import SequenceBlocks
+from localserve.kv.state_group import StateGroup
 
 
 def distinct_blocks(seqs: Mapping[int, SequenceBlocks], seq_ids: Sequence[int], swapped: bool, group: int) -> list[int]:
@@ -40,11 +47,24 @@ def move_out(pools: Sequence[BlockPool], tiers: Sequence[BlockTier], seqs: Seque
     return moves
 
 
+def fits_out(seqs: Mapping[int, SequenceBlocks], tiers: Sequence[BlockTier], seq_ids: Sequence[int]) -> bool:
+    """True when every group's tier has room for the distinct blocks of these GPU sequences."""
+    return all(len(distinct_blocks(seqs, seq_ids, swapped=False, group=group)) <= tier.num_free_blocks
+               for group, tier in enumerate(tiers))
+
+
+def blocks_to_move_in(seqs: Mapping[int, SequenceBlocks], seq_ids: Sequence[int], num_groups: int) -> list[int]:
+    """Per group, the GPU blocks that bringing these swapped sequences back takes (shared blocks count once)."""
+    return [len(distinct_blocks(seqs, seq_ids, swapped=True, group=group)) for group in range(num_groups)]
+
+
 def move_in(pools: Sequence[BlockPool], tiers: Sequence[BlockTier], seqs: Mapping[int, SequenceBlocks],
-            seq_ids: Sequence[int], block_size: int,
-            registers: Callable[[int, int, SequenceBlocks], bool]) -> list[BlockMove]:
-    """Bring the swapped sequences' tables back into the pools; each entry with a key that
-    `registers(group, index, seq)` allows is entered in the prefix cache again where its key is free."""
+            seq_ids: Sequence[int], block_size: int, state: StateGroup | None) -> list[BlockMove]:
+    """Bring the swapped sequences' tables back into the pools; each entry with a key is entered in the
+    prefix cache again where its key is free, in the state group only its policy checkpoints."""
+    def registers(group: int, index: int, seq: SequenceBlocks) -> bool:
+        return state is None or group != state.group or state.is_checkpoint(index, seq.num_prompt_tokens)
+
     moves = []
     for group, (pool, tier) in enumerate(zip(pools, tiers, strict=True)):
         cpu_block_ids = distinct_blocks(seqs, seq_ids, swapped=True, group=group)
@@ -56,9 +76,7 @@ def move_in(pools: Sequence[BlockPool], tiers: Sequence[BlockTier], seqs: Mappin
             seq = seqs[seq_id]
             tier.release(seq.block_tables[group])
             table = seq.block_tables[group] = [cpu_to_gpu[cpu_block_id] for cpu_block_id in seq.block_tables[group]]
-            for block_id in table:
-                if block_id != NO_BLOCK:
-                    pool.ref_counts[block_id] += 1
+            pool.share(table)
             for index, block_hash in enumerate(seq.block_hashes):
                 if table[index] != NO_BLOCK and registers(group, index, seq):
                     pool.register(table[index], block_hash, seq.block_payload(index, block_size))
