@@ -64,8 +64,9 @@ def chat_format(tiny_chat_llm):
 def expected_grammar(case: dict, chat_format) -> GrammarSpec | None:
     """The grammar the case's tools, tool choice and answer format make (cases written flat, as Responses)."""
     no_parameters = {"type": "object", "properties": {}}
+    # a hosted tool (`web_search`) the case's tool choice calls not is dropped (else the request is refused)
     tools = [ToolSpec(tool["name"], tool.get("description"), tool.get("parameters", no_parameters))
-             for tool in case.get("tools") or ()]
+             for tool in case.get("tools") or () if tool.get("type", "function") == "function"]
     choice = case.get("tool_choice") or "auto"
     choice = ToolChoice.function(choice["name"]) if isinstance(choice, dict) else ToolChoice(choice)
     answer = case.get("structured_output") or {"type": "text"}
@@ -162,6 +163,7 @@ cases = st.one_of(
 @settings(max_examples=NUM_CASES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases)
 @example(case={})
+@example(case={"tools": [{"type": "web_search"}], "tool_choice": "none"})  # a hosted tool dropped (found by a CI run)
 @example(case={"temperature": None, "top_p": None, "stop": None, "n": None, "tools": None, "logprobs": None})
 @example(case={"temperature": 0.5, "top_k": 3, "stop": "END", "seed": 7, "max_tokens": 5, "logprobs": 2})
 @example(case={"tools": [{"type": "function", "name": "f", "parameters": {}}]})
