@@ -136,8 +136,8 @@ if [ "$PART" = moe ]; then
 fi
 
 DELTA_KERNEL_TESTS=(tests/kernels/test_gated_delta.py
-                    "tests/engine/test_qwen3_5_engine.py::test_on_cuda_the_kernels_give_the_cpu_models_tokens"
-                    "tests/engine/test_qwen3_5_engine.py::test_on_cuda_verified_drafts_keep_the_cpu_models_tokens")
+                    "tests/engine/test_qwen3_5_engine.py::test_on_cuda_the_kernels_give_the_torch_delta_rules_tokens"
+                    "tests/engine/test_qwen3_5_engine.py::test_on_cuda_verified_drafts_keep_the_tokens_without_drafts")
 if [ "$PART" = delta ]; then
     section "Gated delta rule kernel tests, natively on CUDA, gpu-marked included (${DELTA_KERNEL_TESTS[*]})"
     (cd /tmp && python3 -c "from localserve.kernels.gated_delta import fla_chunk_function as f; import fla
