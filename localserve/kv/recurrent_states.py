@@ -110,11 +110,13 @@ class StepStates:
     held: frozenset[int] = frozenset()
     replays: dict[int, tuple[list[int], Replay]] = field(default_factory=dict)  # layer -> (sequences, replay)
 
-    def initial(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's starting state: conv inputs [S, conv_dim, conv_width - 1] and matrices
-        [S, heads, key_dim, value_dim], zeros where its read slot is -1 (fresh copies, safe to update)."""
-        fresh = (self.read_slots < 0).view(-1, 1, 1)
-        slots = self.read_slots.clamp(min=0)
+    def initial(self, layer: int, seqs: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's starting state (of `seqs`, indices into the step, where given): conv inputs
+        [S, conv_dim, conv_width - 1] and matrices [S, heads, key_dim, value_dim], zeros where its read slot
+        is -1 (fresh copies, safe to update)."""
+        reads = self.read_slots if seqs is None else self.read_slots[seqs]
+        fresh = (reads < 0).view(-1, 1, 1)
+        slots = reads.clamp(min=0)
         conv = self.cache.conv[layer][slots].masked_fill(fresh, 0)
         matrix = self.cache.matrix[layer][slots].masked_fill(fresh.unsqueeze(-1), 0)
         return conv, matrix
@@ -158,10 +160,7 @@ class StepStates:
             if not members:
                 continue
             chosen = [seqs[member] for member in members]
-            reads = self.read_slots[chosen]
-            fresh = (reads < 0).view(-1, 1, 1)
-            conv = self.cache.conv[layer][reads.clamp(min=0)].masked_fill(fresh, 0)
-            matrix = self.cache.matrix[layer][reads.clamp(min=0)].masked_fill(fresh.unsqueeze(-1), 0)
+            conv, matrix = self.initial(layer, chosen)  # the held rows wrote nothing: their reads are as read
             writes = [kept_state_slots(self.saves[seq], kept[seq]) for seq in chosen]
             conv_after, matrix_after = replay(members, conv, matrix, [[tokens for tokens, _ in seq] for seq in writes])
             slots = torch.tensor([slot for seq in writes for _, slot in seq], dtype=torch.int64,
