@@ -2,54 +2,35 @@
 its bound and one past it, and of the step rule of kv/state_steps.py on the tables the manager makes.
 
 Blocks of 4 tokens throughout; group 0 is a full-attention group of 40 blocks, group 1 the state group.
-The examples put a prompt's end checkpoint at its last boundary (`PROMPT_TAIL` 0, the fixture below), which
-keeps them a few blocks long; where the tail puts it is tests/kv/test_state_checkpoint_policy.py's.
+The examples put a prompt's end checkpoint at its last boundary (`PROMPT_TAIL` 0:
+tests/helpers/state_managers.py), which keeps them a few blocks long; where the tail puts it is
+tests/kv/test_state_checkpoint_policy.py's. A verify row's cases: tests/kv/test_state_group_verify.py.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from localserve.kv import state_group
 from localserve.kv.block_manager import BlockManager
 from localserve.kv.block_pool import NO_BLOCK
 from localserve.kv.layer_groups import RECURRENT, group_label, group_layers
 from localserve.kv.out_of_blocks import OutOfBlocksError
 from localserve.kv.state_group import CheckpointPolicy
-from localserve.kv.state_steps import kept_state_slots, step_state_slots
-
-STATE = 1
-_ = NO_BLOCK
-
-
-@pytest.fixture(autouse=True)
-def no_prompt_tail(monkeypatch):
-    """The prompt's end checkpoint at its last boundary: these examples' tables stay short."""
-    monkeypatch.setattr(state_group, "PROMPT_TAIL", 0)
-
-
-def manager(num_slots: int = 12, checkpoint_blocks: int = 3, chunk: int | None = None, caching: bool = True,
-            num_cpu_blocks: int = 8) -> BlockManager:
-    return BlockManager([40, num_slots], 4, num_cpu_blocks, caching, (None, RECURRENT), chunk, checkpoint_blocks)
-
-
-def state_table(bm: BlockManager, seq_id: int) -> list[int]:
-    return bm.block_table(seq_id, STATE)
+from localserve.kv.state_steps import step_state_slots
+from tests.helpers.state_managers import (  # noqa: F401 (an autouse fixture)
+    STATE,
+    _,
+    decoding,
+    manager,
+    no_prompt_tail,
+    run_step,
+    state_table,
+)
 
 
 def state_cells(bm: BlockManager) -> str:
     """The state pool's blocks in the snapshot ('.' free, 'c' cached, 'u' used, 's' shared)."""
     return bm.snapshot().block_states[40:]
-
-
-def run_step(bm: BlockManager, seq_id: int, num_new: int) -> tuple[int, list[tuple[int, int]]]:
-    """One step of `num_new` tokens as the runner makes it: slots, the step's reads and writes, mark_computed."""
-    start = bm.num_computed_tokens(seq_id)
-    assert start + num_new <= bm.make_slots(seq_id)
-    slots = step_state_slots(bm.live_block_table(seq_id, STATE), start, num_new, 4)
-    bm.mark_computed(seq_id, start + num_new)
-    bm.check_integrity()
-    return slots
 
 
 # ---- the groups and the policy ----
@@ -195,13 +176,6 @@ def test_evicted_checkpoints_no_longer_hit():
 
 
 # ---- the running slot: moved or new ----
-def decoding(checkpoint_blocks: int, num_tokens: int, caching: bool = True, num_slots: int = 12) -> BlockManager:
-    bm = manager(num_slots=num_slots, checkpoint_blocks=checkpoint_blocks, caching=caching)
-    bm.allocate(1, list(range(num_tokens)))
-    run_step(bm, 1, num_tokens)
-    return bm
-
-
 def test_the_running_slot_moves_when_held_once_unregistered_and_no_checkpoint():
     bm = decoding(checkpoint_blocks=4, num_tokens=13)  # computed 13: partly filled block 3
     bm.append_token(1, 0)
@@ -290,86 +264,6 @@ def test_swap_in_registers_a_policy_checkpoint_again():
     running = state_table(bm, 1)[1]
     assert bm.books().pools[STATE].block_hashes[running] is not None
     bm.check_integrity()
-
-
-# ---- a speculative verify row ----
-def verify_step(bm: BlockManager, seq_id: int, num_drafted: int, num_accepted: int) -> tuple[list, list, list]:
-    """A verify row as the engine runs it: its last real token and `num_drafted` drafted ones appended, the
-    step's writes cut to the kept tokens (`kept_state_slots`), truncate, mark_computed. Returns the state
-    table before the truncation, the kept writes and the table after."""
-    start = bm.num_computed_tokens(seq_id)
-    for _ in range(num_drafted + 1):
-        bm.append_token(seq_id, 0)
-    table = state_table(bm, seq_id)
-    read, saves = step_state_slots(table, start, num_drafted + 1, 4)
-    writes = kept_state_slots(saves, 1 + num_accepted)
-    bm.truncate(seq_id, start + 1 + num_accepted)
-    bm.mark_computed(seq_id, start + 1 + num_accepted)
-    bm.check_integrity()
-    return table, writes, state_table(bm, seq_id)
-
-
-def test_a_verify_row_inside_its_block_updates_the_running_slot_in_place():
-    bm = decoding(checkpoint_blocks=4, num_tokens=9, caching=False)  # 9 computed: tokens 9-11 stay in block 2
-    running = state_table(bm, 1)[2]
-    table, writes, after = verify_step(bm, 1, num_drafted=2, num_accepted=1)
-    assert table == after == [_, _, running] and writes == [(2, running)]
-
-
-@pytest.mark.parametrize("num_accepted", [0, 1, 2, 3, 4])
-def test_a_moved_running_slot_goes_back_to_the_last_kept_entry(num_accepted):
-    """Without prefix caching the running slot moves ahead to the draft's last block; the state of the kept
-    tokens is written into it and it comes back to their last block, the slots between released."""
-    bm = decoding(checkpoint_blocks=2, num_tokens=14, caching=False)  # tokens 14-18: blocks 3 and 4
-    running = state_table(bm, 1)[3]
-    available = bm.group_available_blocks[STATE]
-    table, writes, after = verify_step(bm, 1, num_drafted=4, num_accepted=num_accepted)
-    assert table == [_, _, _, _, running] and writes == [(1 + num_accepted, running)]
-    kept_blocks = -(-(15 + num_accepted) // 4)
-    assert after == [_] * (kept_blocks - 1) + [running]
-    assert bm.group_available_blocks[STATE] == available
-
-
-def test_a_registered_running_slot_stays_cached_and_the_kept_state_takes_a_new_slot():
-    """The running slot is a registered checkpoint (16 tokens, every 2 blocks): the verify row's final
-    state has a slot of its own; keeping 2 tokens puts it at their block, the checkpoint leaves the table
-    cached, and the unwritten slot of the rest is released."""
-    bm = decoding(checkpoint_blocks=2, num_tokens=16)
-    checkpoint = state_table(bm, 1)[3]
-    table, writes, after = verify_step(bm, 1, num_drafted=4, num_accepted=1)  # tokens 16-20: blocks 4, 5
-    final = table[-1]
-    assert table == [_, _, _, checkpoint, _, final] and writes == [(2, final)]
-    assert after == [_, _, _, _, final]
-    assert bm.books().pools[STATE].block_hashes[checkpoint] is not None and bm.ref_count(checkpoint, STATE) == 0
-
-
-def test_kept_tokens_ending_on_a_checkpoint_boundary_register_the_final_state_there():
-    """14 computed, the running slot at entry 3 (a policy checkpoint, not yet full): a 7-token verify row
-    would write the checkpoint at 16 into it; keeping exactly 2 tokens ends on that boundary, so the final
-    state's slot is the checkpoint, registered under block 3's key, and the old running slot is released."""
-    bm = decoding(checkpoint_blocks=2, num_tokens=14)
-    running = state_table(bm, 1)[3]
-    table, writes, after = verify_step(bm, 1, num_drafted=6, num_accepted=1)
-    final = table[-1]
-    assert table == [_, _, _, running, _, final] and writes == [(2, final)]
-    assert after == [_, _, _, final] and bm.books().pools[STATE].block_hashes[final] is not None
-    assert bm.ref_count(running, STATE) == 0
-    # Accepting one more keeps the checkpoint written inside the step and the final state past it.
-    bm = decoding(checkpoint_blocks=2, num_tokens=14)
-    table, writes, after = verify_step(bm, 1, num_drafted=6, num_accepted=2)
-    assert writes == [(2, table[3]), (3, table[-1])] and after == [_, _, _, _, table[-1]]
-    assert bm.books().pools[STATE].block_hashes[table[3]] is not None  # the checkpoint at 16, cached
-
-
-def test_kept_state_slots_keep_checkpoints_inside_the_kept_tokens_only():
-    saves = [(2, 7), (6, 8), (9, 3)]
-    assert kept_state_slots(saves, 9) == saves
-    assert kept_state_slots(saves, 7) == [(2, 7), (6, 8), (7, 3)]
-    assert kept_state_slots(saves, 6) == [(2, 7), (6, 3)]  # the boundary itself: the final slot holds it
-    assert kept_state_slots(saves, 1) == [(1, 3)]
-    for wrong in (0, 10):
-        with pytest.raises(ValueError, match=f"a step of 9 tokens keeps 1 to 9 of them, got {wrong}"):
-            kept_state_slots(saves, wrong)
 
 
 # ---- what is refused, what runs out ----
